@@ -1,0 +1,202 @@
+//! The `tcc` command line.
+
+use crate::front::{self, ModelSelection, Options, Sources};
+use crate::ir::printer;
+use clap::{Parser, Subcommand, ValueEnum};
+use codespan_reporting::term::termcolor::{ColorChoice, StandardStream};
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+use tcc_grammar::diag::Diagnostic;
+
+/// tcc — compile TDSL tensor programs into one static memory arena.
+#[derive(Parser, Debug)]
+#[command(name = "tcc", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// When to colour diagnostics.
+    #[arg(long, value_enum, default_value_t = Color::Auto, global = true)]
+    pub color: Color,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Color {
+    Auto,
+    Always,
+    Never,
+}
+
+/// Options shared by every command that reads a program.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProgramArgs {
+    /// The `.tdsl` file.
+    pub file: PathBuf,
+    /// Override a constant: `--set B=64` (repeatable; the value may be an expression).
+    #[arg(long = "set", value_name = "NAME=VALUE", value_parser = parse_set)]
+    pub sets: Vec<(String, String)>,
+    /// The model to compile, when the file has several.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Parse and type-check a program; report every error.
+    Check {
+        #[command(flatten)]
+        program: ProgramArgs,
+    },
+    /// Compile a program.
+    Build {
+        #[command(flatten)]
+        program: ProgramArgs,
+        /// What to produce.
+        #[arg(long, value_enum, default_value_t = Emit::Ir)]
+        emit: Emit,
+        /// Where to write it (default: standard output).
+        #[arg(short = 'o', long, value_name = "OUT")]
+        output: Option<PathBuf>,
+        /// Print each node's source line and column.
+        #[arg(long)]
+        locations: bool,
+    },
+}
+
+/// Build outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Emit {
+    /// The graph IR, as text.
+    Ir,
+}
+
+fn parse_set(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, v)) if !n.trim().is_empty() && !v.trim().is_empty() => {
+            Ok((n.trim().to_string(), v.trim().to_string()))
+        }
+        _ => Err(format!("expected NAME=VALUE, found `{s}`")),
+    }
+}
+
+/// Runs the CLI; returns the process exit code (0 ok, 1 user error).
+pub fn run(cli: Cli) -> ExitCode {
+    let color = match cli.color {
+        Color::Always => ColorChoice::Always,
+        Color::Never => ColorChoice::Never,
+        Color::Auto if std::io::stderr().is_terminal() => ColorChoice::Auto,
+        Color::Auto => ColorChoice::Never,
+    };
+    let mut stderr = StandardStream::stderr(color);
+    match cli.command {
+        Command::Check { program } => {
+            let Some((sources, lowered, ms)) = load(&program, ModelSelection::All, &mut stderr, program.model.is_some()) else {
+                return ExitCode::from(1);
+            };
+            for g in &lowered.graphs {
+                let _ = writeln!(
+                    stderr,
+                    "ok: model `{}`: {} nodes, {} inputs, {} params, {} outputs{}",
+                    g.name,
+                    g.node_count(),
+                    g.inputs.len(),
+                    g.params.len(),
+                    g.outputs.len(),
+                    if g.train.is_some() { ", trains" } else { "" }
+                );
+            }
+            let _ = writeln!(stderr, "checked {} in {ms:.1} ms", display(&program.file));
+            drop(sources);
+            ExitCode::SUCCESS
+        }
+        Command::Build {
+            program,
+            emit,
+            output,
+            locations,
+        } => {
+            let Some((sources, lowered, ms)) = load(&program, ModelSelection::One(program.model.clone()), &mut stderr, true) else {
+                return ExitCode::from(1);
+            };
+            let Some(graph) = lowered.graphs.first() else {
+                return ExitCode::from(1);
+            };
+            let text = match emit {
+                Emit::Ir => printer::print(graph, locations.then_some(&sources.map)),
+            };
+            match output {
+                Some(path) => {
+                    if let Err(e) = std::fs::write(&path, text) {
+                        let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
+                        return ExitCode::from(1);
+                    }
+                    let _ = writeln!(stderr, "wrote {} ({} nodes, front end {ms:.1} ms)", display(&path), graph.node_count());
+                }
+                None => {
+                    let mut out = std::io::stdout().lock();
+                    if out.write_all(text.as_bytes()).is_err() {
+                        return ExitCode::from(1);
+                    }
+                }
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn display(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Reads and lowers a program, printing diagnostics. Returns the sources, the graphs and
+/// the front-end time in milliseconds.
+fn load(
+    program: &ProgramArgs,
+    mut selection: ModelSelection,
+    stderr: &mut StandardStream,
+    single: bool,
+) -> Option<(Sources, front::Lowered, f64)> {
+    if single {
+        selection = ModelSelection::One(program.model.clone());
+    }
+    let bytes = match std::fs::read(&program.file) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = writeln!(stderr, "error: cannot read {}: {e}", display(&program.file));
+            return None;
+        }
+    };
+    let start = Instant::now();
+    let name = display(&program.file);
+    let mut sources = Sources::new(&name, &bytes);
+    let opts = Options {
+        sets: program.sets.clone(),
+        models: selection,
+    };
+    let result = front::compile(&mut sources, &opts);
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(lowered) => {
+            emit_all(&lowered.warnings, &sources, stderr);
+            Some((sources, lowered, ms))
+        }
+        Err(diags) => {
+            emit_all(&diags, &sources, stderr);
+            let n = diags.iter().filter(|d| d.is_error()).count();
+            let _ = writeln!(
+                stderr,
+                "error: could not compile {} due to {n} error{}",
+                name,
+                if n == 1 { "" } else { "s" }
+            );
+            None
+        }
+    }
+}
+
+fn emit_all(diags: &[Diagnostic], sources: &Sources, stderr: &mut StandardStream) {
+    for d in diags {
+        let _ = d.emit(&sources.map, stderr);
+    }
+}

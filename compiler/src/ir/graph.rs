@@ -1,0 +1,242 @@
+//! The dataflow graph: typed node ids over a petgraph `StableDiGraph`.
+//!
+//! Each node holds an [`Op`], its operands in order, its result type and the source span it
+//! came from. Edges mirror operands (edge weight = operand position) so petgraph algorithms
+//! (topological order, cycle checks) see the same structure. Analyses keep their results in
+//! side tables keyed by [`NodeId`]; nothing but the program itself lives here.
+
+use super::ops::{infer, Op, TypeError};
+use super::types::TensorType;
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use std::collections::BinaryHeap;
+use tcc_grammar::span::Span;
+
+/// A node of the graph. Stable across removals of other nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub NodeIndex<u32>);
+
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0.index()
+    }
+}
+
+/// One operation and what it produces.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<NodeId>,
+    pub ty: TensorType,
+    /// Where in the user's program this node comes from (prelude code is attributed to the
+    /// user's call site).
+    pub span: Span,
+    /// The `checkpoint { }` region the node was made in, if any.
+    pub checkpoint: Option<u32>,
+}
+
+/// Optimizers of `train OPT minimize LOSS`, with every argument resolved.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Optimizer {
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+    },
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+    },
+    AdamW {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+}
+
+impl std::fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Optimizer::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => write!(
+                f,
+                "sgd(lr: {lr:?}, momentum: {momentum:?}, weight_decay: {weight_decay:?})"
+            ),
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => write!(
+                f,
+                "adam(lr: {lr:?}, beta1: {beta1:?}, beta2: {beta2:?}, eps: {eps:?})"
+            ),
+            Optimizer::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => write!(
+                f,
+                "adamw(lr: {lr:?}, beta1: {beta1:?}, beta2: {beta2:?}, eps: {eps:?}, weight_decay: {weight_decay:?})"
+            ),
+        }
+    }
+}
+
+/// `train OPT minimize LOSS`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSpec {
+    pub optimizer: Optimizer,
+    pub loss: NodeId,
+    pub span: Span,
+}
+
+/// One compiled model: the graph plus its interface.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub name: String,
+    graph: StableDiGraph<Node, u32>,
+    /// Inputs in declaration order.
+    pub inputs: Vec<NodeId>,
+    /// Params in declaration order.
+    pub params: Vec<NodeId>,
+    /// `output` names and the values they return, in order.
+    pub outputs: Vec<(String, NodeId)>,
+    pub train: Option<TrainSpec>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Graph {
+        Graph {
+            name: name.into(),
+            ..Graph::default()
+        }
+    }
+
+    /// Adds a node after checking its operands with the op's shape rule.
+    pub fn add(
+        &mut self,
+        op: Op,
+        inputs: Vec<NodeId>,
+        span: Span,
+        checkpoint: Option<u32>,
+    ) -> Result<NodeId, TypeError> {
+        let ty = {
+            let tys: Vec<&TensorType> = inputs.iter().map(|&i| &self.graph[i.0].ty).collect();
+            infer(&op, &tys)?
+        };
+        let is_input = matches!(op, Op::Input { .. });
+        let is_param = matches!(op, Op::Param { .. });
+        let id = NodeId(self.graph.add_node(Node {
+            op,
+            inputs: inputs.clone(),
+            ty,
+            span,
+            checkpoint,
+        }));
+        for (pos, src) in inputs.iter().enumerate() {
+            self.graph.add_edge(src.0, id.0, pos as u32);
+        }
+        if is_input {
+            self.inputs.push(id);
+        }
+        if is_param {
+            self.params.push(id);
+        }
+        Ok(id)
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.graph[id.0]
+    }
+
+    pub fn get(&self, id: NodeId) -> Option<&Node> {
+        self.graph.node_weight(id.0)
+    }
+
+    pub fn ty(&self, id: NodeId) -> &TensorType {
+        &self.graph[id.0].ty
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.graph.node_count()
+    }
+
+    /// Node ids in insertion order.
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.graph.node_indices().map(NodeId)
+    }
+
+    /// The nodes that read `id`'s result, each once, in id order.
+    pub fn users(&self, id: NodeId) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self
+            .graph
+            .edges_directed(id.0, Direction::Outgoing)
+            .map(|e| NodeId(e.target()))
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Removes a node nobody reads. Returns false (and does nothing) if it still has users
+    /// or is part of the model's interface.
+    pub fn remove_if_unused(&mut self, id: NodeId) -> bool {
+        let used = self
+            .graph
+            .edges_directed(id.0, Direction::Outgoing)
+            .next()
+            .is_some()
+            || self.outputs.iter().any(|(_, o)| *o == id)
+            || self.train.as_ref().is_some_and(|t| t.loss == id)
+            || self.inputs.contains(&id)
+            || self.params.contains(&id);
+        if used {
+            return false;
+        }
+        self.graph.remove_node(id.0).is_some()
+    }
+
+    /// A deterministic topological order: among ready nodes, the smallest id first. For a
+    /// graph built in program order this is program order. `None` if there is a cycle.
+    pub fn topo_order(&self) -> Option<Vec<NodeId>> {
+        let mut indegree: std::collections::BTreeMap<NodeIndex<u32>, usize> = self
+            .graph
+            .node_indices()
+            .map(|n| (n, self.graph.node_weight(n).map_or(0, |w| w.inputs.len())))
+            .collect();
+        let mut ready: BinaryHeap<std::cmp::Reverse<NodeIndex<u32>>> = indegree
+            .iter()
+            .filter(|(_, &d)| d == 0)
+            .map(|(&n, _)| std::cmp::Reverse(n))
+            .collect();
+        let mut order = Vec::with_capacity(indegree.len());
+        while let Some(std::cmp::Reverse(n)) = ready.pop() {
+            order.push(NodeId(n));
+            for e in self.graph.edges_directed(n, Direction::Outgoing) {
+                if let Some(d) = indegree.get_mut(&e.target()) {
+                    *d -= 1;
+                    if *d == 0 {
+                        ready.push(std::cmp::Reverse(e.target()));
+                    }
+                }
+            }
+        }
+        (order.len() == self.graph.node_count()).then_some(order)
+    }
+
+    /// The underlying petgraph graph, for analyses.
+    pub fn petgraph(&self) -> &StableDiGraph<Node, u32> {
+        &self.graph
+    }
+}

@@ -1,0 +1,11 @@
+//! The graph IR: types, ops with their shape rules, the graph, its printer and verifier.
+
+pub mod graph;
+pub mod ops;
+pub mod printer;
+pub mod types;
+pub mod verify;
+
+pub use graph::{Graph, Node, NodeId, Optimizer, TrainSpec};
+pub use ops::{infer, BinaryOp, Init, Op, PoolKind, ReduceOp, TypeError, UnaryOp};
+pub use types::{DType, Scalar, Shape, TensorType};

@@ -1,0 +1,953 @@
+//! The operations of the graph IR and their shape/dtype rules.
+//!
+//! [`infer`] is the single source of truth for what an op produces from its operands: the
+//! front end calls it while building the graph (turning a [`TypeError`] into a located
+//! diagnostic) and the verifier calls it again on every node after every pass.
+
+use super::types::{DType, Scalar, Shape, TensorType};
+use std::fmt;
+
+/// Elementwise one-operand ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Tanh,
+    Sigmoid,
+    Relu,
+    Gelu,
+    Silu,
+    Sin,
+    Cos,
+    Erf,
+    Not,
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 16] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::Silu,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Erf,
+        UnaryOp::Not,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Erf => "erf",
+            UnaryOp::Not => "not",
+        }
+    }
+
+    /// The builtin of that name (`not` is spelled `!` in TDSL and is no builtin).
+    pub fn from_builtin(name: &str) -> Option<UnaryOp> {
+        UnaryOp::ALL
+            .into_iter()
+            .find(|op| op.name() == name && *op != UnaryOp::Not)
+    }
+
+    /// Which dtypes the op accepts.
+    fn accepts(self, dtype: DType) -> bool {
+        match self {
+            UnaryOp::Not => dtype == DType::Bool,
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu => dtype.is_numeric(),
+            _ => dtype.is_float(),
+        }
+    }
+
+    fn accepted(self) -> &'static str {
+        match self {
+            UnaryOp::Not => "bool",
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu => "a numeric dtype (f32, f16, bf16, i32)",
+            _ => "a float dtype (f32, f16, bf16)",
+        }
+    }
+}
+
+/// Elementwise two-operand ops (NumPy broadcasting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Rem,
+    Pow,
+    Maximum,
+    Minimum,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    And,
+    Or,
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 16] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Rem,
+        BinaryOp::Pow,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+        BinaryOp::Eq,
+        BinaryOp::Ne,
+        BinaryOp::Lt,
+        BinaryOp::Le,
+        BinaryOp::Gt,
+        BinaryOp::Ge,
+        BinaryOp::And,
+        BinaryOp::Or,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Rem => "rem",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+            BinaryOp::Eq => "eq",
+            BinaryOp::Ne => "ne",
+            BinaryOp::Lt => "lt",
+            BinaryOp::Le => "le",
+            BinaryOp::Gt => "gt",
+            BinaryOp::Ge => "ge",
+            BinaryOp::And => "and",
+            BinaryOp::Or => "or",
+        }
+    }
+
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+        )
+    }
+
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or)
+    }
+
+    fn accepts(self, dtype: DType) -> bool {
+        if self.is_logical() {
+            dtype == DType::Bool
+        } else if matches!(self, BinaryOp::Eq | BinaryOp::Ne) {
+            true
+        } else if self == BinaryOp::Pow {
+            dtype.is_float()
+        } else {
+            dtype.is_numeric()
+        }
+    }
+
+    fn accepted(self) -> &'static str {
+        if self.is_logical() {
+            "bool"
+        } else if self == BinaryOp::Pow {
+            "a float dtype (f32, f16, bf16)"
+        } else {
+            "a numeric dtype (f32, f16, bf16, i32)"
+        }
+    }
+}
+
+/// Reductions over a set of axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+    Min,
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PoolKind {
+    Max,
+    Avg,
+}
+
+/// How a parameter is initialised when the caller does not load it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Normal { mean: f64, std: f64 },
+    Uniform { lo: f64, hi: f64 },
+    /// No initialiser: the caller must load the param (safetensors, by name).
+    External,
+}
+
+impl fmt::Display for Init {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Init::Zeros => write!(f, "zeros"),
+            Init::Ones => write!(f, "ones"),
+            Init::Normal { mean, std } => write!(f, "normal({mean:?}, {std:?})"),
+            Init::Uniform { lo, hi } => write!(f, "uniform({lo:?}, {hi:?})"),
+            Init::External => write!(f, "external"),
+        }
+    }
+}
+
+/// One graph operation. Attributes needed to compute the result type live in the op.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// Fed by the caller every run.
+    Input { name: String, ty: TensorType },
+    /// Persistent state.
+    Param {
+        name: String,
+        ty: TensorType,
+        init: Init,
+    },
+    /// A scalar constant.
+    Literal { value: Scalar, dtype: DType },
+    /// A tensor filled with one value (`zeros`, `ones`, `full`).
+    Full { value: Scalar, ty: TensorType },
+    /// `arange(n)`: i32[n] holding 0..n.
+    Arange { n: usize },
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `where(cond, a, b)`.
+    Where,
+    Cast { to: DType },
+    Reduce {
+        op: ReduceOp,
+        axes: Vec<usize>,
+        keepdim: bool,
+    },
+    /// Index of the maximum along `axis` (all axes, flattened, when `None`); i32.
+    ArgMax { axis: Option<usize>, keepdim: bool },
+    Reshape { shape: Shape },
+    Permute { perm: Vec<usize> },
+    BroadcastTo { shape: Shape },
+    Concat { axis: usize },
+    /// Per-axis half-open ranges `[start, end)`; rank is kept. A view when layout allows.
+    Slice { ranges: Vec<(usize, usize)> },
+    /// `x[i]` along `axis`: drops the axis. A view.
+    Select { axis: usize, index: usize },
+    /// NumPy `matmul`.
+    MatMul,
+    Conv2d {
+        stride: [usize; 2],
+        padding: [usize; 2],
+        groups: usize,
+    },
+    Pool2d {
+        kind: PoolKind,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    },
+    /// `embedding(table, ids)`: rows of `table` gathered by i32 `ids`.
+    Embedding,
+    Dropout { p: f64, seed: u64 },
+    /// `tril` (upper = false) / `triu` (upper = true) over the last two axes, diagonal `k`.
+    Tri { upper: bool, k: i64 },
+    /// `grad(y, x)`: operands `[y, x]`; expanded by autodiff.
+    Grad,
+}
+
+impl Op {
+    /// Short name used by the printer.
+    pub fn name(&self) -> String {
+        match self {
+            Op::Input { .. } => "input".into(),
+            Op::Param { .. } => "param".into(),
+            Op::Literal { .. } => "literal".into(),
+            Op::Full { .. } => "full".into(),
+            Op::Arange { .. } => "arange".into(),
+            Op::Unary(u) => u.name().into(),
+            Op::Binary(b) => b.name().into(),
+            Op::Where => "where".into(),
+            Op::Cast { .. } => "cast".into(),
+            Op::Reduce { op, .. } => format!("reduce.{}", op.name()),
+            Op::ArgMax { .. } => "argmax".into(),
+            Op::Reshape { .. } => "reshape".into(),
+            Op::Permute { .. } => "permute".into(),
+            Op::BroadcastTo { .. } => "broadcast_to".into(),
+            Op::Concat { .. } => "concat".into(),
+            Op::Slice { .. } => "slice".into(),
+            Op::Select { .. } => "select".into(),
+            Op::MatMul => "matmul".into(),
+            Op::Conv2d { .. } => "conv2d".into(),
+            Op::Pool2d {
+                kind: PoolKind::Max,
+                ..
+            } => "max_pool2d".into(),
+            Op::Pool2d {
+                kind: PoolKind::Avg,
+                ..
+            } => "avg_pool2d".into(),
+            Op::Embedding => "embedding".into(),
+            Op::Dropout { .. } => "dropout".into(),
+            Op::Tri { upper: false, .. } => "tril".into(),
+            Op::Tri { upper: true, .. } => "triu".into(),
+            Op::Grad => "grad".into(),
+        }
+    }
+
+    /// The attributes as the printer shows them (`axes=[1] keepdim=true`), or empty.
+    pub fn attrs(&self) -> String {
+        fn list(v: &[usize]) -> String {
+            Shape(v.to_vec()).to_string()
+        }
+        match self {
+            Op::Input { name, .. } => name.clone(),
+            Op::Param { name, init, .. } => format!("{name} init={init}"),
+            Op::Literal { value, .. } => value.to_string(),
+            Op::Full { value, .. } => value.to_string(),
+            Op::Arange { n } => format!("n={n}"),
+            Op::Cast { to } => format!("to={to}"),
+            Op::Reduce { axes, keepdim, .. } => format!("axes={} keepdim={keepdim}", list(axes)),
+            Op::ArgMax { axis, keepdim } => match axis {
+                Some(a) => format!("axis={a} keepdim={keepdim}"),
+                None => format!("axis=all keepdim={keepdim}"),
+            },
+            Op::Reshape { shape } => format!("shape={shape}"),
+            Op::Permute { perm } => format!("perm={}", list(perm)),
+            Op::BroadcastTo { shape } => format!("shape={shape}"),
+            Op::Concat { axis } => format!("axis={axis}"),
+            Op::Slice { ranges } => {
+                let parts: Vec<String> = ranges.iter().map(|(s, e)| format!("{s}:{e}")).collect();
+                format!("[{}]", parts.join(", "))
+            }
+            Op::Select { axis, index } => format!("axis={axis} index={index}"),
+            Op::Conv2d {
+                stride,
+                padding,
+                groups,
+            } => format!(
+                "stride={} padding={} groups={groups}",
+                list(stride),
+                list(padding)
+            ),
+            Op::Pool2d {
+                kernel,
+                stride,
+                padding,
+                ..
+            } => format!(
+                "kernel={} stride={} padding={}",
+                list(kernel),
+                list(stride),
+                list(padding)
+            ),
+            Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
+            Op::Tri { k, .. } => format!("k={k}"),
+            _ => String::new(),
+        }
+    }
+
+    /// How many operands the op takes (`None`: any number ≥ 1).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Input { .. }
+            | Op::Param { .. }
+            | Op::Literal { .. }
+            | Op::Full { .. }
+            | Op::Arange { .. } => 0,
+            Op::Unary(_)
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::ArgMax { .. }
+            | Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Slice { .. }
+            | Op::Select { .. }
+            | Op::Pool2d { .. }
+            | Op::Dropout { .. }
+            | Op::Tri { .. } => 1,
+            Op::Binary(_) | Op::MatMul | Op::Conv2d { .. } | Op::Embedding | Op::Grad => 2,
+            Op::Where => 3,
+            Op::Concat { .. } => return None,
+        })
+    }
+
+    /// True for ops whose result can be a view of their operand (no data movement when the
+    /// layout allows): the layout pass decides.
+    pub fn is_view_candidate(&self) -> bool {
+        matches!(
+            self,
+            Op::Reshape { .. }
+                | Op::Permute { .. }
+                | Op::BroadcastTo { .. }
+                | Op::Slice { .. }
+                | Op::Select { .. }
+        )
+    }
+}
+
+/// Why an op cannot take the operands it was given. `message` is the headline,
+/// `detail` goes under the span; both speak of shapes and dtypes as the program wrote them.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{message}: {detail}")]
+pub struct TypeError {
+    pub code: &'static str,
+    pub message: String,
+    pub detail: String,
+}
+
+impl TypeError {
+    pub fn new(code: &'static str, message: impl Into<String>, detail: impl Into<String>) -> Self {
+        TypeError {
+            code,
+            message: message.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// NumPy broadcasting of two shapes (align on the right; a dimension of 1 stretches).
+pub fn broadcast_shapes(a: &Shape, b: &Shape) -> Result<Shape, TypeError> {
+    let (ad, bd) = (a.dims(), b.dims());
+    let n = ad.len().max(bd.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let x = if i < ad.len() { ad[ad.len() - 1 - i] } else { 1 };
+        let y = if i < bd.len() { bd[bd.len() - 1 - i] } else { 1 };
+        out[n - 1 - i] = if x == y || y == 1 {
+            x
+        } else if x == 1 {
+            y
+        } else {
+            return Err(TypeError::new(
+                "E0302",
+                "shapes cannot be broadcast together",
+                format!(
+                    "{a} and {b}: dimension {} from the right is {x} vs {y}",
+                    i + 1
+                ),
+            ));
+        };
+    }
+    Ok(Shape(out))
+}
+
+fn same_dtype(what: &str, a: DType, b: DType) -> Result<(), TypeError> {
+    if a != b {
+        return Err(TypeError::new(
+            "E0401",
+            format!("dtype mismatch in {what}"),
+            format!("{a} vs {b} (tcc never converts between tensor dtypes implicitly; use cast)"),
+        ));
+    }
+    Ok(())
+}
+
+fn wrong_dtype(op: &str, dtype: DType, expected: &str) -> TypeError {
+    TypeError::new(
+        "E0402",
+        format!("`{op}` does not take {dtype}"),
+        format!("found {dtype}, expected {expected}"),
+    )
+}
+
+fn check_axis(op: &str, axis: usize, rank: usize) -> Result<(), TypeError> {
+    if axis >= rank {
+        return Err(TypeError::new(
+            "E0306",
+            format!("axis out of range in `{op}`"),
+            format!("axis {axis} for a tensor of rank {rank}"),
+        ));
+    }
+    Ok(())
+}
+
+fn image_out(input: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
+    let padded = input + 2 * pad;
+    if stride == 0 || kernel == 0 || padded < kernel {
+        return None;
+    }
+    Some((padded - kernel) / stride + 1)
+}
+
+/// The result type of `op` applied to operands of types `ins`.
+pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
+    if let Some(n) = op.arity() {
+        if ins.len() != n {
+            return Err(TypeError::new(
+                "E0203",
+                format!("`{}` takes {n} operand(s)", op.name()),
+                format!("given {}", ins.len()),
+            ));
+        }
+    } else if ins.is_empty() {
+        return Err(TypeError::new(
+            "E0203",
+            format!("`{}` needs at least one operand", op.name()),
+            "given none",
+        ));
+    }
+    match op {
+        Op::Input { ty, .. } | Op::Param { ty, .. } => {
+            if ty.dims().contains(&0) {
+                return Err(TypeError::new(
+                    "E0316",
+                    "zero-sized dimension",
+                    format!("{ty} has a dimension of 0"),
+                ));
+            }
+            Ok(ty.clone())
+        }
+        Op::Literal { dtype, .. } => Ok(TensorType::scalar(*dtype)),
+        Op::Full { ty, .. } => Ok(ty.clone()),
+        Op::Arange { n } => {
+            if *n == 0 {
+                return Err(TypeError::new("E0316", "empty `arange`", "n must be at least 1"));
+            }
+            Ok(TensorType::new(DType::I32, vec![*n]))
+        }
+        Op::Unary(u) => {
+            let x = ins[0];
+            if !u.accepts(x.dtype) {
+                return Err(wrong_dtype(u.name(), x.dtype, u.accepted()));
+            }
+            Ok(x.clone())
+        }
+        Op::Binary(b) => {
+            let (x, y) = (ins[0], ins[1]);
+            same_dtype(&format!("`{}`", b.name()), x.dtype, y.dtype)?;
+            if !b.accepts(x.dtype) {
+                return Err(wrong_dtype(b.name(), x.dtype, b.accepted()));
+            }
+            let shape = broadcast_shapes(&x.shape, &y.shape)?;
+            let dtype = if b.is_comparison() {
+                DType::Bool
+            } else {
+                x.dtype
+            };
+            Ok(TensorType { dtype, shape })
+        }
+        Op::Where => {
+            let (c, a, b) = (ins[0], ins[1], ins[2]);
+            if c.dtype != DType::Bool {
+                return Err(wrong_dtype("where", c.dtype, "a bool condition"));
+            }
+            same_dtype("`where`", a.dtype, b.dtype)?;
+            let s = broadcast_shapes(&c.shape, &a.shape)?;
+            let s = broadcast_shapes(&s, &b.shape)?;
+            Ok(TensorType::new(a.dtype, s))
+        }
+        Op::Cast { to } => Ok(TensorType::new(*to, ins[0].shape.clone())),
+        Op::Reduce { op: r, axes, keepdim } => {
+            let x = ins[0];
+            let ok = match r {
+                ReduceOp::Mean => x.dtype.is_float(),
+                _ => x.dtype.is_numeric(),
+            };
+            if !ok {
+                let expected = if *r == ReduceOp::Mean {
+                    "a float dtype"
+                } else {
+                    "a numeric dtype"
+                };
+                return Err(wrong_dtype(r.name(), x.dtype, expected));
+            }
+            for (i, &a) in axes.iter().enumerate() {
+                check_axis(r.name(), a, x.rank())?;
+                if axes[..i].contains(&a) {
+                    return Err(TypeError::new(
+                        "E0306",
+                        format!("repeated axis in `{}`", r.name()),
+                        format!("axis {a} appears twice"),
+                    ));
+                }
+            }
+            let dims = x
+                .dims()
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &d)| match (axes.contains(&i), keepdim) {
+                    (false, _) => Some(d),
+                    (true, true) => Some(1),
+                    (true, false) => None,
+                })
+                .collect::<Vec<_>>();
+            Ok(TensorType::new(x.dtype, dims))
+        }
+        Op::ArgMax { axis, keepdim } => {
+            let x = ins[0];
+            if !x.dtype.is_numeric() {
+                return Err(wrong_dtype("argmax", x.dtype, "a numeric dtype"));
+            }
+            let dims = match axis {
+                Some(a) => {
+                    check_axis("argmax", *a, x.rank())?;
+                    let mut d = x.dims().to_vec();
+                    if *keepdim {
+                        d[*a] = 1;
+                    } else {
+                        d.remove(*a);
+                    }
+                    d
+                }
+                None if *keepdim => vec![1; x.rank()],
+                None => vec![],
+            };
+            Ok(TensorType::new(DType::I32, dims))
+        }
+        Op::Reshape { shape } => {
+            let x = ins[0];
+            if x.shape.numel() != shape.numel() {
+                return Err(TypeError::new(
+                    "E0303",
+                    "reshape changes the number of elements",
+                    format!(
+                        "{} has {} elements, {shape} has {}",
+                        x,
+                        x.shape.numel(),
+                        shape.numel()
+                    ),
+                ));
+            }
+            Ok(TensorType::new(x.dtype, shape.clone()))
+        }
+        Op::Permute { perm } => {
+            let x = ins[0];
+            let mut seen = vec![false; x.rank()];
+            let valid = perm.len() == x.rank()
+                && perm.iter().all(|&p| {
+                    p < seen.len() && !std::mem::replace(&mut seen[p], true)
+                });
+            if !valid {
+                return Err(TypeError::new(
+                    "E0307",
+                    "invalid permutation",
+                    format!(
+                        "{} is not a permutation of the {} axes of {x}",
+                        Shape(perm.clone()),
+                        x.rank()
+                    ),
+                ));
+            }
+            let dims = perm.iter().map(|&p| x.dims()[p]).collect::<Vec<_>>();
+            Ok(TensorType::new(x.dtype, dims))
+        }
+        Op::BroadcastTo { shape } => {
+            let x = ins[0];
+            let ok = broadcast_shapes(&x.shape, shape)
+                .map(|s| &s == shape)
+                .unwrap_or(false);
+            if !ok {
+                return Err(TypeError::new(
+                    "E0314",
+                    "cannot broadcast to that shape",
+                    format!("{x} does not broadcast to {shape}"),
+                ));
+            }
+            Ok(TensorType::new(x.dtype, shape.clone()))
+        }
+        Op::Concat { axis } => {
+            let first = ins[0];
+            check_axis("concat", *axis, first.rank())?;
+            let mut total = 0usize;
+            for (i, t) in ins.iter().enumerate() {
+                same_dtype("`concat`", first.dtype, t.dtype)?;
+                let ok = t.rank() == first.rank()
+                    && t
+                        .dims()
+                        .iter()
+                        .zip(first.dims())
+                        .enumerate()
+                        .all(|(a, (x, y))| a == *axis || x == y);
+                if !ok {
+                    return Err(TypeError::new(
+                        "E0304",
+                        "concat operands differ outside the concat axis",
+                        format!("operand 0 is {first}, operand {i} is {t} (axis {axis})"),
+                    ));
+                }
+                total += t.dims()[*axis];
+            }
+            let mut dims = first.dims().to_vec();
+            dims[*axis] = total;
+            Ok(TensorType::new(first.dtype, dims))
+        }
+        Op::Slice { ranges } => {
+            let x = ins[0];
+            if ranges.len() != x.rank() {
+                return Err(TypeError::new(
+                    "E0308",
+                    "slice rank differs from the tensor's",
+                    format!("{} ranges for {x}", ranges.len()),
+                ));
+            }
+            for (a, (&(s, e), &d)) in ranges.iter().zip(x.dims()).enumerate() {
+                if s >= e || e > d {
+                    return Err(TypeError::new(
+                        "E0308",
+                        "slice out of range",
+                        format!("{s}:{e} on axis {a} of {x} (size {d})"),
+                    ));
+                }
+            }
+            let dims = ranges.iter().map(|(s, e)| e - s).collect::<Vec<_>>();
+            Ok(TensorType::new(x.dtype, dims))
+        }
+        Op::Select { axis, index } => {
+            let x = ins[0];
+            check_axis("index", *axis, x.rank())?;
+            if *index >= x.dims()[*axis] {
+                return Err(TypeError::new(
+                    "E0308",
+                    "index out of range",
+                    format!("index {index} on axis {axis} of {x}"),
+                ));
+            }
+            let mut dims = x.dims().to_vec();
+            dims.remove(*axis);
+            Ok(TensorType::new(x.dtype, dims))
+        }
+        Op::MatMul => infer_matmul(ins[0], ins[1]),
+        Op::Conv2d {
+            stride,
+            padding,
+            groups,
+        } => infer_conv(ins[0], ins[1], *stride, *padding, *groups),
+        Op::Pool2d {
+            kind,
+            kernel,
+            stride,
+            padding,
+        } => {
+            let x = ins[0];
+            let name = op.name();
+            if x.rank() != 4 {
+                return Err(TypeError::new(
+                    "E0310",
+                    format!("`{name}` needs a 4-D input [N, C, H, W]"),
+                    format!("found {x}"),
+                ));
+            }
+            if !x.dtype.is_float() && !(*kind == PoolKind::Max && x.dtype.is_numeric()) {
+                return Err(wrong_dtype(&name, x.dtype, "a float dtype"));
+            }
+            let mut dims = x.dims().to_vec();
+            for i in 0..2 {
+                if padding[i] * 2 > kernel[i] {
+                    return Err(TypeError::new(
+                        "E0310",
+                        format!("`{name}` padding is more than half the window"),
+                        format!("padding {} with window {}", padding[i], kernel[i]),
+                    ));
+                }
+                dims[2 + i] = image_out(dims[2 + i], kernel[i], stride[i], padding[i])
+                    .ok_or_else(|| {
+                        TypeError::new(
+                            "E0310",
+                            format!("`{name}` window does not fit the input"),
+                            format!(
+                                "window {} stride {} padding {} on {x}",
+                                Shape(kernel.to_vec()),
+                                Shape(stride.to_vec()),
+                                Shape(padding.to_vec())
+                            ),
+                        )
+                    })?;
+            }
+            Ok(TensorType::new(x.dtype, dims))
+        }
+        Op::Embedding => {
+            let (table, ids) = (ins[0], ins[1]);
+            if table.rank() != 2 {
+                return Err(TypeError::new(
+                    "E0313",
+                    "`embedding` table must be 2-D [V, D]",
+                    format!("found {table}"),
+                ));
+            }
+            if ids.dtype != DType::I32 {
+                return Err(wrong_dtype("embedding ids", ids.dtype, "i32"));
+            }
+            let mut dims = ids.dims().to_vec();
+            dims.push(table.dims()[1]);
+            Ok(TensorType::new(table.dtype, dims))
+        }
+        Op::Dropout { p, .. } => {
+            let x = ins[0];
+            if !x.dtype.is_float() {
+                return Err(wrong_dtype("dropout", x.dtype, "a float dtype"));
+            }
+            if !(0.0..1.0).contains(p) {
+                return Err(TypeError::new(
+                    "E0316",
+                    "dropout probability out of range",
+                    format!("p = {p:?}, expected 0 <= p < 1"),
+                ));
+            }
+            Ok(x.clone())
+        }
+        Op::Tri { upper, .. } => {
+            let x = ins[0];
+            if x.rank() < 2 {
+                return Err(TypeError::new(
+                    "E0313",
+                    format!("`{}` needs at least 2 axes", if *upper { "triu" } else { "tril" }),
+                    format!("found {x}"),
+                ));
+            }
+            Ok(x.clone())
+        }
+        Op::Grad => {
+            let (y, x) = (ins[0], ins[1]);
+            if y.rank() != 0 || y.dtype != DType::F32 {
+                return Err(TypeError::new(
+                    "E0501",
+                    "`grad` needs a scalar f32 value to differentiate",
+                    format!("found {y}, expected f32[]"),
+                ));
+            }
+            if !x.dtype.is_float() {
+                return Err(wrong_dtype("grad", x.dtype, "a float tensor to differentiate by"));
+            }
+            Ok(x.clone())
+        }
+    }
+}
+
+fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, TypeError> {
+    same_dtype("`@`", a.dtype, b.dtype)?;
+    if !a.dtype.is_numeric() {
+        return Err(wrong_dtype("@", a.dtype, "a numeric dtype"));
+    }
+    if a.rank() == 0 || b.rank() == 0 {
+        return Err(TypeError::new(
+            "E0301",
+            "matmul needs operands of at least one dimension",
+            format!("{a} @ {b}: use `*` to scale by a scalar"),
+        ));
+    }
+    let ka = a.dims()[a.rank() - 1];
+    let kb = if b.rank() == 1 {
+        b.dims()[0]
+    } else {
+        b.dims()[b.rank() - 2]
+    };
+    if ka != kb {
+        return Err(TypeError::new(
+            "E0301",
+            "matmul inner dimensions differ",
+            format!("{a} @ {b}: {ka} ≠ {kb}"),
+        ));
+    }
+    let batch_a = Shape(a.dims()[..a.rank().saturating_sub(2)].to_vec());
+    let batch_b = Shape(b.dims()[..b.rank().saturating_sub(2)].to_vec());
+    let batch = broadcast_shapes(&batch_a, &batch_b).map_err(|e| {
+        TypeError::new(
+            "E0302",
+            "matmul batch dimensions cannot be broadcast together",
+            format!("{a} @ {b}: {}", e.detail),
+        )
+    })?;
+    let mut dims = batch.0;
+    if a.rank() >= 2 {
+        dims.push(a.dims()[a.rank() - 2]);
+    }
+    if b.rank() >= 2 {
+        dims.push(b.dims()[b.rank() - 1]);
+    }
+    Ok(TensorType::new(a.dtype, dims))
+}
+
+fn infer_conv(
+    x: &TensorType,
+    w: &TensorType,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    groups: usize,
+) -> Result<TensorType, TypeError> {
+    let err = |m: &str, d: String| TypeError::new("E0305", m.to_string(), d);
+    same_dtype("`conv2d`", x.dtype, w.dtype)?;
+    if !x.dtype.is_float() {
+        return Err(wrong_dtype("conv2d", x.dtype, "a float dtype"));
+    }
+    if x.rank() != 4 || w.rank() != 4 {
+        return Err(err(
+            "conv2d needs x [N, C, H, W] and w [O, C/groups, KH, KW]",
+            format!("found x {x} and w {w}"),
+        ));
+    }
+    let (c, o) = (x.dims()[1], w.dims()[0]);
+    if groups == 0 || c % groups != 0 || o % groups != 0 {
+        return Err(err(
+            "conv2d groups must divide both channel counts",
+            format!("groups = {groups}, input channels {c}, output channels {o}"),
+        ));
+    }
+    if w.dims()[1] != c / groups {
+        return Err(err(
+            "conv2d channel mismatch",
+            format!(
+                "x {x} has {c} channels, so w needs {} (C/groups) in axis 1, found w {w}",
+                c / groups
+            ),
+        ));
+    }
+    let mut dims = vec![x.dims()[0], o, 0, 0];
+    for i in 0..2 {
+        dims[2 + i] = image_out(x.dims()[2 + i], w.dims()[2 + i], stride[i], padding[i])
+            .ok_or_else(|| {
+                err(
+                    "conv2d kernel larger than the padded input",
+                    format!(
+                        "x {x}, w {w}, stride {}, padding {}",
+                        Shape(stride.to_vec()),
+                        Shape(padding.to_vec())
+                    ),
+                )
+            })?;
+    }
+    Ok(TensorType::new(x.dtype, dims))
+}

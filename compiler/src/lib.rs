@@ -1,0 +1,12 @@
+//! `tcc`: a tensor-program compiler that runs a whole inference or training step in one
+//! static memory arena.
+//!
+//! The pipeline (see DESIGN.md): [`front`] lowers TDSL source to the graph [`ir`]; later
+//! stages (autodiff, passes, planner, back ends) transform that graph.
+
+pub mod cli;
+pub mod front;
+pub mod ir;
+
+pub use tcc_grammar::diag::Diagnostic;
+pub use tcc_grammar::span::{SourceMap, Span};
