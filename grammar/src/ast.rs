@@ -206,8 +206,14 @@ pub enum ExprKind {
     Name(String),
     Unary(UnOp, Box<Expr>),
     Binary(BinOp, Box<Expr>, Box<Expr>),
-    Call { callee: Ident, args: Vec<Arg> },
-    Index { base: Box<Expr>, items: Vec<IndexItem> },
+    Call {
+        callee: Ident,
+        args: Vec<Arg>,
+    },
+    Index {
+        base: Box<Expr>,
+        items: Vec<IndexItem>,
+    },
     List(Vec<Expr>),
     Tuple(Vec<Expr>),
     Checkpoint(Block),

@@ -86,7 +86,7 @@ impl Diagnostic {
         self.labels.iter().find(|l| l.primary).map(|l| l.span)
     }
 
-    fn to_codespan(&self) -> CsDiagnostic<u32> {
+    fn to_codespan(&self, sources: &SourceMap) -> CsDiagnostic<u32> {
         let severity = match self.level {
             Level::Error => Severity::Error,
             Level::Warning => Severity::Warning,
@@ -95,10 +95,11 @@ impl Diagnostic {
             .labels
             .iter()
             .map(|l| {
+                let range = char_aligned(sources, l.span);
                 let base = if l.primary {
-                    CsLabel::primary(l.span.file.0, l.span.range())
+                    CsLabel::primary(l.span.file.0, range)
                 } else {
-                    CsLabel::secondary(l.span.file.0, l.span.range())
+                    CsLabel::secondary(l.span.file.0, range)
                 };
                 base.with_message(l.message.clone())
             })
@@ -116,7 +117,7 @@ impl Diagnostic {
         let files = FilesAdapter(sources);
         let styles = term::Styles::default();
         let mut writer = term::StylesWriter::new(out, &styles);
-        term::emit_to_write_style(&mut writer, &config, &files, &self.to_codespan())
+        term::emit_to_write_style(&mut writer, &config, &files, &self.to_codespan(sources))
             .map_err(std::io::Error::other)
     }
 
@@ -124,9 +125,27 @@ impl Diagnostic {
     pub fn render(&self, sources: &SourceMap) -> String {
         let config = term::Config::default();
         let files = FilesAdapter(sources);
-        term::emit_into_string(&config, &files, &self.to_codespan())
+        term::emit_into_string(&config, &files, &self.to_codespan(sources))
             .unwrap_or_else(|_| format!("error[{}]: {}\n", self.code, self.message))
     }
+}
+
+/// A span's byte range clamped into its file and widened to character boundaries, so that
+/// rendering never slices a multi-byte character.
+fn char_aligned(sources: &SourceMap, span: Span) -> std::ops::Range<usize> {
+    let Some(file) = sources.get(span.file) else {
+        return 0..0;
+    };
+    let text = file.text.as_str();
+    let mut start = (span.start as usize).min(text.len());
+    let mut end = (span.end as usize).clamp(start, text.len());
+    while !text.is_char_boundary(start) {
+        start -= 1;
+    }
+    while !text.is_char_boundary(end) {
+        end += 1;
+    }
+    start..end
 }
 
 /// Renders several diagnostics, in order, as plain text.

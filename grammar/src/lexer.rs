@@ -8,6 +8,7 @@
 //! - inside `{ }` it becomes [`Tok::Sep`] unless the line ends in a binary operator, `,`,
 //!   `=`, `:`, `->` or `{` (the expression or statement continues), and consecutive separators
 //!   collapse. A separator right before `{` or `}` is dropped.
+//!
 //! `;` is an explicit separator and follows the same rules.
 
 use crate::diag::Diagnostic;
@@ -324,7 +325,11 @@ pub fn tokenize(src: &str, file: FileId) -> (Vec<Spanned>, Vec<Diagnostic>) {
         let range = lex.span();
         match res {
             Ok(tok) => raw.push((range.start, tok, range.end)),
-            Err(kind) => errors.push(lex_error(kind, src, Span::new(file, range.start, range.end))),
+            Err(kind) => errors.push(lex_error(
+                kind,
+                src,
+                Span::new(file, range.start, range.end),
+            )),
         }
     }
     (filter_newlines(raw), errors)

@@ -77,9 +77,8 @@ pub fn parse(src: &str, file: FileId) -> Result<Program, Vec<Diagnostic>> {
     match result {
         Ok(program) if diags.is_empty() => {
             if program.items.is_empty() {
-                let end = src.len();
                 return Err(vec![Diagnostic::error("E0107", "empty program")
-                    .with_primary(Span::new(file, 0, end), "no declarations in this file")
+                    .with_primary(Span::new(file, 0, 0), "no declarations in this file")
                     .with_note("a TDSL file needs at least one `model name { … }`")]);
             }
             Ok(program)
@@ -109,6 +108,10 @@ pub fn parse_expr(src: &str, file: FileId) -> Result<ast::Expr, Vec<Diagnostic>>
 }
 
 fn describe_expected(expected: &[String]) -> String {
+    let has = |t: &str| expected.iter().any(|e| e.trim_matches('"') == t);
+    if has("ident") && has("int") && has("(") && expected.len() > 6 {
+        return "an expression".to_string();
+    }
     let mut names: Vec<String> = expected
         .iter()
         .map(|e| match e.trim_matches('"') {
@@ -137,18 +140,15 @@ fn describe_expected(expected: &[String]) -> String {
 
 fn syntax_error(e: ParseError<usize, Tok, LexErrorKind>, src: &str, file: FileId) -> Diagnostic {
     match e {
-        ParseError::InvalidToken { location } => {
-            Diagnostic::error("E0101", "invalid token")
-                .with_primary(Span::new(file, location, location + 1), "not a TDSL token")
-        }
+        ParseError::InvalidToken { location } => Diagnostic::error("E0101", "invalid token")
+            .with_primary(Span::new(file, location, location + 1), "not a TDSL token"),
         ParseError::UnrecognizedEof { location, expected } => {
             let at = location.min(src.len());
             let start = at.saturating_sub(1);
-            Diagnostic::error("E0110", "unexpected end of file")
-                .with_primary(
-                    Span::new(file, start, at),
-                    format!("expected {} after this", describe_expected(&expected)),
-                )
+            Diagnostic::error("E0110", "unexpected end of file").with_primary(
+                Span::new(file, start, at),
+                format!("expected {} after this", describe_expected(&expected)),
+            )
         }
         ParseError::UnrecognizedToken {
             token: (l, tok, r),
@@ -169,17 +169,18 @@ fn syntax_error(e: ParseError<usize, Tok, LexErrorKind>, src: &str, file: FileId
             } else {
                 (l, r)
             };
-            Diagnostic::error("E0111", format!("unexpected {found}"))
-                .with_primary(
-                    Span::new(file, l, r),
-                    format!("expected {}", describe_expected(&expected)),
-                )
+            Diagnostic::error("E0111", format!("unexpected {found}")).with_primary(
+                Span::new(file, l, r),
+                format!("expected {}", describe_expected(&expected)),
+            )
         }
         ParseError::ExtraToken { token: (l, tok, r) } => {
             Diagnostic::error("E0111", format!("unexpected {}", tok.describe()))
                 .with_primary(Span::new(file, l, r), "expected end of file")
         }
-        ParseError::User { error } => Diagnostic::error("E0101", format!("lexical error: {error:?}"))
-            .with_primary(Span::new(file, 0, 0), "here"),
+        ParseError::User { error } => {
+            Diagnostic::error("E0101", format!("lexical error: {error:?}"))
+                .with_primary(Span::new(file, 0, 0), "here")
+        }
     }
 }

@@ -91,7 +91,12 @@ pub fn run(cli: Cli) -> ExitCode {
     let mut stderr = StandardStream::stderr(color);
     match cli.command {
         Command::Check { program } => {
-            let Some((sources, lowered, ms)) = load(&program, ModelSelection::All, &mut stderr, program.model.is_some()) else {
+            let Some((sources, lowered, ms)) = load(
+                &program,
+                ModelSelection::All,
+                &mut stderr,
+                program.model.is_some(),
+            ) else {
                 return ExitCode::from(1);
             };
             for g in &lowered.graphs {
@@ -116,7 +121,12 @@ pub fn run(cli: Cli) -> ExitCode {
             output,
             locations,
         } => {
-            let Some((sources, lowered, ms)) = load(&program, ModelSelection::One(program.model.clone()), &mut stderr, true) else {
+            let Some((sources, lowered, ms)) = load(
+                &program,
+                ModelSelection::One(program.model.clone()),
+                &mut stderr,
+                true,
+            ) else {
                 return ExitCode::from(1);
             };
             let Some(graph) = lowered.graphs.first() else {
@@ -131,7 +141,12 @@ pub fn run(cli: Cli) -> ExitCode {
                         let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                         return ExitCode::from(1);
                     }
-                    let _ = writeln!(stderr, "wrote {} ({} nodes, front end {ms:.1} ms)", display(&path), graph.node_count());
+                    let _ = writeln!(
+                        stderr,
+                        "wrote {} ({} nodes, front end {ms:.1} ms)",
+                        display(&path),
+                        graph.node_count()
+                    );
                 }
                 None => {
                     let mut out = std::io::stdout().lock();

@@ -124,7 +124,13 @@ struct Builtin<'l, 'a, 'd> {
 }
 
 impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
-    fn err<T>(&mut self, code: &'static str, msg: impl Into<String>, span: Span, label: impl Into<String>) -> Option<T> {
+    fn err<T>(
+        &mut self,
+        code: &'static str,
+        msg: impl Into<String>,
+        span: Span,
+        label: impl Into<String>,
+    ) -> Option<T> {
         self.lw.error(code, msg, span, label);
         None
     }
@@ -143,8 +149,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Some((Value::Poison, _)) | None => None,
             Some((v, s)) => {
                 let what = self.name;
-                self.err("E0212", format!("`{what}` needs a tensor here"), s, format!("found {}", v.kind()))
-                    
+                self.err(
+                    "E0212",
+                    format!("`{what}` needs a tensor here"),
+                    s,
+                    format!("found {}", v.kind()),
+                )
             }
         }
     }
@@ -156,8 +166,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Some((Value::Poison, _)) => None,
             Some((v, s)) => {
                 let what = self.name;
-                self.err("E0216", format!("`{what}` needs a compile-time integer here"), s, format!("found {}", v.kind()))
-                    
+                self.err(
+                    "E0216",
+                    format!("`{what}` needs a compile-time integer here"),
+                    s,
+                    format!("found {}", v.kind()),
+                )
             }
         }
     }
@@ -167,9 +181,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Some((Value::Bool(b), _)) => Some(b),
             None => Some(default),
             Some((Value::Poison, _)) => None,
-            Some((v, s)) => self
-                .err("E0216", "expected `true` or `false`", s, format!("found {}", v.kind()))
-                ,
+            Some((v, s)) => self.err(
+                "E0216",
+                "expected `true` or `false`",
+                s,
+                format!("found {}", v.kind()),
+            ),
         }
     }
 
@@ -178,9 +195,15 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Some((Value::DType(d), _)) => Some(d),
             None => Some(default),
             Some((Value::Poison, _)) => None,
-            Some((v, s)) => self
-                .err("E0213", "expected a dtype", s, format!("found {}; expected one of f32, f16, bf16, i32, bool", v.kind()))
-                ,
+            Some((v, s)) => self.err(
+                "E0213",
+                "expected a dtype",
+                s,
+                format!(
+                    "found {}; expected one of f32, f16, bf16, i32, bool",
+                    v.kind()
+                ),
+            ),
         }
     }
 
@@ -193,18 +216,24 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                         Value::Int(n) => out.push(n),
                         Value::Poison => return None,
                         other => {
-                            return self
-                                .err("E0216", "expected a list of compile-time integers", s, format!("it holds {}", other.kind()))
-                                
+                            return self.err(
+                                "E0216",
+                                "expected a list of compile-time integers",
+                                s,
+                                format!("it holds {}", other.kind()),
+                            )
                         }
                     }
                 }
                 Some(out)
             }
             Some((Value::Poison, _)) | None => None,
-            Some((v, s)) => self
-                .err("E0216", "expected a list of integers `[…]`", s, format!("found {}", v.kind()))
-                ,
+            Some((v, s)) => self.err(
+                "E0216",
+                "expected a list of integers `[…]`",
+                s,
+                format!("found {}", v.kind()),
+            ),
         }
     }
 
@@ -217,15 +246,21 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Some((Value::List(_), _)) => self.ints(i)?,
             Some((Value::Poison, _)) => return None,
             Some((v, _)) => {
-                return self
-                    .err("E0216", "expected an integer or a pair `[h, w]`", s, format!("found {}", v.kind()))
-                    
+                return self.err(
+                    "E0216",
+                    "expected an integer or a pair `[h, w]`",
+                    s,
+                    format!("found {}", v.kind()),
+                )
             }
         };
         if v.len() != 2 || v.iter().any(|&x| x < 0) {
-            return self
-                .err("E0216", "expected an integer or a pair `[h, w]` of non-negative integers", s, format!("found {v:?}"))
-                ;
+            return self.err(
+                "E0216",
+                "expected an integer or a pair `[h, w]` of non-negative integers",
+                s,
+                format!("found {v:?}"),
+            );
         }
         Some([v[0] as usize, v[1] as usize])
     }
@@ -235,9 +270,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
         let a = if axis < 0 { axis + r } else { axis };
         if a < 0 || a >= r {
             let name = self.name;
-            return self
-                .err("E0306", format!("axis out of range in `{name}`"), span, format!("axis {axis} for a tensor of rank {rank}"))
-                ;
+            return self.err(
+                "E0306",
+                format!("axis out of range in `{name}`"),
+                span,
+                format!("axis {axis} for a tensor of rank {rank}"),
+            );
         }
         Some(a as usize)
     }
@@ -247,9 +285,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
         let v = self.ints(i)?;
         match shape_of(&v.iter().map(|&n| Value::Int(n)).collect::<Vec<_>>()) {
             Some(sh) => Some(sh),
-            None => self
-                .err("E0316", "dimensions must be positive", s, format!("found {v:?}"))
-                ,
+            None => self.err(
+                "E0316",
+                "dimensions must be positive",
+                s,
+                format!("found {v:?}"),
+            ),
         }
     }
 
@@ -267,10 +308,20 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 (Value::Tensor(id), _) => self.add(Op::Unary(op), vec![id]),
                 (v, s) if v.is_scalar() => match fold_unary(name, &v) {
                     Ok(r) => Some(r),
-                    Err(m) => self.err("E0212", format!("cannot evaluate `{name}` at compile time"), s, m),
+                    Err(m) => self.err(
+                        "E0212",
+                        format!("cannot evaluate `{name}` at compile time"),
+                        s,
+                        m,
+                    ),
                 },
                 (Value::Poison, _) => None,
-                (v, s) => self.err("E0212", format!("`{name}` needs a tensor or a number"), s, format!("found {}", v.kind())),
+                (v, s) => self.err(
+                    "E0212",
+                    format!("`{name}` needs a tensor or a number"),
+                    s,
+                    format!("found {}", v.kind()),
+                ),
             };
         }
         match name {
@@ -300,7 +351,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                     }
                     (v, s) if v.is_scalar() => self.lw.literal(&v, to, s).map(Value::Tensor),
                     (Value::Poison, _) => None,
-                    (v, s) => self.err("E0212", "`cast` needs a tensor", s, format!("found {}", v.kind())),
+                    (v, s) => self.err(
+                        "E0212",
+                        "`cast` needs a tensor",
+                        s,
+                        format!("found {}", v.kind()),
+                    ),
                 }
             }
             "sum" | "mean" | "max" | "min" => {
@@ -339,7 +395,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let dims = self.ints(1)?;
                 let t = self.lw.ty(x);
                 let shape = infer_reshape(&dims, t.shape.numel()).map_err(|m| {
-                    self.lw.error("E0303", "invalid reshape", s, format!("{t} to {dims:?}: {m}"));
+                    self.lw.error(
+                        "E0303",
+                        "invalid reshape",
+                        s,
+                        format!("{t} to {dims:?}: {m}"),
+                    );
                 });
                 self.add(Op::Reshape { shape: shape.ok()? }, vec![x])
             }
@@ -349,7 +410,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 if r < 2 {
                     let t = self.lw.ty(x);
                     let s = self.span_of(0);
-                    return self.err("E0313", "`transpose` needs at least 2 axes", s, format!("found {t}"));
+                    return self.err(
+                        "E0313",
+                        "`transpose` needs at least 2 axes",
+                        s,
+                        format!("found {t}"),
+                    );
                 }
                 let mut perm: Vec<usize> = (0..r).collect();
                 perm.swap(r - 2, r - 1);
@@ -376,18 +442,37 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let items = match self.arg(0)? {
                     (Value::List(vs), _) => vs,
                     (Value::Poison, _) => return None,
-                    (v, _) => return self.err("E0212", "`concat` takes a list of tensors `[a, b, …]`", s, format!("found {}", v.kind())),
+                    (v, _) => {
+                        return self.err(
+                            "E0212",
+                            "`concat` takes a list of tensors `[a, b, …]`",
+                            s,
+                            format!("found {}", v.kind()),
+                        )
+                    }
                 };
                 let mut ids = Vec::with_capacity(items.len());
                 for v in items {
                     match v {
                         Value::Tensor(id) => ids.push(id),
                         Value::Poison => return None,
-                        other => return self.err("E0212", "`concat` takes a list of tensors", s, format!("it holds {}", other.kind())),
+                        other => {
+                            return self.err(
+                                "E0212",
+                                "`concat` takes a list of tensors",
+                                s,
+                                format!("it holds {}", other.kind()),
+                            )
+                        }
                     }
                 }
                 if ids.is_empty() {
-                    return self.err("E0304", "`concat` of nothing", s, "give at least one tensor");
+                    return self.err(
+                        "E0304",
+                        "`concat` of nothing",
+                        s,
+                        "give at least one tensor",
+                    );
                 }
                 let rank = self.lw.ty(ids[0]).rank();
                 let a = self.int(1, Some(0))?;
@@ -404,13 +489,19 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let axis_span = self.span_of(2);
                 let axis = self.axis(a, t.rank(), axis_span)?;
                 let d = t.dims()[axis];
-                if n <= 0 || d % n as usize != 0 {
-                    return self.err("E0309", "`split` into unequal parts", n_span, format!("axis {axis} of {t} has size {d}, not divisible into {n} parts"));
+                if n <= 0 || !d.is_multiple_of(n as usize) {
+                    return self.err(
+                        "E0309",
+                        "`split` into unequal parts",
+                        n_span,
+                        format!("axis {axis} of {t} has size {d}, not divisible into {n} parts"),
+                    );
                 }
                 let part = d / n as usize;
                 let mut outs = Vec::with_capacity(n as usize);
                 for i in 0..n as usize {
-                    let mut ranges: Vec<(usize, usize)> = t.dims().iter().map(|&d| (0, d)).collect();
+                    let mut ranges: Vec<(usize, usize)> =
+                        t.dims().iter().map(|&d| (0, d)).collect();
                     ranges[axis] = (i * part, (i + 1) * part);
                     outs.push(self.add(Op::Slice { ranges }, vec![x])?);
                 }
@@ -423,7 +514,12 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let a = self.int(1, None)?;
                 let axis = self.axis(a, t.rank(), s)?;
                 if t.dims()[axis] != 1 {
-                    return self.err("E0315", "`squeeze` of an axis that is not 1", s, format!("axis {axis} of {t} has size {}", t.dims()[axis]));
+                    return self.err(
+                        "E0315",
+                        "`squeeze` of an axis that is not 1",
+                        s,
+                        format!("axis {axis} of {t} has size {}", t.dims()[axis]),
+                    );
                 }
                 let mut dims = t.dims().to_vec();
                 dims.remove(axis);
@@ -456,24 +552,50 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                     (Value::Int(v), DType::Bool) if name != "full" => Scalar::Bool(*v != 0),
                     (Value::Bool(b), DType::Bool) => Scalar::Bool(*b),
                     (Value::Int(v), DType::I32) if i32::try_from(*v).is_ok() => Scalar::Int(*v),
-                    (v, d) if d.is_float() && v.as_f64().is_some() => Scalar::Float(v.as_f64().unwrap_or(0.0)),
+                    (v, d) if d.is_float() && v.as_f64().is_some() => {
+                        Scalar::Float(v.as_f64().unwrap_or(0.0))
+                    }
                     (Value::Poison, _) => return None,
-                    (v, d) => return self.err("E0403", format!("fill value does not fit {d}"), vspan, format!("found {}", v.kind())),
+                    (v, d) => {
+                        return self.err(
+                            "E0403",
+                            format!("fill value does not fit {d}"),
+                            vspan,
+                            format!("found {}", v.kind()),
+                        )
+                    }
                 };
-                self.add(Op::Full { value: scalar, ty: crate::ir::TensorType::new(dtype, shape) }, vec![])
+                self.add(
+                    Op::Full {
+                        value: scalar,
+                        ty: crate::ir::TensorType::new(dtype, shape),
+                    },
+                    vec![],
+                )
             }
             "arange" => {
                 let s = self.span_of(0);
                 let n = self.int(0, None)?;
                 if n <= 0 {
-                    return self.err("E0316", "`arange` needs a positive length", s, format!("found {n}"));
+                    return self.err(
+                        "E0316",
+                        "`arange` needs a positive length",
+                        s,
+                        format!("found {n}"),
+                    );
                 }
                 self.add(Op::Arange { n: n as usize }, vec![])
             }
             "tril" | "triu" => {
                 let x = self.tensor(0)?;
                 let k = self.int(1, Some(0))?;
-                self.add(Op::Tri { upper: name == "triu", k }, vec![x])
+                self.add(
+                    Op::Tri {
+                        upper: name == "triu",
+                        k,
+                    },
+                    vec![x],
+                )
             }
             "conv2d" => {
                 let x = self.tensor(0)?;
@@ -483,9 +605,21 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let gs = self.span_of(4);
                 let groups = self.int(4, Some(1))?;
                 if groups <= 0 || stride.contains(&0) {
-                    return self.err("E0305", "conv2d stride and groups must be positive", gs, "found 0 or less");
+                    return self.err(
+                        "E0305",
+                        "conv2d stride and groups must be positive",
+                        gs,
+                        "found 0 or less",
+                    );
                 }
-                self.add(Op::Conv2d { stride, padding, groups: groups as usize }, vec![x, w])
+                self.add(
+                    Op::Conv2d {
+                        stride,
+                        padding,
+                        groups: groups as usize,
+                    },
+                    vec![x, w],
+                )
             }
             "max_pool2d" | "avg_pool2d" => {
                 let x = self.tensor(0)?;
@@ -494,10 +628,27 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let padding = self.pair(3, [0, 0])?;
                 if kernel.contains(&0) || stride.contains(&0) {
                     let s = self.span_of(1);
-                    return self.err("E0310", "pooling window and stride must be positive", s, "found 0");
+                    return self.err(
+                        "E0310",
+                        "pooling window and stride must be positive",
+                        s,
+                        "found 0",
+                    );
                 }
-                let kind = if name == "max_pool2d" { PoolKind::Max } else { PoolKind::Avg };
-                self.add(Op::Pool2d { kind, kernel, stride, padding }, vec![x])
+                let kind = if name == "max_pool2d" {
+                    PoolKind::Max
+                } else {
+                    PoolKind::Avg
+                };
+                self.add(
+                    Op::Pool2d {
+                        kind,
+                        kernel,
+                        stride,
+                        padding,
+                    },
+                    vec![x],
+                )
             }
             "embedding" => {
                 let table = self.tensor(0)?;
@@ -510,7 +661,14 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 let p = match self.arg(1)? {
                     (v, _) if v.as_f64().is_some() => v.as_f64().unwrap_or(0.0),
                     (Value::Poison, _) => return None,
-                    (v, _) => return self.err("E0216", "dropout probability must be a compile-time number", s, format!("found {}", v.kind())),
+                    (v, _) => {
+                        return self.err(
+                            "E0216",
+                            "dropout probability must be a compile-time number",
+                            s,
+                            format!("found {}", v.kind()),
+                        )
+                    }
                 };
                 if p == 0.0 {
                     return Some(Value::Tensor(x));
@@ -533,13 +691,25 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             (Value::Int(a), _) => vec![a],
             (Value::List(_), _) => self.ints(i)?,
             (Value::Poison, _) => return None,
-            (v, _) => return self.err("E0216", "`axis` must be an integer or a list of integers", s, format!("found {}", v.kind())),
+            (v, _) => {
+                return self.err(
+                    "E0216",
+                    "`axis` must be an integer or a list of integers",
+                    s,
+                    format!("found {}", v.kind()),
+                )
+            }
         };
         let mut out = Vec::with_capacity(raw.len());
         for a in raw {
             let ax = self.axis(a, rank, s)?;
             if out.contains(&ax) {
-                return self.err("E0306", "repeated axis", s, format!("axis {a} appears twice"));
+                return self.err(
+                    "E0306",
+                    "repeated axis",
+                    s,
+                    format!("axis {a} appears twice"),
+                );
             }
             out.push(ax);
         }
@@ -557,7 +727,14 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             Value::Bool(false) => return Some(b),
             Value::Tensor(id) => id,
             Value::Poison => return None,
-            other => return self.err("E0212", "`where` needs a bool tensor condition", cs, format!("found {}", other.kind())),
+            other => {
+                return self.err(
+                    "E0212",
+                    "`where` needs a bool tensor condition",
+                    cs,
+                    format!("found {}", other.kind()),
+                )
+            }
         };
         let dtype = match (&a, &b) {
             (Value::Tensor(x), _) | (_, Value::Tensor(x)) => self.lw.ty(*x).dtype,
@@ -571,7 +748,14 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
                 Value::Tensor(id) => ids.push(id),
                 v if v.is_scalar() => ids.push(self.lw.literal(&v, dtype, s)?),
                 Value::Poison => return None,
-                other => return self.err("E0212", "`where` branches must be tensors or numbers", s, format!("found {}", other.kind())),
+                other => {
+                    return self.err(
+                        "E0212",
+                        "`where` branches must be tensors or numbers",
+                        s,
+                        format!("found {}", other.kind()),
+                    )
+                }
             }
         }
         self.add(Op::Where, ids)
@@ -594,7 +778,7 @@ fn infer_reshape(dims: &[i64], numel: usize) -> Result<Shape, String> {
     let mut out = Vec::with_capacity(dims.len());
     for &d in dims {
         if d == -1 {
-            if known == 0 || numel % known != 0 {
+            if known == 0 || !numel.is_multiple_of(known) {
                 return Err(format!("{numel} elements do not divide into {known}"));
             }
             out.push(numel / known);

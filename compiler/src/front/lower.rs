@@ -18,7 +18,7 @@ use tcc_grammar::span::{FileId, Span};
 /// Most nested function calls before lowering gives up (recursion is caught earlier).
 const MAX_CALL_DEPTH: usize = 64;
 /// Most `for` iterations in one model, all loops together (unrolling is static).
-const MAX_UNROLL: usize = 1_000_000;
+const MAX_UNROLL: usize = 100_000;
 
 /// Everything program-wide a model's lowering may look at.
 pub(crate) struct ProgramInfo<'a> {
@@ -131,7 +131,13 @@ impl<'a, 'd> Lowerer<'a, 'd> {
 
     /// Reports an error at `span`, adding call-stack context: for prelude code the primary
     /// label moves to the user's call site and the prelude line becomes a secondary label.
-    pub fn error(&mut self, code: &'static str, message: impl Into<String>, span: Span, label: impl Into<String>) {
+    pub fn error(
+        &mut self,
+        code: &'static str,
+        message: impl Into<String>,
+        span: Span,
+        label: impl Into<String>,
+    ) {
         let label = label.into();
         let mut d = Diagnostic::error(code, message);
         match self.anchor {
@@ -144,7 +150,7 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         }
         for f in self.frames.iter().rev() {
             if let Some((name, site)) = &f.call {
-                if site.file != self.prelude_file {
+                if site.file != self.prelude_file && Some(*site) != self.anchor {
                     d = d.with_secondary(*site, format!("in this call to `{name}`"));
                 }
             }
@@ -252,12 +258,20 @@ impl<'a, 'd> Lowerer<'a, 'd> {
     pub fn lower_model(&mut self, model: &'a ModelDecl) {
         let flow = self.lower_stmts(&model.body.stmts, StmtCtx::ModelTop);
         if let Flow::Return(_, span) = flow {
-            self.error("E0218", "`return` outside a function", span, "models return values with `output`");
+            self.error(
+                "E0218",
+                "`return` outside a function",
+                span,
+                "models return values with `output`",
+            );
         }
-        if self.graph.outputs.is_empty() && self.graph.train.is_none() {
+        if self.output_names.is_empty() && !self.train_seen {
             self.warn(
-                Diagnostic::warning("W0001", format!("model `{}` has no `output` and no `train`", model.name.name))
-                    .with_primary(model.name.span, "this model computes nothing observable"),
+                Diagnostic::warning(
+                    "W0001",
+                    format!("model `{}` has no `output` and no `train`", model.name.name),
+                )
+                .with_primary(model.name.span, "this model computes nothing observable"),
             );
         }
     }
@@ -280,7 +294,7 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 }
                 StmtKind::Let { pat, value } => {
                     let v = self.eval(value);
-                    self.bind_pattern(pat, v, value.span);
+                    self.bind_pattern(pat, v);
                 }
                 StmtKind::Assign { name, value } => {
                     let v = self.eval(value);
@@ -300,7 +314,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 StmtKind::Return(e) => {
                     let v = self.eval(e);
                     if i + 1 != stmts.len() {
-                        self.error("E0218", "code after `return`", stmts[i + 1].span, "this is never run");
+                        self.error(
+                            "E0218",
+                            "code after `return`",
+                            stmts[i + 1].span,
+                            "this is never run",
+                        );
                     }
                     return Flow::Return(v, e.span);
                 }
@@ -354,7 +373,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 let hint = suggest(&ty.dtype.name, DType::ALL.iter().map(|d| d.name()))
                     .map(|s| format!("did you mean `{s}`?"))
                     .unwrap_or_else(|| "expected one of f32, f16, bf16, i32, bool".into());
-                self.error("E0213", format!("unknown dtype `{}`", ty.dtype.name), ty.dtype.span, hint);
+                self.error(
+                    "E0213",
+                    format!("unknown dtype `{}`", ty.dtype.name),
+                    ty.dtype.span,
+                    hint,
+                );
                 return None;
             }
         };
@@ -363,7 +387,10 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 "E0213",
                 "a tensor type needs a shape",
                 ty.span,
-                format!("write `{}[…]` (`{}[]` for a scalar)", ty.dtype.name, ty.dtype.name),
+                format!(
+                    "write `{}[…]` (`{}[]` for a scalar)",
+                    ty.dtype.name, ty.dtype.name
+                ),
             );
             return None;
         };
@@ -372,7 +399,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         for d in dims {
             match d {
                 DimExpr::Rest(span) => {
-                    self.error("E0316", "`..` is only allowed in function signatures", *span, "write every dimension");
+                    self.error(
+                        "E0316",
+                        "`..` is only allowed in function signatures",
+                        *span,
+                        "write every dimension",
+                    );
                     ok = false;
                 }
                 DimExpr::Expr(e) => match self.eval_dim(e) {
@@ -389,7 +421,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         match self.eval(e) {
             Value::Int(n) if n > 0 => Some(n as usize),
             Value::Int(n) => {
-                self.error("E0316", "dimension must be positive", e.span, format!("this is {n}"));
+                self.error(
+                    "E0316",
+                    "dimension must be positive",
+                    e.span,
+                    format!("this is {n}"),
+                );
                 None
             }
             Value::Poison => None,
@@ -434,7 +471,8 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         };
         let v = match (t, init) {
             (Some(t), Some(init)) => {
-                if !t.dtype.is_float() && !matches!(init, Init::Zeros | Init::Ones | Init::External) {
+                if !t.dtype.is_float() && !matches!(init, Init::Zeros | Init::Ones | Init::External)
+                {
                     self.error(
                         "E0402",
                         format!("random initialiser for a {} param", t.dtype),
@@ -464,7 +502,9 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         match &e.kind {
             ExprKind::Name(n) if n == "zeros" => Some(Init::Zeros),
             ExprKind::Name(n) if n == "ones" => Some(Init::Ones),
-            ExprKind::Call { callee, args } if callee.name == "normal" || callee.name == "uniform" => {
+            ExprKind::Call { callee, args }
+                if callee.name == "normal" || callee.name == "uniform" =>
+            {
                 let names: &[&str] = if callee.name == "normal" {
                     &["mean", "std"]
                 } else {
@@ -476,23 +516,39 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     match v.as_f64() {
                         Some(x) => nums.push(x),
                         None => {
-                            self.error("E0212", "initialiser arguments must be numbers", span, format!("this is {}", v.kind()));
+                            self.error(
+                                "E0212",
+                                "initialiser arguments must be numbers",
+                                span,
+                                format!("this is {}", v.kind()),
+                            );
                             return None;
                         }
                     }
                 }
                 if callee.name == "normal" {
                     if nums[1] < 0.0 {
-                        self.error("E0316", "negative standard deviation", e.span, "std must be >= 0");
+                        self.error(
+                            "E0316",
+                            "negative standard deviation",
+                            e.span,
+                            "std must be >= 0",
+                        );
                         return None;
                     }
-                    Some(Init::Normal { mean: nums[0], std: nums[1] })
+                    Some(Init::Normal {
+                        mean: nums[0],
+                        std: nums[1],
+                    })
                 } else {
                     if nums[0] > nums[1] {
                         self.error("E0316", "empty uniform range", e.span, "lo must be <= hi");
                         return None;
                     }
-                    Some(Init::Uniform { lo: nums[0], hi: nums[1] })
+                    Some(Init::Uniform {
+                        lo: nums[0],
+                        hi: nums[1],
+                    })
                 }
             }
             _ => {
@@ -502,18 +558,18 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         }
     }
 
-    fn bind_pattern(&mut self, pat: &'a Pattern, v: Value, value_span: Span) {
+    fn bind_pattern(&mut self, pat: &'a Pattern, v: Value) {
         match pat {
             Pattern::Name(n) => self.bind(n, v, BindKind::Let),
             Pattern::Tuple(ps, span) => match v {
                 Value::Tuple(vs) if vs.len() == ps.len() => {
                     for (p, v) in ps.iter().zip(vs) {
-                        self.bind_pattern(p, v, value_span);
+                        self.bind_pattern(p, v);
                     }
                 }
                 Value::Poison => {
                     for p in ps {
-                        self.bind_pattern(p, Value::Poison, value_span);
+                        self.bind_pattern(p, Value::Poison);
                     }
                 }
                 other => {
@@ -525,10 +581,13 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                         "E0217",
                         "tuple pattern does not match the value",
                         *span,
-                        format!("this pattern takes {} values; the right side gives {found}", ps.len()),
+                        format!(
+                            "this pattern takes {} values; the right side gives {found}",
+                            ps.len()
+                        ),
                     );
                     for p in ps {
-                        self.bind_pattern(p, Value::Poison, value_span);
+                        self.bind_pattern(p, Value::Poison);
                     }
                 }
             },
@@ -540,31 +599,60 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             Some(f) => f,
             None => return,
         };
-        let found = frame.scopes.iter_mut().rev().find_map(|s| s.get_mut(&name.name));
+        let found = frame
+            .scopes
+            .iter_mut()
+            .rev()
+            .find_map(|s| s.get_mut(&name.name));
         match found {
             Some(b) if b.kind == BindKind::LoopVar => {
-                self.error("E0211", format!("cannot assign to loop variable `{}`", name.name), name.span, "loop variables are constants");
+                self.error(
+                    "E0211",
+                    format!("cannot assign to loop variable `{}`", name.name),
+                    name.span,
+                    "loop variables are constants",
+                );
             }
             Some(b) => {
                 b.value = v;
             }
             None => {
                 let hint = if self.prog.consts.contains_key(&name.name) {
-                    format!("`{}` is a constant; constants change only with `--set`", name.name)
+                    format!(
+                        "`{}` is a constant; constants change only with `--set`",
+                        name.name
+                    )
                 } else {
                     format!("declare it first: `let {} = …`", name.name)
                 };
-                self.error("E0211", format!("assignment to undeclared `{}`", name.name), name.span, hint);
+                self.error(
+                    "E0211",
+                    format!("assignment to undeclared `{}`", name.name),
+                    name.span,
+                    hint,
+                );
             }
         }
     }
 
-    fn lower_for(&mut self, var: &'a Ident, lo: &'a Expr, hi: &'a Expr, body: &'a Block, ctx: StmtCtx) {
+    fn lower_for(
+        &mut self,
+        var: &'a Ident,
+        lo: &'a Expr,
+        hi: &'a Expr,
+        body: &'a Block,
+        ctx: StmtCtx,
+    ) {
         let bound = |this: &mut Self, e: &'a Expr| match this.eval(e) {
             Value::Int(n) => Some(n),
             Value::Poison => None,
             other => {
-                this.error("E0216", "loop bounds must be compile-time integers", e.span, format!("this is {}", other.kind()));
+                this.error(
+                    "E0216",
+                    "loop bounds must be compile-time integers",
+                    e.span,
+                    format!("this is {}", other.kind()),
+                );
                 None
             }
         };
@@ -574,7 +662,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         let n = b.saturating_sub(a).max(0) as usize;
         self.unrolled = self.unrolled.saturating_add(n);
         if self.unrolled > MAX_UNROLL {
-            self.error("E0216", "too many loop iterations to unroll", lo.span.to(hi.span), format!("more than {MAX_UNROLL} in this model"));
+            self.error(
+                "E0216",
+                "too many loop iterations to unroll",
+                lo.span.to(hi.span),
+                format!("more than {MAX_UNROLL} in this model"),
+            );
             return;
         }
         let inner = if ctx == StmtCtx::Function {
@@ -589,7 +682,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             let flow = self.lower_stmts(&body.stmts, inner);
             self.frame().scopes.pop();
             if let Flow::Return(_, span) = flow {
-                self.error("E0218", "`return` inside a loop", span, "a function returns its last expression");
+                self.error(
+                    "E0218",
+                    "`return` inside a loop",
+                    span,
+                    "a function returns its last expression",
+                );
             }
             // One iteration's errors are every iteration's errors: report them once.
             if self.diags[errors_before..].iter().any(Diagnostic::is_error) {
@@ -613,14 +711,24 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             match self.resolve_name(&n.name, n.span) {
                 Value::Tensor(id) => self.graph.outputs.push((n.name.clone(), id)),
                 Value::Poison => {}
-                other => self.error("E0212", "only tensors can be output", n.span, format!("`{}` is {}", n.name, other.kind())),
+                other => self.error(
+                    "E0212",
+                    "only tensors can be output",
+                    n.span,
+                    format!("`{}` is {}", n.name, other.kind()),
+                ),
             }
         }
     }
 
     fn lower_train(&mut self, opt: &'a Expr, loss: &'a Expr, span: Span) {
         if self.train_seen {
-            self.error("E0503", "a model has at most one `train`", span, "second `train` here");
+            self.error(
+                "E0503",
+                "a model has at most one `train`",
+                span,
+                "second `train` here",
+            );
             return;
         }
         self.train_seen = true;
@@ -648,36 +756,71 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             }
             Value::Poison => None,
             other => {
-                self.error("E0501", "the loss must be a scalar f32 tensor", loss.span, format!("this is {}", other.kind()));
+                self.error(
+                    "E0501",
+                    "the loss must be a scalar f32 tensor",
+                    loss.span,
+                    format!("this is {}", other.kind()),
+                );
                 None
             }
         };
         if self.graph.params.is_empty() {
-            self.error("E0502", "nothing to train", span, "this model declares no `param`");
+            self.error(
+                "E0502",
+                "nothing to train",
+                span,
+                "this model declares no `param`",
+            );
             return;
         }
         if let (Some(optimizer), Some(loss)) = (optimizer, loss_id) {
-            self.graph.train = Some(TrainSpec { optimizer, loss, span });
+            self.graph.train = Some(TrainSpec {
+                optimizer,
+                loss,
+                span,
+            });
         }
     }
 
     fn optimizer(&mut self, e: &'a Expr) -> Option<Optimizer> {
         let ExprKind::Call { callee, args } = &e.kind else {
-            self.error("E0220", "expected an optimizer", e.span, "expected `sgd(lr: …)`, `adam(lr: …)` or `adamw(lr: …)`");
+            self.error(
+                "E0220",
+                "expected an optimizer",
+                e.span,
+                "expected `sgd(lr: …)`, `adam(lr: …)` or `adamw(lr: …)`",
+            );
             return None;
         };
         let (names, defaults): (&[&str], &[(&str, f64)]) = match callee.name.as_str() {
-            "sgd" => (&["lr", "momentum", "weight_decay"], &[("momentum", 0.0), ("weight_decay", 0.0)]),
-            "adam" => (&["lr", "beta1", "beta2", "eps"], &[("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8)]),
+            "sgd" => (
+                &["lr", "momentum", "weight_decay"],
+                &[("momentum", 0.0), ("weight_decay", 0.0)],
+            ),
+            "adam" => (
+                &["lr", "beta1", "beta2", "eps"],
+                &[("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8)],
+            ),
             "adamw" => (
                 &["lr", "beta1", "beta2", "eps", "weight_decay"],
-                &[("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8), ("weight_decay", 0.01)],
+                &[
+                    ("beta1", 0.9),
+                    ("beta2", 0.999),
+                    ("eps", 1e-8),
+                    ("weight_decay", 0.01),
+                ],
             ),
             other => {
                 let hint = suggest(other, ["sgd", "adam", "adamw"].into_iter())
                     .map(|s| format!("did you mean `{s}`?"))
                     .unwrap_or_else(|| "known optimizers: sgd, adam, adamw".into());
-                self.error("E0220", format!("unknown optimizer `{other}`"), callee.span, hint);
+                self.error(
+                    "E0220",
+                    format!("unknown optimizer `{other}`"),
+                    callee.span,
+                    hint,
+                );
                 return None;
             }
         };
@@ -694,11 +837,21 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 Some((v, span)) => match v.as_f64() {
                     Some(x) if x.is_finite() && x >= 0.0 => x,
                     Some(x) => {
-                        self.error("E0220", format!("invalid `{}`", names[i]), span, format!("{x:?} must be finite and >= 0"));
+                        self.error(
+                            "E0220",
+                            format!("invalid `{}`", names[i]),
+                            span,
+                            format!("{x:?} must be finite and >= 0"),
+                        );
                         return None;
                     }
                     None => {
-                        self.error("E0212", format!("`{}` must be a compile-time number", names[i]), span, format!("this is {}", v.kind()));
+                        self.error(
+                            "E0212",
+                            format!("`{}` must be a compile-time number", names[i]),
+                            span,
+                            format!("this is {}", v.kind()),
+                        );
                         return None;
                     }
                 },
@@ -706,9 +859,24 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             nums.push(x);
         }
         Some(match callee.name.as_str() {
-            "sgd" => Optimizer::Sgd { lr: nums[0], momentum: nums[1], weight_decay: nums[2] },
-            "adam" => Optimizer::Adam { lr: nums[0], beta1: nums[1], beta2: nums[2], eps: nums[3] },
-            _ => Optimizer::AdamW { lr: nums[0], beta1: nums[1], beta2: nums[2], eps: nums[3], weight_decay: nums[4] },
+            "sgd" => Optimizer::Sgd {
+                lr: nums[0],
+                momentum: nums[1],
+                weight_decay: nums[2],
+            },
+            "adam" => Optimizer::Adam {
+                lr: nums[0],
+                beta1: nums[1],
+                beta2: nums[2],
+                eps: nums[3],
+            },
+            _ => Optimizer::AdamW {
+                lr: nums[0],
+                beta1: nums[1],
+                beta2: nums[2],
+                eps: nums[3],
+                weight_decay: nums[4],
+            },
         })
     }
 
@@ -749,17 +917,27 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 self.checkpoint = outer;
                 v
             }
-            ExprKind::If { cond, then, otherwise } => match self.eval(cond) {
+            ExprKind::If {
+                cond,
+                then,
+                otherwise,
+            } => match self.eval(cond) {
                 Value::Bool(true) => self.eval_block(then, "`if` branch"),
                 Value::Bool(false) => self.eval_block(otherwise, "`else` branch"),
                 Value::Poison => Value::Poison,
                 other => {
                     let hint = if matches!(other, Value::Tensor(_)) {
-                        "`if` chooses at compile time; use `where(cond, a, b)` for tensors".to_string()
+                        "`if` chooses at compile time; use `where(cond, a, b)` for tensors"
+                            .to_string()
                     } else {
                         format!("this is {}, expected a compile-time boolean", other.kind())
                     };
-                    self.error("E0216", "`if` condition must be a compile-time boolean", cond.span, hint);
+                    self.error(
+                        "E0216",
+                        "`if` condition must be a compile-time boolean",
+                        cond.span,
+                        hint,
+                    );
                     Value::Poison
                 }
             },
@@ -778,11 +956,21 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         match flow {
             Flow::Value(v, _) => v,
             Flow::Return(_, span) => {
-                self.error("E0218", format!("`return` inside a {what}"), span, "the block's last expression is its value");
+                self.error(
+                    "E0218",
+                    format!("`return` inside a {what}"),
+                    span,
+                    "the block's last expression is its value",
+                );
                 Value::Poison
             }
             Flow::None => {
-                self.error("E0218", format!("{what} has no value"), block.span, "end it with an expression");
+                self.error(
+                    "E0218",
+                    format!("{what} has no value"),
+                    block.span,
+                    "end it with an expression",
+                );
                 Value::Poison
             }
         }
@@ -791,8 +979,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
     fn unary(&mut self, op: UnOp, v: Value, span: Span) -> Value {
         match (op, v) {
             (_, Value::Poison) => Value::Poison,
-            (UnOp::Neg, Value::Tensor(id)) => self.add(Op::Unary(crate::ir::UnaryOp::Neg), vec![id], span),
-            (UnOp::Not, Value::Tensor(id)) => self.add(Op::Unary(crate::ir::UnaryOp::Not), vec![id], span),
+            (UnOp::Neg, Value::Tensor(id)) => {
+                self.add(Op::Unary(crate::ir::UnaryOp::Neg), vec![id], span)
+            }
+            (UnOp::Not, Value::Tensor(id)) => {
+                self.add(Op::Unary(crate::ir::UnaryOp::Not), vec![id], span)
+            }
             (UnOp::Not, Value::Bool(b)) => Value::Bool(!b),
             (UnOp::Neg, v) => match fold_unary("neg", &v) {
                 Ok(r) => r,
@@ -802,7 +994,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 }
             },
             (UnOp::Not, v) => {
-                self.error("E0212", "`!` needs a boolean", span, format!("found {}", v.kind()));
+                self.error(
+                    "E0212",
+                    "`!` needs a boolean",
+                    span,
+                    format!("found {}", v.kind()),
+                );
                 Value::Poison
             }
         }
@@ -830,8 +1027,17 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 return match (a, b) {
                     (Value::Tensor(x), Value::Tensor(y)) => self.add(Op::MatMul, vec![x, y], span),
                     (x, y) => {
-                        let found = if matches!(x, Value::Tensor(_)) { y.kind() } else { x.kind() };
-                        self.error("E0212", "`@` needs two tensors", span, format!("found {found}; use `*` to scale"));
+                        let found = if matches!(x, Value::Tensor(_)) {
+                            y.kind()
+                        } else {
+                            x.kind()
+                        };
+                        self.error(
+                            "E0212",
+                            "`@` needs two tensors",
+                            span,
+                            format!("found {found}; use `*` to scale"),
+                        );
                         Value::Poison
                     }
                 };
@@ -841,7 +1047,14 @@ impl<'a, 'd> Lowerer<'a, 'd> {
     }
 
     /// An elementwise binary op on any mix of tensors and compile-time scalars.
-    pub fn elementwise2(&mut self, op: crate::ir::BinaryOp, what: &str, a: Value, b: Value, span: Span) -> Value {
+    pub fn elementwise2(
+        &mut self,
+        op: crate::ir::BinaryOp,
+        what: &str,
+        a: Value,
+        b: Value,
+        span: Span,
+    ) -> Value {
         use crate::ir::BinaryOp as B;
         match (&a, &b) {
             (Value::Poison, _) | (_, Value::Poison) => Value::Poison,
@@ -851,7 +1064,11 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 let Some(lit) = self.literal(s, dtype, span) else {
                     return Value::Poison;
                 };
-                let (l, r) = if matches!(a, Value::Tensor(_)) { (*x, lit) } else { (lit, *x) };
+                let (l, r) = if matches!(a, Value::Tensor(_)) {
+                    (*x, lit)
+                } else {
+                    (lit, *x)
+                };
                 self.add(Op::Binary(op), vec![l, r], span)
             }
             (x, y) if x.is_scalar() && y.is_scalar() => {
@@ -861,9 +1078,17 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                         _ => Err("`pow` needs numbers".to_string()),
                     },
                     B::Maximum | B::Minimum => match (x, y) {
-                        (Value::Int(p), Value::Int(q)) => Ok(Value::Int(if op == B::Maximum { *p.max(q) } else { *p.min(q) })),
+                        (Value::Int(p), Value::Int(q)) => Ok(Value::Int(if op == B::Maximum {
+                            *p.max(q)
+                        } else {
+                            *p.min(q)
+                        })),
                         _ => match (x.as_f64(), y.as_f64()) {
-                            (Some(p), Some(q)) => Ok(Value::Float(if op == B::Maximum { p.max(q) } else { p.min(q) })),
+                            (Some(p), Some(q)) => Ok(Value::Float(if op == B::Maximum {
+                                p.max(q)
+                            } else {
+                                p.min(q)
+                            })),
                             _ => Err(format!("`{what}` needs numbers")),
                         },
                     },
@@ -872,13 +1097,22 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 match folded {
                     Ok(v) => v,
                     Err(m) => {
-                        self.error("E0212", format!("cannot evaluate `{what}` at compile time"), span, m);
+                        self.error(
+                            "E0212",
+                            format!("cannot evaluate `{what}` at compile time"),
+                            span,
+                            m,
+                        );
                         Value::Poison
                     }
                 }
             }
             _ => {
-                let bad = if a.is_scalar() || matches!(a, Value::Tensor(_)) { &b } else { &a };
+                let bad = if a.is_scalar() || matches!(a, Value::Tensor(_)) {
+                    &b
+                } else {
+                    &a
+                };
                 self.error(
                     "E0212",
                     format!("`{what}` is not defined for {}", bad.kind()),
@@ -895,7 +1129,9 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         let value = match (s, dtype) {
             (Value::Bool(b), DType::Bool) => Scalar::Bool(*b),
             (Value::Int(v), DType::I32) if i32::try_from(*v).is_ok() => Scalar::Int(*v),
-            (Value::Float(v), DType::I32) if v.fract() == 0.0 && v.abs() < 2.0f64.powi(31) => Scalar::Int(*v as i64),
+            (Value::Float(v), DType::I32) if v.fract() == 0.0 && v.abs() < 2.0f64.powi(31) => {
+                Scalar::Int(*v as i64)
+            }
             (Value::Int(v), d) if d.is_float() => Scalar::Float(*v as f64),
             (Value::Float(v), d) if d.is_float() => Scalar::Float(*v),
             _ => {
@@ -905,7 +1141,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     Value::Bool(b) => b.to_string(),
                     other => other.kind().to_string(),
                 };
-                self.error("E0403", format!("literal does not fit {dtype}"), span, format!("`{shown}` cannot be a {dtype} value"));
+                self.error(
+                    "E0403",
+                    format!("literal does not fit {dtype}"),
+                    span,
+                    format!("`{shown}` is not representable as {dtype}"),
+                );
                 return None;
             }
         };
@@ -929,35 +1170,68 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                             if (0..n).contains(&j) {
                                 vs[j as usize].clone()
                             } else {
-                                self.error("E0308", "index out of range", e.span, format!("index {i} into {n} values"));
+                                self.error(
+                                    "E0308",
+                                    "index out of range",
+                                    e.span,
+                                    format!("index {i} into {n} values"),
+                                );
                                 Value::Poison
                             }
                         }
                         Value::Poison => Value::Poison,
                         other => {
-                            self.error("E0216", "index must be a compile-time integer", e.span, format!("this is {}", other.kind()));
+                            self.error(
+                                "E0216",
+                                "index must be a compile-time integer",
+                                e.span,
+                                format!("this is {}", other.kind()),
+                            );
                             Value::Poison
                         }
                     };
                 }
-                self.error("E0308", "lists take one integer index", span, "write `list[i]`");
+                self.error(
+                    "E0308",
+                    "lists take one integer index",
+                    span,
+                    "write `list[i]`",
+                );
                 return Value::Poison;
             }
             other => {
-                self.error("E0212", format!("cannot index {}", other.kind()), span, "only tensors and tuples can be indexed");
+                self.error(
+                    "E0212",
+                    format!("cannot index {}", other.kind()),
+                    span,
+                    "only tensors and tuples can be indexed",
+                );
                 return Value::Poison;
             }
         };
         let t = self.ty(id);
         let rank = t.rank();
-        let ellipses = items.iter().filter(|i| matches!(i, IndexItem::Ellipsis(_))).count();
+        let ellipses = items
+            .iter()
+            .filter(|i| matches!(i, IndexItem::Ellipsis(_)))
+            .count();
         if ellipses > 1 {
-            self.error("E0308", "more than one `..` in an index", span, "`..` may appear once");
+            self.error(
+                "E0308",
+                "more than one `..` in an index",
+                span,
+                "`..` may appear once",
+            );
             return Value::Poison;
         }
         let explicit = items.len() - ellipses;
         if explicit > rank {
-            self.error("E0308", "too many indices", span, format!("{explicit} indices for {t}"));
+            self.error(
+                "E0308",
+                "too many indices",
+                span,
+                format!("{explicit} indices for {t}"),
+            );
             return Value::Poison;
         }
         // Expand `..` (and trailing omitted axes) to full slices.
@@ -1003,7 +1277,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                         None => d,
                     };
                     if lo_v >= hi_v {
-                        self.error("E0308", "empty slice", *s, format!("{lo_v}:{hi_v} on axis {axis} of {t} selects nothing"));
+                        self.error(
+                            "E0308",
+                            "empty slice",
+                            *s,
+                            format!("{lo_v}:{hi_v} on axis {axis} of {t} selects nothing"),
+                        );
                         return Value::Poison;
                     }
                     ranges.push((lo_v, hi_v));
@@ -1011,7 +1290,11 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             }
         }
         let mut cur = Value::Tensor(id);
-        if ranges.iter().zip(t.dims()).any(|(&(s, e), &d)| s != 0 || e != d) {
+        if ranges
+            .iter()
+            .zip(t.dims())
+            .any(|(&(s, e), &d)| s != 0 || e != d)
+        {
             cur = match cur {
                 Value::Tensor(x) => self.add(Op::Slice { ranges }, vec![x], span),
                 v => v,
@@ -1034,7 +1317,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 let j = if i < 0 { i + d as i64 } else { i };
                 let max = if is_bound { d as i64 } else { d as i64 - 1 };
                 if j < 0 || j > max {
-                    self.error("E0308", "index out of range", e.span, format!("{i} on an axis of size {d}"));
+                    self.error(
+                        "E0308",
+                        "index out of range",
+                        e.span,
+                        format!("{i} on an axis of size {d}"),
+                    );
                     None
                 } else {
                     Some(j as usize)
@@ -1042,11 +1330,21 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             }
             Value::Poison => None,
             Value::Tensor(_) => {
-                self.error("E0216", "index must be a compile-time integer", e.span, "this is a tensor; use `embedding(table, ids)` to gather rows");
+                self.error(
+                    "E0216",
+                    "index must be a compile-time integer",
+                    e.span,
+                    "this is a tensor; use `embedding(table, ids)` to gather rows",
+                );
                 None
             }
             other => {
-                self.error("E0216", "index must be a compile-time integer", e.span, format!("this is {}", other.kind()));
+                self.error(
+                    "E0216",
+                    "index must be a compile-time integer",
+                    e.span,
+                    format!("this is {}", other.kind()),
+                );
                 None
             }
         }
@@ -1067,7 +1365,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             Some(s) => format!("no function of this name; did you mean `{s}`?"),
             None => "no function of this name".to_string(),
         };
-        self.error("E0202", format!("unknown function `{}`", callee.name), callee.span, hint);
+        self.error(
+            "E0202",
+            format!("unknown function `{}`", callee.name),
+            callee.span,
+            hint,
+        );
         for a in args {
             let _ = self.eval(&a.value);
         }
@@ -1089,6 +1392,7 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         let mut ok = true;
         let mut seen_named = false;
         let mut positional = 0usize;
+        let given = args.iter().filter(|a| a.name.is_none()).count();
         for a in args {
             let v = self.eval(&a.value);
             if matches!(v, Value::Poison) {
@@ -1097,14 +1401,23 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             match &a.name {
                 None => {
                     if seen_named {
-                        self.error("E0208", "positional argument after a named one", a.value.span, "move it before the named arguments");
+                        self.error(
+                            "E0208",
+                            "positional argument after a named one",
+                            a.value.span,
+                            "move it before the named arguments",
+                        );
                         ok = false;
                         continue;
                     }
                     if positional >= params.len() {
+                        let n = params.len();
                         self.error(
                             "E0203",
-                            format!("`{fname}` takes {} argument(s) but more were given", params.len()),
+                            format!(
+                                "`{fname}` takes {n} positional argument{} but {given} were given",
+                                if n == 1 { "" } else { "s" }
+                            ),
                             a.value.span,
                             "unexpected argument",
                         );
@@ -1119,18 +1432,34 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     seen_named = true;
                     match params.iter().position(|p| *p == name.name) {
                         Some(i) if out[i].is_some() => {
-                            self.error("E0207", format!("argument `{}` given twice", name.name), name.span, "already given");
+                            self.error(
+                                "E0207",
+                                format!("argument `{}` given twice", name.name),
+                                name.span,
+                                "already given",
+                            );
                             ok = false;
                         }
                         Some(i) => out[i] = Some((v, a.value.span)),
                         None => {
-                            let list = params.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+                            let list = params
+                                .iter()
+                                .map(|p| format!("`{p}`"))
+                                .collect::<Vec<_>>()
+                                .join(", ");
                             let hint = match suggest(&name.name, params.iter().copied()) {
                                 Some(s) => format!("did you mean `{s}`? `{fname}` takes {list}"),
-                                None if params.is_empty() => format!("`{fname}` takes no arguments"),
+                                None if params.is_empty() => {
+                                    format!("`{fname}` takes no arguments")
+                                }
                                 None => format!("`{fname}` takes {list}"),
                             };
-                            self.error("E0204", format!("`{fname}` has no argument `{}`", name.name), name.span, hint);
+                            self.error(
+                                "E0204",
+                                format!("`{fname}` has no argument `{}`", name.name),
+                                name.span,
+                                hint,
+                            );
                             ok = false;
                         }
                     }
@@ -1145,10 +1474,17 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 .map(|(p, _)| *p)
                 .collect();
             if !missing.is_empty() {
-                let list = missing.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ");
+                let list = missing
+                    .iter()
+                    .map(|p| format!("`{p}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 self.error(
                     "E0206",
-                    format!("missing argument{} {list} in call to `{fname}`", if missing.len() > 1 { "s" } else { "" }),
+                    format!(
+                        "missing argument{} {list} in call to `{fname}`",
+                        if missing.len() > 1 { "s" } else { "" }
+                    ),
                     span,
                     format!("`{fname}` needs {list}"),
                 );
@@ -1165,7 +1501,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             .iter()
             .any(|fr| fr.call.as_ref().is_some_and(|(n, _)| *n == f.name.name));
         if recursive || self.frames.len() > MAX_CALL_DEPTH {
-            self.error("E0210", format!("recursive call to `{}`", f.name.name), span, "functions are inlined, so they cannot call themselves");
+            self.error(
+                "E0210",
+                format!("recursive call to `{}`", f.name.name),
+                span,
+                "functions are inlined, so they cannot call themselves",
+            );
             return Value::Poison;
         }
         let names: Vec<&str> = f.params.iter().map(|p| p.name.name.as_str()).collect();
@@ -1183,13 +1524,19 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         if info.prelude && self.anchor.is_none() {
             self.anchor = Some(span);
         }
-        self.frames.push(Frame::new(!info.prelude, Some((f.name.name.clone(), span))));
+        self.frames
+            .push(Frame::new(!info.prelude, Some((f.name.name.clone(), span))));
         let ok = self.bind_fn_params(f, vals, span);
         let result = if ok {
             match self.lower_stmts(&f.body.stmts, StmtCtx::Function) {
                 Flow::Value(v, s) | Flow::Return(v, s) => self.check_return(f, v, s),
                 Flow::None => {
-                    self.error("E0218", format!("function `{}` has no result", f.name.name), f.body.span, "end the body with an expression");
+                    self.error(
+                        "E0218",
+                        format!("function `{}` has no result", f.name.name),
+                        f.body.span,
+                        "end the body with an expression",
+                    );
                     Value::Poison
                 }
             }
@@ -1203,7 +1550,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
 
     /// Binds a function's parameters: dtype variables, shape variables, scalar params with
     /// defaults. Reports mismatches at the argument with both types shown.
-    fn bind_fn_params(&mut self, f: &'a FnDecl, vals: Vec<Option<(Value, Span)>>, call_span: Span) -> bool {
+    fn bind_fn_params(
+        &mut self,
+        f: &'a FnDecl,
+        vals: Vec<Option<(Value, Span)>>,
+        call_span: Span,
+    ) -> bool {
         let mut ok = true;
         let mut deferred: Vec<(&'a Expr, usize, Span, &'a FnParam, TensorType)> = Vec::new();
         for (p, v) in f.params.iter().zip(vals) {
@@ -1224,12 +1576,17 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 Some(kind @ ("int" | "float" | "bool")) => {
                     let fits = matches!(
                         (kind, &v),
-                        ("int", Value::Int(_)) | ("float", Value::Int(_) | Value::Float(_)) | ("bool", Value::Bool(_))
+                        ("int", Value::Int(_))
+                            | ("float", Value::Int(_) | Value::Float(_))
+                            | ("bool", Value::Bool(_))
                     );
                     if !fits {
                         self.error(
                             "E0311",
-                            format!("argument `{}` of `{}` has the wrong kind", p.name.name, f.name.name),
+                            format!(
+                                "argument `{}` of `{}` has the wrong kind",
+                                p.name.name, f.name.name
+                            ),
                             vspan,
                             format!("expected a compile-time {kind}, found {}", v.kind()),
                         );
@@ -1238,7 +1595,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     self.bind(&p.name, v, BindKind::FnParam);
                 }
                 Some(other) => {
-                    self.error("E0213", format!("unknown parameter type `{other}`"), p.ty.span, "expected a tensor type `DTYPE[dims]`, or `int`, `float`, `bool`");
+                    self.error(
+                        "E0213",
+                        format!("unknown parameter type `{other}`"),
+                        p.ty.span,
+                        "expected a tensor type `DTYPE[dims]`, or `int`, `float`, `bool`",
+                    );
                     ok = false;
                 }
                 None => {
@@ -1253,7 +1615,10 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                             None => {
                                 self.error(
                                     "E0311",
-                                    format!("argument `{}` of `{}` must be a tensor", p.name.name, f.name.name),
+                                    format!(
+                                        "argument `{}` of `{}` must be a tensor",
+                                        p.name.name, f.name.name
+                                    ),
                                     vspan,
                                     format!("found {}", s.kind()),
                                 );
@@ -1266,7 +1631,10 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                         if !matches!(v, Value::Poison) {
                             self.error(
                                 "E0311",
-                                format!("argument `{}` of `{}` must be a tensor", p.name.name, f.name.name),
+                                format!(
+                                    "argument `{}` of `{}` must be a tensor",
+                                    p.name.name, f.name.name
+                                ),
                                 vspan,
                                 format!("found {}", v.kind()),
                             );
@@ -1293,7 +1661,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 }
                 Value::Poison => ok = false,
                 other => {
-                    self.error("E0316", "dimension must be a compile-time integer", e.span, format!("this is {}", other.kind()));
+                    self.error(
+                        "E0316",
+                        "dimension must be a compile-time integer",
+                        e.span,
+                        format!("this is {}", other.kind()),
+                    );
                     ok = false;
                 }
             }
@@ -1303,13 +1676,22 @@ impl<'a, 'd> Lowerer<'a, 'd> {
 
     fn param_mismatch(&mut self, f: &FnDecl, p: &FnParam, t: &TensorType, vspan: Span) {
         let declared = self.describe_type(&p.ty);
-        let d = Diagnostic::error("E0311", format!("argument `{}` of `{}` does not match its declared type", p.name.name, f.name.name));
+        let d = Diagnostic::error(
+            "E0311",
+            format!(
+                "argument `{}` of `{}` does not match its declared type",
+                p.name.name, f.name.name
+            ),
+        );
         let primary = match self.anchor {
             Some(a) if vspan.file == self.prelude_file => a,
             _ => vspan,
         };
         let mut d = d
-            .with_primary(primary, format!("this is {t}, but `{}` is declared {declared}", p.name.name))
+            .with_primary(
+                primary,
+                format!("this is {t}, but `{}` is declared {declared}", p.name.name),
+            )
             .with_secondary(p.ty.span, "declared here");
         let bound = self.bound_vars_note();
         if !bound.is_empty() {
@@ -1371,7 +1753,11 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             }
             Some(_) => {}
             None => {
-                let bound = self.frames.last().and_then(|fr| fr.dtype_vars.get(dname)).copied();
+                let bound = self
+                    .frames
+                    .last()
+                    .and_then(|fr| fr.dtype_vars.get(dname))
+                    .copied();
                 match bound {
                     Some(dt) if dt != t.dtype => {
                         self.param_mismatch(f, p, t, vspan);
@@ -1393,7 +1779,13 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             Some(_) => t.rank() >= fixed,
             None => t.rank() == fixed,
         };
-        if !rank_ok || dims.iter().filter(|d| matches!(d, DimExpr::Rest(_))).count() > 1 {
+        if !rank_ok
+            || dims
+                .iter()
+                .filter(|d| matches!(d, DimExpr::Rest(_)))
+                .count()
+                > 1
+        {
             self.param_mismatch(f, p, t, vspan);
             return false;
         }
@@ -1420,9 +1812,13 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         for (e, actual) in pairs {
             if let ExprKind::Name(n) = &e.kind {
                 let known = self.lookup(n).is_some()
-                    || (self.frames.last().is_some_and(|fr| fr.sees_consts) && self.prog.consts.contains_key(n.as_str()));
+                    || (self.frames.last().is_some_and(|fr| fr.sees_consts)
+                        && self.prog.consts.contains_key(n.as_str()));
                 if !known {
-                    let id = Ident { name: n.clone(), span: e.span };
+                    let id = Ident {
+                        name: n.clone(),
+                        span: e.span,
+                    };
                     self.bind(&id, Value::Int(actual as i64), BindKind::ShapeVar);
                     continue;
                 }
@@ -1449,16 +1845,28 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 let kind = f.ret.dtype.name.as_str();
                 let fits = matches!(
                     (kind, other),
-                    ("int", Value::Int(_)) | ("float", Value::Int(_) | Value::Float(_)) | ("bool", Value::Bool(_))
+                    ("int", Value::Int(_))
+                        | ("float", Value::Int(_) | Value::Float(_))
+                        | ("bool", Value::Bool(_))
                 );
                 if !fits {
-                    self.error("E0312", format!("`{}` returns the wrong kind of value", f.name.name), vspan, format!("declared `{kind}`, found {}", other.kind()));
+                    self.error(
+                        "E0312",
+                        format!("`{}` returns the wrong kind of value", f.name.name),
+                        vspan,
+                        format!("declared `{kind}`, found {}", other.kind()),
+                    );
                     return Value::Poison;
                 }
                 return v;
             }
             other => {
-                self.error("E0312", format!("`{}` must return a tensor", f.name.name), vspan, format!("found {}", other.kind()));
+                self.error(
+                    "E0312",
+                    format!("`{}` must return a tensor", f.name.name),
+                    vspan,
+                    format!("found {}", other.kind()),
+                );
                 return Value::Poison;
             }
         };
@@ -1472,9 +1880,15 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     Some(a) if vspan.file == self.prelude_file => a,
                     _ => vspan,
                 };
-                let mut d = Diagnostic::error("E0312", format!("`{}` returns a value that does not match its declared type", f.name.name))
-                    .with_primary(primary, format!("this is {t}, declared {declared}{why}"))
-                    .with_secondary(f.ret.span, "declared here");
+                let mut d = Diagnostic::error(
+                    "E0312",
+                    format!(
+                        "`{}` returns a value that does not match its declared type",
+                        f.name.name
+                    ),
+                )
+                .with_primary(primary, format!("this is {t}, declared {declared}{why}"))
+                .with_secondary(f.ret.span, "declared here");
                 let note = self.bound_vars_note();
                 if !note.is_empty() {
                     d = d.with_note(note);
@@ -1487,7 +1901,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
 
     fn expected_return(&mut self, f: &'a FnDecl, t: &TensorType) -> Result<(), String> {
         let dname = &f.ret.dtype.name;
-        let dt = DType::from_name(dname).or_else(|| self.frames.last().and_then(|fr| fr.dtype_vars.get(dname)).copied());
+        let dt = DType::from_name(dname).or_else(|| {
+            self.frames
+                .last()
+                .and_then(|fr| fr.dtype_vars.get(dname))
+                .copied()
+        });
         if let Some(dt) = dt {
             if dt != t.dtype {
                 return Err(format!(" (dtype {dt} expected)"));
@@ -1566,7 +1985,7 @@ pub fn suggest<'s>(name: &str, candidates: impl Iterator<Item = &'s str>) -> Opt
         if c == name {
             continue;
         }
-        let d = strsim::levenshtein(name, c);
+        let d = strsim::osa_distance(name, c);
         let limit = (name.len().max(c.len()) / 3).max(1);
         if d <= limit && best.is_none_or(|(bd, bc)| d < bd || (d == bd && c < bc)) {
             best = Some((d, c));

@@ -90,7 +90,13 @@ pub fn compile(sources: &mut Sources, opts: &Options) -> Result<Lowered, Vec<Dia
     let prelude_prog = match tcc_grammar::parse(sources.text(sources.prelude), sources.prelude) {
         Ok(p) => p,
         Err(mut d) => {
-            d.insert(0, Diagnostic::error("E0001", "internal error: the standard prelude does not parse"));
+            d.insert(
+                0,
+                Diagnostic::error(
+                    "E0001",
+                    "internal error: the standard prelude does not parse",
+                ),
+            );
             return Err(d);
         }
     };
@@ -105,8 +111,15 @@ pub fn compile(sources: &mut Sources, opts: &Options) -> Result<Lowered, Vec<Dia
         }
     }
     let texts = &sources.map;
-    let result = lower_program(&user_prog, &prelude_prog, &set_exprs, opts, sources.prelude, texts, diags);
-    result
+    lower_program(
+        &user_prog,
+        &prelude_prog,
+        &set_exprs,
+        opts,
+        sources.prelude,
+        texts,
+        diags,
+    )
 }
 
 fn lower_program(
@@ -140,15 +153,23 @@ fn lower_program(
             }
             Item::Fn(f) => {
                 check_fn_params(f, &mut diags);
-                fns.insert(f.name.name.clone(), FnInfo { decl: f, prelude: false });
+                fns.insert(
+                    f.name.name.clone(),
+                    FnInfo {
+                        decl: f,
+                        prelude: false,
+                    },
+                );
             }
             Item::Model(m) => models.push(m),
         }
     }
     for item in &prelude.items {
         if let Item::Fn(f) = item {
-            fns.entry(f.name.name.clone())
-                .or_insert(FnInfo { decl: f, prelude: true });
+            fns.entry(f.name.name.clone()).or_insert(FnInfo {
+                decl: f,
+                prelude: true,
+            });
         }
     }
     // `--set` overrides.
@@ -160,7 +181,10 @@ fn lower_program(
         match const_exprs.get_mut(name) {
             Some(slot) => slot.0 = e,
             None => {
-                let mut d = Diagnostic::error("E0214", format!("`--set {name}`: no constant named `{name}`"));
+                let mut d = Diagnostic::error(
+                    "E0214",
+                    format!("`--set {name}`: no constant named `{name}`"),
+                );
                 if let Some(s) = lower::suggest(name, consts.keys().map(String::as_str)) {
                     d = d.with_note(format!("did you mean `{s}`?"));
                 }
@@ -185,12 +209,21 @@ fn lower_program(
         ModelSelection::One(None) if models.len() == 1 => models.clone(),
         ModelSelection::One(None) => {
             if models.is_empty() {
-                diags.push(Diagnostic::error("E0209", "no model in this file").with_note("declare one: `model name { … }`"));
+                diags.push(
+                    Diagnostic::error("E0209", "no model in this file")
+                        .with_note("declare one: `model name { … }`"),
+                );
             } else {
                 let names: Vec<&str> = models.iter().map(|m| m.name.name.as_str()).collect();
                 diags.push(
-                    Diagnostic::error("E0209", format!("this file has {} models; pick one with `--model NAME`", models.len()))
-                        .with_note(format!("models: {}", names.join(", "))),
+                    Diagnostic::error(
+                        "E0209",
+                        format!(
+                            "this file has {} models; pick one with `--model NAME`",
+                            models.len()
+                        ),
+                    )
+                    .with_note(format!("models: {}", names.join(", "))),
                 );
             }
             Vec::new()
@@ -209,21 +242,30 @@ fn lower_program(
         },
     };
     if models.is_empty() && matches!(opts.models, ModelSelection::All) {
-        diags.push(Diagnostic::error("E0209", "no model in this file").with_note("declare one: `model name { … }`"));
+        diags.push(
+            Diagnostic::error("E0209", "no model in this file")
+                .with_note("declare one: `model name { … }`"),
+        );
     }
     let mut graphs = Vec::new();
-    if !diags.iter().any(Diagnostic::is_error) {
+    {
         for m in selected {
             let mut lw = Lowerer::new(&prog, &m.name.name, prelude_file, &mut diags)
                 .with_source_texts(Box::new(move |s: Span| {
-                    texts.get(s.file).and_then(|f| f.text.get(s.range())).map(str::to_string)
+                    texts
+                        .get(s.file)
+                        .and_then(|f| f.text.get(s.range()))
+                        .map(str::to_string)
                 }));
             lw.lower_model(m);
             let graph = std::mem::take(&mut lw.graph);
             drop(lw);
             if let Err(errs) = verify(&graph) {
                 for e in errs {
-                    diags.push(Diagnostic::error("E0002", format!("internal compiler error: {e}")).with_primary(m.name.span, "while lowering this model"));
+                    diags.push(
+                        Diagnostic::error("E0002", format!("internal compiler error: {e}"))
+                            .with_primary(m.name.span, "while lowering this model"),
+                    );
                 }
             }
             graphs.push(graph);
@@ -245,9 +287,12 @@ fn check_fn_params(f: &FnDecl, diags: &mut Vec<Diagnostic>) {
     for p in &f.params {
         if let Some(prev) = seen.get(p.name.name.as_str()) {
             diags.push(
-                Diagnostic::error("E0205", format!("parameter `{}` is declared twice", p.name.name))
-                    .with_primary(p.name.span, "second declaration")
-                    .with_secondary(*prev, "first declared here"),
+                Diagnostic::error(
+                    "E0205",
+                    format!("parameter `{}` is declared twice", p.name.name),
+                )
+                .with_primary(p.name.span, "second declaration")
+                .with_secondary(*prev, "first declared here"),
             );
         }
         seen.insert(&p.name.name, p.name.span);
@@ -333,7 +378,8 @@ fn eval_consts(
     }
     let mut values: BTreeMap<String, Value> = BTreeMap::new();
     if diags.len() > errors_before {
-        return values;
+        // A cycle: every constant is poisoned, so uses of them report nothing more.
+        return exprs.keys().map(|k| (k.clone(), Value::Poison)).collect();
     }
     for name in order {
         let Some((e, span)) = exprs.get(&name) else {
@@ -344,9 +390,14 @@ fn eval_consts(
             fns: BTreeMap::new(),
         };
         let v = {
-            let mut lw = Lowerer::new(&prog, "<const>", prelude_file, diags).with_source_texts(Box::new(
-                move |s: Span| texts.get(s.file).and_then(|f| f.text.get(s.range())).map(str::to_string),
-            ));
+            let mut lw = Lowerer::new(&prog, "<const>", prelude_file, diags).with_source_texts(
+                Box::new(move |s: Span| {
+                    texts
+                        .get(s.file)
+                        .and_then(|f| f.text.get(s.range()))
+                        .map(str::to_string)
+                }),
+            );
             let v = lw.eval(e);
             let made_nodes = lw.graph.node_count() > 0;
             match v {
@@ -354,7 +405,12 @@ fn eval_consts(
                 Value::Poison => v,
                 other => {
                     let what = if made_nodes { "a tensor" } else { other.kind() };
-                    lw.error("E0216", format!("constant `{name}` is not a compile-time number"), e.span, format!("this is {what}"));
+                    lw.error(
+                        "E0216",
+                        format!("constant `{name}` is not a compile-time number"),
+                        e.span,
+                        format!("this is {what}"),
+                    );
                     Value::Poison
                 }
             }

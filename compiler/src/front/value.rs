@@ -73,12 +73,16 @@ pub fn fold_binary(op: BinOp, a: &Value, b: &Value) -> Result<Value, String> {
                 BinOp::Add => x.checked_add(y).map(Int).ok_or_else(overflow),
                 BinOp::Sub => x.checked_sub(y).map(Int).ok_or_else(overflow),
                 BinOp::Mul => x.checked_mul(y).map(Int).ok_or_else(overflow),
-                BinOp::Div | BinOp::Rem if y == 0 => Err(format!("division by zero in {x} {sym} 0")),
+                BinOp::Div | BinOp::Rem if y == 0 => {
+                    Err(format!("division by zero in {x} {sym} 0"))
+                }
                 // Exact integer division stays an integer (`D / H` in shapes); otherwise the
                 // result is a number.
-                BinOp::Div if x % y == 0 => Ok(Int(x / y)),
+                BinOp::Div if x.checked_rem(y) == Some(0) => {
+                    x.checked_div(y).map(Int).ok_or_else(overflow)
+                }
                 BinOp::Div => Ok(Float(x as f64 / y as f64)),
-                BinOp::Rem => Ok(Int(x.rem_euclid(y))),
+                BinOp::Rem => x.checked_rem_euclid(y).map(Int).ok_or_else(overflow),
                 BinOp::Eq => Ok(Bool(x == y)),
                 BinOp::Ne => Ok(Bool(x != y)),
                 BinOp::Lt => Ok(Bool(x < y)),

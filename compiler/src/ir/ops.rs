@@ -221,8 +221,14 @@ pub enum PoolKind {
 pub enum Init {
     Zeros,
     Ones,
-    Normal { mean: f64, std: f64 },
-    Uniform { lo: f64, hi: f64 },
+    Normal {
+        mean: f64,
+        std: f64,
+    },
+    Uniform {
+        lo: f64,
+        hi: f64,
+    },
     /// No initialiser: the caller must load the param (safetensors, by name).
     External,
 }
@@ -243,7 +249,10 @@ impl fmt::Display for Init {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// Fed by the caller every run.
-    Input { name: String, ty: TensorType },
+    Input {
+        name: String,
+        ty: TensorType,
+    },
     /// Persistent state.
     Param {
         name: String,
@@ -251,31 +260,57 @@ pub enum Op {
         init: Init,
     },
     /// A scalar constant.
-    Literal { value: Scalar, dtype: DType },
+    Literal {
+        value: Scalar,
+        dtype: DType,
+    },
     /// A tensor filled with one value (`zeros`, `ones`, `full`).
-    Full { value: Scalar, ty: TensorType },
+    Full {
+        value: Scalar,
+        ty: TensorType,
+    },
     /// `arange(n)`: i32[n] holding 0..n.
-    Arange { n: usize },
+    Arange {
+        n: usize,
+    },
     Unary(UnaryOp),
     Binary(BinaryOp),
     /// `where(cond, a, b)`.
     Where,
-    Cast { to: DType },
+    Cast {
+        to: DType,
+    },
     Reduce {
         op: ReduceOp,
         axes: Vec<usize>,
         keepdim: bool,
     },
     /// Index of the maximum along `axis` (all axes, flattened, when `None`); i32.
-    ArgMax { axis: Option<usize>, keepdim: bool },
-    Reshape { shape: Shape },
-    Permute { perm: Vec<usize> },
-    BroadcastTo { shape: Shape },
-    Concat { axis: usize },
+    ArgMax {
+        axis: Option<usize>,
+        keepdim: bool,
+    },
+    Reshape {
+        shape: Shape,
+    },
+    Permute {
+        perm: Vec<usize>,
+    },
+    BroadcastTo {
+        shape: Shape,
+    },
+    Concat {
+        axis: usize,
+    },
     /// Per-axis half-open ranges `[start, end)`; rank is kept. A view when layout allows.
-    Slice { ranges: Vec<(usize, usize)> },
+    Slice {
+        ranges: Vec<(usize, usize)>,
+    },
     /// `x[i]` along `axis`: drops the axis. A view.
-    Select { axis: usize, index: usize },
+    Select {
+        axis: usize,
+        index: usize,
+    },
     /// NumPy `matmul`.
     MatMul,
     Conv2d {
@@ -291,9 +326,15 @@ pub enum Op {
     },
     /// `embedding(table, ids)`: rows of `table` gathered by i32 `ids`.
     Embedding,
-    Dropout { p: f64, seed: u64 },
+    Dropout {
+        p: f64,
+        seed: u64,
+    },
     /// `tril` (upper = false) / `triu` (upper = true) over the last two axes, diagonal `k`.
-    Tri { upper: bool, k: i64 },
+    Tri {
+        upper: bool,
+        k: i64,
+    },
     /// `grad(y, x)`: operands `[y, x]`; expanded by autodiff.
     Grad,
 }
@@ -455,8 +496,16 @@ pub fn broadcast_shapes(a: &Shape, b: &Shape) -> Result<Shape, TypeError> {
     let n = ad.len().max(bd.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let x = if i < ad.len() { ad[ad.len() - 1 - i] } else { 1 };
-        let y = if i < bd.len() { bd[bd.len() - 1 - i] } else { 1 };
+        let x = if i < ad.len() {
+            ad[ad.len() - 1 - i]
+        } else {
+            1
+        };
+        let y = if i < bd.len() {
+            bd[bd.len() - 1 - i]
+        } else {
+            1
+        };
         out[n - 1 - i] = if x == y || y == 1 {
             x
         } else if x == 1 {
@@ -473,6 +522,13 @@ pub fn broadcast_shapes(a: &Shape, b: &Shape) -> Result<Shape, TypeError> {
         };
     }
     Ok(Shape(out))
+}
+
+/// The "dimension k from the right" part of a broadcast error.
+fn broadcast_axis_detail(e: &TypeError) -> &str {
+    e.detail
+        .split_once(": ")
+        .map_or(e.detail.as_str(), |(_, d)| d)
 }
 
 fn same_dtype(what: &str, a: DType, b: DType) -> Result<(), TypeError> {
@@ -506,7 +562,7 @@ fn check_axis(op: &str, axis: usize, rank: usize) -> Result<(), TypeError> {
 }
 
 fn image_out(input: usize, kernel: usize, stride: usize, pad: usize) -> Option<usize> {
-    let padded = input + 2 * pad;
+    let padded = pad.checked_mul(2)?.checked_add(input)?;
     if stride == 0 || kernel == 0 || padded < kernel {
         return None;
     }
@@ -545,7 +601,11 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
         Op::Full { ty, .. } => Ok(ty.clone()),
         Op::Arange { n } => {
             if *n == 0 {
-                return Err(TypeError::new("E0316", "empty `arange`", "n must be at least 1"));
+                return Err(TypeError::new(
+                    "E0316",
+                    "empty `arange`",
+                    "n must be at least 1",
+                ));
             }
             Ok(TensorType::new(DType::I32, vec![*n]))
         }
@@ -562,7 +622,10 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             if !b.accepts(x.dtype) {
                 return Err(wrong_dtype(b.name(), x.dtype, b.accepted()));
             }
-            let shape = broadcast_shapes(&x.shape, &y.shape)?;
+            let shape = broadcast_shapes(&x.shape, &y.shape).map_err(|e| {
+                let detail = format!("{x} and {y}: {}", broadcast_axis_detail(&e));
+                TypeError::new(e.code, e.message, detail)
+            })?;
             let dtype = if b.is_comparison() {
                 DType::Bool
             } else {
@@ -581,7 +644,11 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             Ok(TensorType::new(a.dtype, s))
         }
         Op::Cast { to } => Ok(TensorType::new(*to, ins[0].shape.clone())),
-        Op::Reduce { op: r, axes, keepdim } => {
+        Op::Reduce {
+            op: r,
+            axes,
+            keepdim,
+        } => {
             let x = ins[0];
             let ok = match r {
                 ReduceOp::Mean => x.dtype.is_float(),
@@ -658,9 +725,9 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             let x = ins[0];
             let mut seen = vec![false; x.rank()];
             let valid = perm.len() == x.rank()
-                && perm.iter().all(|&p| {
-                    p < seen.len() && !std::mem::replace(&mut seen[p], true)
-                });
+                && perm
+                    .iter()
+                    .all(|&p| p < seen.len() && !std::mem::replace(&mut seen[p], true));
             if !valid {
                 return Err(TypeError::new(
                     "E0307",
@@ -696,8 +763,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             for (i, t) in ins.iter().enumerate() {
                 same_dtype("`concat`", first.dtype, t.dtype)?;
                 let ok = t.rank() == first.rank()
-                    && t
-                        .dims()
+                    && t.dims()
                         .iter()
                         .zip(first.dims())
                         .enumerate()
@@ -771,20 +837,20 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
                     format!("found {x}"),
                 ));
             }
-            if !x.dtype.is_float() && !(*kind == PoolKind::Max && x.dtype.is_numeric()) {
+            if !(x.dtype.is_float() || (*kind == PoolKind::Max && x.dtype.is_numeric())) {
                 return Err(wrong_dtype(&name, x.dtype, "a float dtype"));
             }
             let mut dims = x.dims().to_vec();
             for i in 0..2 {
-                if padding[i] * 2 > kernel[i] {
+                if padding[i].saturating_mul(2) > kernel[i] {
                     return Err(TypeError::new(
                         "E0310",
                         format!("`{name}` padding is more than half the window"),
                         format!("padding {} with window {}", padding[i], kernel[i]),
                     ));
                 }
-                dims[2 + i] = image_out(dims[2 + i], kernel[i], stride[i], padding[i])
-                    .ok_or_else(|| {
+                dims[2 + i] =
+                    image_out(dims[2 + i], kernel[i], stride[i], padding[i]).ok_or_else(|| {
                         TypeError::new(
                             "E0310",
                             format!("`{name}` window does not fit the input"),
@@ -834,7 +900,10 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             if x.rank() < 2 {
                 return Err(TypeError::new(
                     "E0313",
-                    format!("`{}` needs at least 2 axes", if *upper { "triu" } else { "tril" }),
+                    format!(
+                        "`{}` needs at least 2 axes",
+                        if *upper { "triu" } else { "tril" }
+                    ),
                     format!("found {x}"),
                 ));
             }
@@ -850,7 +919,11 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
                 ));
             }
             if !x.dtype.is_float() {
-                return Err(wrong_dtype("grad", x.dtype, "a float tensor to differentiate by"));
+                return Err(wrong_dtype(
+                    "grad",
+                    x.dtype,
+                    "a float tensor to differentiate by",
+                ));
             }
             Ok(x.clone())
         }

@@ -1,0 +1,150 @@
+//! The `tcc` binary end to end: exit codes, messages, emitted IR.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn tcc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("tcc runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn version_and_help() {
+    let o = tcc(&["--version"]);
+    assert!(o.status.success());
+    assert!(stdout(&o).starts_with("tcc "), "{}", stdout(&o));
+    let o = tcc(&["help"]);
+    assert!(o.status.success());
+    for cmd in ["check", "build"] {
+        assert!(stdout(&o).contains(cmd));
+    }
+}
+
+#[test]
+fn check_examples_exit_zero() {
+    for ex in ["tiny", "mlp", "cnn", "gpt"] {
+        let o = tcc(&["check", &format!("examples/{ex}.tdsl")]);
+        assert!(o.status.success(), "{ex}: {}", stderr(&o));
+        assert!(stderr(&o).contains("ok: model"), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn user_errors_exit_one() {
+    let o = tcc(&[
+        "check",
+        "tests/cases/errors/matmul_mismatch.tdsl",
+        "--color",
+        "never",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("error[E0301]: matmul inner dimensions differ"),
+        "{err}"
+    );
+    assert!(err.contains("matmul_mismatch.tdsl:7:18"), "{err}");
+    assert!(
+        err.contains("f32[256, 1024] @ f32[784, 1024]: 1024 ≠ 784"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_file_is_a_clear_error() {
+    let o = tcc(&["check", "no/such/file.tdsl"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot read no/such/file.tdsl"));
+}
+
+#[test]
+fn bad_command_lines_are_rejected() {
+    let o = tcc(&["check", "examples/tiny.tdsl", "--frobnicate"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--frobnicate"));
+    let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "llvm"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("llvm") && stderr(&o).contains("ir"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tcc(&["check", "examples/tiny.tdsl", "--set", "B"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("NAME=VALUE"));
+    let o = tcc(&["check", "examples/tiny.tdsl", "--set", "Q=3"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no constant named `Q`"));
+}
+
+#[test]
+fn build_emits_ir_and_set_shrinks_it() {
+    let full = tcc(&["build", "examples/gpt.tdsl", "--emit", "ir"]);
+    assert!(full.status.success(), "{}", stderr(&full));
+    let text = stdout(&full);
+    assert!(text.starts_with("model gpt {"));
+    // 12 unrolled blocks: one select of each stacked per-layer param per block.
+    assert_eq!(text.matches("select %4 axis=0").count(), 12);
+    let small = tcc(&["build", "examples/gpt.tdsl", "--emit", "ir", "--set", "L=2"]);
+    assert!(small.status.success());
+    assert_eq!(stdout(&small).matches("select %4 axis=0").count(), 2);
+    assert!(stdout(&small).lines().count() < text.lines().count() / 4);
+}
+
+#[test]
+fn build_writes_output_file() {
+    let dir = std::env::temp_dir().join(format!("tcc-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("mlp.ir");
+    let o = tcc(&[
+        "build",
+        "examples/mlp.tdsl",
+        "-o",
+        out.to_str().unwrap(),
+        "--locations",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(text.contains("output loss"));
+    assert!(text.contains("  @"), "locations requested");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn several_models_need_a_choice_for_build() {
+    let dir = std::env::temp_dir().join(format!("tcc-cli-two-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("two.tdsl");
+    std::fs::write(
+        &f,
+        "model a { input x: f32[2]\n output x }\nmodel b { input y: f32[3]\n output y }\n",
+    )
+    .unwrap();
+    let path = f.to_str().unwrap();
+    assert!(
+        tcc(&["check", path]).status.success(),
+        "check takes every model"
+    );
+    let o = tcc(&["build", path]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--model"));
+    let o = tcc(&["build", path, "--model", "b"]);
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("model b {"));
+    std::fs::remove_dir_all(&dir).ok();
+}
