@@ -4,9 +4,12 @@
 //! The pipeline (see DESIGN.md): [`front`] lowers TDSL source to the graph [`ir`]; later
 //! stages (autodiff, passes, planner, back ends) transform that graph.
 
+pub mod autodiff;
 pub mod cli;
+pub mod eager;
 pub mod front;
 pub mod ir;
+pub mod passes;
 
 pub use tcc_grammar::diag::Diagnostic;
 pub use tcc_grammar::span::{SourceMap, Span};

@@ -1,5 +1,7 @@
 //! The `tcc` command line.
 
+mod run;
+
 use crate::front::{self, ModelSelection, Options, Sources};
 use crate::ir::printer;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -61,7 +63,63 @@ pub enum Command {
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
+        #[command(flatten)]
+        pipeline: PipelineArgs,
     },
+    /// Run a program.
+    Run {
+        #[command(flatten)]
+        program: ProgramArgs,
+        /// Run with the eager reference interpreter (op by op, allocate and free).
+        #[arg(long)]
+        eager: bool,
+        /// How many steps to run.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        steps: u32,
+        /// Print outputs every K steps (the last step is always printed).
+        #[arg(long, default_value_t = 1, value_name = "K")]
+        every: u32,
+        /// Seed of parameter initialisation and of random inputs.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Feed an input from a .npy file (repeatable); other inputs are random (seeded).
+        #[arg(long = "input", value_name = "NAME=FILE.npy", value_parser = parse_set)]
+        inputs: Vec<(String, String)>,
+        /// Load params by name from a .safetensors file.
+        #[arg(long, value_name = "FILE")]
+        param_file: Option<PathBuf>,
+        /// Save params (and optimizer state) after the last step to a .safetensors file.
+        #[arg(long, value_name = "FILE")]
+        save_params: Option<PathBuf>,
+    },
+}
+
+/// Pipeline debugging options.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PipelineArgs {
+    /// Print the graph after a pass (`lower`, a pass of the pipeline, or `all`), to stderr.
+    #[arg(long, value_name = "PASS", value_parser = parse_pass_or_all)]
+    pub print_after: Vec<String>,
+    /// Stop the pipeline after this pass.
+    #[arg(long, value_name = "PASS", value_parser = parse_pass)]
+    pub stop_after: Option<String>,
+}
+
+fn parse_pass(s: &str) -> Result<String, String> {
+    let names = crate::passes::pass_names();
+    if names.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!("unknown pass `{s}`; passes: {}", names.join(", ")))
+    }
+}
+
+fn parse_pass_or_all(s: &str) -> Result<String, String> {
+    if s == "all" {
+        Ok(s.to_string())
+    } else {
+        parse_pass(s)
+    }
 }
 
 /// Build outputs.
@@ -120,18 +178,13 @@ pub fn run(cli: Cli) -> ExitCode {
             emit,
             output,
             locations,
+            pipeline,
         } => {
-            let Some((sources, lowered, ms)) = load(
-                &program,
-                ModelSelection::One(program.model.clone()),
-                &mut stderr,
-                true,
-            ) else {
+            let Some((sources, graph, ms)) = load_one(&program, &pipeline, locations, &mut stderr)
+            else {
                 return ExitCode::from(1);
             };
-            let Some(graph) = lowered.graphs.first() else {
-                return ExitCode::from(1);
-            };
+            let graph = &graph;
             let text = match emit {
                 Emit::Ir => printer::print(graph, locations.then_some(&sources.map)),
             };
@@ -156,6 +209,83 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
             }
             ExitCode::SUCCESS
+        }
+        Command::Run {
+            program,
+            eager,
+            steps,
+            every,
+            seed,
+            inputs,
+            param_file,
+            save_params,
+        } => {
+            if !eager {
+                let _ = writeln!(
+                    stderr,
+                    "error: compiled execution is not available yet; run with `--eager` (the reference interpreter)"
+                );
+                return ExitCode::from(1);
+            }
+            let Some((sources, graph, ms)) =
+                load_one(&program, &PipelineArgs::default(), false, &mut stderr)
+            else {
+                return ExitCode::from(1);
+            };
+            let opts = run::RunOptions {
+                steps,
+                every: every.max(1),
+                seed,
+                inputs,
+                param_file,
+                save_params,
+            };
+            match run::run_eager(&graph, &sources, &opts, ms) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}
+
+/// Loads one model and runs the pass pipeline on it.
+fn load_one(
+    program: &ProgramArgs,
+    pipeline: &PipelineArgs,
+    locations: bool,
+    stderr: &mut StandardStream,
+) -> Option<(Sources, crate::ir::Graph, f64)> {
+    let (sources, mut lowered, ms) = load(
+        program,
+        ModelSelection::One(program.model.clone()),
+        stderr,
+        true,
+    )?;
+    if lowered.graphs.is_empty() {
+        return None;
+    }
+    let mut graph = lowered.graphs.remove(0);
+    let opts = crate::passes::PipelineOptions {
+        print_after: pipeline.print_after.clone(),
+        stop_after: pipeline.stop_after.clone(),
+        verify: false,
+    };
+    let map = &sources.map;
+    let result = crate::passes::run(&mut graph, &opts, |pass, g| {
+        eprintln!("// ----- IR after {pass} -----");
+        eprint!("{}", printer::print(g, locations.then_some(map)));
+    });
+    match result {
+        Ok(times) => {
+            let total: f64 = ms + times.iter().map(|t| t.1).sum::<f64>();
+            Some((sources, graph, total))
+        }
+        Err(diags) => {
+            emit_all(&diags, &sources, stderr);
+            None
         }
     }
 }

@@ -110,9 +110,14 @@ pub struct Graph {
     pub inputs: Vec<NodeId>,
     /// Params in declaration order.
     pub params: Vec<NodeId>,
+    /// Optimizer state in creation order.
+    pub states: Vec<NodeId>,
     /// `output` names and the values they return, in order.
     pub outputs: Vec<(String, NodeId)>,
     pub train: Option<TrainSpec>,
+    /// End-of-step assignments `(param or state, new value)`, made by autodiff for `train`:
+    /// after every node has run, each target takes its new value (in place).
+    pub updates: Vec<(NodeId, NodeId)>,
 }
 
 impl Graph {
@@ -137,6 +142,7 @@ impl Graph {
         };
         let is_input = matches!(op, Op::Input { .. });
         let is_param = matches!(op, Op::Param { .. });
+        let is_state = matches!(op, Op::State { .. });
         let id = NodeId(self.graph.add_node(Node {
             op,
             inputs: inputs.clone(),
@@ -152,6 +158,9 @@ impl Graph {
         }
         if is_param {
             self.params.push(id);
+        }
+        if is_state {
+            self.states.push(id);
         }
         Ok(id)
     }
@@ -200,11 +209,110 @@ impl Graph {
             || self.outputs.iter().any(|(_, o)| *o == id)
             || self.train.as_ref().is_some_and(|t| t.loss == id)
             || self.inputs.contains(&id)
-            || self.params.contains(&id);
+            || self.params.contains(&id)
+            || self.states.contains(&id)
+            || self.updates.iter().any(|(t, v)| *t == id || *v == id);
         if used {
             return false;
         }
         self.graph.remove_node(id.0).is_some()
+    }
+
+    /// Makes every reader of `old` (operands, outputs, train loss, updates) read `new`
+    /// instead. Types must agree; `old` is left without users.
+    pub fn replace_all_uses(&mut self, old: NodeId, new: NodeId) {
+        let users = self.users(old);
+        for u in users {
+            let edges: Vec<_> = self
+                .graph
+                .edges_directed(u.0, Direction::Incoming)
+                .filter(|e| e.source() == old.0)
+                .map(|e| e.id())
+                .collect();
+            for e in edges {
+                if let Some(pos) = self.graph.remove_edge(e) {
+                    self.graph.add_edge(new.0, u.0, pos);
+                    if let Some(n) = self.graph.node_weight_mut(u.0) {
+                        if let Some(slot) = n.inputs.get_mut(pos as usize) {
+                            *slot = new;
+                        }
+                    }
+                }
+            }
+        }
+        for (_, o) in &mut self.outputs {
+            if *o == old {
+                *o = new;
+            }
+        }
+        if let Some(t) = &mut self.train {
+            if t.loss == old {
+                t.loss = new;
+            }
+        }
+        for (_, v) in &mut self.updates {
+            if *v == old {
+                *v = new;
+            }
+        }
+    }
+
+    /// Removes a node and its edges unconditionally (callers make sure nothing reads it).
+    pub fn remove(&mut self, id: NodeId) {
+        self.graph.remove_node(id.0);
+        self.inputs.retain(|&i| i != id);
+        self.params.retain(|&i| i != id);
+        self.states.retain(|&i| i != id);
+    }
+
+    /// A copy with nodes renumbered in topological order (ids become execution order).
+    pub fn compacted(&self) -> Graph {
+        let order = self
+            .topo_order()
+            .unwrap_or_else(|| self.node_ids().collect());
+        let mut out = Graph::new(self.name.clone());
+        let mut map: std::collections::BTreeMap<NodeId, NodeId> = std::collections::BTreeMap::new();
+        for old in order {
+            let n = self.node(old);
+            let inputs: Vec<NodeId> = n
+                .inputs
+                .iter()
+                .filter_map(|i| map.get(i).copied())
+                .collect();
+            let id = NodeId(out.graph.add_node(Node {
+                op: n.op.clone(),
+                inputs: inputs.clone(),
+                ty: n.ty.clone(),
+                span: n.span,
+                checkpoint: n.checkpoint,
+            }));
+            for (pos, src) in inputs.iter().enumerate() {
+                out.graph.add_edge(src.0, id.0, pos as u32);
+            }
+            map.insert(old, id);
+        }
+        let m = |i: &NodeId| map.get(i).copied();
+        out.inputs = self.inputs.iter().filter_map(m).collect();
+        out.params = self.params.iter().filter_map(m).collect();
+        out.states = self.states.iter().filter_map(m).collect();
+        out.outputs = self
+            .outputs
+            .iter()
+            .filter_map(|(n, i)| m(i).map(|j| (n.clone(), j)))
+            .collect();
+        out.train = self.train.as_ref().and_then(|t| {
+            m(&t.loss).map(|loss| TrainSpec {
+                optimizer: t.optimizer,
+                loss,
+                span: t.span,
+            })
+        });
+        out.updates = self
+            .updates
+            .iter()
+            .filter_map(|(t, v)| Some((m(t)?, m(v)?)))
+            .collect();
+        out
     }
 
     /// A deterministic topological order: among ready nodes, the smallest id first. For a

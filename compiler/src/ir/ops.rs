@@ -259,6 +259,12 @@ pub enum Op {
         ty: TensorType,
         init: Init,
     },
+    /// Optimizer state: persistent like a param, zero-initialised, updated by `train` but
+    /// not differentiated.
+    State {
+        name: String,
+        ty: TensorType,
+    },
     /// A scalar constant.
     Literal {
         value: Scalar,
@@ -337,6 +343,32 @@ pub enum Op {
     },
     /// `grad(y, x)`: operands `[y, x]`; expanded by autodiff.
     Grad,
+    /// Gradient of conv2d with respect to its input: operands `[dy, w]`, result `input`.
+    Conv2dGradInput {
+        stride: [usize; 2],
+        padding: [usize; 2],
+        groups: usize,
+        input: Shape,
+    },
+    /// Gradient of conv2d with respect to its weight: operands `[x, dy]`, result `weight`.
+    Conv2dGradWeight {
+        stride: [usize; 2],
+        padding: [usize; 2],
+        groups: usize,
+        weight: Shape,
+    },
+    /// Gradient of a pooling op: operands `[x, dy]`, result shaped like `x`.
+    Pool2dGrad {
+        kind: PoolKind,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    },
+    /// Gradient of `embedding` with respect to the table (scatter-add of rows): operands
+    /// `[ids, dy]`, result `[vocab, D]`.
+    EmbeddingGrad {
+        vocab: usize,
+    },
 }
 
 impl Op {
@@ -375,6 +407,18 @@ impl Op {
             Op::Tri { upper: false, .. } => "tril".into(),
             Op::Tri { upper: true, .. } => "triu".into(),
             Op::Grad => "grad".into(),
+            Op::State { .. } => "state".into(),
+            Op::Conv2dGradInput { .. } => "conv2d_grad_input".into(),
+            Op::Conv2dGradWeight { .. } => "conv2d_grad_weight".into(),
+            Op::Pool2dGrad {
+                kind: PoolKind::Max,
+                ..
+            } => "max_pool2d_grad".into(),
+            Op::Pool2dGrad {
+                kind: PoolKind::Avg,
+                ..
+            } => "avg_pool2d_grad".into(),
+            Op::EmbeddingGrad { .. } => "embedding_grad".into(),
         }
     }
 
@@ -384,7 +428,7 @@ impl Op {
             Shape(v.to_vec()).to_string()
         }
         match self {
-            Op::Input { name, .. } => name.clone(),
+            Op::Input { name, .. } | Op::State { name, .. } => name.clone(),
             Op::Param { name, init, .. } => format!("{name} init={init}"),
             Op::Literal { value, .. } => value.to_string(),
             Op::Full { value, .. } => value.to_string(),
@@ -425,6 +469,34 @@ impl Op {
                 list(padding)
             ),
             Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
+            Op::Conv2dGradInput {
+                stride,
+                padding,
+                groups,
+                ..
+            }
+            | Op::Conv2dGradWeight {
+                stride,
+                padding,
+                groups,
+                ..
+            } => format!(
+                "stride={} padding={} groups={groups}",
+                list(stride),
+                list(padding)
+            ),
+            Op::Pool2dGrad {
+                kernel,
+                stride,
+                padding,
+                ..
+            } => format!(
+                "kernel={} stride={} padding={}",
+                list(kernel),
+                list(stride),
+                list(padding)
+            ),
+            Op::EmbeddingGrad { vocab } => format!("vocab={vocab}"),
             Op::Tri { k, .. } => format!("k={k}"),
             _ => String::new(),
         }
@@ -435,6 +507,7 @@ impl Op {
         Some(match self {
             Op::Input { .. }
             | Op::Param { .. }
+            | Op::State { .. }
             | Op::Literal { .. }
             | Op::Full { .. }
             | Op::Arange { .. } => 0,
@@ -450,7 +523,15 @@ impl Op {
             | Op::Pool2d { .. }
             | Op::Dropout { .. }
             | Op::Tri { .. } => 1,
-            Op::Binary(_) | Op::MatMul | Op::Conv2d { .. } | Op::Embedding | Op::Grad => 2,
+            Op::Binary(_)
+            | Op::MatMul
+            | Op::Conv2d { .. }
+            | Op::Embedding
+            | Op::Grad
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradWeight { .. }
+            | Op::Pool2dGrad { .. }
+            | Op::EmbeddingGrad { .. } => 2,
             Op::Where => 3,
             Op::Concat { .. } => return None,
         })
@@ -587,7 +668,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
         ));
     }
     match op {
-        Op::Input { ty, .. } | Op::Param { ty, .. } => {
+        Op::Input { ty, .. } | Op::Param { ty, .. } | Op::State { ty, .. } => {
             if ty.dims().contains(&0) {
                 return Err(TypeError::new(
                     "E0316",
@@ -926,6 +1007,85 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
                 ));
             }
             Ok(x.clone())
+        }
+        Op::Conv2dGradInput {
+            stride,
+            padding,
+            groups,
+            input,
+        } => {
+            let (dy, w) = (ins[0], ins[1]);
+            let x = TensorType::new(dy.dtype, input.clone());
+            let fwd = infer_conv(&x, w, *stride, *padding, *groups)?;
+            if fwd.shape != dy.shape {
+                return Err(TypeError::new(
+                    "E0305",
+                    "conv2d input gradient shape mismatch",
+                    format!("dy {dy} but conv2d of {x} with {w} gives {fwd}"),
+                ));
+            }
+            Ok(x)
+        }
+        Op::Conv2dGradWeight {
+            stride,
+            padding,
+            groups,
+            weight,
+        } => {
+            let (x, dy) = (ins[0], ins[1]);
+            let w = TensorType::new(x.dtype, weight.clone());
+            let fwd = infer_conv(x, &w, *stride, *padding, *groups)?;
+            if fwd.shape != dy.shape || fwd.dtype != dy.dtype {
+                return Err(TypeError::new(
+                    "E0305",
+                    "conv2d weight gradient shape mismatch",
+                    format!("dy {dy} but conv2d of {x} with {w} gives {fwd}"),
+                ));
+            }
+            Ok(w)
+        }
+        Op::Pool2dGrad {
+            kind,
+            kernel,
+            stride,
+            padding,
+        } => {
+            let (x, dy) = (ins[0], ins[1]);
+            let fwd = infer(
+                &Op::Pool2d {
+                    kind: *kind,
+                    kernel: *kernel,
+                    stride: *stride,
+                    padding: *padding,
+                },
+                &[x],
+            )?;
+            if &fwd != dy {
+                return Err(TypeError::new(
+                    "E0310",
+                    "pooling gradient shape mismatch",
+                    format!("dy {dy} but pooling {x} gives {fwd}"),
+                ));
+            }
+            Ok(x.clone())
+        }
+        Op::EmbeddingGrad { vocab } => {
+            let (ids, dy) = (ins[0], ins[1]);
+            if ids.dtype != DType::I32 {
+                return Err(wrong_dtype("embedding ids", ids.dtype, "i32"));
+            }
+            let ok = dy.rank() == ids.rank() + 1 && dy.dims()[..ids.rank()] == *ids.dims();
+            if !ok || *vocab == 0 {
+                return Err(TypeError::new(
+                    "E0313",
+                    "embedding gradient shape mismatch",
+                    format!("ids {ids}, dy {dy}"),
+                ));
+            }
+            Ok(TensorType::new(
+                dy.dtype,
+                vec![*vocab, dy.dims()[ids.rank()]],
+            ))
         }
     }
 }

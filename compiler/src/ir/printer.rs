@@ -51,6 +51,9 @@ pub fn print(graph: &Graph, sources: Option<&SourceMap>) -> String {
     for (n, id) in &graph.outputs {
         let _ = writeln!(out, "  output {n} = {}", name(*id));
     }
+    for (target, value) in &graph.updates {
+        let _ = writeln!(out, "  update {} <- {}", name(*target), name(*value));
+    }
     if let Some(t) = &graph.train {
         let _ = writeln!(out, "  train {} minimize {}", t.optimizer, name(t.loss));
     }

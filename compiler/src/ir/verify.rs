@@ -72,9 +72,16 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<VerifyError>> {
         }
     }
     let mut names = BTreeSet::new();
-    for &i in graph.inputs.iter().chain(&graph.params) {
+    for &i in graph
+        .inputs
+        .iter()
+        .chain(&graph.params)
+        .chain(&graph.states)
+    {
         match graph.get(i).map(|n| &n.op) {
-            Some(Op::Input { name, .. }) | Some(Op::Param { name, .. }) => {
+            Some(Op::Input { name, .. })
+            | Some(Op::Param { name, .. })
+            | Some(Op::State { name, .. }) => {
                 if !names.insert(name.clone()) {
                     err(format!("input/param name `{name}` appears twice"));
                 }
@@ -88,6 +95,31 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<VerifyError>> {
     for (name, id) in &graph.outputs {
         if graph.get(*id).is_none() {
             err(format!("output `{name}` refers to a removed node"));
+        }
+    }
+    let mut targets = BTreeSet::new();
+    for (target, value) in &graph.updates {
+        match (graph.get(*target), graph.get(*value)) {
+            (Some(t), Some(v)) => {
+                if !matches!(t.op, Op::Param { .. } | Op::State { .. }) {
+                    err(format!(
+                        "update target {} is not a param or state",
+                        target.index()
+                    ));
+                }
+                if t.ty != v.ty {
+                    err(format!(
+                        "update of {} ({}) with a value of type {}",
+                        target.index(),
+                        t.ty,
+                        v.ty
+                    ));
+                }
+                if !targets.insert(*target) {
+                    err(format!("{} is updated twice", target.index()));
+                }
+            }
+            _ => err("update refers to a removed node".into()),
         }
     }
     if let Some(t) = &graph.train {

@@ -1,0 +1,231 @@
+//! Reverse-mode automatic differentiation on the graph IR.
+//!
+//! [`expand`] rewrites a lowered graph so that it no longer contains `grad` nodes or a
+//! pending `train`:
+//! - every `grad(y, x)` becomes the gradient node of `x` in one backward pass per distinct
+//!   `y` (several `grad`s of one `y` share it);
+//! - `train OPT minimize LOSS` appends the backward pass of `LOSS` with respect to every
+//!   float param, then the optimizer's update nodes (see [`optim`]), recorded as
+//!   `Graph::updates`.
+//!
+//! Backward nodes are appended after the forward nodes, so the node order of the result is
+//! forward program order, then the backward pass, then the optimizer: the order eager
+//! execution follows. Values made inside a `checkpoint { }` block are not read by the
+//! backward pass: it reads clones recomputed from the block's inputs, made right before their
+//! first backward use (a block's results read outside the block are kept, as PyTorch keeps a
+//! checkpointed function's outputs).
+
+mod builder;
+pub mod optim;
+mod rules;
+
+use crate::ir::{Graph, NodeId, Op, TypeError};
+use builder::Builder;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use tcc_grammar::diag::Diagnostic;
+
+/// Differentiation state of one backward pass.
+pub(crate) struct Ad<'g> {
+    pub b: Builder<'g>,
+    /// Recomputed clones of checkpointed forward values.
+    clones: BTreeMap<NodeId, NodeId>,
+    /// Checkpointed values that are nevertheless kept (read outside their region).
+    kept: BTreeSet<NodeId>,
+}
+
+impl Ad<'_> {
+    /// The forward value to read in the backward pass: the value itself, or its recomputed
+    /// clone when it was made inside a checkpoint region.
+    pub fn fwd(&mut self, id: NodeId) -> Result<NodeId, TypeError> {
+        let node = self.b.g.node(id);
+        if node.checkpoint.is_none() || self.kept.contains(&id) {
+            return Ok(id);
+        }
+        if let Some(&c) = self.clones.get(&id) {
+            return Ok(c);
+        }
+        let (op, inputs, span) = (node.op.clone(), node.inputs.clone(), node.span);
+        let mut new_inputs = Vec::with_capacity(inputs.len());
+        for i in inputs {
+            new_inputs.push(self.fwd(i)?);
+        }
+        let saved = self.b.span;
+        self.b.span = span;
+        let c = self.b.add(op, new_inputs);
+        self.b.span = saved;
+        let c = c?;
+        self.clones.insert(id, c);
+        Ok(c)
+    }
+}
+
+fn internal(e: TypeError, g: &Graph, at: NodeId) -> Diagnostic {
+    let span = g.get(at).map(|n| n.span).unwrap_or_default();
+    if e.code == "E0504" {
+        return Diagnostic::error(e.code, e.message).with_primary(span, e.detail);
+    }
+    Diagnostic::error(
+        "E0002",
+        format!("internal compiler error in autodiff: {}", e.message),
+    )
+    .with_primary(span, e.detail)
+}
+
+/// Nodes that `y` depends on (including `y`).
+fn ancestors(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
+    let mut seen = BTreeSet::new();
+    let mut q = VecDeque::from([y]);
+    while let Some(n) = q.pop_front() {
+        if seen.insert(n) {
+            q.extend(g.node(n).inputs.iter().copied());
+        }
+    }
+    seen
+}
+
+/// Nodes that depend on any of `xs` (including them).
+fn descendants(g: &Graph, xs: &[NodeId]) -> BTreeSet<NodeId> {
+    let mut seen = BTreeSet::new();
+    let mut q: VecDeque<NodeId> = xs.iter().copied().collect();
+    while let Some(n) = q.pop_front() {
+        if seen.insert(n) {
+            q.extend(g.users(n));
+        }
+    }
+    seen
+}
+
+/// One backward pass: the gradient of scalar `y` with respect to each of `targets` that `y`
+/// depends on.
+pub fn backward(
+    g: &mut Graph,
+    y: NodeId,
+    targets: &[NodeId],
+) -> Result<BTreeMap<NodeId, NodeId>, Diagnostic> {
+    let anc = ancestors(g, y);
+    let desc = descendants(g, targets);
+    let relevant: BTreeSet<NodeId> = anc.intersection(&desc).copied().collect();
+    let order = g
+        .topo_order()
+        .ok_or_else(|| Diagnostic::error("E0002", "internal compiler error: cyclic graph"))?;
+    // Checkpointed values read outside their own region are kept.
+    let mut kept = BTreeSet::new();
+    for id in g.node_ids() {
+        let region = g.node(id).checkpoint;
+        if region.is_some() {
+            let outside = g.users(id).iter().any(|&u| g.node(u).checkpoint != region)
+                || g.outputs.iter().any(|(_, o)| *o == id)
+                || id == y;
+            if outside {
+                kept.insert(id);
+            }
+        }
+    }
+    let span = g.node(y).span;
+    let ydt = g.ty(y).clone();
+    let mut ad = Ad {
+        b: Builder::new(g, span),
+        clones: BTreeMap::new(),
+        kept,
+    };
+    let mut adj: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let seed = ad.b.full(1.0, ydt).map_err(|e| internal(e, ad.b.g, y))?;
+    adj.insert(y, seed);
+    for &n in order.iter().rev() {
+        if !relevant.contains(&n) {
+            continue;
+        }
+        let Some(&gn) = adj.get(&n) else {
+            continue;
+        };
+        let inputs = ad.b.g.node(n).inputs.clone();
+        if inputs.is_empty() {
+            continue;
+        }
+        let wants: Vec<bool> = inputs
+            .iter()
+            .map(|i| relevant.contains(i) && ad.b.g.ty(*i).dtype.is_float())
+            .collect();
+        if !wants.iter().any(|&w| w) {
+            continue;
+        }
+        ad.b.span = ad.b.g.node(n).span;
+        let grads = rules::vjp(&mut ad, n, gn, &wants).map_err(|e| internal(e, ad.b.g, n))?;
+        for (inp, gi) in inputs.iter().zip(grads) {
+            let Some(gi) = gi else { continue };
+            let acc = match adj.get(inp) {
+                Some(&prev) => ad.b.add2(prev, gi).map_err(|e| internal(e, ad.b.g, n))?,
+                None => gi,
+            };
+            adj.insert(*inp, acc);
+        }
+    }
+    Ok(targets
+        .iter()
+        .filter_map(|t| adj.get(t).map(|&g| (*t, g)))
+        .collect())
+}
+
+/// Expands `grad` nodes and `train` (see the module doc). The graph is compacted afterwards
+/// so node ids follow execution order.
+pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
+    let grad_nodes: Vec<NodeId> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, Op::Grad))
+        .collect();
+    let mut diags = Vec::new();
+    // Nested grads (a grad whose y depends on another grad) are second order.
+    for &gn in &grad_nodes {
+        let y = g.node(gn).inputs[0];
+        let nested = ancestors(g, y)
+            .iter()
+            .any(|&a| a != gn && matches!(g.node(a).op, Op::Grad));
+        if nested {
+            diags.push(
+                Diagnostic::error("E0504", "second-order gradients are not supported")
+                    .with_primary(
+                        g.node(gn).span,
+                        "this `grad` differentiates a value computed from another `grad`",
+                    ),
+            );
+        }
+    }
+    if !diags.is_empty() {
+        return Err(diags);
+    }
+    let mut by_y: BTreeMap<NodeId, Vec<(NodeId, NodeId)>> = BTreeMap::new();
+    for &gn in &grad_nodes {
+        let n = g.node(gn);
+        by_y.entry(n.inputs[0]).or_default().push((gn, n.inputs[1]));
+    }
+    for (y, pairs) in by_y {
+        let xs: Vec<NodeId> = pairs.iter().map(|p| p.1).collect();
+        let grads = backward(g, y, &xs).map_err(|d| vec![d])?;
+        for (gn, x) in pairs {
+            let replacement = match grads.get(&x) {
+                Some(&r) => r,
+                None => {
+                    let (span, ty) = (g.node(gn).span, g.ty(x).clone());
+                    let mut b = Builder::new(g, span);
+                    b.full(0.0, ty).map_err(|e| vec![internal(e, g, gn)])?
+                }
+            };
+            g.replace_all_uses(gn, replacement);
+        }
+    }
+    for gn in grad_nodes {
+        g.remove(gn);
+    }
+    if let Some(train) = g.train.clone() {
+        let params: Vec<NodeId> = g
+            .params
+            .iter()
+            .copied()
+            .filter(|&p| g.ty(p).dtype.is_float())
+            .collect();
+        let grads = backward(g, train.loss, &params).map_err(|d| vec![d])?;
+        optim::lower(g, &train, &params, &grads).map_err(|e| vec![internal(e, g, train.loss)])?;
+    }
+    *g = g.compacted();
+    Ok(())
+}

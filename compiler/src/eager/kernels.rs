@@ -1,0 +1,918 @@
+//! One reference implementation per op, written for clarity, not speed (loops over
+//! row-major data in f64). These define what every back end must compute.
+//!
+//! Conventions where the language leaves room (back ends follow them):
+//! - integer `/` rounds toward negative infinity and `%` takes the divisor's sign (Python);
+//!   division by zero is an error;
+//! - float→int casts truncate toward zero and saturate (NaN → 0); a value is true when ≠ 0;
+//! - `avg_pool2d` divides by the full window (padding counts, PyTorch's default);
+//!   `max_pool2d` ignores padding;
+//! - `argmax` and `max`'s gradient pick ties as the reduction defines (first index; equal
+//!   shares);
+//! - dropout keeps element `i` when `uniform(seed, i) >= p` (see [`dropout_uniform`]) and
+//!   scales kept values by `1 / (1 - p)`.
+
+use super::tensor::{
+    broadcast_strides, contiguous_strides, for_each_offset, round, Data, Precision, Tensor,
+};
+use super::EagerError;
+use crate::ir::{BinaryOp, DType, Op, PoolKind, ReduceOp, Scalar, TensorType, UnaryOp};
+
+type Res = Result<Tensor, EagerError>;
+
+fn internal(m: impl Into<String>) -> EagerError {
+    EagerError::Internal(m.into())
+}
+
+fn floats(t: &Tensor) -> Result<&[f64], EagerError> {
+    match &t.data {
+        Data::F(v) => Ok(v),
+        _ => Err(internal(format!("expected float data for {}", t.ty))),
+    }
+}
+
+fn ints(t: &Tensor) -> Result<&[i32], EagerError> {
+    match &t.data {
+        Data::I(v) => Ok(v),
+        _ => Err(internal(format!("expected i32 data for {}", t.ty))),
+    }
+}
+
+fn bools(t: &Tensor) -> Result<&[bool], EagerError> {
+    match &t.data {
+        Data::B(v) => Ok(v),
+        _ => Err(internal(format!("expected bool data for {}", t.ty))),
+    }
+}
+
+/// Builds a result of type `ty` from f64 values, rounding on store.
+fn store_f(ty: &TensorType, v: Vec<f64>, p: Precision) -> Tensor {
+    let data = match ty.dtype {
+        DType::I32 => Data::I(v.into_iter().map(|x| x as i32).collect()),
+        DType::Bool => Data::B(v.into_iter().map(|x| x != 0.0).collect()),
+        d => Data::F(v.into_iter().map(|x| round(d, x, p)).collect()),
+    };
+    Tensor {
+        ty: ty.clone(),
+        data,
+    }
+}
+
+/// Gathers `src` through an offset map into a fresh tensor of type `ty`.
+fn gather(src: &Tensor, ty: &TensorType, offsets: &[usize]) -> Tensor {
+    let data = match &src.data {
+        Data::F(v) => Data::F(offsets.iter().map(|&o| v[o]).collect()),
+        Data::I(v) => Data::I(offsets.iter().map(|&o| v[o]).collect()),
+        Data::B(v) => Data::B(offsets.iter().map(|&o| v[o]).collect()),
+    };
+    Tensor {
+        ty: ty.clone(),
+        data,
+    }
+}
+
+fn offsets(shape: &[usize], strides: &[usize], base: usize) -> Vec<usize> {
+    let mut out = Vec::with_capacity(shape.iter().product());
+    for_each_offset(shape, &[strides], &[base], |_, o| out.push(o[0]));
+    out
+}
+
+/// A splitmix64 step: the hash behind dropout masks and parameter initialisation.
+pub fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The dropout draw for element `i` of a dropout with `seed`: uniform in [0, 1) with 24 bits.
+pub fn dropout_uniform(seed: u64, i: u64) -> f64 {
+    let h = splitmix64(splitmix64(seed ^ 0xD1B5_4A32_D192_ED03).wrapping_add(i));
+    (h >> 40) as f64 / (1u64 << 24) as f64
+}
+
+fn gelu(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+}
+
+fn unary_f(u: UnaryOp, x: f64) -> f64 {
+    match u {
+        UnaryOp::Neg => -x,
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.ln(),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
+        UnaryOp::Recip => 1.0 / x,
+        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        UnaryOp::Relu => {
+            if x > 0.0 {
+                x
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Gelu => gelu(x),
+        UnaryOp::Silu => x / (1.0 + (-x).exp()),
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
+        UnaryOp::Erf => libm::erf(x),
+        UnaryOp::Not => x,
+    }
+}
+
+fn binary_f(b: BinaryOp, x: f64, y: f64) -> f64 {
+    let t = |c: bool| if c { 1.0 } else { 0.0 };
+    match b {
+        BinaryOp::Add => x + y,
+        BinaryOp::Sub => x - y,
+        BinaryOp::Mul => x * y,
+        BinaryOp::Div => x / y,
+        BinaryOp::Rem => x - y * (x / y).floor(),
+        BinaryOp::Pow => x.powf(y),
+        BinaryOp::Maximum => {
+            if x.is_nan() || y.is_nan() {
+                f64::NAN
+            } else {
+                x.max(y)
+            }
+        }
+        BinaryOp::Minimum => {
+            if x.is_nan() || y.is_nan() {
+                f64::NAN
+            } else {
+                x.min(y)
+            }
+        }
+        BinaryOp::Eq => t(x == y),
+        BinaryOp::Ne => t(x != y),
+        BinaryOp::Lt => t(x < y),
+        BinaryOp::Le => t(x <= y),
+        BinaryOp::Gt => t(x > y),
+        BinaryOp::Ge => t(x >= y),
+        BinaryOp::And => t(x != 0.0 && y != 0.0),
+        BinaryOp::Or => t(x != 0.0 || y != 0.0),
+    }
+}
+
+fn binary_i(b: BinaryOp, x: i32, y: i32) -> Result<i64, EagerError> {
+    let t = |c: bool| i64::from(c);
+    Ok(match b {
+        BinaryOp::Add => x.wrapping_add(y) as i64,
+        BinaryOp::Sub => x.wrapping_sub(y) as i64,
+        BinaryOp::Mul => x.wrapping_mul(y) as i64,
+        BinaryOp::Div | BinaryOp::Rem if y == 0 => return Err(EagerError::DivisionByZero),
+        BinaryOp::Div => {
+            (x as i64).div_euclid(y as i64)
+                - i64::from(y < 0 && (x as i64).rem_euclid(y as i64) != 0)
+        }
+        BinaryOp::Rem => {
+            let r = (x as i64) % (y as i64);
+            if r != 0 && ((r < 0) != (y < 0)) {
+                r + y as i64
+            } else {
+                r
+            }
+        }
+        BinaryOp::Pow => (x as f64).powf(y as f64) as i64,
+        BinaryOp::Maximum => x.max(y) as i64,
+        BinaryOp::Minimum => x.min(y) as i64,
+        BinaryOp::Eq => t(x == y),
+        BinaryOp::Ne => t(x != y),
+        BinaryOp::Lt => t(x < y),
+        BinaryOp::Le => t(x <= y),
+        BinaryOp::Gt => t(x > y),
+        BinaryOp::Ge => t(x >= y),
+        BinaryOp::And | BinaryOp::Or => return Err(internal("logical op on i32")),
+    })
+}
+
+/// Evaluates one op. `ty` is the node's result type.
+pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
+    match op {
+        Op::Input { .. } | Op::Param { .. } | Op::State { .. } | Op::Grad => Err(internal(
+            format!("`{}` is not evaluated as an op", op.name()),
+        )),
+        Op::Literal { value, .. } | Op::Full { value, .. } => {
+            let n = ty.shape.numel();
+            let data = match (value, ty.dtype) {
+                (Scalar::Bool(b), _) => Data::B(vec![*b; n]),
+                (Scalar::Int(i), DType::I32) => Data::I(vec![*i as i32; n]),
+                (Scalar::Int(i), d) => Data::F(vec![round(d, *i as f64, p); n]),
+                (Scalar::Float(f), DType::I32) => Data::I(vec![*f as i32; n]),
+                (Scalar::Float(f), d) => Data::F(vec![round(d, *f, p); n]),
+            };
+            Ok(Tensor {
+                ty: ty.clone(),
+                data,
+            })
+        }
+        Op::Arange { n } => Ok(Tensor::from_i32(vec![*n], (0..*n as i32).collect())),
+        Op::Unary(u) => {
+            let x = ins[0];
+            match (&x.data, u) {
+                (Data::B(v), UnaryOp::Not) => Ok(Tensor {
+                    ty: ty.clone(),
+                    data: Data::B(v.iter().map(|b| !b).collect()),
+                }),
+                (Data::I(v), _) => {
+                    let f = |a: i32| match u {
+                        UnaryOp::Neg => a.wrapping_neg(),
+                        UnaryOp::Abs => a.wrapping_abs(),
+                        _ => a.max(0),
+                    };
+                    Ok(Tensor {
+                        ty: ty.clone(),
+                        data: Data::I(v.iter().map(|&a| f(a)).collect()),
+                    })
+                }
+                (Data::F(v), _) => Ok(store_f(ty, v.iter().map(|&a| unary_f(*u, a)).collect(), p)),
+                _ => Err(internal("unary op on wrong data")),
+            }
+        }
+        Op::Binary(b) => {
+            let (x, y) = (ins[0], ins[1]);
+            let sx = broadcast_strides(x.dims(), ty.dims());
+            let sy = broadcast_strides(y.dims(), ty.dims());
+            let n = ty.shape.numel();
+            match (&x.data, &y.data) {
+                (Data::F(a), Data::F(c)) => {
+                    let mut out = Vec::with_capacity(n);
+                    for_each_offset(ty.dims(), &[&sx, &sy], &[0, 0], |_, o| {
+                        out.push(binary_f(*b, a[o[0]], c[o[1]]))
+                    });
+                    Ok(store_f(ty, out, p))
+                }
+                (Data::I(a), Data::I(c)) => {
+                    let mut out = Vec::with_capacity(n);
+                    let mut err = None;
+                    for_each_offset(ty.dims(), &[&sx, &sy], &[0, 0], |_, o| {
+                        match binary_i(*b, a[o[0]], c[o[1]]) {
+                            Ok(v) => out.push(v),
+                            Err(e) => {
+                                err.get_or_insert(e);
+                                out.push(0);
+                            }
+                        }
+                    });
+                    if let Some(e) = err {
+                        return Err(e);
+                    }
+                    let data = if ty.dtype == DType::Bool {
+                        Data::B(out.iter().map(|&v| v != 0).collect())
+                    } else {
+                        Data::I(out.iter().map(|&v| v as i32).collect())
+                    };
+                    Ok(Tensor {
+                        ty: ty.clone(),
+                        data,
+                    })
+                }
+                (Data::B(a), Data::B(c)) => {
+                    let mut out = Vec::with_capacity(n);
+                    for_each_offset(ty.dims(), &[&sx, &sy], &[0, 0], |_, o| {
+                        let (u, v) = (a[o[0]], c[o[1]]);
+                        out.push(match b {
+                            BinaryOp::And => u && v,
+                            BinaryOp::Or => u || v,
+                            BinaryOp::Eq => u == v,
+                            _ => u != v,
+                        })
+                    });
+                    Ok(Tensor {
+                        ty: ty.clone(),
+                        data: Data::B(out),
+                    })
+                }
+                _ => Err(internal("binary op on mismatched data")),
+            }
+        }
+        Op::Where => {
+            let (c, a, b) = (ins[0], ins[1], ins[2]);
+            let sc = broadcast_strides(c.dims(), ty.dims());
+            let sa = broadcast_strides(a.dims(), ty.dims());
+            let sb = broadcast_strides(b.dims(), ty.dims());
+            let cv = bools(c)?;
+            let mut pick = Vec::with_capacity(ty.shape.numel());
+            for_each_offset(ty.dims(), &[&sc, &sa, &sb], &[0, 0, 0], |_, o| {
+                pick.push((cv[o[0]], o[1], o[2]))
+            });
+            let data = match (&a.data, &b.data) {
+                (Data::F(x), Data::F(y)) => Data::F(
+                    pick.iter()
+                        .map(|&(k, i, j)| if k { x[i] } else { y[j] })
+                        .collect(),
+                ),
+                (Data::I(x), Data::I(y)) => Data::I(
+                    pick.iter()
+                        .map(|&(k, i, j)| if k { x[i] } else { y[j] })
+                        .collect(),
+                ),
+                (Data::B(x), Data::B(y)) => Data::B(
+                    pick.iter()
+                        .map(|&(k, i, j)| if k { x[i] } else { y[j] })
+                        .collect(),
+                ),
+                _ => return Err(internal("where on mismatched data")),
+            };
+            Ok(Tensor {
+                ty: ty.clone(),
+                data,
+            })
+        }
+        Op::Cast { to } => {
+            let x = ins[0];
+            let data = match (&x.data, to) {
+                (Data::F(v), DType::I32) => Data::I(
+                    v.iter()
+                        .map(|&a| if a.is_nan() { 0 } else { a as i32 })
+                        .collect(),
+                ),
+                (Data::F(v), DType::Bool) => Data::B(v.iter().map(|&a| a != 0.0).collect()),
+                (Data::F(v), d) => Data::F(v.iter().map(|&a| round(*d, a, p)).collect()),
+                (Data::I(v), DType::I32) => Data::I(v.clone()),
+                (Data::I(v), DType::Bool) => Data::B(v.iter().map(|&a| a != 0).collect()),
+                (Data::I(v), d) => Data::F(v.iter().map(|&a| round(*d, a as f64, p)).collect()),
+                (Data::B(v), DType::Bool) => Data::B(v.clone()),
+                (Data::B(v), DType::I32) => Data::I(v.iter().map(|&a| i32::from(a)).collect()),
+                (Data::B(v), _) => Data::F(v.iter().map(|&a| if a { 1.0 } else { 0.0 }).collect()),
+            };
+            Ok(Tensor {
+                ty: ty.clone(),
+                data,
+            })
+        }
+        Op::Reduce { op: r, axes, .. } => reduce(*r, axes, ins[0], ty, p),
+        Op::ArgMax { axis, .. } => argmax(*axis, ins[0], ty),
+        Op::Reshape { .. } => Ok(Tensor {
+            ty: ty.clone(),
+            data: ins[0].data.clone(),
+        }),
+        Op::Permute { perm } => {
+            let x = ins[0];
+            let xs = x.strides();
+            let s: Vec<usize> = perm.iter().map(|&a| xs[a]).collect();
+            Ok(gather(x, ty, &offsets(ty.dims(), &s, 0)))
+        }
+        Op::BroadcastTo { .. } => {
+            let x = ins[0];
+            let s = broadcast_strides(x.dims(), ty.dims());
+            Ok(gather(x, ty, &offsets(ty.dims(), &s, 0)))
+        }
+        Op::Slice { ranges } => {
+            let x = ins[0];
+            let xs = x.strides();
+            let base: usize = ranges.iter().zip(&xs).map(|(&(s, _), &st)| s * st).sum();
+            Ok(gather(x, ty, &offsets(ty.dims(), &xs, base)))
+        }
+        Op::Select { axis, index } => {
+            let x = ins[0];
+            let mut xs = x.strides();
+            let base = index * xs[*axis];
+            xs.remove(*axis);
+            Ok(gather(x, ty, &offsets(ty.dims(), &xs, base)))
+        }
+        Op::Concat { axis } => {
+            let mut out = Tensor::zeros(ty.clone());
+            let os = contiguous_strides(ty.dims());
+            let mut off = 0;
+            for x in ins {
+                let dst = offsets(x.dims(), &os, off * os[*axis]);
+                match (&mut out.data, &x.data) {
+                    (Data::F(o), Data::F(v)) => dst.iter().zip(v).for_each(|(&d, &s)| o[d] = s),
+                    (Data::I(o), Data::I(v)) => dst.iter().zip(v).for_each(|(&d, &s)| o[d] = s),
+                    (Data::B(o), Data::B(v)) => dst.iter().zip(v).for_each(|(&d, &s)| o[d] = s),
+                    _ => return Err(internal("concat of mismatched data")),
+                }
+                off += x.dims()[*axis];
+            }
+            Ok(out)
+        }
+        Op::MatMul => matmul(ins[0], ins[1], ty, p),
+        Op::Conv2d {
+            stride,
+            padding,
+            groups,
+        } => conv2d(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        Op::Conv2dGradInput {
+            stride,
+            padding,
+            groups,
+            ..
+        } => conv2d_grad_input(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        Op::Conv2dGradWeight {
+            stride,
+            padding,
+            groups,
+            ..
+        } => conv2d_grad_weight(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        Op::Pool2d {
+            kind,
+            kernel,
+            stride,
+            padding,
+        } => pool(*kind, ins[0], ty, *kernel, *stride, *padding, p),
+        Op::Pool2dGrad {
+            kind,
+            kernel,
+            stride,
+            padding,
+        } => pool_grad(*kind, ins[0], ins[1], ty, *kernel, *stride, *padding, p),
+        Op::Embedding => {
+            let (table, ids) = (ins[0], ins[1]);
+            let (v, d) = (table.dims()[0], table.dims()[1]);
+            let tv = floats(table)?;
+            let mut out = Vec::with_capacity(ty.shape.numel());
+            for &i in ints(ids)? {
+                if i < 0 || i as usize >= v {
+                    return Err(EagerError::IndexOutOfRange {
+                        what: "embedding id",
+                        index: i as i64,
+                        bound: v,
+                    });
+                }
+                out.extend_from_slice(&tv[i as usize * d..(i as usize + 1) * d]);
+            }
+            Ok(store_f(ty, out, p))
+        }
+        Op::EmbeddingGrad { vocab } => {
+            let (ids, dy) = (ins[0], ins[1]);
+            let d = ty.dims()[1];
+            let g = floats(dy)?;
+            let mut out = vec![0.0; vocab * d];
+            for (k, &i) in ints(ids)?.iter().enumerate() {
+                if i < 0 || i as usize >= *vocab {
+                    return Err(EagerError::IndexOutOfRange {
+                        what: "embedding id",
+                        index: i as i64,
+                        bound: *vocab,
+                    });
+                }
+                let row = i as usize * d;
+                for j in 0..d {
+                    out[row + j] += g[k * d + j];
+                }
+            }
+            Ok(store_f(ty, out, p))
+        }
+        Op::Dropout { p: prob, seed } => {
+            let x = floats(ins[0])?;
+            let scale = 1.0 / (1.0 - prob);
+            let out = x
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    if dropout_uniform(*seed, i as u64) >= *prob {
+                        v * scale
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            Ok(store_f(ty, out, p))
+        }
+        Op::Tri { upper, k } => {
+            let x = ins[0];
+            let r = x.dims().len();
+            let (rows, cols) = (x.dims()[r - 2], x.dims()[r - 1]);
+            let keep = |idx: usize| {
+                let j = (idx % cols) as i64;
+                let i = ((idx / cols) % rows) as i64;
+                if *upper {
+                    j - i >= *k
+                } else {
+                    j - i <= *k
+                }
+            };
+            let data = match &x.data {
+                Data::F(v) => Data::F(
+                    v.iter()
+                        .enumerate()
+                        .map(|(i, &a)| if keep(i) { a } else { 0.0 })
+                        .collect(),
+                ),
+                Data::I(v) => Data::I(
+                    v.iter()
+                        .enumerate()
+                        .map(|(i, &a)| if keep(i) { a } else { 0 })
+                        .collect(),
+                ),
+                Data::B(v) => Data::B(v.iter().enumerate().map(|(i, &a)| a && keep(i)).collect()),
+            };
+            Ok(Tensor {
+                ty: ty.clone(),
+                data,
+            })
+        }
+    }
+}
+
+fn reduce(r: ReduceOp, axes: &[usize], x: &Tensor, ty: &TensorType, p: Precision) -> Res {
+    // Output offsets: keep-dim strides with reduced axes set to 0.
+    let kept: Vec<usize> = x
+        .dims()
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+        .collect();
+    let ks = contiguous_strides(&kept);
+    let os: Vec<usize> = ks
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| if axes.contains(&i) { 0 } else { s })
+        .collect();
+    let n_out = ty.shape.numel();
+    let count: usize = axes.iter().map(|&a| x.dims()[a]).product();
+    let vals = x.to_f64();
+    let init = match r {
+        ReduceOp::Sum | ReduceOp::Mean => 0.0,
+        ReduceOp::Max => f64::NEG_INFINITY,
+        ReduceOp::Min => f64::INFINITY,
+    };
+    let mut acc = vec![init; n_out];
+    let mut nan = vec![false; n_out];
+    for_each_offset(x.dims(), &[&os], &[0], |k, o| {
+        let v = vals[k];
+        let a = &mut acc[o[0]];
+        match r {
+            ReduceOp::Sum | ReduceOp::Mean => *a += v,
+            ReduceOp::Max => {
+                if v.is_nan() {
+                    nan[o[0]] = true;
+                } else if v > *a {
+                    *a = v
+                }
+            }
+            ReduceOp::Min => {
+                if v.is_nan() {
+                    nan[o[0]] = true;
+                } else if v < *a {
+                    *a = v
+                }
+            }
+        }
+    });
+    for (a, &isnan) in acc.iter_mut().zip(&nan) {
+        if isnan {
+            *a = f64::NAN;
+        }
+        if r == ReduceOp::Mean {
+            *a /= count.max(1) as f64;
+        }
+    }
+    Ok(store_f(ty, acc, p))
+}
+
+fn argmax(axis: Option<usize>, x: &Tensor, ty: &TensorType) -> Res {
+    let vals = x.to_f64();
+    let better = |a: f64, b: f64| a > b || (a.is_nan() && !b.is_nan());
+    let out = match axis {
+        None => {
+            let mut best = 0usize;
+            for (i, &v) in vals.iter().enumerate() {
+                if better(v, vals[best]) {
+                    best = i;
+                }
+            }
+            vec![best as i32; ty.shape.numel()]
+        }
+        Some(a) => {
+            let dims = x.dims();
+            let inner: usize = dims[a + 1..].iter().product();
+            let len = dims[a];
+            let outer: usize = dims[..a].iter().product();
+            let mut out = Vec::with_capacity(outer * inner);
+            for o in 0..outer {
+                for i in 0..inner {
+                    let base = o * len * inner + i;
+                    let mut best = 0usize;
+                    for k in 1..len {
+                        if better(vals[base + k * inner], vals[base + best * inner]) {
+                            best = k;
+                        }
+                    }
+                    out.push(best as i32);
+                }
+            }
+            out
+        }
+    };
+    Ok(Tensor {
+        ty: ty.clone(),
+        data: Data::I(out),
+    })
+}
+
+fn matmul(a: &Tensor, b: &Tensor, ty: &TensorType, p: Precision) -> Res {
+    // Promote 1-D operands to matrices, broadcast batch dims.
+    let ad: Vec<usize> = if a.dims().len() == 1 {
+        vec![1, a.dims()[0]]
+    } else {
+        a.dims().to_vec()
+    };
+    let bd: Vec<usize> = if b.dims().len() == 1 {
+        vec![b.dims()[0], 1]
+    } else {
+        b.dims().to_vec()
+    };
+    let (m, k) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let n = bd[bd.len() - 1];
+    let ab = &ad[..ad.len() - 2];
+    let bb = &bd[..bd.len() - 2];
+    let rank = ab.len().max(bb.len());
+    let mut batch = vec![1usize; rank];
+    for i in 0..rank {
+        let x = if i + ab.len() >= rank {
+            ab[i + ab.len() - rank]
+        } else {
+            1
+        };
+        let y = if i + bb.len() >= rank {
+            bb[i + bb.len() - rank]
+        } else {
+            1
+        };
+        batch[i] = x.max(y);
+    }
+    // Matrix-index strides for a and b over the broadcast batch.
+    let sa: Vec<usize> = broadcast_strides(ab, &batch)
+        .iter()
+        .map(|s| s * m * k)
+        .collect();
+    let sb: Vec<usize> = broadcast_strides(bb, &batch)
+        .iter()
+        .map(|s| s * k * n)
+        .collect();
+    let av = floats_or_ints(a);
+    let bv = floats_or_ints(b);
+    let nb: usize = batch.iter().product();
+    let mut out = vec![0.0; nb * m * n];
+    let mut bi = 0;
+    for_each_offset(&batch, &[&sa, &sb], &[0, 0], |_, o| {
+        let (ao, bo) = (o[0], o[1]);
+        let c = &mut out[bi * m * n..(bi + 1) * m * n];
+        for i in 0..m {
+            let crow = &mut c[i * n..(i + 1) * n];
+            for kk in 0..k {
+                let x = av[ao + i * k + kk];
+                if x == 0.0 {
+                    continue;
+                }
+                let brow = &bv[bo + kk * n..bo + (kk + 1) * n];
+                for (cj, &bj) in crow.iter_mut().zip(brow) {
+                    *cj += x * bj;
+                }
+            }
+        }
+        bi += 1;
+    });
+    Ok(store_f(ty, out, p))
+}
+
+fn floats_or_ints(t: &Tensor) -> std::borrow::Cow<'_, [f64]> {
+    match &t.data {
+        Data::F(v) => std::borrow::Cow::Borrowed(v),
+        _ => std::borrow::Cow::Owned(t.to_f64()),
+    }
+}
+
+/// Visits every (output position, kernel tap, input position) of a conv2d: calls
+/// `f(n, o, oh, ow, c, kh, kw, ih, iw)` for taps inside the input.
+#[allow(clippy::too_many_arguments)]
+fn conv_taps(
+    xd: &[usize],
+    wd: &[usize],
+    yd: &[usize],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    groups: usize,
+    mut f: impl FnMut([usize; 9]),
+) {
+    let (nb, cin, h, w) = (xd[0], xd[1], xd[2], xd[3]);
+    let (cout, cpg, kh, kw) = (wd[0], wd[1], wd[2], wd[3]);
+    let (ho, wo) = (yd[2], yd[3]);
+    let opg = cout / groups.max(1);
+    let _ = cin;
+    for n in 0..nb {
+        for o in 0..cout {
+            let gidx = o / opg.max(1);
+            for oh in 0..ho {
+                for ow in 0..wo {
+                    for cc in 0..cpg {
+                        let c = gidx * cpg + cc;
+                        for i in 0..kh {
+                            let ih = (oh * stride[0] + i) as isize - padding[0] as isize;
+                            if ih < 0 || ih as usize >= h {
+                                continue;
+                            }
+                            for j in 0..kw {
+                                let iw = (ow * stride[1] + j) as isize - padding[1] as isize;
+                                if iw < 0 || iw as usize >= w {
+                                    continue;
+                                }
+                                f([n, o, oh, ow, cc, i, j, ih as usize, iw as usize]);
+                                let _ = c;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn idx4(d: &[usize], a: usize, b: usize, c: usize, e: usize) -> usize {
+    ((a * d[1] + b) * d[2] + c) * d[3] + e
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    ty: &TensorType,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    groups: usize,
+    p: Precision,
+) -> Res {
+    let (xv, wv) = (floats(x)?, floats(w)?);
+    let (xd, wd, yd) = (x.dims(), w.dims(), ty.dims());
+    let cpg = wd[1];
+    let opg = wd[0] / groups.max(1);
+    let mut out = vec![0.0; ty.shape.numel()];
+    conv_taps(
+        xd,
+        wd,
+        yd,
+        stride,
+        padding,
+        groups,
+        |[n, o, oh, ow, cc, i, j, ih, iw]| {
+            let c = (o / opg) * cpg + cc;
+            out[idx4(yd, n, o, oh, ow)] += xv[idx4(xd, n, c, ih, iw)] * wv[idx4(wd, o, cc, i, j)];
+        },
+    );
+    Ok(store_f(ty, out, p))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_grad_input(
+    dy: &Tensor,
+    w: &Tensor,
+    ty: &TensorType,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    groups: usize,
+    p: Precision,
+) -> Res {
+    let (gv, wv) = (floats(dy)?, floats(w)?);
+    let (xd, wd, yd) = (ty.dims(), w.dims(), dy.dims());
+    let cpg = wd[1];
+    let opg = wd[0] / groups.max(1);
+    let mut out = vec![0.0; ty.shape.numel()];
+    conv_taps(
+        xd,
+        wd,
+        yd,
+        stride,
+        padding,
+        groups,
+        |[n, o, oh, ow, cc, i, j, ih, iw]| {
+            let c = (o / opg) * cpg + cc;
+            out[idx4(xd, n, c, ih, iw)] += gv[idx4(yd, n, o, oh, ow)] * wv[idx4(wd, o, cc, i, j)];
+        },
+    );
+    Ok(store_f(ty, out, p))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv2d_grad_weight(
+    x: &Tensor,
+    dy: &Tensor,
+    ty: &TensorType,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    groups: usize,
+    p: Precision,
+) -> Res {
+    let (xv, gv) = (floats(x)?, floats(dy)?);
+    let (xd, wd, yd) = (x.dims(), ty.dims(), dy.dims());
+    let cpg = wd[1];
+    let opg = wd[0] / groups.max(1);
+    let mut out = vec![0.0; ty.shape.numel()];
+    conv_taps(
+        xd,
+        wd,
+        yd,
+        stride,
+        padding,
+        groups,
+        |[n, o, oh, ow, cc, i, j, ih, iw]| {
+            let c = (o / opg) * cpg + cc;
+            out[idx4(wd, o, cc, i, j)] += xv[idx4(xd, n, c, ih, iw)] * gv[idx4(yd, n, o, oh, ow)];
+        },
+    );
+    Ok(store_f(ty, out, p))
+}
+
+/// Visits every pooling window: `f(out_index, taps)` where taps are input indices inside the
+/// image; `area` is the full window size.
+fn pool_windows(
+    xd: &[usize],
+    yd: &[usize],
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    mut f: impl FnMut(usize, &[usize]),
+) {
+    let mut taps = Vec::with_capacity(kernel[0] * kernel[1]);
+    for n in 0..yd[0] {
+        for c in 0..yd[1] {
+            for oh in 0..yd[2] {
+                for ow in 0..yd[3] {
+                    taps.clear();
+                    for i in 0..kernel[0] {
+                        let ih = (oh * stride[0] + i) as isize - padding[0] as isize;
+                        if ih < 0 || ih as usize >= xd[2] {
+                            continue;
+                        }
+                        for j in 0..kernel[1] {
+                            let iw = (ow * stride[1] + j) as isize - padding[1] as isize;
+                            if iw < 0 || iw as usize >= xd[3] {
+                                continue;
+                            }
+                            taps.push(idx4(xd, n, c, ih as usize, iw as usize));
+                        }
+                    }
+                    f(idx4(yd, n, c, oh, ow), &taps);
+                }
+            }
+        }
+    }
+}
+
+fn pool(
+    kind: PoolKind,
+    x: &Tensor,
+    ty: &TensorType,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    p: Precision,
+) -> Res {
+    let xv = x.to_f64();
+    let area = (kernel[0] * kernel[1]) as f64;
+    let mut out = vec![0.0; ty.shape.numel()];
+    pool_windows(x.dims(), ty.dims(), kernel, stride, padding, |o, taps| {
+        out[o] = match kind {
+            PoolKind::Max => taps
+                .iter()
+                .map(|&t| xv[t])
+                .fold(f64::NEG_INFINITY, f64::max),
+            PoolKind::Avg => taps.iter().map(|&t| xv[t]).sum::<f64>() / area,
+        };
+    });
+    Ok(store_f(ty, out, p))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pool_grad(
+    kind: PoolKind,
+    x: &Tensor,
+    dy: &Tensor,
+    ty: &TensorType,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    p: Precision,
+) -> Res {
+    let xv = x.to_f64();
+    let gv = floats(dy)?;
+    let area = (kernel[0] * kernel[1]) as f64;
+    let mut out = vec![0.0; ty.shape.numel()];
+    pool_windows(
+        x.dims(),
+        dy.dims(),
+        kernel,
+        stride,
+        padding,
+        |o, taps| match kind {
+            PoolKind::Max => {
+                if let Some(&best) = taps
+                    .iter()
+                    .reduce(|a, b| if xv[*b] > xv[*a] { b } else { a })
+                {
+                    out[best] += gv[o];
+                }
+            }
+            PoolKind::Avg => {
+                for &t in taps {
+                    out[t] += gv[o] / area;
+                }
+            }
+        },
+    );
+    Ok(store_f(ty, out, p))
+}

@@ -1,0 +1,294 @@
+//! The eager reference interpreter: runs a graph op by op on the CPU.
+//!
+//! It is the numerical oracle for every back end (each op's reference semantics are in
+//! [`kernels`]) and the "eager execution" baseline for memory ([`memory`]). Each result is
+//! computed when its op runs and dropped right after its last use, in the graph's
+//! execution order; [`memory::account`] gives the byte accounting of that execution.
+//!
+//! Float tensors of every float dtype are computed in f64 and rounded to their dtype on
+//! store (f16 and bf16 through the `half` crate); [`Precision::F64`] skips the rounding for
+//! gradient checks.
+
+pub mod io;
+pub mod kernels;
+pub mod memory;
+pub mod tensor;
+
+use crate::ir::{DType, Graph, Init, NodeId, Op, TensorType};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+pub use tensor::{Data, Precision, Tensor};
+
+/// Errors while running a graph eagerly.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EagerError {
+    #[error("missing input `{0}`")]
+    MissingInput(String),
+    #[error("input `{name}` is {found}, but the model declares {expected}")]
+    InputType {
+        name: String,
+        expected: TensorType,
+        found: TensorType,
+    },
+    #[error("param `{0}` has no initialiser and was not loaded (use --param-file)")]
+    MissingParam(String),
+    #[error("{what} {index} out of range 0..{bound}")]
+    IndexOutOfRange {
+        what: &'static str,
+        index: i64,
+        bound: usize,
+    },
+    #[error("integer division by zero")]
+    DivisionByZero,
+    #[error("the graph still has a `grad` node; run autodiff first")]
+    UnexpandedGrad,
+    #[error("internal error in the eager interpreter: {0}")]
+    Internal(String),
+}
+
+/// Params and optimizer state by name: what persists across steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Persistent {
+    pub values: BTreeMap<String, Tensor>,
+}
+
+fn persistent_name(op: &Op) -> Option<(&str, &TensorType)> {
+    match op {
+        Op::Param { name, ty, .. } | Op::State { name, ty } => Some((name, ty)),
+        _ => None,
+    }
+}
+
+/// FNV-1a of a name: seeds each param's initialiser independently of declaration order.
+fn name_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The `i`-th standard uniform draw in [0, 1) of the stream `key`.
+fn uniform(key: u64, i: u64) -> f64 {
+    let h = kernels::splitmix64(kernels::splitmix64(key).wrapping_add(i));
+    ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
+/// Initial value of a param: deterministic in (`seed`, param name, element index).
+/// `normal` uses Box–Muller on two uniform draws per element.
+pub fn init_value(name: &str, ty: &TensorType, init: Init, seed: u64) -> Option<Tensor> {
+    let n = ty.shape.numel();
+    let key = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ name_hash(name);
+    let values: Vec<f64> = match init {
+        Init::Zeros => vec![0.0; n],
+        Init::Ones => vec![1.0; n],
+        Init::Uniform { lo, hi } => (0..n as u64)
+            .map(|i| lo + (hi - lo) * uniform(key, i))
+            .collect(),
+        Init::Normal { mean, std } => (0..n as u64)
+            .map(|i| {
+                let (u1, u2) = (uniform(key, 2 * i), uniform(key, 2 * i + 1));
+                mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+            })
+            .collect(),
+        Init::External => return None,
+    };
+    Some(Tensor::from_f64(ty.dtype, ty.shape.clone(), values))
+}
+
+/// Initial params (from their initialisers) and zeroed optimizer state. Params without an
+/// initialiser are left out: the caller loads them.
+pub fn init_persistent(g: &Graph, seed: u64) -> Persistent {
+    let mut values = BTreeMap::new();
+    for &id in g.params.iter().chain(&g.states) {
+        match &g.node(id).op {
+            Op::Param { name, ty, init } => {
+                if let Some(t) = init_value(name, ty, *init, seed) {
+                    values.insert(name.clone(), t);
+                }
+            }
+            Op::State { name, ty } => {
+                values.insert(name.clone(), Tensor::zeros(ty.clone()));
+            }
+            _ => {}
+        }
+    }
+    Persistent { values }
+}
+
+/// Runs one step: every node in execution order, then the end-of-step updates.
+/// Returns the outputs in declaration order.
+pub fn run_step(
+    g: &Graph,
+    persistent: &mut Persistent,
+    inputs: &BTreeMap<String, Tensor>,
+    precision: Precision,
+) -> Result<Vec<(String, Tensor)>, EagerError> {
+    let order = g
+        .topo_order()
+        .ok_or_else(|| EagerError::Internal("cyclic graph".into()))?;
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let end = order.len();
+    let mut last_use: Vec<usize> = vec![0; end];
+    for (i, &n) in order.iter().enumerate() {
+        last_use[i] = last_use[i].max(i);
+        for inp in &g.node(n).inputs {
+            let p = pos[inp];
+            last_use[p] = last_use[p].max(i);
+        }
+    }
+    for (_, o) in &g.outputs {
+        last_use[pos[o]] = end;
+    }
+    for (_, v) in &g.updates {
+        last_use[pos[v]] = end;
+    }
+    let mut vals: Vec<Option<Cow<Tensor>>> = vec![None; end];
+    let mut dead: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, &l) in last_use.iter().enumerate() {
+        dead.entry(l).or_default().push(i);
+    }
+    {
+        let store = &persistent.values;
+        for (i, &n) in order.iter().enumerate() {
+            let node = g.node(n);
+            let value: Cow<Tensor> = match &node.op {
+                Op::Input { name, ty } => {
+                    let t = inputs
+                        .get(name)
+                        .ok_or_else(|| EagerError::MissingInput(name.clone()))?;
+                    if &t.ty != ty {
+                        return Err(EagerError::InputType {
+                            name: name.clone(),
+                            expected: ty.clone(),
+                            found: t.ty.clone(),
+                        });
+                    }
+                    Cow::Borrowed(t)
+                }
+                op @ (Op::Param { .. } | Op::State { .. }) => {
+                    let (name, _) =
+                        persistent_name(op).ok_or_else(|| EagerError::Internal("param".into()))?;
+                    Cow::Borrowed(
+                        store
+                            .get(name)
+                            .ok_or_else(|| EagerError::MissingParam(name.to_string()))?,
+                    )
+                }
+                Op::Grad => return Err(EagerError::UnexpandedGrad),
+                op => {
+                    let args: Vec<&Tensor> = node
+                        .inputs
+                        .iter()
+                        .map(|inp| {
+                            vals[pos[inp]]
+                                .as_deref()
+                                .ok_or_else(|| EagerError::Internal("operand freed early".into()))
+                        })
+                        .collect::<Result<_, _>>()?;
+                    Cow::Owned(kernels::eval(op, &node.ty, &args, precision)?)
+                }
+            };
+            vals[i] = Some(value);
+            if let Some(d) = dead.get(&i) {
+                for &k in d {
+                    vals[k] = None;
+                }
+            }
+        }
+    }
+    let mut outputs = Vec::with_capacity(g.outputs.len());
+    for (name, o) in &g.outputs {
+        let t = vals[pos[o]]
+            .as_deref()
+            .ok_or_else(|| EagerError::Internal("output freed".into()))?;
+        outputs.push((name.clone(), t.clone()));
+    }
+    let mut new_values = Vec::with_capacity(g.updates.len());
+    for (target, v) in &g.updates {
+        let (name, _) = persistent_name(&g.node(*target).op)
+            .ok_or_else(|| EagerError::Internal("update target".into()))?;
+        let t = vals[pos[v]]
+            .as_deref()
+            .ok_or_else(|| EagerError::Internal("update freed".into()))?;
+        new_values.push((name.to_string(), t.clone()));
+    }
+    drop(vals);
+    for (name, t) in new_values {
+        persistent.values.insert(name, t);
+    }
+    Ok(outputs)
+}
+
+/// The exclusive upper bound of values an i32 input should take when fed random data:
+/// the vocabulary of an `embedding` it indexes, or the class count of a comparison against
+/// `arange(C)` (one-hot labels); `None` when nothing constrains it.
+pub fn int_input_bound(g: &Graph, input: NodeId) -> Option<usize> {
+    let mut stack = vec![input];
+    let mut seen = std::collections::BTreeSet::new();
+    let mut bound: Option<usize> = None;
+    while let Some(n) = stack.pop() {
+        if !seen.insert(n) {
+            continue;
+        }
+        for u in g.users(n) {
+            let node = g.node(u);
+            match &node.op {
+                Op::Embedding if node.inputs.get(1) == Some(&n) => {
+                    let v = g.ty(node.inputs[0]).dims()[0];
+                    bound = Some(bound.map_or(v, |b| b.min(v)));
+                }
+                Op::Binary(crate::ir::BinaryOp::Eq) => {
+                    for &other in &node.inputs {
+                        if let Op::Arange { n: c } = g.node(other).op {
+                            bound = Some(bound.map_or(c, |b| b.min(c)));
+                        }
+                    }
+                }
+                op if op.is_view_candidate() => stack.push(u),
+                _ => {}
+            }
+        }
+    }
+    bound
+}
+
+/// Seeded random inputs: floats standard normal, i32 uniform below [`int_input_bound`]
+/// (16 when unconstrained), bools fair coins.
+pub fn random_inputs(g: &Graph, seed: u64) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for &id in &g.inputs {
+        let Op::Input { name, ty } = &g.node(id).op else {
+            continue;
+        };
+        let key = seed.wrapping_add(0x5EED) ^ name_hash(name);
+        let n = ty.shape.numel() as u64;
+        let t = match ty.dtype {
+            DType::I32 => {
+                let b = int_input_bound(g, id).unwrap_or(16) as f64;
+                Tensor::from_i32(
+                    ty.shape.clone(),
+                    (0..n).map(|i| (uniform(key, i) * b) as i32).collect(),
+                )
+            }
+            DType::Bool => Tensor {
+                ty: ty.clone(),
+                data: Data::B((0..n).map(|i| uniform(key, i) < 0.5).collect()),
+            },
+            d => {
+                let v = init_value(
+                    name,
+                    ty,
+                    Init::Normal {
+                        mean: 0.0,
+                        std: 1.0,
+                    },
+                    key,
+                )
+                .map(|t| t.to_f64())
+                .unwrap_or_default();
+                Tensor::from_f64(d, ty.shape.clone(), v)
+            }
+        };
+        out.insert(name.clone(), t);
+    }
+    out
+}
