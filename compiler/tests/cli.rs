@@ -148,3 +148,205 @@ fn several_models_need_a_choice_for_build() {
     assert!(stdout(&o).contains("model b {"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tcc-cli-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn write_npy_f32(path: &std::path::Path, shape: &[u64], data: &[f32]) {
+    use npyz::WriterBuilder;
+    let mut buf = std::io::Cursor::new(Vec::new());
+    {
+        let mut w = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(shape)
+            .writer(&mut buf)
+            .begin_nd()
+            .unwrap();
+        w.extend(data.iter().copied()).unwrap();
+        w.finish().unwrap();
+    }
+    std::fs::write(path, buf.into_inner()).unwrap();
+}
+
+#[test]
+fn run_eager_trains_and_reports_memory() {
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--steps",
+        "5",
+        "--every",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(
+        out.matches("step ").count(),
+        3 + 1,
+        "steps 2, 4 and 5, then the timing line:\n{out}"
+    );
+    assert!(out.contains("loss: f32[] = "));
+    assert!(out.contains("eager memory peak: "));
+    assert!(out.contains("step time: median"));
+    let o = tcc(&["run", "examples/gpt.tdsl", "--eager", "--steps", "0"]);
+    assert!(o.status.success());
+    assert!(
+        stdout(&o).contains("optimizer state 696.15 MiB"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn run_needs_eager_for_now() {
+    let o = tcc(&["run", "examples/tiny.tdsl"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--eager"));
+}
+
+#[test]
+fn run_reads_npy_inputs_and_reports_bad_ones() {
+    let d = tmpdir("npy");
+    let x = d.join("x.npy");
+    write_npy_f32(&x, &[4, 3], &[0.0; 12]);
+    let y = d.join("y.npy");
+    write_npy_f32(&y, &[4, 2], &[1.0; 8]);
+    let (xs, ys) = (format!("x={}", x.display()), format!("y={}", y.display()));
+    // With x = 0 the prediction is b = 0 at the first step: loss = mean((0 - 1)^2) = 1.
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--input",
+        &xs,
+        "--input",
+        &ys,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("loss: f32[] = 1.000000"),
+        "{}",
+        stdout(&o)
+    );
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--input",
+        &format!("y={}", x.display()),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("`y` is shape [4, 3], but the model declares f32[4, 2]"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--input",
+        &format!("z={}", x.display()),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no input `z`"));
+    let bad = d.join("bad.npy");
+    std::fs::write(&bad, b"not an npy file").unwrap();
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--input",
+        &format!("x={}", bad.display()),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not a valid .npy file"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn run_saves_and_loads_params() {
+    let d = tmpdir("st");
+    let saved = d.join("w.safetensors");
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--steps",
+        "3",
+        "--save-params",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--param-file",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("loaded 2 tensors"), "{}", stderr(&o));
+    // Loading the trained params continues from step 3: the loss is lower than a fresh start.
+    let loss = |o: &Output| {
+        let s = stdout(o);
+        let at = s.find("loss: f32[] = ").unwrap() + 14;
+        s[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    let fresh = tcc(&["run", "examples/tiny.tdsl", "--eager"]);
+    assert!(loss(&o) < loss(&fresh));
+    let bad = d.join("bad.safetensors");
+    std::fs::write(&bad, [1u8, 2, 3]).unwrap();
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--eager",
+        "--param-file",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("not a valid .safetensors file"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::remove_dir_all(&d).ok();
+}
+
+#[test]
+fn print_after_and_stop_after() {
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--print-after",
+        "lower",
+        "--stop-after",
+        "lower",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("// ----- IR after lower -----"));
+    assert!(!stdout(&o).contains("update"), "stopped before autodiff");
+    let o = tcc(&["build", "examples/tiny.tdsl"]);
+    assert!(stdout(&o).contains("update %2 <- "), "{}", stdout(&o));
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--stop-after",
+        "fuse-everything",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown pass"));
+}

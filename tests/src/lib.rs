@@ -103,3 +103,15 @@ pub fn tdsl_files(rel_dir: &str) -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// Compiles a source and runs the pass pipeline (autodiff) on its single model.
+pub fn compile_pipeline(src: &str, opts: &Options) -> Result<tcc::ir::Graph, String> {
+    let (sources, mut lowered) = compile_bytes("case.tdsl", src.as_bytes(), opts)?;
+    let mut g = lowered.graphs.remove(0);
+    let popts = tcc::passes::PipelineOptions {
+        verify: true,
+        ..Default::default()
+    };
+    tcc::passes::run(&mut g, &popts, |_, _| {}).map_err(|d| render_all(&d, &sources.map))?;
+    Ok(g)
+}

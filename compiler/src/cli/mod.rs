@@ -73,7 +73,7 @@ pub enum Command {
         /// Run with the eager reference interpreter (op by op, allocate and free).
         #[arg(long)]
         eager: bool,
-        /// How many steps to run.
+        /// How many steps to run (0: only print the memory accounting).
         #[arg(long, default_value_t = 1, value_name = "N")]
         steps: u32,
         /// Print outputs every K steps (the last step is always printed).

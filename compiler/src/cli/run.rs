@@ -4,7 +4,6 @@
 use crate::eager::{self, memory, Persistent, Precision, Tensor};
 use crate::front::Sources;
 use crate::ir::{Graph, Op};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -91,13 +90,17 @@ pub fn run_eager(
             .map_err(|e| e.to_string())?;
         inputs.insert(name.clone(), t);
     }
-    eprintln!(
-        "model `{}`: {} nodes, compiled in {compile_ms:.1} ms; running {} step{} eagerly",
-        g.name,
-        g.node_count(),
-        opts.steps,
-        if opts.steps == 1 { "" } else { "s" }
-    );
+    if opts.steps == 0 {
+        eprintln!("model `{}`: {} nodes, compiled in {compile_ms:.1} ms; --steps 0: memory accounting only", g.name, g.node_count());
+    } else {
+        eprintln!(
+            "model `{}`: {} nodes, compiled in {compile_ms:.1} ms; running {} step{} eagerly",
+            g.name,
+            g.node_count(),
+            opts.steps,
+            if opts.steps == 1 { "" } else { "s" }
+        );
+    }
     let mut times = Vec::with_capacity(opts.steps as usize);
     for step in 1..=opts.steps {
         let start = Instant::now();
@@ -114,15 +117,17 @@ pub fn run_eager(
     }
     let mem = memory::account(g);
     print_memory(g, sources, &mem);
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    println!(
-        "step time: median {median:.2} ms over {} step{} (first {:.2} ms)",
-        times.len(),
-        if times.len() == 1 { "" } else { "s" },
-        times[0]
-    );
+    if !times.is_empty() {
+        let mut sorted = times.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        println!(
+            "step time: median {median:.2} ms over {} step{} (first {:.2} ms)",
+            times.len(),
+            if times.len() == 1 { "" } else { "s" },
+            times[0]
+        );
+    }
     if let Some(path) = &opts.save_params {
         let tensors: Vec<(String, Tensor)> = persistent.values.into_iter().collect();
         let bytes = eager::io::write_safetensors(&tensors)
@@ -163,5 +168,4 @@ pub fn print_memory(g: &Graph, sources: &Sources, mem: &memory::EagerMemory) {
             sources.map.location(node.span)
         );
     }
-    let _: BTreeMap<(), ()> = BTreeMap::new();
 }
