@@ -4,6 +4,7 @@
 //! The pipeline (see DESIGN.md): [`front`] lowers TDSL source to the graph [`ir`]; later
 //! stages (autodiff, passes, planner, back ends) transform that graph.
 
+pub mod analysis;
 pub mod autodiff;
 pub mod cli;
 pub mod eager;

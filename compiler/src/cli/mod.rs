@@ -1,5 +1,6 @@
 //! The `tcc` command line.
 
+mod arena_cmd;
 mod run;
 
 use crate::front::{self, ModelSelection, Options, Sources};
@@ -66,6 +67,8 @@ pub enum Command {
         #[command(flatten)]
         pipeline: PipelineArgs,
     },
+    /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
+    Arena(ArenaArgs),
     /// Run a program.
     Run {
         #[command(flatten)]
@@ -92,6 +95,25 @@ pub enum Command {
         #[arg(long, value_name = "FILE")]
         save_params: Option<PathBuf>,
     },
+}
+
+/// Options of `tcc arena`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ArenaArgs {
+    /// A MiniMalloc-format CSV: `id,lower,upper,size` (one buffer per line).
+    pub file: PathBuf,
+    /// Time budget of the search, in milliseconds.
+    #[arg(long, default_value_t = 4000, value_name = "MS")]
+    pub budget_ms: u64,
+    /// Offset alignment in bytes.
+    #[arg(long, default_value_t = 1)]
+    pub align: u64,
+    /// Write the solution (the input columns plus `offset`) to this CSV.
+    #[arg(short = 'o', long, value_name = "OUT.csv")]
+    pub output: Option<PathBuf>,
+    /// Solve the decision problem: find a placement within this capacity (no minimisation).
+    #[arg(long, value_name = "BYTES")]
+    pub capacity: Option<u64>,
 }
 
 /// Pipeline debugging options.
@@ -210,6 +232,13 @@ pub fn run(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Command::Arena(args) => match arena_cmd::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Run {
             program,
             eager,

@@ -1,0 +1,3 @@
+//! Analyses: results kept in side tables, never in the IR.
+
+pub mod arena;
