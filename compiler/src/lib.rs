@@ -11,6 +11,7 @@ pub mod eager;
 pub mod front;
 pub mod ir;
 pub mod passes;
+pub mod plan;
 
 pub use tcc_grammar::diag::Diagnostic;
 pub use tcc_grammar::span::{SourceMap, Span};

@@ -1,3 +1,5 @@
 //! Analyses: results kept in side tables, never in the IR.
 
 pub mod arena;
+pub mod interference;
+pub mod liveness;

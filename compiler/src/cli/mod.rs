@@ -1,7 +1,8 @@
 //! The `tcc` command line.
 
 mod arena_cmd;
-mod run;
+pub mod mem;
+pub mod run;
 
 use crate::front::{self, ModelSelection, Options, Sources};
 use crate::ir::printer;
@@ -66,6 +67,21 @@ pub enum Command {
         locations: bool,
         #[command(flatten)]
         pipeline: PipelineArgs,
+    },
+    /// Show the memory plan: eager peak, lower bound, arena, fragmentation, what is live at
+    /// the peak.
+    Mem {
+        #[command(flatten)]
+        program: ProgramArgs,
+        /// Also draw the plan as an SVG file.
+        #[arg(long, value_name = "FILE")]
+        svg: Option<PathBuf>,
+        /// Print the report as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Time budget of the offset search, in milliseconds.
+        #[arg(long, default_value_t = 2000, value_name = "MS")]
+        budget_ms: u64,
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
@@ -232,6 +248,59 @@ pub fn run(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Command::Mem {
+            program,
+            svg,
+            json,
+            budget_ms,
+        } => {
+            let upto = PipelineArgs {
+                stop_after: Some("autodiff".into()),
+                ..PipelineArgs::default()
+            };
+            let Some((sources, program_graph, _)) = load_one(&program, &upto, false, &mut stderr)
+            else {
+                return ExitCode::from(1);
+            };
+            let mut scheduled = program_graph.clone();
+            if let Err(diags) = crate::passes::schedule::schedule(&mut scheduled) {
+                emit_all(&diags, &sources, &mut stderr);
+                return ExitCode::from(1);
+            }
+            match mem::report(
+                &program_graph,
+                &scheduled,
+                &sources,
+                std::time::Duration::from_millis(budget_ms),
+            ) {
+                Ok((r, plan, eager)) => {
+                    if json {
+                        match serde_json::to_string_pretty(&r) {
+                            Ok(t) => println!("{t}"),
+                            Err(e) => {
+                                let _ = writeln!(stderr, "error: {e}");
+                                return ExitCode::from(1);
+                            }
+                        }
+                    } else {
+                        print!("{}", mem::text(&r, true));
+                    }
+                    if let Some(path) = svg {
+                        let doc = crate::plan::svg::render(&scheduled, &plan, &eager, &sources.map);
+                        if let Err(e) = std::fs::write(&path, doc) {
+                            let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
+                            return ExitCode::from(1);
+                        }
+                        let _ = writeln!(stderr, "wrote {}", display(&path));
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Arena(args) => match arena_cmd::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -256,9 +325,12 @@ pub fn run(cli: Cli) -> ExitCode {
                 );
                 return ExitCode::from(1);
             }
-            let Some((sources, graph, ms)) =
-                load_one(&program, &PipelineArgs::default(), false, &mut stderr)
-            else {
+            // The interpreter runs the step in program order (eager semantics).
+            let upto = PipelineArgs {
+                stop_after: Some("autodiff".into()),
+                ..PipelineArgs::default()
+            };
+            let Some((sources, graph, ms)) = load_one(&program, &upto, false, &mut stderr) else {
                 return ExitCode::from(1);
             };
             let opts = run::RunOptions {

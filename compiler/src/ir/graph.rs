@@ -270,6 +270,13 @@ impl Graph {
         let order = self
             .topo_order()
             .unwrap_or_else(|| self.node_ids().collect());
+        self.reordered(&order)
+    }
+
+    /// A copy with nodes renumbered in `order`, which must be a topological order of every
+    /// node: the copy's deterministic topological order is `order`.
+    pub fn reordered(&self, order: &[NodeId]) -> Graph {
+        let order = order.to_vec();
         let mut out = Graph::new(self.name.clone());
         let mut map: std::collections::BTreeMap<NodeId, NodeId> = std::collections::BTreeMap::new();
         for old in order {

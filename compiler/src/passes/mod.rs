@@ -2,6 +2,8 @@
 //! with why it sits there. `--print-after=PASS|all` and `--stop-after=PASS` come from it,
 //! and the IR verifier runs after every pass in tests and debug builds.
 
+pub mod schedule;
+
 use crate::ir::{verify::verify, Graph};
 use tcc_grammar::diag::Diagnostic;
 
@@ -14,11 +16,18 @@ pub struct Pass {
 }
 
 /// Every pass, in the order they run after the front end (`lower`).
-pub const PIPELINE: &[Pass] = &[Pass {
-    name: "autodiff",
-    why: "first: every later pass sees the whole step (forward, backward and optimizer) and no `grad` node",
-    run: crate::autodiff::expand,
-}];
+pub const PIPELINE: &[Pass] = &[
+    Pass {
+        name: "autodiff",
+        why: "first: every later pass sees the whole step (forward, backward and optimizer) and no `grad` node",
+        run: crate::autodiff::expand,
+    },
+    Pass {
+        name: "schedule",
+        why: "last before planning: the order fixes every buffer's lifetime, so it is chosen once the graph's ops are final",
+        run: schedule::schedule,
+    },
+];
 
 /// The name of the front end's output, accepted by `--print-after` and `--stop-after`.
 pub const LOWER: &str = "lower";

@@ -1,0 +1,202 @@
+//! Buffers and their lifetimes over a schedule.
+//!
+//! Every node's result lives in a buffer. Several nodes share one buffer when
+//! - the node is a view (reshape, permute, broadcast_to, slice, select): it reads its
+//!   operand's bytes in place and keeps them alive;
+//! - the node is elementwise and takes its operand's bytes in place: the operand is the
+//!   latest value in its buffer, has the result's shape and byte size, is not a view, nothing
+//!   reads that buffer after this op, and it is not an input, output, param or state (chains
+//!   of elementwise ops thus run in one buffer);
+//! - the node is the new value of an optimizer update: it is written into the param's (or
+//!   state's) persistent bytes.
+//!
+//! A buffer defined at step `t` and last read at step `u` lives `[t, u + 1)`; outputs live to
+//! the end of the step; inputs from step 0 (the caller fills them before the step);
+//! params and optimizer state always. Scalar literals get no buffer: kernels embed them.
+
+use crate::ir::{Graph, NodeId, Op};
+use std::collections::BTreeMap;
+
+/// What a buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum BufferKind {
+    /// Params and optimizer state: live across steps.
+    Persistent,
+    /// Filled by the caller before each step.
+    Input,
+    /// Everything else (outputs included).
+    Transient,
+}
+
+/// One buffer of the plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Buffer {
+    /// The node that allocates it.
+    pub owner: NodeId,
+    pub bytes: u64,
+    pub kind: BufferKind,
+    /// Lifetime `[start, end)` in schedule steps.
+    pub start: usize,
+    pub end: usize,
+    /// Every node whose result lives in this buffer (owner first).
+    pub nodes: Vec<NodeId>,
+    /// True if an output of the model lives here.
+    pub output: bool,
+}
+
+/// Buffers of a graph under a schedule.
+#[derive(Clone, Debug, Default)]
+pub struct Liveness {
+    pub order: Vec<NodeId>,
+    pub buffers: Vec<Buffer>,
+    /// The buffer each node's result lives in (`None` for scalar literals).
+    pub buffer_of: BTreeMap<NodeId, usize>,
+    /// Nodes that took an operand's bytes in place.
+    pub in_place: Vec<NodeId>,
+}
+
+impl Liveness {
+    /// Largest total bytes of transient and input buffers live at one step.
+    pub fn max_live(&self) -> u64 {
+        let n = self.order.len() + 1;
+        let mut delta = vec![0i128; n + 1];
+        for b in self
+            .buffers
+            .iter()
+            .filter(|b| b.kind != BufferKind::Persistent)
+        {
+            delta[b.start] += b.bytes as i128;
+            delta[b.end.min(n)] -= b.bytes as i128;
+        }
+        let (mut cur, mut best) = (0i128, 0i128);
+        for d in delta {
+            cur += d;
+            best = best.max(cur);
+        }
+        best as u64
+    }
+
+    /// Bytes of the persistent buffers.
+    pub fn persistent_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|b| b.kind == BufferKind::Persistent)
+            .map(|b| b.bytes)
+            .sum()
+    }
+
+    /// Sum of all non-persistent buffers: the memory with no reuse at all.
+    pub fn no_reuse_bytes(&self) -> u64 {
+        self.buffers
+            .iter()
+            .filter(|b| b.kind != BufferKind::Persistent)
+            .map(|b| b.bytes)
+            .sum()
+    }
+}
+
+/// True for elementwise ops that may write their result over an operand.
+fn elementwise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
+    )
+}
+
+/// Computes buffers and lifetimes of `g` executed in `order` (a topological order).
+pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
+    let n = order.len();
+    // Node-level last reads.
+    let mut last_read: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for (t, &x) in order.iter().enumerate() {
+        for i in &g.node(x).inputs {
+            let e = last_read.entry(*i).or_insert(t);
+            *e = (*e).max(t);
+        }
+    }
+    let outputs: std::collections::BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
+    let update_target: BTreeMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();
+    let mut lv = Liveness {
+        order: order.to_vec(),
+        ..Liveness::default()
+    };
+    let new_buffer = |lv: &mut Liveness, x: NodeId, kind: BufferKind, start: usize| {
+        lv.buffers.push(Buffer {
+            owner: x,
+            bytes: g.ty(x).size_bytes() as u64,
+            kind,
+            start,
+            end: start + 1,
+            nodes: vec![x],
+            output: false,
+        });
+        lv.buffers.len() - 1
+    };
+    for (t, &x) in order.iter().enumerate() {
+        let node = g.node(x);
+        let buf = match &node.op {
+            Op::Literal { .. } => None,
+            Op::Param { .. } | Op::State { .. } => {
+                Some(new_buffer(&mut lv, x, BufferKind::Persistent, 0))
+            }
+            Op::Input { .. } => Some(new_buffer(&mut lv, x, BufferKind::Input, 0)),
+            _ if update_target.contains_key(&x) => update_target
+                .get(&x)
+                .and_then(|tg| lv.buffer_of.get(tg).copied()),
+            op if op.is_view_candidate() => lv.buffer_of.get(&node.inputs[0]).copied(),
+            op if elementwise(op) => {
+                // In place over an operand that dies here?
+                let cand = node.inputs.iter().copied().find(|&i| {
+                    let Some(&b) = lv.buffer_of.get(&i) else {
+                        return false;
+                    };
+                    let buf = &lv.buffers[b];
+                    buf.kind == BufferKind::Transient
+                        && !buf.output
+                        && buf.nodes.last() == Some(&i)
+                        && !g.node(i).op.is_view_candidate()
+                        && buf.nodes.iter().all(|m| last_read.get(m).is_none_or(|&r| r <= t))
+                        && g.ty(i).shape == node.ty.shape
+                        && g.ty(i).size_bytes() == node.ty.size_bytes()
+                        && last_read.get(&i) == Some(&t)
+                        // No other operand reads the same bytes through another node.
+                        && node.inputs.iter().all(|&o| o == i || lv.buffer_of.get(&o) != Some(&b))
+                });
+                match cand {
+                    Some(i) => {
+                        lv.in_place.push(x);
+                        lv.buffer_of.get(&i).copied()
+                    }
+                    None => Some(new_buffer(&mut lv, x, BufferKind::Transient, t)),
+                }
+            }
+            _ => Some(new_buffer(&mut lv, x, BufferKind::Transient, t)),
+        };
+        if let Some(b) = buf {
+            lv.buffer_of.insert(x, b);
+            let bufm = &mut lv.buffers[b];
+            if bufm.owner != x {
+                bufm.nodes.push(x);
+            }
+            bufm.end = bufm.end.max(t + 1);
+            if outputs.contains(&x) {
+                bufm.output = true;
+            }
+        }
+        for i in &node.inputs {
+            if let Some(&b) = lv.buffer_of.get(i) {
+                let bufm = &mut lv.buffers[b];
+                bufm.end = bufm.end.max(t + 1);
+            }
+        }
+    }
+    for b in &mut lv.buffers {
+        if b.kind == BufferKind::Persistent || b.output {
+            b.end = n;
+        }
+        if b.kind == BufferKind::Persistent {
+            b.start = 0;
+        }
+    }
+    lv
+}

@@ -1,0 +1,220 @@
+//! `tcc mem`: the memory figures of a build, with the evidence.
+
+use super::run::bytes;
+use crate::analysis::liveness::liveness;
+use crate::eager::memory::{self, EagerMemory};
+use crate::front::Sources;
+use crate::ir::Graph;
+use crate::plan::{self, Plan};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// A tensor live at the plan's peak.
+#[derive(Serialize, Debug)]
+pub struct LiveTensor {
+    pub bytes: u64,
+    pub op: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub source: String,
+}
+
+/// Everything `tcc mem` reports (also its `--json` form).
+#[derive(Serialize, Debug)]
+pub struct MemReport {
+    pub model: String,
+    pub nodes: usize,
+    pub eager_peak_bytes: u64,
+    pub eager_param_bytes: u64,
+    pub eager_state_bytes: u64,
+    pub eager_input_bytes: u64,
+    pub eager_transient_bytes: u64,
+    pub no_reuse_bytes: u64,
+    pub lower_bound_program_order_bytes: u64,
+    pub lower_bound_bytes: u64,
+    pub arena_bytes: u64,
+    pub persistent_bytes: u64,
+    pub transient_bytes: u64,
+    pub fragmentation: f64,
+    pub arena_over_eager: f64,
+    pub method: String,
+    pub optimal: bool,
+    pub coloring_bytes: u64,
+    pub slots: usize,
+    pub buffers: usize,
+    pub in_place: usize,
+    pub plan_ms: f64,
+    pub live_at_peak: Vec<LiveTensor>,
+}
+
+/// Plans `scheduled`; `program` is the same step in program order (after autodiff, before
+/// scheduling) for the eager baseline and the before-scheduling bound.
+pub fn report(
+    program: &Graph,
+    scheduled: &Graph,
+    sources: &Sources,
+    budget: Duration,
+) -> Result<(MemReport, Plan, EagerMemory), String> {
+    let eager = memory::account(program);
+    let porder = program
+        .topo_order()
+        .unwrap_or_else(|| program.node_ids().collect());
+    let plv = liveness(program, &porder);
+    let start = Instant::now();
+    let p = plan::plan(scheduled, budget);
+    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+    plan::verify(scheduled, &p)
+        .map_err(|e| format!("internal error: the plan does not verify: {e:?}"))?;
+    // Buffers live at the step where the plan's transient bytes peak.
+    let lv = &p.liveness;
+    let steps = lv.order.len() + 1;
+    let mut live = vec![0u64; steps + 1];
+    for b in lv
+        .buffers
+        .iter()
+        .filter(|b| b.kind != crate::analysis::liveness::BufferKind::Persistent)
+    {
+        for l in &mut live[b.start..b.end.min(steps)] {
+            *l += b.bytes;
+        }
+    }
+    let peak_step = live
+        .iter()
+        .enumerate()
+        .max_by_key(|&(i, &v)| (v, std::cmp::Reverse(i)))
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+    let mut at_peak: Vec<&crate::analysis::liveness::Buffer> = lv
+        .buffers
+        .iter()
+        .filter(|b| {
+            b.kind != crate::analysis::liveness::BufferKind::Persistent
+                && b.start <= peak_step
+                && peak_step < b.end
+        })
+        .collect();
+    at_peak.sort_by_key(|b| (std::cmp::Reverse(b.bytes), b.owner));
+    let live_at_peak = at_peak
+        .iter()
+        .take(10)
+        .map(|b| {
+            let node = scheduled.node(b.owner);
+            LiveTensor {
+                bytes: b.bytes,
+                op: node.op.name(),
+                ty: node.ty.to_string(),
+                source: sources.map.location(node.span).to_string(),
+            }
+        })
+        .collect();
+    let r = MemReport {
+        model: scheduled.name.clone(),
+        nodes: scheduled.node_count(),
+        eager_peak_bytes: eager.peak_bytes(),
+        eager_param_bytes: eager.param_bytes,
+        eager_state_bytes: eager.state_bytes,
+        eager_input_bytes: eager.input_bytes,
+        eager_transient_bytes: eager.peak_transient_bytes,
+        no_reuse_bytes: p.no_reuse_bytes,
+        lower_bound_program_order_bytes: p.persistent_bytes + plv.max_live(),
+        lower_bound_bytes: p.lower_bound,
+        arena_bytes: p.arena_bytes,
+        persistent_bytes: p.persistent_bytes,
+        transient_bytes: p.arena_bytes - p.persistent_bytes,
+        fragmentation: p.fragmentation(),
+        arena_over_eager: p.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
+        method: p.method.to_string(),
+        optimal: p.optimal,
+        coloring_bytes: p.persistent_bytes + p.coloring_bytes,
+        slots: p.slots,
+        buffers: lv.buffers.len(),
+        in_place: lv.in_place.len(),
+        plan_ms,
+        live_at_peak,
+    };
+    Ok((r, p, eager))
+}
+
+/// The text table. `timing` adds the planning time (left out of snapshots).
+pub fn text(r: &MemReport, timing: bool) -> String {
+    let mut s = String::new();
+    let line = |s: &mut String, k: &str, v: u64, note: String| {
+        s.push_str(&format!("  {k:<30} {:>12}  {note}\n", bytes(v)));
+    };
+    s.push_str(&format!(
+        "memory plan of model `{}` ({} nodes)\n",
+        r.model, r.nodes
+    ));
+    line(
+        &mut s,
+        "eager peak (PyTorch-style)",
+        r.eager_peak_bytes,
+        format!(
+            "params {} + optimizer state {} + inputs {} + transient {}",
+            bytes(r.eager_param_bytes),
+            bytes(r.eager_state_bytes),
+            bytes(r.eager_input_bytes),
+            bytes(r.eager_transient_bytes)
+        ),
+    );
+    line(
+        &mut s,
+        "no reuse",
+        r.no_reuse_bytes,
+        "every buffer its own bytes".into(),
+    );
+    line(
+        &mut s,
+        "max-live lower bound",
+        r.lower_bound_bytes,
+        format!(
+            "of the chosen schedule (program order: {})",
+            bytes(r.lower_bound_program_order_bytes)
+        ),
+    );
+    line(
+        &mut s,
+        "arena",
+        r.arena_bytes,
+        format!(
+            "persistent {} + transient {}",
+            bytes(r.persistent_bytes),
+            bytes(r.transient_bytes)
+        ),
+    );
+    s.push_str(&format!(
+        "  {:<30} {:>11.2}%  arena / lower bound - 1\n",
+        "fragmentation",
+        r.fragmentation * 100.0
+    ));
+    s.push_str(&format!(
+        "  {:<30} {:>12}  arena / eager peak\n",
+        "vs eager",
+        format!("{:.3}x", r.arena_over_eager)
+    ));
+    s.push_str(&format!(
+        "  plan: {} buffers ({} in place), offsets by {}{}; coloring into {} slots would need {}{}\n",
+        r.buffers,
+        r.in_place,
+        r.method,
+        if r.optimal { " (optimal for this schedule)" } else { "" },
+        r.slots,
+        bytes(r.coloring_bytes),
+        if timing {
+            format!("; planned and verified in {:.1} ms", r.plan_ms)
+        } else {
+            String::new()
+        }
+    ));
+    s.push_str("  largest tensors live at the peak:\n");
+    for t in &r.live_at_peak {
+        s.push_str(&format!(
+            "    {:>12}  {:<24} {:<18} {}\n",
+            bytes(t.bytes),
+            t.ty,
+            t.op,
+            t.source
+        ));
+    }
+    s
+}
