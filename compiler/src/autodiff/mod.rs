@@ -31,9 +31,83 @@ pub(crate) struct Ad<'g> {
     clones: BTreeMap<NodeId, NodeId>,
     /// Checkpointed values that are nevertheless kept (read outside their region).
     kept: BTreeSet<NodeId>,
+    /// Gradient pieces of sliced operands: `(axis, [start, end), piece)` per operand, summed
+    /// into the operand's gradient when it is reached.
+    pieces: BTreeMap<NodeId, Vec<(usize, (usize, usize), NodeId)>>,
 }
 
 impl Ad<'_> {
+    /// Records the gradient of a slice of `x` along one axis.
+    pub fn add_piece(&mut self, x: NodeId, axis: usize, range: (usize, usize), g: NodeId) {
+        self.pieces.entry(x).or_default().push((axis, range, g));
+    }
+
+    /// The pieces of `x`'s gradient as one dense tensor: one concat when the pieces lie
+    /// along one axis without overlapping (zeros fill the gaps), else padded and summed.
+    fn assemble(&mut self, x: NodeId) -> Result<Option<NodeId>, TypeError> {
+        let Some(mut ps) = self.pieces.remove(&x) else {
+            return Ok(None);
+        };
+        let full = self.b.ty(x);
+        ps.sort_by_key(|p| (p.0, p.1));
+        let axis = ps[0].0;
+        let disjoint =
+            ps.iter().all(|p| p.0 == axis) && ps.windows(2).all(|w| w[0].1 .1 <= w[1].1 .0);
+        if disjoint {
+            let mut parts = Vec::new();
+            let mut cursor = 0;
+            for &(_, (s, e), g) in &ps {
+                if s > cursor {
+                    let mut dims = full.dims().to_vec();
+                    dims[axis] = s - cursor;
+                    parts.push(
+                        self.b
+                            .full(0.0, crate::ir::TensorType::new(full.dtype, dims))?,
+                    );
+                }
+                parts.push(g);
+                cursor = e;
+            }
+            let d = full.dims()[axis];
+            if cursor < d {
+                let mut dims = full.dims().to_vec();
+                dims[axis] = d - cursor;
+                parts.push(
+                    self.b
+                        .full(0.0, crate::ir::TensorType::new(full.dtype, dims))?,
+                );
+            }
+            return Ok(Some(if parts.len() == 1 {
+                parts[0]
+            } else {
+                self.b.add(Op::Concat { axis }, parts)?
+            }));
+        }
+        let mut acc: Option<NodeId> = None;
+        for (axis, range, g) in ps {
+            let mut ranges: Vec<(usize, usize)> = full.dims().iter().map(|&d| (0, d)).collect();
+            ranges[axis] = range;
+            let dense = rules::pad(self, g, &ranges, &full.shape)?;
+            acc = Some(match acc {
+                Some(a) => self.b.add2(a, dense)?,
+                None => dense,
+            });
+        }
+        Ok(acc)
+    }
+
+    /// Folds `x`'s pending pieces into its adjoint.
+    fn finalize(&mut self, adj: &mut BTreeMap<NodeId, NodeId>, x: NodeId) -> Result<(), TypeError> {
+        if let Some(d) = self.assemble(x)? {
+            let v = match adj.get(&x) {
+                Some(&prev) => self.b.add2(prev, d)?,
+                None => d,
+            };
+            adj.insert(x, v);
+        }
+        Ok(())
+    }
+
     /// The forward value to read in the backward pass: the value itself, or its recomputed
     /// clone when it was made inside a checkpoint region.
     pub fn fwd(&mut self, id: NodeId) -> Result<NodeId, TypeError> {
@@ -127,6 +201,7 @@ pub fn backward(
         b: Builder::new(g, span),
         clones: BTreeMap::new(),
         kept,
+        pieces: BTreeMap::new(),
     };
     let mut adj: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     let seed = ad.b.full(1.0, ydt).map_err(|e| internal(e, ad.b.g, y))?;
@@ -135,6 +210,9 @@ pub fn backward(
         if !relevant.contains(&n) {
             continue;
         }
+        ad.b.span = ad.b.g.node(n).span;
+        ad.finalize(&mut adj, n)
+            .map_err(|e| internal(e, ad.b.g, n))?;
         let Some(&gn) = adj.get(&n) else {
             continue;
         };
@@ -159,6 +237,10 @@ pub fn backward(
             };
             adj.insert(*inp, acc);
         }
+    }
+    for &t in targets {
+        ad.finalize(&mut adj, t)
+            .map_err(|e| internal(e, ad.b.g, t))?;
     }
     Ok(targets
         .iter()

@@ -92,18 +92,24 @@ pub fn vjp(
         Op::Slice { ranges } => {
             if want(0) {
                 let full = ad.b.ty(ins[0]).shape;
-                out[0] = Some(pad(ad, g, ranges, &full)?);
+                let cut: Vec<usize> = (0..ranges.len())
+                    .filter(|&a| ranges[a] != (0, full.dims()[a]))
+                    .collect();
+                if let [axis] = cut[..] {
+                    // A slice along one axis: kept as a piece, assembled with the other
+                    // pieces of the same operand in one concat (no zero padding per piece).
+                    ad.add_piece(ins[0], axis, ranges[axis], g);
+                } else {
+                    out[0] = Some(pad(ad, g, ranges, &full)?);
+                }
             }
         }
         Op::Select { axis, index } => {
             if want(0) {
-                let full = ad.b.ty(ins[0]).shape;
                 let mut dims = ad.b.ty(g).dims().to_vec();
                 dims.insert(*axis, 1);
                 let g1 = ad.b.reshape(g, Shape(dims))?;
-                let mut ranges: Vec<(usize, usize)> = full.dims().iter().map(|&d| (0, d)).collect();
-                ranges[*axis] = (*index, index + 1);
-                out[0] = Some(pad(ad, g1, &ranges, &full)?);
+                ad.add_piece(ins[0], *axis, (*index, index + 1), g1);
             }
         }
         Op::MatMul => {
@@ -472,7 +478,7 @@ fn reduce(
 }
 
 /// Places `g` (the gradient of a slice) into zeros of the full shape.
-fn pad(ad: &mut Ad, g: NodeId, ranges: &[(usize, usize)], full: &Shape) -> R {
+pub(super) fn pad(ad: &mut Ad, g: NodeId, ranges: &[(usize, usize)], full: &Shape) -> R {
     let mut cur = g;
     let dtype = ad.b.ty(g).dtype;
     for (axis, (&(s, e), &d)) in ranges.iter().zip(full.dims()).enumerate() {
