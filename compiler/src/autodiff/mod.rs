@@ -33,8 +33,11 @@ pub(crate) struct Ad<'g> {
     kept: BTreeSet<NodeId>,
     /// Gradient pieces of sliced operands: `(axis, [start, end), piece)` per operand, summed
     /// into the operand's gradient when it is reached.
-    pieces: BTreeMap<NodeId, Vec<(usize, (usize, usize), NodeId)>>,
+    pieces: BTreeMap<NodeId, Vec<Piece>>,
 }
+
+/// A gradient piece: `(axis, [start, end), gradient of that slice)`.
+type Piece = (usize, (usize, usize), NodeId);
 
 impl Ad<'_> {
     /// Records the gradient of a slice of `x` along one axis.
