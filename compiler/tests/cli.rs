@@ -84,6 +84,13 @@ fn bad_command_lines_are_rejected() {
         "{}",
         stderr(&o)
     );
+    let o = tcc(&["build", "examples/tiny.tdsl", "--target", "tpu"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("tpu") && stderr(&o).contains("cuda"),
+        "{}",
+        stderr(&o)
+    );
     let o = tcc(&["check", "examples/tiny.tdsl", "--set", "B"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("NAME=VALUE"));

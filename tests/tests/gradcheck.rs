@@ -208,3 +208,97 @@ fn several_grads_of_one_value_share_one_backward_pass() {
     let outs = run(&g, &eager::random_inputs(&g, 1));
     assert!(outs[2].1.to_f64().iter().all(|&x| x == 0.0));
 }
+
+mod random_shapes {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Gradient check of `expr` over inputs `a` and `b` of the given shapes.
+    fn check_shapes(expr: &str, sa: &[usize], sb: &[usize]) {
+        let dims = |s: &[usize]| {
+            s.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let decls = format!("input a: f32[{}]\n input b: f32[{}]", dims(sa), dims(sb));
+        let src = format!("model m {{\n {decls}\n let out = {expr}\n output out\n}}\n");
+        let g =
+            compile_pipeline(&src, &Options::default()).unwrap_or_else(|e| panic!("{src}\n{e}"));
+        let out_dims = g.ty(g.outputs[0].1).dims().to_vec();
+        let src = format!(
+            "model m {{\n {decls}\n input proj: f32[{}]\n let y = sum(({expr}) * proj)\n let da = grad(y, a)\n let db = grad(y, b)\n output y, da, db\n}}\n",
+            dims(&out_dims)
+        );
+        let g = compile_pipeline(&src, &Options::default()).unwrap();
+        let inputs = eager::random_inputs(&g, 11);
+        let outs = run(&g, &inputs);
+        let eps = 1e-6;
+        for (k, x) in ["a", "b"].iter().enumerate() {
+            let an = outs[1 + k].1.to_f64();
+            let n = inputs[*x].numel();
+            for i in (0..n).step_by((n / 12).max(1)) {
+                let mut p = inputs.clone();
+                let mut m = inputs.clone();
+                if let (
+                    Some(Tensor {
+                        data: Data::F(vp), ..
+                    }),
+                    Some(Tensor {
+                        data: Data::F(vm), ..
+                    }),
+                ) = (p.get_mut(*x), m.get_mut(*x))
+                {
+                    vp[i] += eps;
+                    vm[i] -= eps;
+                }
+                let fd = (scalar(&run(&g, &p)[0].1) - scalar(&run(&g, &m)[0].1)) / (2.0 * eps);
+                assert!(
+                    (fd - an[i]).abs() <= 1e-5 * fd.abs().max(an[i].abs()).max(1.0),
+                    "{src}: d{x}[{i}] {} vs {fd}",
+                    an[i]
+                );
+            }
+        }
+    }
+
+    /// A shape and a second shape broadcast-compatible with it (some dims 1 or dropped).
+    fn broadcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+        prop::collection::vec((1usize..4, 0u8..3), 1..4).prop_map(|dims| {
+            let a: Vec<usize> = dims.iter().map(|d| d.0).collect();
+            let b: Vec<usize> = dims
+                .iter()
+                .map(|&(d, k)| if k == 0 { 1 } else { d })
+                .collect();
+            // Drop a random number of leading dims of b (rank extension).
+            let drop = dims
+                .iter()
+                .take_while(|d| d.1 == 2)
+                .count()
+                .min(b.len() - 1);
+            (a, b[drop..].to_vec())
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        #[test]
+        fn broadcasting_binary_ops((sa, sb) in broadcast_pair(), op in prop::sample::select(vec!["a * b", "a - b", "maximum(a, b)", "a / (abs(b) + 1)", "where(a > b, a, b * 2)"])) {
+            check_shapes(op, &sa, &sb);
+            check_shapes(op, &sb, &sa);
+        }
+
+        #[test]
+        fn batched_matmul(bt in 1usize..3, m in 1usize..4, k in 1usize..4, n in 1usize..4, bcast in any::<bool>()) {
+            let sb = if bcast { vec![k, n] } else { vec![bt, k, n] };
+            check_shapes("a @ b", &[bt, m, k], &sb);
+        }
+
+        #[test]
+        fn reductions_and_softmax(dims in prop::collection::vec(1usize..4, 1..4), axis in 0usize..3) {
+            let axis = axis % dims.len();
+            check_shapes(&format!("softmax(a, axis: {axis}) + sum(b, axis: {axis}, keepdim: true)"), &dims, &dims);
+        }
+    }
+}

@@ -62,6 +62,10 @@ pub enum Command {
         /// Where to write it (default: standard output).
         #[arg(short = 'o', long, value_name = "OUT")]
         output: Option<PathBuf>,
+        /// The device to compile for. The graph IR is the same for every target; compiled
+        /// artifacts (`--emit artifact`) arrive with the back ends.
+        #[arg(long, value_enum, default_value_t = Target::Cpu)]
+        target: Target,
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
@@ -160,6 +164,15 @@ fn parse_pass_or_all(s: &str) -> Result<String, String> {
     }
 }
 
+/// Compilation targets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Target {
+    /// The host CPU (Cranelift).
+    Cpu,
+    /// An NVIDIA GPU (PTX).
+    Cuda,
+}
+
 /// Build outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Emit {
@@ -217,6 +230,7 @@ pub fn run(cli: Cli) -> ExitCode {
             output,
             locations,
             pipeline,
+            target: _,
         } => {
             let Some((sources, graph, ms)) = load_one(&program, &pipeline, locations, &mut stderr)
             else {
