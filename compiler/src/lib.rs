@@ -12,6 +12,7 @@ pub mod front;
 pub mod ir;
 pub mod passes;
 pub mod plan;
+pub mod remat;
 
 pub use tcc_grammar::diag::Diagnostic;
 pub use tcc_grammar::span::{SourceMap, Span};

@@ -2,6 +2,7 @@
 
 mod arena_cmd;
 pub mod mem;
+mod remat_cmd;
 pub mod run;
 
 use crate::front::{self, ModelSelection, Options, Sources};
@@ -86,6 +87,19 @@ pub enum Command {
         /// Time budget of the offset search, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         budget_ms: u64,
+    },
+    /// Rematerialization on external graphs (Checkmate / Moccasin node-link JSON): added
+    /// cost at memory budgets, against √n checkpointing.
+    Remat {
+        /// Graph files.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Budgets as fractions of the no-remat peak.
+        #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.7, 0.5])]
+        budgets: Vec<f64>,
+        /// Time limit of the exact search per graph and budget, in milliseconds.
+        #[arg(long, default_value_t = 2000, value_name = "MS")]
+        time_ms: u64,
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
@@ -315,6 +329,17 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        Command::Remat {
+            files,
+            budgets,
+            time_ms,
+        } => match remat_cmd::run(&files, &budgets, time_ms) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Arena(args) => match arena_cmd::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

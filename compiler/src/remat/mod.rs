@@ -1,0 +1,484 @@
+//! Rematerialization: which activations to drop after their forward use and recompute when
+//! the backward pass needs them, so a step fits a memory budget with the least added
+//! compute.
+//!
+//! The model ([`simulate`]): nodes run in a fixed order; a node's output lives from its
+//! computation until its last consumer has run, and the running node holds its output
+//! while its inputs are live (Checkmate's accounting). An *evicted* node is freed as soon
+//! as every consumer scheduled before the first backward consumer has run; when a later
+//! node needs it, it is recomputed just before (recursively recomputing evicted inputs
+//! that are gone), then lives until its last consumer. Added cost is the cost of every
+//! recomputation.
+//!
+//! Solvers: no remat; √n segments (keep every ⌈√n⌉-th forward node); greedy by memory freed
+//! per added cost followed by a removal pass; and an exact depth-first branch and bound over
+//! evict/keep decisions, warm-started by the greedy, within a time limit.
+
+use std::time::{Duration, Instant};
+
+/// A compute graph with a memory and a compute cost per node.
+#[derive(Clone, Debug, Default)]
+pub struct RematGraph {
+    pub names: Vec<String>,
+    /// Output bytes of each node.
+    pub mem: Vec<u64>,
+    /// Cost of computing each node once.
+    pub cost: Vec<u64>,
+    /// Inputs of each node.
+    pub preds: Vec<Vec<usize>>,
+    /// Execution order.
+    pub order: Vec<usize>,
+    /// Backward (gradient) nodes; they are never evicted.
+    pub backward: Vec<bool>,
+}
+
+impl RematGraph {
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.mem.is_empty()
+    }
+
+    /// Nodes that may be evicted, in order: forward nodes read after the first backward
+    /// node; in a graph without backward nodes, nodes read again after their first
+    /// consumer. Only these can save memory, and each is recomputed at least once if evicted.
+    pub fn candidates(&self) -> Vec<usize> {
+        let pos = self.positions();
+        let first_bwd = self.first_backward();
+        let mut first_use = vec![usize::MAX; self.len()];
+        let mut last_use = vec![0usize; self.len()];
+        for &v in &self.order {
+            for &u in &self.preds[v] {
+                last_use[u] = last_use[u].max(pos[v]);
+                first_use[u] = first_use[u].min(pos[v]);
+            }
+        }
+        self.order
+            .iter()
+            .copied()
+            .filter(|&v| !self.backward[v])
+            .filter(|&v| match first_bwd {
+                Some(b) => last_use[v] > b && first_use[v] < b,
+                None => first_use[v] != usize::MAX && last_use[v] > first_use[v],
+            })
+            .collect()
+    }
+
+    /// Position of the first backward node, if any.
+    fn first_backward(&self) -> Option<usize> {
+        self.order.iter().position(|&v| self.backward[v])
+    }
+
+    fn positions(&self) -> Vec<usize> {
+        let mut pos = vec![0usize; self.len()];
+        for (i, &v) in self.order.iter().enumerate() {
+            pos[v] = i;
+        }
+        pos
+    }
+
+    /// Total cost of one pass with no recomputation.
+    pub fn base_cost(&self) -> u64 {
+        self.cost.iter().sum()
+    }
+}
+
+/// Reads a networkx node-link JSON graph: Checkmate's format (`cost_ram`, `cost_cpu`,
+/// `backward`, links `source`/`target`, order = ids) or the random layered format
+/// (`out_cost`, `duration`, links `"0"`/`"1"`, `graph.order`).
+pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let nodes = v
+        .get("nodes")
+        .and_then(|n| n.as_array())
+        .ok_or("no `nodes` array")?;
+    let n = nodes.len();
+    let mut g = RematGraph {
+        names: Vec::with_capacity(n),
+        mem: vec![0; n],
+        cost: vec![0; n],
+        preds: vec![Vec::new(); n],
+        order: Vec::new(),
+        backward: vec![false; n],
+    };
+    let num = |x: &serde_json::Value, keys: &[&str]| {
+        keys.iter().find_map(|k| x.get(*k).and_then(|v| v.as_u64()))
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        let id = num(node, &["id", "name"]).unwrap_or(i as u64) as usize;
+        if id >= n {
+            return Err(format!("node id {id} out of range"));
+        }
+        g.mem[id] =
+            num(node, &["cost_ram", "out_cost"]).ok_or(format!("node {id}: no memory cost"))?;
+        g.cost[id] = num(node, &["cost_cpu", "duration"]).unwrap_or(0);
+        g.backward[id] = node
+            .get("backward")
+            .and_then(|b| b.as_bool())
+            .unwrap_or(false);
+        g.names.push(
+            node.get("name")
+                .map(|s| s.to_string().trim_matches('"').to_string())
+                .unwrap_or_default(),
+        );
+    }
+    let links = v
+        .get("links")
+        .and_then(|l| l.as_array())
+        .ok_or("no `links` array")?;
+    for l in links {
+        let s = num(l, &["source", "0"]).ok_or("link without source")? as usize;
+        let t = num(l, &["target", "1"]).ok_or("link without target")? as usize;
+        if s >= n || t >= n {
+            return Err(format!("link {s} -> {t} out of range"));
+        }
+        g.preds[t].push(s);
+    }
+    g.order = match v
+        .get("graph")
+        .and_then(|x| x.get("order"))
+        .and_then(|o| o.as_array())
+    {
+        Some(o) => o
+            .iter()
+            .filter_map(|x| x.as_u64().map(|u| u as usize))
+            .collect(),
+        None => (0..n).collect(),
+    };
+    if g.order.len() != n {
+        return Err("`order` does not list every node".into());
+    }
+    // Random layered graphs carry no durations: cost 1 per node (recompute count).
+    if g.cost.iter().all(|&c| c == 0) {
+        g.cost = vec![1; n];
+    }
+    Ok(g)
+}
+
+/// Peak memory and added cost of one schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Eval {
+    pub peak: u64,
+    pub added_cost: u64,
+}
+
+/// Simulates the order with `evict` (see the module doc).
+pub fn simulate(g: &RematGraph, evict: &[bool]) -> Eval {
+    let n = g.len();
+    let pos = g.positions();
+    // Without backward nodes, an evicted node is dropped after its first consumer.
+    let first_bwd = g.first_backward().unwrap_or(usize::MAX);
+    let generic = first_bwd == usize::MAX;
+    // Remaining consumers of each node, in order.
+    let mut uses_left = vec![0usize; n];
+    let mut fwd_uses_left = vec![0usize; n];
+    for &v in &g.order {
+        for &u in &g.preds[v] {
+            uses_left[u] += 1;
+            if pos[v] < first_bwd {
+                fwd_uses_left[u] += 1;
+            }
+        }
+    }
+    let mut live = vec![false; n];
+    let mut recomputed = vec![false; n];
+    let mut cur = 0u64;
+    let mut peak = 0u64;
+    let mut added = 0u64;
+    // Recomputes `u` (and evicted inputs that are gone), keeping it live afterwards.
+    #[allow(clippy::too_many_arguments)]
+    fn recompute(
+        g: &RematGraph,
+        u: usize,
+        live: &mut [bool],
+        recomputed: &mut [bool],
+        uses_left: &[usize],
+        cur: &mut u64,
+        peak: &mut u64,
+        added: &mut u64,
+        depth: usize,
+    ) {
+        if depth > g.len() {
+            return;
+        }
+        let mut temps = Vec::new();
+        for &w in &g.preds[u] {
+            if !live[w] {
+                recompute(
+                    g,
+                    w,
+                    live,
+                    recomputed,
+                    uses_left,
+                    cur,
+                    peak,
+                    added,
+                    depth + 1,
+                );
+                temps.push(w);
+            }
+        }
+        *cur += g.mem[u];
+        *peak = (*peak).max(*cur);
+        *added += g.cost[u];
+        live[u] = true;
+        recomputed[u] = true;
+        for w in temps {
+            if uses_left[w] == 0 && live[w] {
+                live[w] = false;
+                *cur -= g.mem[w];
+            }
+        }
+    }
+    for &v in &g.order {
+        for i in 0..g.preds[v].len() {
+            let u = g.preds[v][i];
+            if !live[u] {
+                recompute(
+                    g,
+                    u,
+                    &mut live,
+                    &mut recomputed,
+                    &uses_left,
+                    &mut cur,
+                    &mut peak,
+                    &mut added,
+                    0,
+                );
+            }
+        }
+        cur += g.mem[v];
+        peak = peak.max(cur);
+        live[v] = true;
+        for i in 0..g.preds[v].len() {
+            let u = g.preds[v][i];
+            uses_left[u] -= 1;
+            if pos[v] < first_bwd {
+                fwd_uses_left[u] -= 1;
+            }
+            let evicted_now = evict[u]
+                && !recomputed[u]
+                && (generic || (fwd_uses_left[u] == 0 && pos[v] < first_bwd));
+            if live[u] && (uses_left[u] == 0 || evicted_now) {
+                live[u] = false;
+                cur -= g.mem[u];
+            }
+        }
+        if uses_left[v] == 0 {
+            live[v] = false;
+            cur -= g.mem[v];
+        }
+    }
+    Eval {
+        peak,
+        added_cost: added,
+    }
+}
+
+/// A remat decision and how it scores.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Solution {
+    pub evict: Vec<bool>,
+    pub eval: Eval,
+    pub method: &'static str,
+    /// True when the branch and bound finished: no cheaper eviction meets the budget.
+    pub optimal: bool,
+}
+
+/// No rematerialization.
+pub fn none(g: &RematGraph) -> Solution {
+    let evict = vec![false; g.len()];
+    Solution {
+        eval: simulate(g, &evict),
+        evict,
+        method: "none",
+        optimal: false,
+    }
+}
+
+/// √n segment checkpointing: keep every ⌈√n⌉-th candidate, evict the others.
+pub fn sqrt_n(g: &RematGraph) -> Solution {
+    let c = g.candidates();
+    let k = (c.len() as f64).sqrt().ceil().max(1.0) as usize;
+    let mut evict = vec![false; g.len()];
+    for (i, &v) in c.iter().enumerate() {
+        if (i + 1) % k != 0 {
+            evict[v] = true;
+        }
+    }
+    Solution {
+        eval: simulate(g, &evict),
+        evict,
+        method: "sqrt(n)",
+        optimal: false,
+    }
+}
+
+/// Greedy: evict, one at a time, the candidate that lowers the peak most per added cost,
+/// until the budget is met; then un-evict whatever the budget still allows (largest cost
+/// first). `None` if even evicting every candidate does not fit.
+pub fn greedy(g: &RematGraph, budget: u64) -> Option<Solution> {
+    greedy_until(g, budget, None)
+}
+
+/// [`greedy`] that gives up (returns `None`) at `deadline`.
+pub fn greedy_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
+    let cands = g.candidates();
+    let mut evict = vec![false; g.len()];
+    let mut cur = simulate(g, &evict);
+    while cur.peak > budget {
+        let mut best: Option<(f64, usize, Eval)> = None;
+        for &c in &cands {
+            if evict[c] {
+                continue;
+            }
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return None;
+            }
+            evict[c] = true;
+            let e = simulate(g, &evict);
+            evict[c] = false;
+            let gain = cur.peak.saturating_sub(e.peak) as f64;
+            let extra = e.added_cost.saturating_sub(cur.added_cost) as f64 + 1.0;
+            // Prefer peak reductions per cost; among no-gain moves, the largest tensor.
+            let score = if gain > 0.0 {
+                gain / extra
+            } else {
+                g.mem[c] as f64 * 1e-12 / extra
+            };
+            if best.as_ref().is_none_or(|b| score > b.0) {
+                best = Some((score, c, e));
+            }
+        }
+        let (_, c, e) = best?;
+        evict[c] = true;
+        cur = e;
+    }
+    // Removal pass: keep again what the budget allows, most expensive recomputation first.
+    let mut evicted: Vec<usize> = cands.iter().copied().filter(|&c| evict[c]).collect();
+    evicted.sort_by_key(|&c| (std::cmp::Reverse(g.cost[c]), c));
+    for c in evicted {
+        evict[c] = false;
+        let e = simulate(g, &evict);
+        if e.peak <= budget && e.added_cost <= cur.added_cost {
+            cur = e;
+        } else {
+            evict[c] = true;
+        }
+    }
+    Some(Solution {
+        evict,
+        eval: cur,
+        method: "greedy",
+        optimal: false,
+    })
+}
+
+/// Depth-first search over evict/keep decisions of the candidates (keep first). `prune_unfit`
+/// cuts a branch when evicting every remaining candidate still misses the budget: a strong
+/// but heuristic cut (evicting more usually, not always, lowers the peak). Without it the
+/// search is exact: its only cut is the lower bound (every evicted candidate is recomputed
+/// at least once, so the sum of their costs bounds the added cost).
+struct Dfs<'a> {
+    g: &'a RematGraph,
+    cands: Vec<usize>,
+    budget: u64,
+    prune_unfit: bool,
+    evict: Vec<bool>,
+    best: Option<Solution>,
+    deadline: Instant,
+    timed_out: bool,
+}
+
+impl Dfs<'_> {
+    fn run(&mut self, k: usize, lower: u64) {
+        if self.timed_out || Instant::now() > self.deadline {
+            self.timed_out = true;
+            return;
+        }
+        if self
+            .best
+            .as_ref()
+            .is_some_and(|b| lower >= b.eval.added_cost)
+        {
+            return;
+        }
+        if self.prune_unfit {
+            let mut all = self.evict.clone();
+            for &c in &self.cands[k..] {
+                all[c] = true;
+            }
+            if simulate(self.g, &all).peak > self.budget {
+                return;
+            }
+        }
+        if k == self.cands.len() {
+            let e = simulate(self.g, &self.evict);
+            if e.peak <= self.budget
+                && self
+                    .best
+                    .as_ref()
+                    .is_none_or(|b| e.added_cost < b.eval.added_cost)
+            {
+                self.best = Some(Solution {
+                    evict: self.evict.clone(),
+                    eval: e,
+                    method: "branch and bound",
+                    optimal: false,
+                });
+            }
+            return;
+        }
+        let c = self.cands[k];
+        self.run(k + 1, lower);
+        self.evict[c] = true;
+        self.run(k + 1, lower + self.g.cost[c]);
+        self.evict[c] = false;
+    }
+}
+
+/// What [`branch_and_bound`] found.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub best: Option<Solution>,
+    /// The exact search ran to the end: `best` is optimal, or `None` proves the budget
+    /// cannot be met (in this remat model).
+    pub finished: bool,
+}
+
+/// The best eviction within `limit`: greedy, then the pruned (heuristic) search, then the
+/// exact branch and bound warm-started by both. `optimal` is set when the exact search
+/// finished: no eviction set meets the budget with less added cost (in this remat model).
+pub fn branch_and_bound(g: &RematGraph, budget: u64, limit: Duration) -> Option<Solution> {
+    solve(g, budget, limit).best
+}
+
+/// [`branch_and_bound`] with the search status.
+pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
+    let start = Instant::now();
+    let mut dfs = Dfs {
+        g,
+        cands: g.candidates(),
+        budget,
+        prune_unfit: true,
+        evict: vec![false; g.len()],
+        best: greedy_until(g, budget, Some(start + limit / 2)),
+        deadline: start + limit / 2,
+        timed_out: false,
+    };
+    dfs.run(0, 0);
+    dfs.prune_unfit = false;
+    dfs.timed_out = false;
+    dfs.deadline = start + limit;
+    dfs.run(0, 0);
+    let finished = !dfs.timed_out;
+    Outcome {
+        best: dfs.best.map(|mut b| {
+            b.optimal = finished;
+            b
+        }),
+        finished,
+    }
+}

@@ -1,0 +1,135 @@
+//! Rematerialization solvers on the Checkmate graphs (../shared/bench/remat) and on small
+//! random chains checked against brute force.
+
+use std::time::Duration;
+use tcc::remat::{self, RematGraph};
+use tcc_tests::root;
+
+fn load(name: &str) -> RematGraph {
+    let p = root().join("../shared/bench/remat").join(name);
+    remat::parse_node_link(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+#[test]
+fn simulator_reproduces_the_published_no_remat_peaks() {
+    // README of ../shared/bench/remat: peak in GiB with the Checkmate liveness model.
+    for (f, gib) in [
+        ("vgg16_bs256_224x224_train", 14.74),
+        ("vgg19_bs256_224x224_train", 15.89),
+        ("mobilenet_bs512_224x224_train", 32.32),
+        ("resnet50_bs256_224x224_train", 35.45),
+        ("fcn8_vgg_bs32_416x608_train", 12.56),
+        ("segnet_bs32_416x608_train", 18.57),
+        ("vgg_unet_bs32_416x608_train", 19.52),
+    ] {
+        let g = load(&format!("checkmate_graphs/{f}.json"));
+        let peak = remat::none(&g).eval.peak as f64 / (1u64 << 30) as f64;
+        assert!((peak - gib).abs() < 0.006, "{f}: {peak:.3} GiB vs {gib}");
+    }
+}
+
+#[test]
+fn solutions_meet_their_budgets_and_beat_sqrt_n() {
+    for f in [
+        "resnet50_bs256_224x224_train",
+        "mobilenet_bs512_224x224_train",
+        "vgg_unet_bs32_416x608_train",
+    ] {
+        let g = load(&format!("checkmate_graphs/{f}.json"));
+        let base = remat::none(&g).eval.peak;
+        let sq = remat::sqrt_n(&g);
+        for frac in [0.9, 0.7] {
+            let budget = (base as f64 * frac) as u64;
+            let s = remat::branch_and_bound(&g, budget, Duration::from_secs(2))
+                .unwrap_or_else(|| panic!("{f} at {frac}"));
+            assert!(s.eval.peak <= budget);
+            assert_eq!(
+                remat::simulate(&g, &s.evict),
+                s.eval,
+                "the reported score is the simulated one"
+            );
+            let greedy = remat::greedy(&g, budget).unwrap();
+            assert!(s.eval.added_cost <= greedy.eval.added_cost);
+            if sq.eval.peak <= budget {
+                assert!(
+                    s.eval.added_cost <= sq.eval.added_cost,
+                    "{f}: {} vs sqrt(n) {}",
+                    s.eval.added_cost,
+                    sq.eval.added_cost
+                );
+            }
+        }
+    }
+}
+
+/// A training chain: forward 0..L, loss, backward L+1..2L (as Checkmate lays it out).
+fn chain(mems: &[u64], costs: &[u64]) -> RematGraph {
+    let l = mems.len();
+    let n = 2 * l + 1;
+    let mut g = RematGraph {
+        names: (0..n).map(|i| format!("n{i}")).collect(),
+        mem: vec![0; n],
+        cost: vec![0; n],
+        preds: vec![Vec::new(); n],
+        order: (0..n).collect(),
+        backward: (0..n).map(|i| i > l).collect(),
+    };
+    for i in 0..l {
+        g.mem[i] = mems[i];
+        g.cost[i] = costs[i];
+        if i > 0 {
+            g.preds[i].push(i - 1);
+        }
+        // Gradient node of forward i: reads the next gradient and activation i.
+        let b = 2 * l - i;
+        g.mem[b] = mems[i];
+        g.cost[b] = 2 * costs[i];
+        g.preds[b].push(b - 1);
+        g.preds[b].push(i);
+    }
+    g.mem[l] = 1;
+    g.cost[l] = 1;
+    g.preds[l].push(l - 1);
+    g
+}
+
+#[test]
+fn branch_and_bound_is_optimal_on_small_chains() {
+    let mut seed = 0x1234_5678u64;
+    let mut next = |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        1 + seed % m
+    };
+    for _ in 0..30 {
+        let l = 3 + next(6) as usize;
+        let mems: Vec<u64> = (0..l).map(|_| next(50)).collect();
+        let costs: Vec<u64> = (0..l).map(|_| next(20)).collect();
+        let g = chain(&mems, &costs);
+        let base = remat::none(&g).eval.peak;
+        let budget = base * (50 + next(45)) / 100;
+        // Brute force over every eviction subset of the candidates.
+        let cands = g.candidates();
+        let mut best: Option<u64> = None;
+        for mask in 0u32..(1 << cands.len()) {
+            let mut evict = vec![false; g.len()];
+            for (k, &c) in cands.iter().enumerate() {
+                evict[c] = mask & (1 << k) != 0;
+            }
+            let e = remat::simulate(&g, &evict);
+            if e.peak <= budget && best.is_none_or(|b| e.added_cost < b) {
+                best = Some(e.added_cost);
+            }
+        }
+        let bb = remat::branch_and_bound(&g, budget, Duration::from_secs(5));
+        assert_eq!(
+            bb.as_ref().map(|s| s.eval.added_cost),
+            best,
+            "mems {mems:?} costs {costs:?} budget {budget}"
+        );
+        if let Some(s) = bb {
+            assert!(s.optimal);
+        }
+    }
+}
