@@ -104,3 +104,36 @@ fn cnn_trains_at_a_small_size() {
     let l = losses(&g, &inputs, 30);
     assert!(l[29] * 3.0 <= l[0], "loss {} -> {}", l[0], l[29]);
 }
+
+#[test]
+fn checkpointed_training_equals_plain_training() {
+    let plain = mlp_source(None);
+    let ckpt = plain.replace(
+        "h = relu(linear(h, w_h[i], b_h[i]))",
+        "h = checkpoint { relu(linear(h, w_h[i], b_h[i])) }",
+    );
+    assert_ne!(plain, ckpt);
+    let opts = options_from_args("--set B=16 --set D=32");
+    let a = compile_pipeline(&plain, &opts).unwrap();
+    let b = compile_pipeline(&ckpt, &opts).unwrap();
+    assert!(b.node_count() > a.node_count(), "recomputation adds nodes");
+    let inputs = mlp_inputs_sized(16);
+    let run = |g: &Graph| {
+        let mut p = eager::init_persistent(g, 0);
+        let mut losses = Vec::new();
+        for _ in 0..5 {
+            let outs = eager::run_step(g, &mut p, &inputs, Precision::Native).unwrap();
+            losses.push(outs[0].1.to_f64()[0]);
+        }
+        (losses, p)
+    };
+    let (la, pa) = run(&a);
+    let (lb, pb) = run(&b);
+    assert_eq!(la, lb);
+    assert_eq!(pa, pb, "params after 5 steps are identical");
+}
+
+fn mlp_inputs_sized(n: usize) -> BTreeMap<String, Tensor> {
+    let (x, labels) = prototypes(n, 784, 10, 3);
+    BTreeMap::from([("x".to_string(), x), ("labels".to_string(), labels)])
+}
