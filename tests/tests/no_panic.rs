@@ -176,3 +176,44 @@ proptest! {
         check(&bytes);
     }
 }
+
+/// Front end, autodiff, scheduling, planning and one eager step on whatever compiles.
+fn check_pipeline(bytes: &[u8]) {
+    let Ok((_, mut lowered)) = compile_bytes("fuzz.tdsl", bytes, &Options::default()) else {
+        return;
+    };
+    for mut g in lowered.graphs.drain(..) {
+        if g.node_count() > 400 {
+            continue;
+        }
+        let popts = tcc::passes::PipelineOptions::default();
+        if tcc::passes::run(&mut g, &popts, |_, _| {}).is_err() {
+            continue;
+        }
+        let p = tcc::plan::plan(&g, std::time::Duration::from_millis(20));
+        assert!(tcc::plan::verify(&g, &p).is_ok());
+        let numel: usize = g.node_ids().map(|n| g.ty(n).shape.numel()).sum();
+        if numel < 200_000 {
+            let mut state = tcc::eager::init_persistent(&g, 0);
+            let inputs = tcc::eager::random_inputs(&g, 0);
+            let _ = tcc::eager::run_step(&g, &mut state, &inputs, tcc::eager::Precision::Native);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    #[test]
+    fn mutated_small_models_never_panic_anywhere(which in 0usize..2, muts in prop::collection::vec(mutation(), 1..4)) {
+        let ex = examples();
+        let src = apply(&ex[which], &muts);
+        check_pipeline(&src);
+    }
+
+    #[test]
+    fn random_statements_never_panic_anywhere(tokens in prop::collection::vec(prop::sample::select(VOCAB), 0..30)) {
+        let src = format!("model m {{\n input x: f32[4, 3]\n param w: f32[3, 3] = normal(0.0, 0.1)\n let y = x @ w\n let z = {}\n let loss = sum(y * y)\n output loss\n train sgd(lr: 0.1) minimize loss\n}}\n", tokens.join(" "));
+        check_pipeline(src.as_bytes());
+    }
+}
