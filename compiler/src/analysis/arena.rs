@@ -5,19 +5,34 @@
 //! Three solvers, best kept:
 //! - **greedy by size** and **greedy by lifetime** (XLA / TFLite): sort, then put each buffer
 //!   at the lowest offset where it fits among already placed buffers it conflicts with;
-//! - **skyline search** (after MiniMalloc, Moffitt ASPLOS'23): a depth-first search over
-//!   the order in which buffers are stacked, each resting on the highest buffer below it
-//!   ("gravity"), in non-decreasing offset order. Every packing can be normalised into such
-//!   an order, so the search is complete for a capacity. State: per time *section* (between
-//!   consecutive interval endpoints) the floor under which no new buffer may go. Pruning:
-//!   a buffer that cannot fit under the capacity any more fails the branch; and per section
-//!   `floor + Σ sizes of unplaced buffers live there ≤ capacity` (section inference).
-//!   Identical buffers are placed in a fixed order (symmetry breaking).
+//! - **skyline search** (after MiniMalloc, Moffitt ASPLOS'23), for a fixed capacity: a
+//!   depth-first search over the order in which buffers are stacked, each resting on the
+//!   highest placed buffer it meets ("gravity"), in increasing (offset, rank) order. Every
+//!   packing can be normalised into such an order, so the search is complete. Time is cut
+//!   into *sections* (between consecutive lifetime endpoints). Pruning:
+//!   - *dominance*: no buffer goes at or above the top of an unplaced one (that one could
+//!     drop under it);
+//!   - *section inference*: in every section, the lowest minimum offset of its unplaced
+//!     buffers plus their total size must fit under the capacity; and since offsets only
+//!     grow, so must the current offset plus the largest section total. A candidate is
+//!     checked against this before it is placed, in the sections it can change only;
+//!   - *dynamic decomposition*: once no unplaced buffer crosses a section boundary, the two
+//!     sides are solved independently (each ranked afresh from its current congestion).
 //!
-//! [`plan`] runs the greedy solvers, then searches capacities between the max-live lower
-//! bound and the best greedy result within a time budget: first the lower bound itself,
-//! then bisection.
+//!   Depth-first search is heavy-tailed, so it restarts with a doubling node limit and a
+//!   round robin of three static orders; restarts run on a few threads.
+//!
+//! [`plan`] runs the greedy solvers, then searches capacities between the lower bound
+//! (max-live, or the largest buffer) and the best greedy result within a time budget: first
+//! the lower bound itself (with 60% of the budget), then bisection over multiples of the
+//! sizes' granularity.
+//!
+//! A buffer with an empty lifetime (`lower >= upper`) or size 0 is never live: it conflicts
+//! with nothing, goes at offset 0, and only has to fit inside the arena.
+//!
+//! `TCC_ARENA_DEBUG=1` makes every search report its node count and outcome on stderr.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// One buffer to place.
@@ -29,8 +44,14 @@ pub struct Interval {
 }
 
 impl Interval {
+    /// Whether the buffer is ever live (a non-empty lifetime).
+    pub fn is_live(&self) -> bool {
+        self.lower < self.upper
+    }
+
+    /// Whether two buffers are live at the same time.
     pub fn overlaps(&self, o: &Interval) -> bool {
-        self.lower < o.upper && o.lower < self.upper
+        self.is_live() && o.is_live() && self.lower < o.upper && o.lower < self.upper
     }
 }
 
@@ -63,7 +84,7 @@ pub fn verify(intervals: &[Interval], p: &Placement, align: u64) -> Result<(), P
         return Err(PlacementError::Count(p.offsets.len(), intervals.len()));
     }
     for (i, (iv, &o)) in intervals.iter().zip(&p.offsets).enumerate() {
-        if o + iv.size > p.size {
+        if o.checked_add(iv.size).is_none_or(|top| top > p.size) {
             return Err(PlacementError::OutOfArena(i));
         }
         if align > 1 && o % align != 0 {
@@ -72,7 +93,7 @@ pub fn verify(intervals: &[Interval], p: &Placement, align: u64) -> Result<(), P
     }
     // Sweep over time: check each new buffer against those live at its start.
     let mut order: Vec<usize> = (0..intervals.len())
-        .filter(|&i| intervals[i].size > 0)
+        .filter(|&i| intervals[i].size > 0 && intervals[i].is_live())
         .collect();
     order.sort_by_key(|&i| (intervals[i].lower, i));
     let mut live: Vec<usize> = Vec::new();
@@ -97,10 +118,7 @@ pub fn verify(intervals: &[Interval], p: &Placement, align: u64) -> Result<(), P
 /// The max-live lower bound: the largest total size of buffers live at one instant.
 pub fn max_live(intervals: &[Interval]) -> u64 {
     let mut events: Vec<(u64, i8, u64)> = Vec::with_capacity(intervals.len() * 2);
-    for iv in intervals
-        .iter()
-        .filter(|iv| iv.size > 0 && iv.upper > iv.lower)
-    {
+    for iv in intervals.iter().filter(|iv| iv.size > 0 && iv.is_live()) {
         events.push((iv.lower, 1, iv.size));
         events.push((iv.upper, -1, iv.size));
     }
@@ -109,10 +127,10 @@ pub fn max_live(intervals: &[Interval]) -> u64 {
     let (mut cur, mut best) = (0u64, 0u64);
     for (_, k, s) in events {
         if k > 0 {
-            cur += s;
+            cur = cur.saturating_add(s);
             best = best.max(cur);
         } else {
-            cur -= s;
+            cur = cur.saturating_sub(s);
         }
     }
     best
@@ -122,12 +140,103 @@ fn round_up(x: u64, a: u64) -> u64 {
     if a <= 1 {
         x
     } else {
-        x.div_ceil(a) * a
+        x.div_ceil(a).saturating_mul(a)
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// A step every optimal arena size can be rounded to: some optimal packing is normalised
+/// (every buffer rests on 0 or, aligned, on a buffer it meets), and the tops of a
+/// normalised packing are multiples of the sizes' gcd (`align` 1) or of its gcd with the
+/// alignment.
+fn granularity(intervals: &[Interval], align: u64) -> u64 {
+    let g = intervals.iter().fold(0, |g, iv| gcd(g, iv.size));
+    let g = if align > 1 { gcd(g, align) } else { g };
+    g.max(1)
+}
+
+/// The buffers placed so far by [`greedy`], queried by time: which are live during a given
+/// lifetime? A segment tree over the buffers sorted by start, holding the latest end of
+/// the placed ones below each node. A query costs O((1 + hits) log n).
+struct LiveIndex {
+    /// Starts of all buffers, sorted.
+    starts: Vec<u64>,
+    /// Buffer at each sorted position.
+    at: Vec<usize>,
+    /// Sorted position of each buffer.
+    pos: Vec<usize>,
+    /// Segment tree (1-based heap layout, leaves from `leaves`): the latest end among the
+    /// placed buffers under each node, 0 if none.
+    ends: Vec<u64>,
+    leaves: usize,
+}
+
+impl LiveIndex {
+    fn new(intervals: &[Interval]) -> LiveIndex {
+        let n = intervals.len();
+        let mut at: Vec<usize> = (0..n).collect();
+        at.sort_by_key(|&i| (intervals[i].lower, i));
+        let mut pos = vec![0; n];
+        for (k, &i) in at.iter().enumerate() {
+            pos[i] = k;
+        }
+        let leaves = n.next_power_of_two();
+        LiveIndex {
+            starts: at.iter().map(|&i| intervals[i].lower).collect(),
+            at,
+            pos,
+            ends: vec![0; 2 * leaves],
+            leaves,
+        }
+    }
+
+    fn insert(&mut self, i: usize, end: u64) {
+        let mut k = self.leaves + self.pos[i];
+        while k > 0 {
+            self.ends[k] = self.ends[k].max(end);
+            k /= 2;
+        }
+    }
+
+    /// Pushes onto `out` every placed buffer live at some time in `[lower, upper)`.
+    fn live_during(&self, lower: u64, upper: u64, out: &mut Vec<usize>) {
+        // Buffers starting before `upper` and placed, whose end is after `lower`.
+        let count = self.starts.partition_point(|&t| t < upper);
+        self.collect(1, 0, self.leaves, count, lower, out);
+    }
+
+    fn collect(
+        &self,
+        k: usize,
+        from: usize,
+        to: usize,
+        count: usize,
+        lower: u64,
+        out: &mut Vec<usize>,
+    ) {
+        if from >= count || self.ends[k] <= lower {
+            return;
+        }
+        if to - from == 1 {
+            out.push(self.at[from]);
+            return;
+        }
+        let mid = (from + to) / 2;
+        self.collect(2 * k, from, mid, count, lower, out);
+        self.collect(2 * k + 1, mid, to, count, lower, out);
     }
 }
 
 /// Greedy placement in the given order: each buffer goes to the lowest aligned offset that
 /// does not overlap an already placed buffer live at the same time (best fit among gaps).
+/// O(n log n + overlaps · log n).
 pub fn greedy(
     intervals: &[Interval],
     order: &[usize],
@@ -136,20 +245,23 @@ pub fn greedy(
 ) -> Placement {
     let n = intervals.len();
     let mut offsets = vec![0u64; n];
-    let mut placed: Vec<usize> = Vec::with_capacity(n);
+    let mut index = LiveIndex::new(intervals);
     let mut size = 0u64;
+    let mut live: Vec<usize> = Vec::new();
     let mut busy: Vec<(u64, u64)> = Vec::new();
     for &i in order {
         let iv = intervals[i];
         if iv.size == 0 {
             continue;
         }
+        live.clear();
+        if iv.is_live() {
+            index.live_during(iv.lower, iv.upper, &mut live);
+        }
         busy.clear();
         busy.extend(
-            placed
-                .iter()
-                .filter(|&&j| intervals[j].overlaps(&iv))
-                .map(|&j| (offsets[j], offsets[j] + intervals[j].size)),
+            live.iter()
+                .map(|&j| (offsets[j], offsets[j].saturating_add(intervals[j].size))),
         );
         busy.sort_unstable();
         // Smallest gap that fits (best fit); else on top.
@@ -170,8 +282,10 @@ pub fn greedy(
             None => round_up(cursor, align),
         };
         offsets[i] = off;
-        size = size.max(off + iv.size);
-        placed.push(i);
+        size = size.max(off.saturating_add(iv.size));
+        if iv.is_live() {
+            index.insert(i, iv.upper);
+        }
     }
     Placement {
         offsets,
@@ -181,25 +295,43 @@ pub fn greedy(
 }
 
 /// Static tie-break orders of the skyline search: among buffers that would go to the same
-/// offset, which is tried first. Restarts cycle through them (see [`search`]).
-#[derive(Clone, Copy, Debug)]
+/// offset, which is tried first. Each (sub)partition ranks its buffers afresh when its
+/// search starts, "congestion" being the largest total size of unplaced buffers in a
+/// section the buffer lives through, in the current state. Restarts cycle through the
+/// orders (see [`search`]); no single one of them solves all the hard benchmarks quickly,
+/// the round robin does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Preorder {
-    /// Largest area (size × lifetime) first, then the most congested.
-    AreaTotal,
-    /// Most congested first (the largest section total the buffer lives through), then
-    /// area.
-    TotalArea,
-    /// Congestion, then lifetime, then area.
+    /// Longest lifetime first, then area (size × lifetime), then congestion.
+    WidthAreaTotal,
+    /// Most congested first, then area, then lifetime.
+    TotalAreaWidth,
+    /// Most congested first, then lifetime, then area.
     TotalWidthArea,
-    SizeWidth,
-    WidthSize,
-    StartSize,
 }
 
-/// The skyline search (see the module doc) for a fixed capacity. Per-buffer minimum
-/// offsets and per-section floors are updated incrementally and undone on backtrack.
-struct Search<'a> {
-    iv: &'a [Interval],
+impl Preorder {
+    /// The sort key (larger first).
+    fn key(self, total: u64, width: u64, area: u64) -> (u64, u64, u64) {
+        match self {
+            Preorder::WidthAreaTotal => (width, area, total),
+            Preorder::TotalAreaWidth => (total, area, width),
+            Preorder::TotalWidthArea => (total, width, area),
+        }
+    }
+}
+
+/// The preorders restarts cycle through, in this order.
+const PREORDERS: [Preorder; 3] = [
+    Preorder::WidthAreaTotal,
+    Preorder::TotalAreaWidth,
+    Preorder::TotalWidthArea,
+];
+
+/// The immutable part of one capacity search, shared by all workers.
+struct Problem {
+    /// The live buffers (non-zero size and lifetime), in input order.
+    iv: Vec<Interval>,
     align: u64,
     cap: u64,
     /// Section range `[first, last)` of each buffer.
@@ -208,131 +340,353 @@ struct Search<'a> {
     members: Vec<Vec<usize>>,
     /// Buffers whose lifetimes overlap each buffer's.
     overlaps: Vec<Vec<usize>>,
-    /// Lowest offset each unplaced buffer can take (the top of the placed buffers it meets).
+    /// Section range covered by each buffer and the buffers it overlaps: the sections
+    /// placing it can change.
+    reach: Vec<(usize, usize)>,
+    /// Per section: total size of the buffers alive there.
+    rem: Vec<u64>,
+    /// Per section boundary `k` (between sections k and k+1): buffers crossing it.
+    cuts: Vec<usize>,
+    /// Independent partitions: section ranges no buffer crosses out of, with their
+    /// buffers.
+    parts: Vec<(Vec<usize>, (usize, usize))>,
+}
+
+/// Largest problem [`search`] takes on, in (buffer, section) memberships plus overlapping
+/// pairs: beyond it the search would mostly be slow and memory hungry.
+const MAX_PROBLEM: usize = 1 << 22;
+
+impl Problem {
+    /// Preprocesses the live buffers of `intervals`; `None` if the problem is too large.
+    fn new(intervals: &[Interval], cap: u64, align: u64) -> Option<Problem> {
+        let iv: Vec<Interval> = intervals
+            .iter()
+            .copied()
+            .filter(|v| v.size > 0 && v.is_live())
+            .collect();
+        let mut points: Vec<u64> = iv.iter().flat_map(|v| [v.lower, v.upper]).collect();
+        points.sort_unstable();
+        points.dedup();
+        let sec = |t: u64| points.binary_search(&t).unwrap_or_else(|p| p);
+        let secs: Vec<(usize, usize)> = iv.iter().map(|v| (sec(v.lower), sec(v.upper))).collect();
+        let nsec = points.len().saturating_sub(1);
+        if secs.iter().map(|&(s, e)| e - s).sum::<usize>() > MAX_PROBLEM {
+            return None;
+        }
+        let mut rem = vec![0u64; nsec];
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); nsec];
+        for (b, (v, &(s, e))) in iv.iter().zip(&secs).enumerate() {
+            for k in s..e {
+                rem[k] = rem[k].saturating_add(v.size);
+                members[k].push(b);
+            }
+        }
+        let mut overlaps: Vec<Vec<usize>> = vec![Vec::new(); iv.len()];
+        let mut by_start: Vec<usize> = (0..iv.len()).collect();
+        by_start.sort_by_key(|&b| iv[b].lower);
+        let mut pairs = 0usize;
+        for (k, &a) in by_start.iter().enumerate() {
+            for &b in &by_start[k + 1..] {
+                if iv[b].lower >= iv[a].upper {
+                    break;
+                }
+                overlaps[a].push(b);
+                overlaps[b].push(a);
+                pairs += 1;
+            }
+            if pairs > MAX_PROBLEM {
+                return None;
+            }
+        }
+        let reach: Vec<(usize, usize)> = (0..iv.len())
+            .map(|b| {
+                overlaps[b]
+                    .iter()
+                    .fold(secs[b], |(s, e), &o| (s.min(secs[o].0), e.max(secs[o].1)))
+            })
+            .collect();
+        let mut cuts = vec![0usize; nsec.saturating_sub(1)];
+        for &(s, e) in &secs {
+            for c in &mut cuts[s..e.saturating_sub(1)] {
+                *c += 1;
+            }
+        }
+        // Initial partitions: split where no buffer crosses a section boundary.
+        let mut part_of = vec![0usize; nsec];
+        let mut ranges = Vec::new();
+        let mut start = 0;
+        for end in 1..=nsec {
+            if end == nsec || cuts[end - 1] == 0 {
+                part_of[start..end].fill(ranges.len());
+                ranges.push((start, end));
+                start = end;
+            }
+        }
+        let mut part_bufs: Vec<Vec<usize>> = vec![Vec::new(); ranges.len()];
+        for (b, &(s, _)) in secs.iter().enumerate() {
+            part_bufs[part_of[s]].push(b);
+        }
+        let parts = part_bufs
+            .into_iter()
+            .zip(ranges)
+            .filter(|(bufs, _)| !bufs.is_empty())
+            .collect();
+        Some(Problem {
+            iv,
+            align,
+            cap,
+            secs,
+            members,
+            overlaps,
+            reach,
+            rem,
+            cuts,
+            parts,
+        })
+    }
+}
+
+/// How a (sub)search ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Found,
+    NotFound,
+    /// The node limit of this restart was reached.
+    Aborted,
+    TimedOut,
+    /// Another worker finished an earlier restart: this one no longer matters.
+    Cancelled,
+}
+
+/// Work (buffers scanned, plus 64 a node) between two looks at the clock.
+const POLL_WORK: u64 = 1 << 16;
+
+/// Most candidates a search node sorts at a time.
+const BATCH: usize = 32;
+
+/// The minimum offset of a placed buffer: above every capacity, so that a placed buffer
+/// never counts as one that could still go low, nor gets raised.
+const PLACED: u64 = u64::MAX;
+
+/// The skyline search (see the module doc) for a fixed capacity: the mutable state of one
+/// worker. Minimum offsets and section totals are updated incrementally and undone on
+/// backtrack.
+///
+/// Invariant of every search state: in every section, the lowest minimum offset of its
+/// unplaced buffers plus their total size fits under the capacity (section inference).
+/// [`Search::admissible`] checks that a placement keeps it before the placement is made.
+struct Search<'p> {
+    p: &'p Problem,
+    order: Preorder,
+    /// Lowest offset each unplaced buffer can take (the aligned top of the placed buffers
+    /// it meets); [`PLACED`] once placed (its offset is then in `offsets`).
     min_off: Vec<u64>,
-    /// Per section: no unplaced buffer can go lower than this.
-    floor: Vec<u64>,
     /// Per section: total size of the unplaced buffers alive there.
     rem: Vec<u64>,
-    placed: Vec<bool>,
+    /// Per section: an unplaced buffer that recently had a low minimum offset there (a
+    /// hint that speeds up [`Search::admissible`] and never changes its answer).
+    witness: Vec<usize>,
     offsets: Vec<u64>,
     /// Offsets of solved partitions.
     solution: Vec<u64>,
-    /// Per section boundary `k` (between sections k and k+1): unplaced buffers crossing it.
+    /// Per section boundary: unplaced buffers crossing it.
     cuts: Vec<usize>,
-    /// Static rank of each buffer (position in the preorder).
+    /// Rank of each buffer in its partition's preorder.
     rank: Vec<usize>,
-    /// Per section: the lowest minimum offset among its unplaced buffers (a lower bound
-    /// on where any of them goes), and how many buffers hold that value.
-    umin: Vec<u64>,
-    ucount: Vec<u32>,
-    /// Undo log of every state change, replayed backwards on backtrack.
-    log: Vec<Undo>,
-    deadline: Instant,
+    /// Undo log: (buffer, minimum offset before it was raised).
+    log: Vec<(usize, u64)>,
+    /// Candidates (offset, rank, buffer) of the search nodes on the current path.
+    cands: Vec<(u64, usize, usize)>,
     nodes: u64,
     node_limit: u64,
-    timed_out: bool,
+    /// Work done (buffers scanned) and when to look at the clock next.
+    work: u64,
+    next_poll: u64,
+    deadline: Option<Instant>,
+    /// Set once the search must stop (time out or cancellation).
+    halt: Option<Status>,
+    /// The lowest restart index that has finished (found or proved infeasible) in any
+    /// worker, and this restart's index: a later restart is cancelled.
+    finished: Option<(&'p AtomicUsize, usize)>,
 }
 
-impl Search<'_> {
-    /// Section inference: in every section, the floor (raised to the running minimum
-    /// offset) plus the sizes of the unplaced buffers there must fit under the capacity.
-    fn feasible(&self, range: (usize, usize), gmin: u64) -> bool {
-        let g = round_up(gmin, self.align);
-        (range.0..range.1).all(|k| {
-            let r = self.rem[k];
-            r == 0 || self.floor[k].max(g).max(self.umin[k]) + r <= self.cap
-        })
+impl<'p> Search<'p> {
+    fn new(p: &'p Problem, deadline: Option<Instant>) -> Search<'p> {
+        let n = p.iv.len();
+        Search {
+            p,
+            order: PREORDERS[0],
+            min_off: vec![0; n],
+            rem: p.rem.clone(),
+            witness: p
+                .members
+                .iter()
+                .map(|m| m.first().copied().unwrap_or(0))
+                .collect(),
+            offsets: vec![0; n],
+            solution: vec![0; n],
+            cuts: p.cuts.clone(),
+            rank: vec![0; n],
+            log: Vec::new(),
+            cands: Vec::new(),
+            nodes: 0,
+            node_limit: u64::MAX,
+            work: 0,
+            next_poll: 0,
+            deadline,
+            halt: None,
+            finished: None,
+        }
     }
 
-    /// Takes value `v` (a buffer's old minimum offset) out of section `k`'s count of
-    /// unplaced minima, rescanning the section when its last minimum holder leaves.
-    fn drop_min(&mut self, k: usize, v: u64) {
-        if v != self.umin[k] {
-            return;
-        }
-        self.log.push(Undo::UMin(k, self.umin[k], self.ucount[k]));
-        self.ucount[k] -= 1;
-        if self.ucount[k] == 0 {
-            let (mut m, mut c) = (u64::MAX, 0u32);
-            for &o in &self.members[k] {
-                if self.placed[o] {
-                    continue;
-                }
-                let x = self.min_off[o];
-                if x < m {
-                    m = x;
-                    c = 1;
-                } else if x == m {
-                    c += 1;
-                }
+    /// One restart: solves every initial partition with the current preorder and limit.
+    fn run(&mut self) -> Status {
+        let p = self.p;
+        self.nodes = 0;
+        self.halt = None;
+        for (bufs, range) in &p.parts {
+            let status = self.solve_partition(bufs, *range);
+            if status != Status::Found {
+                return status;
             }
-            self.umin[k] = m;
-            self.ucount[k] = c;
+        }
+        Status::Found
+    }
+
+    /// Checks the clock and the other workers.
+    fn poll(&mut self) {
+        if self.deadline.is_some_and(|d| Instant::now() > d) {
+            self.halt = Some(Status::TimedOut);
+        } else if let Some((done, me)) = self.finished {
+            if done.load(Ordering::Relaxed) < me {
+                self.halt = Some(Status::Cancelled);
+            }
         }
     }
 
-    /// Places `b` at `off`; returns the undo-log mark.
-    fn place(&mut self, b: usize, off: u64) -> usize {
-        let mark = self.log.len();
-        let size = self.iv[b].size;
-        let top = off + size;
-        self.placed[b] = true;
-        self.offsets[b] = off;
-        let (s, e) = self.secs[b];
-        let old_b = self.min_off[b];
-        for k in s..e {
-            self.log.push(Undo::Floor(k, self.floor[k]));
-            self.floor[k] = top;
-            self.rem[k] -= size;
-            self.drop_min(k, old_b);
-        }
-        let aligned_top = round_up(top, self.align);
-        for i in 0..self.overlaps[b].len() {
-            let o = self.overlaps[b][i];
-            let old = self.min_off[o];
-            if self.placed[o] || old >= aligned_top {
+    /// Whether placing `b` at `off` keeps the invariant (see [`Search`]) in the sections
+    /// of `range` it can change: those of `b` (their totals drop, and all their other
+    /// unplaced buffers meet `b`, so rise to at least its top) and those of the unplaced
+    /// buffers `b` meets (which rise). Everywhere else nothing changes. Every unplaced
+    /// buffer `b` meets lies in `range`.
+    fn admissible(&mut self, b: usize, off: u64, range: (usize, usize)) -> bool {
+        let p = self.p;
+        let size = p.iv[b].size;
+        let top = round_up(off + size, p.align);
+        let (s, e) = p.secs[b];
+        let (rs, re) = p.reach[b];
+        for k in rs.max(range.0)..re.min(range.1) {
+            let inside = s <= k && k < e;
+            let r = if inside {
+                self.rem[k] - size
+            } else {
+                self.rem[k]
+            };
+            if r == 0 {
                 continue;
             }
-            self.log.push(Undo::MinOff(o, old));
-            self.min_off[o] = aligned_top;
-            let (os, oe) = self.secs[o];
-            for k in os..oe {
-                self.drop_min(k, old);
+            // The lowest unplaced buffer here must end up at or below `limit`.
+            let Some(limit) = p.cap.checked_sub(r) else {
+                return false;
+            };
+            if top <= limit {
+                if !inside {
+                    // The lowest buffer here stays put or rises to `top`: still fits.
+                    continue;
+                }
+            } else if inside {
+                // Every other buffer here rises to at least `top`.
+                return false;
+            }
+            // Is there an unplaced buffer here that stays at or below `limit`? (A buffer
+            // that meets `b` rises to `top`.)
+            let fits = |o: usize| {
+                let x = self.min_off[o];
+                if x > limit || o == b {
+                    return false;
+                }
+                let (os, oe) = p.secs[o];
+                top <= limit || oe <= s || e <= os
+            };
+            if fits(self.witness[k]) {
+                continue;
+            }
+            match p.members[k].iter().copied().find(|&o| fits(o)) {
+                Some(o) => self.witness[k] = o,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Places `b` at `off` (its minimum offset); returns the undo-log mark.
+    fn place(&mut self, b: usize, off: u64) -> usize {
+        let p = self.p;
+        let mark = self.log.len();
+        let size = p.iv[b].size;
+        self.min_off[b] = PLACED;
+        self.offsets[b] = off;
+        let (s, e) = p.secs[b];
+        for r in &mut self.rem[s..e] {
+            *r -= size;
+        }
+        let top = round_up(off + size, p.align);
+        for &o in &p.overlaps[b] {
+            let old = self.min_off[o];
+            if old < top {
+                self.log.push((o, old));
+                self.min_off[o] = top;
             }
         }
         mark
     }
 
     fn unplace(&mut self, b: usize, mark: usize) {
-        let size = self.iv[b].size;
-        let (s, e) = self.secs[b];
-        for k in s..e {
-            self.rem[k] += size;
+        for &(o, v) in self.log[mark..].iter().rev() {
+            self.min_off[o] = v;
         }
-        while self.log.len() > mark {
-            match self.log.pop() {
-                Some(Undo::Floor(k, v)) => self.floor[k] = v,
-                Some(Undo::MinOff(o, v)) => self.min_off[o] = v,
-                Some(Undo::UMin(k, v, c)) => {
-                    self.umin[k] = v;
-                    self.ucount[k] = c;
-                }
-                None => break,
-            }
+        self.log.truncate(mark);
+        let size = self.p.iv[b].size;
+        let (s, e) = self.p.secs[b];
+        for r in &mut self.rem[s..e] {
+            *r += size;
         }
-        self.placed[b] = false;
+        self.min_off[b] = self.offsets[b];
     }
 
-    /// Solves the buffers of one partition (a section range no unplaced buffer outside it
-    /// crosses) from scratch: its placements are independent of every other partition's.
+    /// Solves the (all unplaced) buffers of one partition, a section range no unplaced
+    /// buffer outside it crosses, from scratch: its placements are independent of every
+    /// other partition's. The partition's buffers are ranked afresh for it.
     fn solve_partition(&mut self, bufs: &[usize], range: (usize, usize)) -> Status {
-        let left = bufs.iter().filter(|&&b| !self.placed[b]).count();
-        self.dfs(bufs, range, left, (0, 0))
+        let p = self.p;
+        let saved: Vec<usize> = bufs.iter().map(|&b| self.rank[b]).collect();
+        let mut keyed: Vec<((u64, u64, u64), usize)> = bufs
+            .iter()
+            .map(|&b| {
+                let (s, e) = p.secs[b];
+                let total = self.rem[s..e].iter().copied().max().unwrap_or(0);
+                let v = p.iv[b];
+                let width = v.upper - v.lower;
+                (
+                    self.order.key(total, width, v.size.saturating_mul(width)),
+                    b,
+                )
+            })
+            .collect();
+        keyed.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+        for (r, &(_, b)) in keyed.iter().enumerate() {
+            self.rank[b] = r;
+        }
+        let status = self.dfs(bufs, range, bufs.len(), (0, 0));
+        for (&b, &r) in bufs.iter().zip(&saved) {
+            self.rank[b] = r;
+        }
+        status
     }
 
-    /// `last` is the (offset, rank) of the previous placement: placements are made in
-    /// increasing (offset, rank) order, which every normalised packing has.
+    /// Places the `left` unplaced buffers of `bufs` (a partition over the sections
+    /// `range`). `last` is the (offset, rank) of the previous placement: placements are
+    /// made in increasing (offset, rank) order, which every normalised packing has.
     fn dfs(
         &mut self,
         bufs: &[usize],
@@ -350,48 +704,84 @@ impl Search<'_> {
         if self.nodes >= self.node_limit {
             return Status::Aborted;
         }
-        if self.nodes & 255 == 0 && Instant::now() > self.deadline {
-            self.timed_out = true;
+        // Look at the clock every few hundred nodes, or more often when nodes are big.
+        self.work += 64 + bufs.len() as u64;
+        if self.work >= self.next_poll {
+            self.next_poll = self.work + POLL_WORK;
+            self.poll();
         }
-        if self.timed_out {
-            return Status::TimedOut;
+        if let Some(status) = self.halt {
+            return status;
         }
-        let gmin = round_up(last.0, self.align);
-        let mut cands: Vec<(u64, usize, usize)> = Vec::with_capacity(left);
+        let p = self.p;
+        // Monotone floor: every later buffer goes at or above the next one's offset, so
+        // that offset plus the largest section total must fit.
+        let most = self.rem[range.0..range.1]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0);
+        let Some(max_off) = p.cap.checked_sub(most) else {
+            return Status::NotFound;
+        };
         let mut min_height = u64::MAX;
         for &b in bufs {
-            if self.placed[b] {
+            let off = self.min_off[b];
+            if off == PLACED {
                 continue;
             }
-            // In a normalised packing every buffer rests on the highest placed buffer it
-            // meets (or on 0): its offset is exactly its current minimum offset.
-            let off = self.min_off[b];
-            if off.max(gmin) + self.iv[b].size > self.cap {
+            let top = off.saturating_add(p.iv[b].size);
+            if top > p.cap {
                 return Status::NotFound;
             }
-            min_height = min_height.min(off + self.iv[b].size);
-            if (off, self.rank[b]) < last {
-                continue;
-            }
-            cands.push((off, self.rank[b], b));
+            min_height = min_height.min(top);
         }
+        // Candidates: in a normalised packing every buffer rests on the highest placed
+        // buffer it meets (or on 0), so its offset is exactly its current minimum offset.
         // Dominance: a placement at or above the top of some unplaced buffer would leave a
-        // gap that buffer could drop into.
-        cands.retain(|&(off, _, _)| off < min_height);
-        cands.sort_unstable();
-        for (off, rank, b) in cands {
-            let marks = self.place(b, off);
-            let status = if self.feasible(range, off) {
-                self.decompose(bufs, range, left - 1, b, (off, rank))
-            } else {
-                Status::NotFound
-            };
-            self.unplace(b, marks);
-            if status != Status::NotFound {
-                return status;
+        // gap that buffer could drop into. They are tried in (offset, rank) order, taken
+        // in batches of at most `BATCH` (on the shared `cands` stack) to bound memory.
+        let limit = max_off.min(min_height.saturating_sub(1));
+        let base = self.cands.len();
+        let mut after = last;
+        let mut first = true;
+        loop {
+            for &b in bufs {
+                let off = self.min_off[b];
+                if off > limit {
+                    continue;
+                }
+                let key = (off, self.rank[b]);
+                if key > after || (first && key == after) {
+                    self.cands.push((off, self.rank[b], b));
+                }
+            }
+            first = false;
+            let more = self.cands.len() - base > BATCH;
+            if more {
+                self.cands[base..].select_nth_unstable(BATCH - 1);
+                self.cands.truncate(base + BATCH);
+            }
+            self.cands[base..].sort_unstable();
+            for i in base..self.cands.len() {
+                let (off, rank, b) = self.cands[i];
+                after = (off, rank);
+                if !self.admissible(b, off, range) {
+                    continue;
+                }
+                let mark = self.place(b, off);
+                let status = self.decompose(bufs, range, left - 1, b, (off, rank));
+                self.unplace(b, mark);
+                if status != Status::NotFound {
+                    self.cands.truncate(base);
+                    return status;
+                }
+            }
+            self.cands.truncate(base);
+            if !more {
+                return Status::NotFound;
             }
         }
-        Status::NotFound
     }
 
     /// After placing `b`: if no unplaced buffer crosses some section boundaries any more,
@@ -408,33 +798,37 @@ impl Search<'_> {
         // Recorded now: on success nothing overwrites it (partitions solved below restore
         // the search state, not the recorded solution).
         self.solution[b] = self.offsets[b];
-        let (s, e) = self.secs[b];
-        let mut cutpoints = vec![range.0];
+        let (s, e) = self.p.secs[b];
+        let mut split = false;
         for k in s..e.saturating_sub(1) {
             self.cuts[k] -= 1;
-            if self.cuts[k] == 0 && k + 1 > range.0 && k + 1 < range.1 {
-                cutpoints.push(k + 1);
-            }
+            split |= self.cuts[k] == 0 && k + 1 > range.0 && k + 1 < range.1;
         }
-        let status = if cutpoints.len() == 1 || left == 0 {
+        let status = if !split || left == 0 {
             self.dfs(bufs, range, left, last)
         } else {
-            cutpoints.sort_unstable();
+            let mut cutpoints = vec![range.0];
+            cutpoints.extend(
+                (s..e.saturating_sub(1))
+                    .filter(|&k| self.cuts[k] == 0 && k + 1 > range.0 && k + 1 < range.1)
+                    .map(|k| k + 1),
+            );
             cutpoints.push(range.1);
+            // No unplaced buffer crosses a cut point: each lies in one window.
+            let last_window = cutpoints.len() - 2;
+            let mut windows: Vec<Vec<usize>> = vec![Vec::new(); last_window + 1];
+            for &o in bufs {
+                if self.min_off[o] != PLACED {
+                    let w = cutpoints.partition_point(|&c| c <= self.p.secs[o].0);
+                    windows[w.saturating_sub(1).min(last_window)].push(o);
+                }
+            }
             let mut status = Status::Found;
-            for w in cutpoints.windows(2) {
-                let sub = (w[0], w[1]);
-                let sub_bufs: Vec<usize> = bufs
-                    .iter()
-                    .copied()
-                    .filter(|&o| {
-                        !self.placed[o] && self.secs[o].0 < sub.1 && sub.0 < self.secs[o].1
-                    })
-                    .collect();
+            for (w, sub_bufs) in windows.iter().enumerate() {
                 if sub_bufs.is_empty() {
                     continue;
                 }
-                status = self.solve_partition(&sub_bufs, sub);
+                status = self.solve_partition(sub_bufs, (cutpoints[w], cutpoints[w + 1]));
                 if status != Status::Found {
                     break;
                 }
@@ -448,24 +842,6 @@ impl Search<'_> {
     }
 }
 
-/// One reversible change of the search state.
-#[derive(Clone, Copy, Debug)]
-enum Undo {
-    Floor(usize, u64),
-    MinOff(usize, u64),
-    UMin(usize, u64, u32),
-}
-
-/// How a (sub)search ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Status {
-    Found,
-    NotFound,
-    /// The node limit of this restart was reached.
-    Aborted,
-    TimedOut,
-}
-
 /// Result of a capacity search.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SearchOutcome {
@@ -476,190 +852,133 @@ pub enum SearchOutcome {
     Unknown,
 }
 
+/// Most worker threads one search uses.
+const MAX_WORKERS: usize = 4;
+
 /// Searches for a placement within `capacity` (see the module doc). Heavy-tailed
-/// depth-first search is tamed by restarts: each static preorder gets a node limit that
-/// doubles every round (as MiniMalloc's round robin does).
+/// depth-first search is tamed by restarts: restart `j` uses preorder `j mod 3` and a node
+/// limit that doubles every round of three (as MiniMalloc's round robin does). Restarts
+/// run on up to [`MAX_WORKERS`] threads (as many as the machine has cores); the result is
+/// that of the lowest-numbered restart that finished, the same as one thread returns, so
+/// it is deterministic unless the budget runs out.
 pub fn search(
     intervals: &[Interval],
     capacity: u64,
     align: u64,
     budget: Duration,
 ) -> SearchOutcome {
-    let idx: Vec<usize> = (0..intervals.len())
-        .filter(|&i| intervals[i].size > 0 && intervals[i].upper > intervals[i].lower)
-        .collect();
-    let iv: Vec<Interval> = idx.iter().map(|&i| intervals[i]).collect();
-    let mut points: Vec<u64> = iv.iter().flat_map(|v| [v.lower, v.upper]).collect();
-    points.sort_unstable();
-    points.dedup();
-    let sec = |t: u64| points.binary_search(&t).unwrap_or_else(|p| p);
-    let secs: Vec<(usize, usize)> = iv.iter().map(|v| (sec(v.lower), sec(v.upper))).collect();
-    let nsec = points.len().saturating_sub(1);
-    let mut rem = vec![0u64; nsec];
-    for (v, &(s, e)) in iv.iter().zip(&secs) {
-        for r in &mut rem[s..e] {
-            *r += v.size;
-        }
-    }
-    // Per-buffer keys for the preorders.
-    let total: Vec<u64> = secs
-        .iter()
-        .map(|&(s, e)| rem[s..e].iter().copied().max().unwrap_or(0))
-        .collect();
-    let area: Vec<u64> = iv
-        .iter()
-        .map(|v| v.size.saturating_mul(v.upper - v.lower))
-        .collect();
-    let width: Vec<u64> = iv.iter().map(|v| v.upper - v.lower).collect();
-    let deadline = Instant::now() + budget;
-    let mut members: Vec<Vec<usize>> = vec![Vec::new(); nsec];
-    for (b, &(s0, e0)) in secs.iter().enumerate() {
-        for m in &mut members[s0..e0] {
-            m.push(b);
-        }
-    }
-    let mut overlaps: Vec<Vec<usize>> = vec![Vec::new(); iv.len()];
-    let mut by_start: Vec<usize> = (0..iv.len()).collect();
-    by_start.sort_by_key(|&b| iv[b].lower);
-    for (k, &a) in by_start.iter().enumerate() {
-        for &b in &by_start[k + 1..] {
-            if iv[b].lower >= iv[a].upper {
-                break;
-            }
-            overlaps[a].push(b);
-            overlaps[b].push(a);
-        }
-    }
-    let mut cuts = vec![0usize; nsec.saturating_sub(1)];
-    for &(s0, e0) in &secs {
-        for c in &mut cuts[s0..e0.saturating_sub(1)] {
-            *c += 1;
-        }
-    }
-    let members_count: Vec<u32> = members.iter().map(|m| m.len() as u32).collect();
-    let mut s = Search {
-        iv: &iv,
-        align,
-        cap: capacity,
-        secs,
-        members,
-        overlaps,
-        min_off: vec![0; iv.len()],
-        floor: vec![0; nsec],
-        rem,
-        placed: vec![false; iv.len()],
-        offsets: vec![0; iv.len()],
-        solution: vec![0; iv.len()],
-        cuts,
-        rank: vec![0; iv.len()],
-        umin: vec![0; nsec],
-        ucount: members_count,
-        log: Vec::new(),
-        deadline,
-        nodes: 0,
-        node_limit: u64::MAX,
-        timed_out: false,
-    };
-    if !s.feasible((0, nsec), 0) {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_WORKERS);
+    search_with(intervals, capacity, align, budget, workers)
+}
+
+/// One restart's result: its index, how it ended, and the solution if it found one.
+type Finish = (usize, Status, Vec<u64>);
+
+/// [`search`] with a given number of worker threads.
+fn search_with(
+    intervals: &[Interval],
+    capacity: u64,
+    align: u64,
+    budget: Duration,
+    workers: usize,
+) -> SearchOutcome {
+    // No deadline when the budget is beyond what the clock can represent.
+    let deadline = Instant::now().checked_add(budget);
+    let align = align.max(1);
+    // Buffers that are never live go at offset 0 and only need to fit.
+    if intervals.iter().any(|v| v.size > capacity) {
         return SearchOutcome::Infeasible;
     }
-    // Initial partitions: split where no buffer crosses a section boundary.
-    let mut parts: Vec<(Vec<usize>, (usize, usize))> = Vec::new();
-    {
-        let mut start = 0;
-        for k in 0..=nsec {
-            if k == nsec || (k + 1 < nsec + 1 && k < s.cuts.len() && s.cuts[k] == 0) {
-                let end = if k == nsec { nsec } else { k + 1 };
-                if end > start {
-                    let bufs: Vec<usize> = (0..iv.len())
-                        .filter(|&b| s.secs[b].0 < end && start < s.secs[b].1)
-                        .collect();
-                    if !bufs.is_empty() {
-                        parts.push((bufs, (start, end)));
-                    }
-                }
-                start = end;
-            }
-        }
-    }
-    let all = [
-        Preorder::AreaTotal,
-        Preorder::TotalArea,
-        Preorder::TotalWidthArea,
-        Preorder::SizeWidth,
-        Preorder::WidthSize,
-        Preorder::StartSize,
-    ];
-    let pick: Vec<Preorder> = match std::env::var("TCC_ORDERS") {
-        Ok(v) => v
-            .split(',')
-            .filter_map(|x| x.parse::<usize>().ok())
-            .filter_map(|i| all.get(i).copied())
-            .collect(),
-        Err(_) => all[..3].to_vec(),
+    let Some(p) = Problem::new(intervals, capacity, align) else {
+        return SearchOutcome::Unknown;
     };
-    let orders = pick;
-    let mut limit = (iv.len() as u64).max(64);
-    let mut found;
-    let mut total_nodes = 0u64;
-    'rounds: loop {
-        limit = limit.saturating_mul(2);
-        for &order in &orders {
-            let mut perm: Vec<usize> = (0..iv.len()).collect();
-            let key = |b: usize| match order {
-                Preorder::AreaTotal => (area[b], total[b], 0),
-                Preorder::TotalArea => (total[b], area[b], 0),
-                Preorder::TotalWidthArea => (total[b], width[b], area[b]),
-                Preorder::SizeWidth => (iv[b].size, width[b], 0),
-                Preorder::WidthSize => (width[b], iv[b].size, 0),
-                Preorder::StartSize => (u64::MAX - iv[b].lower, iv[b].size, 0),
-            };
-            perm.sort_by_key(|&b| (std::cmp::Reverse(key(b)), b));
-            for (r, &b) in perm.iter().enumerate() {
-                s.rank[b] = r;
+    if p.rem.iter().any(|&r| r > capacity) {
+        return SearchOutcome::Infeasible;
+    }
+    let base = (p.iv.len() as u64).max(64);
+    let next = AtomicUsize::new(0);
+    let finished = AtomicUsize::new(usize::MAX);
+    let work = || -> (Option<Finish>, u64) {
+        let mut s = Search::new(&p, deadline);
+        let mut nodes = 0u64;
+        loop {
+            let j = next.fetch_add(1, Ordering::Relaxed);
+            if j >= finished.load(Ordering::Relaxed) {
+                return (None, nodes);
             }
-            s.nodes = 0;
-            s.node_limit = limit;
-            let mut status = Status::Found;
-            for (bufs, range) in &parts {
-                status = s.solve_partition(bufs, *range);
-                if status != Status::Found {
-                    break;
+            let round = (j / PREORDERS.len()).min(60) as u32;
+            s.order = PREORDERS[j % PREORDERS.len()];
+            s.node_limit = base.saturating_mul(2u64 << round);
+            s.finished = Some((&finished, j));
+            let status = s.run();
+            nodes += s.nodes;
+            match status {
+                Status::Found | Status::NotFound => {
+                    finished.fetch_min(j, Ordering::Relaxed);
+                    let sol = if status == Status::Found {
+                        std::mem::take(&mut s.solution)
+                    } else {
+                        Vec::new()
+                    };
+                    return (Some((j, status, sol)), nodes);
                 }
-            }
-            total_nodes += s.nodes;
-            found = status == Status::Found;
-            if found || status == Status::TimedOut {
-                break 'rounds;
-            }
-            if status == Status::NotFound {
-                // The search space was exhausted: infeasible whatever the order.
-                break 'rounds;
+                Status::TimedOut => return (None, nodes),
+                Status::Aborted | Status::Cancelled => {}
             }
         }
-    }
+    };
+    // The search recurses once per placed buffer: give it a stack to match.
+    let stack = (8 << 20) + p.iv.len() * 2048;
+    let results: Vec<(Option<Finish>, u64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers.max(1))
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .stack_size(stack)
+                    .spawn_scoped(scope, work)
+                    .ok()
+            })
+            .collect();
+        if handles.is_empty() {
+            // No thread could be started: search on this one.
+            return vec![work()];
+        }
+        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+    });
+    let total_nodes: u64 = results.iter().map(|r| r.1).sum();
+    let best = results.into_iter().filter_map(|r| r.0).min_by_key(|r| r.0);
     if std::env::var_os("TCC_ARENA_DEBUG").is_some() {
-        eprintln!("search cap {capacity}: {total_nodes} nodes, found {found}, timed out {}, last limit {limit}", s.timed_out);
+        eprintln!(
+            "arena search at {capacity}: {total_nodes} nodes on {workers} threads, {}",
+            match &best {
+                Some((j, status, _)) => format!("restart {j}: {status:?}"),
+                None => "no result".to_string(),
+            }
+        );
     }
-    if found {
-        let mut offsets = vec![0u64; intervals.len()];
-        for (k, &i) in idx.iter().enumerate() {
-            offsets[i] = s.solution[k];
+    match best {
+        Some((_, Status::Found, sol)) => {
+            let mut offsets = vec![0u64; intervals.len()];
+            let live =
+                (0..intervals.len()).filter(|&i| intervals[i].size > 0 && intervals[i].is_live());
+            for (i, off) in live.zip(sol) {
+                offsets[i] = off;
+            }
+            let size = intervals
+                .iter()
+                .zip(&offsets)
+                .map(|(v, &o)| o + v.size)
+                .max()
+                .unwrap_or(0);
+            SearchOutcome::Found(Placement {
+                offsets,
+                size,
+                method: "skyline search",
+            })
         }
-        let size = idx
-            .iter()
-            .map(|&i| offsets[i] + intervals[i].size)
-            .max()
-            .unwrap_or(0);
-        SearchOutcome::Found(Placement {
-            offsets,
-            size,
-            method: "skyline search",
-        })
-    } else if s.timed_out {
-        SearchOutcome::Unknown
-    } else {
-        SearchOutcome::Infeasible
+        Some(_) => SearchOutcome::Infeasible,
+        None => SearchOutcome::Unknown,
     }
 }
 
@@ -677,19 +996,21 @@ pub struct PlanReport {
 /// Greedy solvers, then the skyline search within `budget` (see the module doc).
 pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport {
     let start = Instant::now();
+    let align = align.max(1);
     let n = intervals.len();
+    let width = |i: usize| intervals[i].upper.saturating_sub(intervals[i].lower);
     let mut by_size: Vec<usize> = (0..n).collect();
     by_size.sort_by_key(|&i| {
         (
             std::cmp::Reverse(intervals[i].size),
-            std::cmp::Reverse(intervals[i].upper - intervals[i].lower),
+            std::cmp::Reverse(width(i)),
             i,
         )
     });
     let mut by_life: Vec<usize> = (0..n).collect();
     by_life.sort_by_key(|&i| {
         (
-            std::cmp::Reverse(intervals[i].upper - intervals[i].lower),
+            std::cmp::Reverse(width(i)),
             std::cmp::Reverse(intervals[i].size),
             i,
         )
@@ -698,53 +1019,38 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
     let b = greedy(intervals, &by_life, align, "greedy by lifetime");
     let (gs, gl) = (a.size, b.size);
     let mut best = if b.size < a.size { b } else { a };
-    let lb = round_up(max_live(intervals), align).min(best.size);
-    let mut optimal = best.size == lb;
-    // Capacities to try: the lower bound, then bisection towards the best known.
-    let mut lo = lb; // largest capacity known infeasible + 1 … kept as "not yet shown feasible"
-    let mut hi = best.size;
-    let mut first = true;
+    // Only capacities that are multiples of `step` need trying (see `granularity`).
+    let step = granularity(intervals, align);
+    let largest = intervals.iter().map(|v| v.size).max().unwrap_or(0);
+    let lb = round_up(max_live(intervals).max(largest), step).min(best.size);
+    // Capacities below `lo` are ruled out (proved infeasible while `proved`); `hi` fits.
+    let (mut lo, mut hi) = (lb, best.size);
+    let mut proved = true;
     while lo < hi {
         let left = budget.saturating_sub(start.elapsed());
         if left.is_zero() {
             break;
         }
-        let cap = if first {
+        let cap = if lo == lb {
             lo
         } else {
-            round_up(lo + (hi - lo) / 2, align.max(1))
+            lo + (hi - lo) / step / 2 * step
         };
-        let cap = cap.min(hi - 1).max(lo);
-        first = false;
-        // Give the first (lower-bound) attempt most of the budget: on real graphs it
-        // usually succeeds, and when it does the result is optimal.
-        let slice = if cap == lb {
-            left.mul_f64(0.6)
-        } else {
-            left / 2
-        };
+        let slice = if cap == lb { left / 5 * 3 } else { left / 2 };
         match search(intervals, cap, align, slice) {
             SearchOutcome::Found(p) => {
                 hi = p.size;
                 best = p;
-                if hi == lb {
-                    optimal = true;
-                }
             }
-            SearchOutcome::Infeasible => lo = cap + align.max(1),
+            SearchOutcome::Infeasible => lo = cap.saturating_add(step),
             SearchOutcome::Unknown => {
-                // Try a looser capacity next.
-                lo = cap + align.max(1);
-                if cap == lb {
-                    continue;
-                }
+                // Not proved; look higher, where it is easier.
+                lo = cap.saturating_add(step);
+                proved = false;
             }
-        }
-        if lo >= hi && hi != lb {
-            // Everything below `hi` was shown infeasible only if no search timed out; be
-            // conservative and call it optimal only at the lower bound.
         }
     }
+    let optimal = best.size <= lb || (proved && lo >= hi);
     PlanReport {
         placement: best,
         lower_bound: lb,
@@ -800,4 +1106,354 @@ pub fn parse_csv(text: &str) -> Result<(Vec<String>, Vec<Interval>), String> {
         });
     }
     Ok((ids, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iv(lower: u64, upper: u64, size: u64) -> Interval {
+        Interval { lower, upper, size }
+    }
+
+    const LONG: Duration = Duration::from_secs(20);
+
+    /// The 5-buffer example of the MiniMalloc README (`input.12.csv`): optimum 12.
+    fn example12() -> Vec<Interval> {
+        vec![
+            iv(0, 3, 4),
+            iv(3, 9, 4),
+            iv(0, 9, 4),
+            iv(9, 21, 4),
+            iv(0, 21, 4),
+        ]
+    }
+
+    /// A small deterministic PRNG (xorshift64*), so that the tests need no dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    fn random_instance(rng: &mut Rng, n: usize, horizon: u64, max_size: u64) -> Vec<Interval> {
+        (0..n)
+            .map(|_| {
+                let a = rng.below(horizon);
+                let len = 1 + rng.below(horizon / 3 + 1);
+                iv(a, (a + len).min(horizon), 1 + rng.below(max_size))
+            })
+            .collect()
+    }
+
+    /// The optimum by brute force: first fit (lowest offset that fits) over every order.
+    /// First fit in the offset order of an optimal packing never goes higher than it, so
+    /// this is exact.
+    fn brute_force(intervals: &[Interval]) -> u64 {
+        fn go(intervals: &[Interval], offs: &mut Vec<(usize, u64)>, used: u64, best: &mut u64) {
+            if used >= *best {
+                return;
+            }
+            if offs.len() == intervals.len() {
+                *best = used;
+                return;
+            }
+            for i in 0..intervals.len() {
+                if offs.iter().any(|&(j, _)| j == i) {
+                    continue;
+                }
+                let v = intervals[i];
+                let mut busy: Vec<(u64, u64)> = offs
+                    .iter()
+                    .filter(|&&(j, _)| intervals[j].overlaps(&v))
+                    .map(|&(j, o)| (o, o + intervals[j].size))
+                    .collect();
+                busy.sort_unstable();
+                let mut off = 0;
+                for (s, e) in busy {
+                    if s >= off + v.size {
+                        break;
+                    }
+                    off = off.max(e);
+                }
+                offs.push((i, off));
+                go(intervals, offs, used.max(off + v.size), best);
+                offs.pop();
+            }
+        }
+        let mut best = u64::MAX;
+        go(intervals, &mut Vec::new(), 0, &mut best);
+        best
+    }
+
+    fn found(outcome: SearchOutcome) -> Placement {
+        match outcome {
+            SearchOutcome::Found(p) => p,
+            other => panic!("expected a placement, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn example_12_is_solved_optimally() {
+        let v = example12();
+        assert_eq!(max_live(&v), 12);
+        let r = plan(&v, 1, LONG);
+        verify(&v, &r.placement, 1).unwrap();
+        assert_eq!(r.placement.size, 12);
+        assert!(r.optimal);
+        let p = found(search(&v, 12, 1, LONG));
+        verify(&v, &p, 1).unwrap();
+        assert!(p.size <= 12);
+        assert_eq!(search(&v, 11, 1, LONG), SearchOutcome::Infeasible);
+    }
+
+    /// Seven buffers with max-live 4 that need 5 (after MiniMalloc's solver tests): the
+    /// size-1 buffers must take turns at the edges, which the size-3 ones block.
+    fn tricky() -> Vec<Interval> {
+        vec![
+            iv(0, 1, 3),
+            iv(0, 3, 1),
+            iv(4, 5, 3),
+            iv(2, 5, 1),
+            iv(1, 2, 2),
+            iv(3, 4, 2),
+            iv(1, 4, 1),
+        ]
+    }
+
+    #[test]
+    fn impossible_capacity_is_infeasible() {
+        let v = tricky();
+        assert_eq!(max_live(&v), 4);
+        assert_eq!(brute_force(&v), 5);
+        assert_eq!(search(&v, 4, 1, LONG), SearchOutcome::Infeasible);
+        verify(&v, &found(search(&v, 5, 1, LONG)), 1).unwrap();
+        // Below max-live or below the largest buffer: infeasible at once.
+        assert_eq!(search(&v, 3, 1, LONG), SearchOutcome::Infeasible);
+        assert_eq!(
+            search(&[iv(0, 1, 5)], 4, 1, LONG),
+            SearchOutcome::Infeasible
+        );
+        let r = plan(&v, 1, LONG);
+        verify(&v, &r.placement, 1).unwrap();
+        assert_eq!((r.lower_bound, r.placement.size), (4, 5));
+        assert!(r.optimal);
+        // The same next to an easy partition, scaled, and repeated later in time.
+        let mut w: Vec<Interval> = v
+            .iter()
+            .map(|x| iv(x.lower, x.upper, x.size * 1024))
+            .collect();
+        w.push(iv(5, 9, 4096));
+        w.extend(
+            v.iter()
+                .map(|x| iv(x.lower + 9, x.upper + 9, x.size * 1024)),
+        );
+        assert_eq!(search(&w, 4 * 1024, 1, LONG), SearchOutcome::Infeasible);
+        let r = plan(&w, 1, LONG);
+        verify(&w, &r.placement, 1).unwrap();
+        assert_eq!(r.placement.size, 5 * 1024);
+        assert!(r.optimal);
+    }
+
+    #[test]
+    fn degenerate_buffers() {
+        // Empty lifetimes and zero sizes: never live, offset 0, only have to fit.
+        let v = vec![iv(3, 3, 10), iv(0, 4, 0), iv(0, 4, 4), iv(2, 6, 4)];
+        let r = plan(&v, 1, LONG);
+        verify(&v, &r.placement, 1).unwrap();
+        assert_eq!(r.placement.size, 10);
+        assert_eq!(r.lower_bound, 10);
+        assert!(r.optimal);
+        assert_eq!(search(&v, 9, 1, LONG), SearchOutcome::Infeasible);
+        verify(&v, &found(search(&v, 10, 1, LONG)), 1).unwrap();
+        // Nothing at all.
+        let r = plan(&[], 1, LONG);
+        assert_eq!(r.placement.size, 0);
+        assert!(r.optimal);
+        assert_eq!(
+            search(&[], 0, 1, LONG),
+            SearchOutcome::Found(Placement {
+                offsets: vec![],
+                size: 0,
+                method: "skyline search"
+            })
+        );
+    }
+
+    #[test]
+    fn verify_rejects_bad_placements() {
+        let v = vec![iv(0, 4, 4), iv(2, 6, 4), iv(6, 8, 4)];
+        let p = |offsets: Vec<u64>, size| Placement {
+            offsets,
+            size,
+            method: "test",
+        };
+        assert_eq!(verify(&v, &p(vec![0, 4, 0], 8), 1), Ok(()));
+        assert_eq!(
+            verify(&v, &p(vec![0, 2, 0], 8), 1),
+            Err(PlacementError::Overlap { a: 0, b: 1 })
+        );
+        assert_eq!(
+            verify(&v, &p(vec![0, 4, 6], 8), 1),
+            Err(PlacementError::OutOfArena(2))
+        );
+        assert_eq!(
+            verify(&v, &p(vec![0, 4, 2], 8), 4),
+            Err(PlacementError::Misaligned(2, 4))
+        );
+        assert_eq!(
+            verify(&v, &p(vec![0, 4], 8), 1),
+            Err(PlacementError::Count(2, 3))
+        );
+    }
+
+    /// Search against brute force on small random instances: it finds a placement at the
+    /// optimum and proves the capacity below it infeasible; `plan` reaches the optimum.
+    #[test]
+    fn search_matches_brute_force() {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        for round in 0..300 {
+            let n = 1 + (round % 7);
+            let v = random_instance(&mut rng, n, 12, 6);
+            let opt = brute_force(&v);
+            let p = found(search(&v, opt, 1, LONG));
+            verify(&v, &p, 1).unwrap();
+            assert!(p.size <= opt, "{v:?}");
+            assert_eq!(
+                search(&v, opt - 1, 1, LONG),
+                SearchOutcome::Infeasible,
+                "{v:?}"
+            );
+            let r = plan(&v, 1, LONG);
+            verify(&v, &r.placement, 1).unwrap();
+            assert_eq!(r.placement.size, opt, "{v:?}");
+            assert!(r.optimal, "{v:?}");
+        }
+    }
+
+    /// `plan` always returns a valid placement between max-live and the greedy results,
+    /// with and without alignment, even with a tiny budget.
+    #[test]
+    fn plan_results_verify() {
+        let mut rng = Rng(42);
+        for round in 0..200 {
+            let n = 1 + rng.below(60) as usize;
+            let v = random_instance(&mut rng, n, 40, 64);
+            let align = [1, 1, 4, 16][round % 4];
+            let budget = Duration::from_millis([0, 1, 20][round % 3]);
+            let r = plan(&v, align, budget);
+            verify(&v, &r.placement, align).unwrap();
+            let size = r.placement.size;
+            assert!(
+                max_live(&v) <= r.lower_bound && r.lower_bound <= size,
+                "{v:?}"
+            );
+            assert!(size <= r.greedy_by_size.min(r.greedy_by_lifetime), "{v:?}");
+            if r.optimal && size > r.lower_bound {
+                // Only a proof can claim it: then one byte less must not fit.
+                assert_eq!(search(&v, size - 1, align, LONG), SearchOutcome::Infeasible);
+            }
+        }
+    }
+
+    /// Every search result is valid and within the capacity; one thread and several give
+    /// the same result.
+    #[test]
+    fn search_is_valid_and_deterministic() {
+        let mut rng = Rng(7);
+        for _ in 0..60 {
+            let n = 5 + rng.below(40) as usize;
+            let v = random_instance(&mut rng, n, 30, 32);
+            let lb = max_live(&v);
+            for cap in [lb, lb + lb / 20, lb + lb / 5] {
+                let one = search_with(&v, cap, 1, LONG, 1);
+                let many = search_with(&v, cap, 1, LONG, 3);
+                assert_eq!(one, many, "{v:?} at {cap}");
+                if let SearchOutcome::Found(p) = one {
+                    verify(&v, &p, 1).unwrap();
+                    assert!(p.size <= cap);
+                }
+            }
+        }
+    }
+
+    /// The greedy with its time index against a plain quadratic scan.
+    #[test]
+    fn greedy_matches_a_plain_scan() {
+        fn plain(intervals: &[Interval], order: &[usize], align: u64) -> Vec<u64> {
+            let mut offsets = vec![0u64; intervals.len()];
+            let mut placed: Vec<usize> = Vec::new();
+            for &i in order {
+                let v = intervals[i];
+                if v.size == 0 {
+                    continue;
+                }
+                let mut busy: Vec<(u64, u64)> = placed
+                    .iter()
+                    .filter(|&&j| intervals[j].overlaps(&v))
+                    .map(|&j| (offsets[j], offsets[j] + intervals[j].size))
+                    .collect();
+                busy.sort_unstable();
+                let (mut best, mut cursor) = (None::<(u64, u64)>, 0u64);
+                for (s, e) in busy {
+                    let start = round_up(cursor, align);
+                    if s > start && s - start >= v.size && best.is_none_or(|(g, _)| s - start < g) {
+                        best = Some((s - start, start));
+                    }
+                    cursor = cursor.max(e);
+                }
+                offsets[i] = best.map_or(round_up(cursor, align), |(_, o)| o);
+                placed.push(i);
+            }
+            offsets
+        }
+        let mut rng = Rng(99);
+        for round in 0..200 {
+            let n = rng.below(80) as usize;
+            let mut v = random_instance(&mut rng, n, 50, 40);
+            if n > 0 && round % 3 == 0 {
+                v[0].upper = v[0].lower; // never live
+                let k = rng.below(n as u64) as usize;
+                v[k].size = 0;
+            }
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                order.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            let align = [1, 8][round % 2];
+            let g = greedy(&v, &order, align, "test");
+            assert_eq!(g.offsets, plain(&v, &order, align));
+            verify(&v, &g, align).unwrap();
+        }
+    }
+
+    #[test]
+    fn granularity() {
+        let v = vec![iv(0, 2, 1024), iv(0, 2, 3072), iv(1, 3, 2048)];
+        assert_eq!(super::granularity(&v, 1), 1024);
+        assert_eq!(super::granularity(&v, 256), 256);
+        assert_eq!(super::granularity(&v, 4096), 1024);
+        assert_eq!(super::granularity(&[iv(0, 2, 3), iv(0, 1, 0)], 2), 1);
+        assert_eq!(super::granularity(&[], 1), 1);
+    }
+
+    #[test]
+    fn parses_both_csv_dialects() {
+        let (ids, v) = parse_csv("id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\n").unwrap();
+        assert_eq!(ids, ["b1", "b2"]);
+        assert_eq!(v, [iv(0, 3, 4), iv(3, 9, 4)]);
+        let (_, v) = parse_csv("buffer,begin,end,size\nx,0,2,4\n").unwrap();
+        assert_eq!(v, [iv(0, 3, 4)]);
+        assert!(parse_csv("").is_err());
+        assert!(parse_csv("id,lower,upper,size\nb,5,3,4\n").is_err());
+    }
 }
