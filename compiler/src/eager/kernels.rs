@@ -395,19 +395,46 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
             stride,
             padding,
             groups,
-        } => conv2d(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        } => conv(
+            ConvPass::Forward,
+            ins[0],
+            ins[1],
+            ty,
+            *stride,
+            *padding,
+            *groups,
+            p,
+        ),
         Op::Conv2dGradInput {
             stride,
             padding,
             groups,
             ..
-        } => conv2d_grad_input(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        } => conv(
+            ConvPass::GradInput,
+            ins[0],
+            ins[1],
+            ty,
+            *stride,
+            *padding,
+            *groups,
+            p,
+        ),
         Op::Conv2dGradWeight {
             stride,
             padding,
             groups,
             ..
-        } => conv2d_grad_weight(ins[0], ins[1], ty, *stride, *padding, *groups, p),
+        } => conv(
+            ConvPass::GradWeight,
+            ins[0],
+            ins[1],
+            ty,
+            *stride,
+            *padding,
+            *groups,
+            p,
+        ),
         Op::Pool2d {
             kind,
             kernel,
@@ -687,21 +714,16 @@ fn conv_taps(
     yd: &[usize],
     stride: [usize; 2],
     padding: [usize; 2],
-    groups: usize,
     mut f: impl FnMut([usize; 9]),
 ) {
-    let (nb, cin, h, w) = (xd[0], xd[1], xd[2], xd[3]);
+    let (nb, h, w) = (xd[0], xd[2], xd[3]);
     let (cout, cpg, kh, kw) = (wd[0], wd[1], wd[2], wd[3]);
     let (ho, wo) = (yd[2], yd[3]);
-    let opg = cout / groups.max(1);
-    let _ = cin;
     for n in 0..nb {
         for o in 0..cout {
-            let gidx = o / opg.max(1);
             for oh in 0..ho {
                 for ow in 0..wo {
                     for cc in 0..cpg {
-                        let c = gidx * cpg + cc;
                         for i in 0..kh {
                             let ih = (oh * stride[0] + i) as isize - padding[0] as isize;
                             if ih < 0 || ih as usize >= h {
@@ -713,7 +735,6 @@ fn conv_taps(
                                     continue;
                                 }
                                 f([n, o, oh, ow, cc, i, j, ih as usize, iw as usize]);
-                                let _ = c;
                             }
                         }
                     }
@@ -727,48 +748,36 @@ fn idx4(d: &[usize], a: usize, b: usize, c: usize, e: usize) -> usize {
     ((a * d[1] + b) * d[2] + c) * d[3] + e
 }
 
-#[allow(clippy::too_many_arguments)]
-fn conv2d(
-    x: &Tensor,
-    w: &Tensor,
-    ty: &TensorType,
-    stride: [usize; 2],
-    padding: [usize; 2],
-    groups: usize,
-    p: Precision,
-) -> Res {
-    let (xv, wv) = (floats(x)?, floats(w)?);
-    let (xd, wd, yd) = (x.dims(), w.dims(), ty.dims());
-    let cpg = wd[1];
-    let opg = wd[0] / groups.max(1);
-    let mut out = vec![0.0; ty.shape.numel()];
-    conv_taps(
-        xd,
-        wd,
-        yd,
-        stride,
-        padding,
-        groups,
-        |[n, o, oh, ow, cc, i, j, ih, iw]| {
-            let c = (o / opg) * cpg + cc;
-            out[idx4(yd, n, o, oh, ow)] += xv[idx4(xd, n, c, ih, iw)] * wv[idx4(wd, o, cc, i, j)];
-        },
-    );
-    Ok(store_f(ty, out, p))
+/// Which of the three convolution products to compute.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ConvPass {
+    /// `y = conv(x, w)` from operands `[x, w]`.
+    Forward,
+    /// `dx` from operands `[dy, w]`.
+    GradInput,
+    /// `dw` from operands `[x, dy]`.
+    GradWeight,
 }
 
+/// The three convolution products share one loop over every (output, tap, input) triple;
+/// only which two arrays are multiplied and where the product accumulates differ.
 #[allow(clippy::too_many_arguments)]
-fn conv2d_grad_input(
-    dy: &Tensor,
-    w: &Tensor,
+fn conv(
+    pass: ConvPass,
+    a: &Tensor,
+    b: &Tensor,
     ty: &TensorType,
     stride: [usize; 2],
     padding: [usize; 2],
     groups: usize,
     p: Precision,
 ) -> Res {
-    let (gv, wv) = (floats(dy)?, floats(w)?);
-    let (xd, wd, yd) = (ty.dims(), w.dims(), dy.dims());
+    let (av, bv) = (floats(a)?, floats(b)?);
+    let (xd, wd, yd) = match pass {
+        ConvPass::Forward => (a.dims(), b.dims(), ty.dims()),
+        ConvPass::GradInput => (ty.dims(), b.dims(), a.dims()),
+        ConvPass::GradWeight => (a.dims(), ty.dims(), b.dims()),
+    };
     let cpg = wd[1];
     let opg = wd[0] / groups.max(1);
     let mut out = vec![0.0; ty.shape.numel()];
@@ -778,40 +787,18 @@ fn conv2d_grad_input(
         yd,
         stride,
         padding,
-        groups,
         |[n, o, oh, ow, cc, i, j, ih, iw]| {
             let c = (o / opg) * cpg + cc;
-            out[idx4(xd, n, c, ih, iw)] += gv[idx4(yd, n, o, oh, ow)] * wv[idx4(wd, o, cc, i, j)];
-        },
-    );
-    Ok(store_f(ty, out, p))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn conv2d_grad_weight(
-    x: &Tensor,
-    dy: &Tensor,
-    ty: &TensorType,
-    stride: [usize; 2],
-    padding: [usize; 2],
-    groups: usize,
-    p: Precision,
-) -> Res {
-    let (xv, gv) = (floats(x)?, floats(dy)?);
-    let (xd, wd, yd) = (x.dims(), ty.dims(), dy.dims());
-    let cpg = wd[1];
-    let opg = wd[0] / groups.max(1);
-    let mut out = vec![0.0; ty.shape.numel()];
-    conv_taps(
-        xd,
-        wd,
-        yd,
-        stride,
-        padding,
-        groups,
-        |[n, o, oh, ow, cc, i, j, ih, iw]| {
-            let c = (o / opg) * cpg + cc;
-            out[idx4(wd, o, cc, i, j)] += xv[idx4(xd, n, c, ih, iw)] * gv[idx4(yd, n, o, oh, ow)];
+            let (xi, wi, yi) = (
+                idx4(xd, n, c, ih, iw),
+                idx4(wd, o, cc, i, j),
+                idx4(yd, n, o, oh, ow),
+            );
+            match pass {
+                ConvPass::Forward => out[yi] += av[xi] * bv[wi],
+                ConvPass::GradInput => out[xi] += av[yi] * bv[wi],
+                ConvPass::GradWeight => out[wi] += av[xi] * bv[yi],
+            }
         },
     );
     Ok(store_f(ty, out, p))

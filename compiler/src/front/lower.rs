@@ -1773,40 +1773,9 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         let Some(dims) = &p.ty.dims else {
             return true;
         };
-        let rest = dims.iter().position(|d| matches!(d, DimExpr::Rest(_)));
-        let fixed = dims.len() - usize::from(rest.is_some());
-        let rank_ok = match rest {
-            Some(_) => t.rank() >= fixed,
-            None => t.rank() == fixed,
-        };
-        if !rank_ok
-            || dims
-                .iter()
-                .filter(|d| matches!(d, DimExpr::Rest(_)))
-                .count()
-                > 1
-        {
+        let Some(pairs) = dim_pairs(dims, t.dims()) else {
             self.param_mismatch(f, p, t, vspan);
             return false;
-        }
-        let pairs: Vec<(&'a Expr, usize)> = {
-            let mut v = Vec::new();
-            let split = rest.unwrap_or(dims.len());
-            for (i, d) in dims[..split].iter().enumerate() {
-                if let DimExpr::Expr(e) = d {
-                    v.push((e, t.dims()[i]));
-                }
-            }
-            if rest.is_some() {
-                let tail = &dims[split + 1..];
-                let off = t.rank() - tail.len();
-                for (i, d) in tail.iter().enumerate() {
-                    if let DimExpr::Expr(e) = d {
-                        v.push((e, t.dims()[off + i]));
-                    }
-                }
-            }
-            v
         };
         let mut ok = true;
         for (e, actual) in pairs {
@@ -1915,27 +1884,13 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         let Some(dims) = &f.ret.dims else {
             return Err(" (a tensor type needs `[…]`)".into());
         };
-        let rest = dims.iter().position(|d| matches!(d, DimExpr::Rest(_)));
-        let fixed = dims.len() - usize::from(rest.is_some());
-        if (rest.is_none() && t.rank() != fixed) || t.rank() < fixed {
-            return Err(format!(" (rank {} expected)", fixed));
-        }
-        let split = rest.unwrap_or(dims.len());
-        let mut pairs: Vec<(&'a Expr, usize)> = Vec::new();
-        for (i, d) in dims[..split].iter().enumerate() {
-            if let DimExpr::Expr(e) = d {
-                pairs.push((e, t.dims()[i]));
-            }
-        }
-        if rest.is_some() {
-            let tail = &dims[split + 1..];
-            let off = t.rank() - tail.len();
-            for (i, d) in tail.iter().enumerate() {
-                if let DimExpr::Expr(e) = d {
-                    pairs.push((e, t.dims()[off + i]));
-                }
-            }
-        }
+        let Some(pairs) = dim_pairs(dims, t.dims()) else {
+            let fixed = dims
+                .iter()
+                .filter(|d| matches!(d, DimExpr::Expr(_)))
+                .count();
+            return Err(format!(" (rank {fixed} expected)"));
+        };
         for (e, actual) in pairs {
             match self.eval(e) {
                 Value::Int(n) if n >= 0 && n as usize == actual => {}
@@ -1953,6 +1908,37 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         self.source_texts = Some(f);
         self
     }
+}
+
+/// Pairs each dimension expression of a declared type with the actual dimension it
+/// describes; `..` (at most once) absorbs any number of leading or middle dims. `None` when
+/// the ranks cannot match.
+fn dim_pairs<'e>(dims: &'e [DimExpr], actual: &[usize]) -> Option<Vec<(&'e Expr, usize)>> {
+    let rests = dims
+        .iter()
+        .filter(|d| matches!(d, DimExpr::Rest(_)))
+        .count();
+    let fixed = dims.len() - rests;
+    if rests > 1 || (rests == 0 && actual.len() != fixed) || actual.len() < fixed {
+        return None;
+    }
+    let split = dims
+        .iter()
+        .position(|d| matches!(d, DimExpr::Rest(_)))
+        .unwrap_or(dims.len());
+    let tail_off = actual.len() - dims.len().saturating_sub(split + 1);
+    let mut pairs = Vec::with_capacity(fixed);
+    for (i, d) in dims.iter().enumerate() {
+        if let DimExpr::Expr(e) = d {
+            let at = if i < split {
+                i
+            } else {
+                tail_off + (i - split - 1)
+            };
+            pairs.push((e, actual[at]));
+        }
+    }
+    Some(pairs)
 }
 
 /// Reads the source text of a span.
