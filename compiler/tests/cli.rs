@@ -357,3 +357,67 @@ fn print_after_and_stop_after() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown pass"));
 }
+
+#[test]
+fn fit_finds_the_largest_batch_under_a_budget() {
+    let o = tcc(&[
+        "fit",
+        "examples/gpt.tdsl",
+        "--mem-budget",
+        "4GiB",
+        "--grow",
+        "B",
+        "--set",
+        "L=2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let line = out.lines().last().unwrap();
+    assert!(line.starts_with("largest B that fits 4.00 GiB: "), "{out}");
+    let b: u64 = line
+        .split(": ")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // The answer fits and the next value does not (both were tried).
+    assert!(out.contains(&format!("B = {b:>8}")));
+    let next = out
+        .lines()
+        .find(|l| l.contains(&format!("B = {:>8}:", b + 1)))
+        .unwrap();
+    assert!(next.contains("GiB") || next.contains("MiB"));
+    let o = tcc(&[
+        "fit",
+        "examples/gpt.tdsl",
+        "--mem-budget",
+        "1MiB",
+        "--grow",
+        "B",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("even B = 1 needs"), "{}", stderr(&o));
+    let o = tcc(&[
+        "fit",
+        "examples/gpt.tdsl",
+        "--mem-budget",
+        "lots",
+        "--grow",
+        "B",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not a size"));
+}
+
+#[test]
+fn byte_sizes_parse() {
+    use tcc::cli::fit::parse_bytes;
+    assert_eq!(parse_bytes("16GiB"), Ok(16 << 30));
+    assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+    assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
+    assert_eq!(parse_bytes("4096"), Ok(4096));
+    assert!(parse_bytes("12 parsecs").is_err());
+}

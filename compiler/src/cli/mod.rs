@@ -1,6 +1,7 @@
 //! The `tcc` command line.
 
 mod arena_cmd;
+pub mod fit;
 pub mod mem;
 mod remat_cmd;
 pub mod run;
@@ -100,6 +101,21 @@ pub enum Command {
         /// Time limit of the exact search per graph and budget, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         time_ms: u64,
+    },
+    /// The largest value of a constant (e.g. the batch `B`) whose planned arena fits a
+    /// memory budget (no rematerialization yet).
+    Fit {
+        #[command(flatten)]
+        program: ProgramArgs,
+        /// The memory budget: `16GiB`, `512MiB`, `1.5GB`, bytes.
+        #[arg(long, value_name = "SIZE", value_parser = fit::parse_bytes)]
+        mem_budget: u64,
+        /// The constant to grow.
+        #[arg(long, value_name = "NAME")]
+        grow: String,
+        /// Largest value to try.
+        #[arg(long, default_value_t = 1 << 20)]
+        max: u64,
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
@@ -334,6 +350,25 @@ pub fn run(cli: Cli) -> ExitCode {
             budgets,
             time_ms,
         } => match remat_cmd::run(&files, &budgets, time_ms) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Fit {
+            program,
+            mem_budget,
+            grow,
+            max,
+        } => match fit::run(
+            &program.file,
+            &program.sets,
+            &program.model,
+            mem_budget,
+            &grow,
+            max.max(1),
+        ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 let _ = writeln!(stderr, "error: {e}");
