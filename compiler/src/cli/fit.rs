@@ -56,6 +56,9 @@ fn arena_for(
     };
     let mut lowered = front::compile(&mut sources, &opts)
         .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
+    if lowered.graphs.is_empty() {
+        return Err("no model to compile".into());
+    }
     let mut g = lowered.graphs.remove(0);
     crate::passes::run(
         &mut g,
