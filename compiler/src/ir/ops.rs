@@ -216,6 +216,16 @@ pub enum PoolKind {
     Avg,
 }
 
+impl PoolKind {
+    /// `max` or `avg`, as the builtins spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolKind::Max => "max",
+            PoolKind::Avg => "avg",
+        }
+    }
+}
+
 /// How a parameter is initialised when the caller does not load it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
@@ -394,14 +404,7 @@ impl Op {
             Op::Select { .. } => "select".into(),
             Op::MatMul => "matmul".into(),
             Op::Conv2d { .. } => "conv2d".into(),
-            Op::Pool2d {
-                kind: PoolKind::Max,
-                ..
-            } => "max_pool2d".into(),
-            Op::Pool2d {
-                kind: PoolKind::Avg,
-                ..
-            } => "avg_pool2d".into(),
+            Op::Pool2d { kind, .. } => format!("{}_pool2d", kind.name()),
             Op::Embedding => "embedding".into(),
             Op::Dropout { .. } => "dropout".into(),
             Op::Tri { upper: false, .. } => "tril".into(),
@@ -410,14 +413,7 @@ impl Op {
             Op::State { .. } => "state".into(),
             Op::Conv2dGradInput { .. } => "conv2d_grad_input".into(),
             Op::Conv2dGradWeight { .. } => "conv2d_grad_weight".into(),
-            Op::Pool2dGrad {
-                kind: PoolKind::Max,
-                ..
-            } => "max_pool2d_grad".into(),
-            Op::Pool2dGrad {
-                kind: PoolKind::Avg,
-                ..
-            } => "avg_pool2d_grad".into(),
+            Op::Pool2dGrad { kind, .. } => format!("{}_pool2d_grad", kind.name()),
             Op::EmbeddingGrad { .. } => "embedding_grad".into(),
         }
     }
@@ -452,24 +448,8 @@ impl Op {
                 stride,
                 padding,
                 groups,
-            } => format!(
-                "stride={} padding={} groups={groups}",
-                list(stride),
-                list(padding)
-            ),
-            Op::Pool2d {
-                kernel,
-                stride,
-                padding,
-                ..
-            } => format!(
-                "kernel={} stride={} padding={}",
-                list(kernel),
-                list(stride),
-                list(padding)
-            ),
-            Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
-            Op::Conv2dGradInput {
+            }
+            | Op::Conv2dGradInput {
                 stride,
                 padding,
                 groups,
@@ -485,7 +465,13 @@ impl Op {
                 list(stride),
                 list(padding)
             ),
-            Op::Pool2dGrad {
+            Op::Pool2d {
+                kernel,
+                stride,
+                padding,
+                ..
+            }
+            | Op::Pool2dGrad {
                 kernel,
                 stride,
                 padding,
@@ -496,6 +482,7 @@ impl Op {
                 list(stride),
                 list(padding)
             ),
+            Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
             Op::EmbeddingGrad { vocab } => format!("vocab={vocab}"),
             Op::Tri { k, .. } => format!("k={k}"),
             _ => String::new(),
