@@ -1,8 +1,44 @@
 //! `tcc-runtime`: loads a compiled tcc artifact and runs it inside one static memory arena.
 //!
 //! The runtime deliberately has no dependency on the compiler, so a program that only runs
-//! models links nothing but this crate. The artifact format, the CPU executor and the CUDA
-//! executor arrive with the back ends; today the crate holds only the shared vocabulary.
+//! models links nothing but this crate. An artifact (`tcc build FILE -o model.tcc`, format in
+//! `ARTIFACT.md`) holds the arena layout, the initial bytes of the params and the code of
+//! every kernel; a [`Session`] allocates the arena once, compiles the code for the host and
+//! then runs steps without allocating.
+//!
+//! ```no_run
+//! use tcc_runtime::{Device, Model, Session};
+//!
+//! # fn main() -> Result<(), tcc_runtime::Error> {
+//! let model = Model::load("mlp.tcc")?;
+//! let mut session = Session::new(&model, Device::Cpu)?;
+//! session.set_threads(4)?;
+//! for _ in 0..100 {
+//!     session.set_input("x", &vec![0.5f32; 256 * 784])?;
+//!     session.run()?;
+//! }
+//! let loss: Vec<f32> = session.output("loss")?;
+//! println!("loss {}", loss[0]);
+//! session.save_params("mlp.safetensors")?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Running a model executes the machine code compiled from its artifact; load only artifacts
+//! you trust, as you would a shared library.
+
+pub mod artifact;
+pub mod cpu;
+
+use std::alloc::Layout;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+pub use artifact::{DType, Manifest, PersistentKind, PersistentSlot, Target, TensorSlot};
+pub use cpu::CPU_HELPERS;
 
 /// Where a session runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -11,4 +47,829 @@ pub enum Device {
     Cpu,
     /// The CUDA device with this ordinal.
     Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+fn list(names: &[String]) -> String {
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Everything that can go wrong loading or running an artifact.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The bytes are shorter than the header or do not start with `TCCMODEL`.
+    #[error("not a tcc artifact (no `TCCMODEL` header)")]
+    NotAnArtifact,
+    /// A section (or the manifest) ends past the end of the file.
+    #[error(
+        "the artifact is truncated: `{section}` ends at byte {needed} but the file has {have} \
+         bytes"
+    )]
+    Truncated {
+        section: String,
+        needed: u64,
+        have: u64,
+    },
+    /// A section's bytes do not match its checksum.
+    #[error("the artifact is corrupt: section `{section}` does not match its FNV-1a checksum")]
+    Corrupt { section: String },
+    /// The artifact was written by a newer format than this runtime reads.
+    #[error(
+        "the artifact has format version {found}, but this tcc-runtime reads only up to version \
+         {supported}; upgrade tcc-runtime"
+    )]
+    NewerVersion { found: u32, supported: u32 },
+    /// The manifest is not valid JSON, misses fields or describes an impossible layout.
+    #[error("bad artifact manifest: {0}")]
+    BadManifest(String),
+    /// Reading or writing a file failed.
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// No input/output/persistent tensor has this name.
+    #[error("unknown {kind} `{name}`; the model's {kind}s are: {}", list(.known))]
+    UnknownTensor {
+        /// `input`, `output` or `persistent tensor`.
+        kind: &'static str,
+        name: String,
+        known: Vec<String>,
+    },
+    /// A params file names tensors the model does not have.
+    #[error(
+        "the params file holds tensors the model does not have: {}; the model's persistent \
+         tensors are: {}",
+        list(.unknown),
+        list(.known)
+    )]
+    UnknownParams {
+        unknown: Vec<String>,
+        known: Vec<String>,
+    },
+    /// The data's element type differs from the tensor's.
+    #[error("`{name}` is {expected}, but the data is {got}")]
+    DTypeMismatch {
+        name: String,
+        expected: DType,
+        got: DType,
+    },
+    /// The data has a different number of elements than the tensor.
+    #[error("`{name}` has {expected} elements, but the data has {got}")]
+    LenMismatch {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    /// The data has a different number of bytes than the tensor.
+    #[error("`{name}` is {expected} bytes, but the data is {got} bytes")]
+    ByteLenMismatch {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    /// A tensor in a params file has a different shape than the model's.
+    #[error("`{name}` has shape {expected:?}, but the file's tensor has shape {got:?}")]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    /// The buffer given to [`Session::with_arena`] is smaller than the model's arena.
+    #[error("the arena buffer is {got} bytes, but the model needs {needed} bytes")]
+    ArenaTooSmall { needed: usize, got: usize },
+    /// The buffer given to [`Session::with_arena`] does not start at a multiple of the
+    /// model's alignment.
+    #[error("the arena buffer must start at an address that is a multiple of {align} bytes")]
+    ArenaMisaligned { align: usize },
+    /// Allocating the arena failed.
+    #[error("could not allocate the {bytes}-byte arena")]
+    OutOfMemory { bytes: usize },
+    /// The code section failed to parse, verify or compile, or misses a kernel.
+    #[error("compiling kernel `{kernel}` failed: {message}")]
+    Compile { kernel: String, message: String },
+    /// The device cannot be used by this build or on this machine.
+    #[error("device {device} is not supported: {reason}")]
+    UnsupportedDevice {
+        device: Device,
+        reason: &'static str,
+    },
+    /// The artifact was compiled for another target than the device.
+    #[error("the artifact was compiled for target `{target}` and cannot run on device {device}")]
+    TargetMismatch { target: Target, device: Device },
+    /// A params file is not valid safetensors or holds an unsupported dtype.
+    #[error("safetensors: {0}")]
+    Safetensors(String),
+    /// Starting a worker thread failed.
+    #[error("could not start a worker thread: {0}")]
+    Threads(std::io::Error),
+}
+
+/// Result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// An element type a tensor can hold: `f32`, `i32`, `bool`, [`half::f16`], [`half::bf16`].
+/// Values are stored little-endian in the arena; a `bool` is one byte, 0 or 1.
+pub trait Element: Copy + sealed::Sealed + 'static {
+    /// The matching manifest dtype.
+    const DTYPE: DType;
+    /// Writes `self` into `out` (exactly `DTYPE.size_bytes()` long).
+    #[doc(hidden)]
+    fn write_le(self, out: &mut [u8]);
+    /// Reads a value from `bytes` (exactly `DTYPE.size_bytes()` long).
+    #[doc(hidden)]
+    fn read_le(bytes: &[u8]) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $dtype:expr, $n:literal, |$v:ident| $to:expr, |$b:ident| $from:expr) => {
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DType = $dtype;
+            fn write_le(self, out: &mut [u8]) {
+                let $v = self;
+                out.copy_from_slice(&$to);
+            }
+            fn read_le(bytes: &[u8]) -> Self {
+                let mut $b = [0u8; $n];
+                $b.copy_from_slice(bytes);
+                $from
+            }
+        }
+    };
+}
+
+element!(f32, DType::F32, 4, |v| v.to_le_bytes(), |b| {
+    f32::from_le_bytes(b)
+});
+element!(i32, DType::I32, 4, |v| v.to_le_bytes(), |b| {
+    i32::from_le_bytes(b)
+});
+element!(bool, DType::Bool, 1, |v| [u8::from(v)], |b| b[0] != 0);
+element!(
+    half::f16,
+    DType::F16,
+    2,
+    |v| v.to_bits().to_le_bytes(),
+    |b| half::f16::from_bits(u16::from_le_bytes(b))
+);
+element!(
+    half::bf16,
+    DType::Bf16,
+    2,
+    |v| v.to_bits().to_le_bytes(),
+    |b| half::bf16::from_bits(u16::from_le_bytes(b))
+);
+
+fn encode<T: Element>(data: &[T], out: &mut [u8]) {
+    for (x, chunk) in data.iter().zip(out.chunks_exact_mut(T::DTYPE.size_bytes())) {
+        x.write_le(chunk);
+    }
+}
+
+fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
+    bytes
+        .chunks_exact(T::DTYPE.size_bytes())
+        .map(T::read_le)
+        .collect()
+}
+
+struct ModelInner {
+    manifest: Manifest,
+    code: String,
+    bytes: Vec<u8>,
+    persistent: Range<usize>,
+}
+
+/// A loaded, checked artifact. Cheap to clone (the bytes are shared); sessions keep a clone.
+#[derive(Clone)]
+pub struct Model {
+    inner: Arc<ModelInner>,
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Model")
+            .field("model", &self.inner.manifest.model)
+            .field("target", &self.inner.manifest.target)
+            .field("arena_bytes", &self.inner.manifest.arena_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Model {
+    /// Reads and checks the artifact at `path` (see [`Model::from_bytes`]).
+    pub fn load(path: impl AsRef<Path>) -> Result<Model> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Model::from_bytes(bytes)
+    }
+
+    /// Checks an artifact held in memory: header, version, manifest, checksums, that every
+    /// tensor fits the arena, and that the `code` and `persistent` sections are there.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Model> {
+        let (manifest, sections) = artifact::read(&bytes)?;
+        let find = |name: &str| {
+            sections
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, r)| r.clone())
+                .ok_or_else(|| Error::BadManifest(format!("the artifact has no `{name}` section")))
+        };
+        let code = find("code")?;
+        let persistent = find("persistent")?;
+        if persistent.len() as u64 != manifest.plan.persistent_bytes {
+            return Err(Error::BadManifest(format!(
+                "the persistent section is {} bytes but plan.persistent_bytes is {}",
+                persistent.len(),
+                manifest.plan.persistent_bytes
+            )));
+        }
+        let code = std::str::from_utf8(&bytes[code])
+            .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
+            .to_string();
+        Ok(Model {
+            inner: Arc::new(ModelInner {
+                manifest,
+                code,
+                bytes,
+                persistent,
+            }),
+        })
+    }
+
+    /// The whole manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.inner.manifest
+    }
+
+    /// The tensors the caller writes before a step.
+    pub fn inputs(&self) -> &[TensorSlot] {
+        &self.inner.manifest.inputs
+    }
+
+    /// The tensors the caller reads after a step.
+    pub fn outputs(&self) -> &[TensorSlot] {
+        &self.inner.manifest.outputs
+    }
+
+    /// Params and optimizer state, which live across steps.
+    pub fn persistent(&self) -> &[PersistentSlot] {
+        &self.inner.manifest.persistent
+    }
+
+    /// Size of the arena a session needs, in bytes.
+    pub fn arena_bytes(&self) -> usize {
+        // `artifact::validate` checked that it fits a usize.
+        self.inner.manifest.arena_bytes as usize
+    }
+
+    /// Alignment the arena base needs, in bytes.
+    pub fn alignment(&self) -> usize {
+        self.inner.manifest.alignment as usize
+    }
+
+    /// The code section: Cranelift IR text (`cpu`) or PTX (`cuda`).
+    pub fn code(&self) -> &str {
+        &self.inner.code
+    }
+
+    /// The target the artifact was compiled for.
+    pub fn target(&self) -> Target {
+        self.inner.manifest.target
+    }
+
+    /// Initial bytes of the arena's persistent region `[0, plan.persistent_bytes)`.
+    pub fn persistent_init(&self) -> &[u8] {
+        &self.inner.bytes[self.inner.persistent.clone()]
+    }
+
+    fn input_slot(&self, name: &str) -> Result<&TensorSlot> {
+        find_slot("input", self.inputs().iter(), name)
+    }
+
+    fn output_slot(&self, name: &str) -> Result<&TensorSlot> {
+        find_slot("output", self.outputs().iter(), name)
+    }
+
+    fn persistent_slot(&self, name: &str) -> Result<&TensorSlot> {
+        find_slot(
+            "persistent tensor",
+            self.persistent().iter().map(|p| &p.slot),
+            name,
+        )
+    }
+}
+
+fn find_slot<'m>(
+    kind: &'static str,
+    mut slots: impl Iterator<Item = &'m TensorSlot> + Clone,
+    name: &str,
+) -> Result<&'m TensorSlot> {
+    slots
+        .clone()
+        .find(|s| s.name == name)
+        .ok_or_else(|| Error::UnknownTensor {
+            kind,
+            name: name.to_string(),
+            known: slots.by_ref().map(|s| s.name.clone()).collect(),
+        })
+}
+
+fn check_elements<T: Element>(slot: &TensorSlot, len: usize) -> Result<()> {
+    if T::DTYPE != slot.dtype {
+        return Err(Error::DTypeMismatch {
+            name: slot.name.clone(),
+            expected: slot.dtype,
+            got: T::DTYPE,
+        });
+    }
+    let expected = slot.bytes as usize / slot.dtype.size_bytes();
+    if len != expected {
+        return Err(Error::LenMismatch {
+            name: slot.name.clone(),
+            expected,
+            got: len,
+        });
+    }
+    Ok(())
+}
+
+fn check_bytes(slot: &TensorSlot, len: usize) -> Result<()> {
+    if len as u64 != slot.bytes {
+        return Err(Error::ByteLenMismatch {
+            name: slot.name.clone(),
+            expected: slot.bytes as usize,
+            got: len,
+        });
+    }
+    Ok(())
+}
+
+/// The session's arena: allocated by the session, empty, or lent by the caller.
+enum Arena<'a> {
+    Owned {
+        ptr: NonNull<u8>,
+        layout: Layout,
+    },
+    /// A zero-byte arena; kernels get `base` (aligned, never dereferenced).
+    Empty {
+        base: NonNull<u8>,
+    },
+    Borrowed(&'a mut [u8]),
+}
+
+impl Arena<'_> {
+    fn alloc(bytes: usize, align: usize) -> Result<Arena<'static>> {
+        let layout = Layout::from_size_align(bytes, align)
+            .map_err(|e| Error::BadManifest(format!("arena layout: {e}")))?;
+        if bytes == 0 {
+            // A dangling, aligned pointer for a zero-sized arena (nothing is allocated).
+            let base = NonNull::new(align as *mut u8).ok_or(Error::OutOfMemory { bytes })?;
+            return Ok(Arena::Empty { base });
+        }
+        // SAFETY: `layout` has a non-zero size (checked above) and a valid, power-of-two
+        // alignment (checked by `Layout::from_size_align`).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(Error::OutOfMemory { bytes })?;
+        Ok(Arena::Owned { ptr, layout })
+    }
+
+    fn base(&mut self) -> *mut u8 {
+        match self {
+            Arena::Owned { ptr, .. } => ptr.as_ptr(),
+            Arena::Empty { base } => base.as_ptr(),
+            Arena::Borrowed(buf) => buf.as_mut_ptr(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` (so it is valid, initialised
+            // and `layout.size()` long) and stays allocated until `drop`; `&self` keeps it
+            // from being written through `&mut self` meanwhile.
+            Arena::Owned { ptr, layout } => unsafe {
+                std::slice::from_raw_parts(ptr.as_ptr(), layout.size())
+            },
+            Arena::Empty { .. } => &[],
+            Arena::Borrowed(buf) => buf,
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            // SAFETY: as in `bytes`, and `&mut self` makes this the only reference.
+            Arena::Owned { ptr, layout } => unsafe {
+                std::slice::from_raw_parts_mut(ptr.as_ptr(), layout.size())
+            },
+            Arena::Empty { .. } => &mut [],
+            Arena::Borrowed(buf) => buf,
+        }
+    }
+}
+
+impl Drop for Arena<'_> {
+    fn drop(&mut self) {
+        if let Arena::Owned { ptr, layout } = self {
+            // SAFETY: `ptr` was returned by `alloc_zeroed` with exactly this `layout` and is
+            // freed only here, once.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), *layout) };
+        }
+    }
+}
+
+// SAFETY: the arena is plain bytes owned (or exclusively borrowed) by one session; moving
+// the session to another thread moves that ownership. Nothing else holds the pointer.
+unsafe impl Send for Arena<'_> {}
+
+enum Executor {
+    Cpu(cpu::CpuExecutor),
+}
+
+/// What [`Session::load_params`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParamsLoaded {
+    /// Persistent tensors read from the file, in the model's order.
+    pub loaded: Vec<String>,
+    /// Persistent tensors the file does not have (left as they were), in the model's order.
+    pub missing: Vec<String>,
+}
+
+/// A model ready to run: one arena holding every tensor, and the compiled kernels.
+///
+/// `'a` is the lifetime of a caller-provided arena ([`Session::with_arena`]); sessions that
+/// allocate their own arena ([`Session::new`]) are `Session<'static>`.
+pub struct Session<'a> {
+    // Field order matters for drop: the executor (worker threads, code) goes before the
+    // arena the workers point into.
+    exec: Executor,
+    arena: Arena<'a>,
+    model: Model,
+    device: Device,
+}
+
+impl fmt::Debug for Session<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("model", &self.model)
+            .field("device", &self.device)
+            .field("threads", &self.threads())
+            .finish_non_exhaustive()
+    }
+}
+
+fn check_device(model: &Model, device: Device) -> Result<()> {
+    match device {
+        Device::Cuda(_) => Err(Error::UnsupportedDevice {
+            device,
+            reason: "built without CUDA support",
+        }),
+        Device::Cpu if model.target() != Target::Cpu => Err(Error::TargetMismatch {
+            target: model.target(),
+            device,
+        }),
+        Device::Cpu => Ok(()),
+    }
+}
+
+impl Session<'static> {
+    /// Compiles `model` for `device` and allocates its arena: exactly one allocation of
+    /// [`Model::arena_bytes`] bytes, aligned to the manifest's `alignment`, holding the
+    /// initial persistent bytes and zeros elsewhere.
+    pub fn new(model: &Model, device: Device) -> Result<Session<'static>> {
+        check_device(model, device)?;
+        let exec = Executor::Cpu(cpu::CpuExecutor::compile(
+            model.code(),
+            &model.manifest().kernels,
+        )?);
+        let arena = Arena::alloc(model.arena_bytes(), model.alignment())?;
+        let mut s = Session {
+            exec,
+            arena,
+            model: model.clone(),
+            device,
+        };
+        s.copy_persistent_init();
+        Ok(s)
+    }
+}
+
+impl<'a> Session<'a> {
+    /// Like [`Session::new`] on the CPU, but uses `arena` instead of allocating: it must be
+    /// at least [`Model::arena_bytes`] long and start at a multiple of [`Model::alignment`].
+    /// Only its first `arena_bytes` bytes are used; they are overwritten with the initial
+    /// persistent bytes and zeros.
+    pub fn with_arena(model: &Model, arena: &'a mut [u8]) -> Result<Session<'a>> {
+        check_device(model, Device::Cpu)?;
+        let needed = model.arena_bytes();
+        let got = arena.len();
+        let arena = match arena.get_mut(..needed) {
+            Some(a) => a,
+            None => return Err(Error::ArenaTooSmall { needed, got }),
+        };
+        let align = model.alignment();
+        if needed > 0 && !(arena.as_ptr() as usize).is_multiple_of(align) {
+            return Err(Error::ArenaMisaligned { align });
+        }
+        let exec = Executor::Cpu(cpu::CpuExecutor::compile(
+            model.code(),
+            &model.manifest().kernels,
+        )?);
+        let arena = if needed == 0 {
+            Arena::alloc(0, align)?
+        } else {
+            Arena::Borrowed(arena)
+        };
+        let mut s = Session {
+            exec,
+            arena,
+            model: model.clone(),
+            device: Device::Cpu,
+        };
+        s.reset();
+        Ok(s)
+    }
+
+    fn copy_persistent_init(&mut self) {
+        let init = self.model.persistent_init();
+        // `Model::from_bytes` checked init.len() == plan.persistent_bytes <= arena_bytes.
+        self.arena.bytes_mut()[..init.len()].copy_from_slice(init);
+    }
+
+    /// Restores the arena to its state after creation: the initial params and optimizer
+    /// state from the artifact, zeros everywhere else.
+    pub fn reset(&mut self) {
+        let n = self.model.persistent_init().len();
+        self.arena.bytes_mut()[n..].fill(0);
+        self.copy_persistent_init();
+    }
+
+    /// The model this session runs.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The device this session runs on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Size of the arena in use, in bytes (the manifest's `arena_bytes`).
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.bytes().len()
+    }
+
+    /// The whole arena, for tools and debugging.
+    pub fn arena(&self) -> &[u8] {
+        self.arena.bytes()
+    }
+
+    /// Number of threads `parallel` kernels run on (1 unless [`Session::set_threads`]).
+    pub fn threads(&self) -> usize {
+        match &self.exec {
+            Executor::Cpu(c) => c.threads(),
+        }
+    }
+
+    /// Runs `parallel` kernels on `threads` threads from now on, the calling thread
+    /// included (0 means one per available core). Worker threads are started here, not in
+    /// [`Session::run`], and stopped when the session is dropped or the count changes.
+    pub fn set_threads(&mut self, threads: usize) -> Result<()> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        match &mut self.exec {
+            Executor::Cpu(c) => c.set_threads(threads),
+        }
+    }
+
+    /// Writes input `name` from `data`, which must have the input's dtype and element count.
+    pub fn set_input<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
+        let range = {
+            let slot = self.model.input_slot(name)?;
+            check_elements::<T>(slot, data.len())?;
+            slot.range()
+        };
+        encode(data, &mut self.arena.bytes_mut()[range]);
+        Ok(())
+    }
+
+    /// Writes input `name` from raw little-endian bytes; only the length is checked.
+    pub fn set_input_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let range = {
+            let slot = self.model.input_slot(name)?;
+            check_bytes(slot, bytes.len())?;
+            slot.range()
+        };
+        self.arena.bytes_mut()[range].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Runs one step: every kernel in launch order. Allocates nothing.
+    ///
+    /// A training step updates params and optimizer state in place, so running again
+    /// continues training. Inputs may share arena bytes with intermediates, so set every
+    /// input again before the next `run`.
+    pub fn run(&mut self) -> Result<()> {
+        let base = self.arena.base();
+        match &mut self.exec {
+            Executor::Cpu(c) => c.run(base),
+        }
+        Ok(())
+    }
+
+    /// Reads output `name` (valid after [`Session::run`] until inputs are set again).
+    pub fn output<T: Element>(&self, name: &str) -> Result<Vec<T>> {
+        let slot = self.model.output_slot(name)?;
+        check_elements::<T>(slot, slot.bytes as usize / slot.dtype.size_bytes())?;
+        Ok(decode(&self.arena.bytes()[slot.range()]))
+    }
+
+    /// The raw little-endian bytes of output `name`.
+    pub fn output_bytes(&self, name: &str) -> Result<&[u8]> {
+        let slot = self.model.output_slot(name)?;
+        Ok(&self.arena.bytes()[slot.range()])
+    }
+
+    /// Reads persistent tensor `name` (a param or optimizer state).
+    pub fn param<T: Element>(&self, name: &str) -> Result<Vec<T>> {
+        let slot = self.model.persistent_slot(name)?;
+        check_elements::<T>(slot, slot.bytes as usize / slot.dtype.size_bytes())?;
+        Ok(decode(&self.arena.bytes()[slot.range()]))
+    }
+
+    /// The raw little-endian bytes of persistent tensor `name`.
+    pub fn param_bytes(&self, name: &str) -> Result<&[u8]> {
+        let slot = self.model.persistent_slot(name)?;
+        Ok(&self.arena.bytes()[slot.range()])
+    }
+
+    /// Overwrites persistent tensor `name` (a param or optimizer state).
+    pub fn set_param<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
+        let range = {
+            let slot = self.model.persistent_slot(name)?;
+            check_elements::<T>(slot, data.len())?;
+            slot.range()
+        };
+        encode(data, &mut self.arena.bytes_mut()[range]);
+        Ok(())
+    }
+
+    /// Overwrites persistent tensor `name` from raw little-endian bytes.
+    pub fn set_param_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let range = {
+            let slot = self.model.persistent_slot(name)?;
+            check_bytes(slot, bytes.len())?;
+            slot.range()
+        };
+        self.arena.bytes_mut()[range].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// Every persistent tensor (params and optimizer state) as safetensors bytes, by name.
+    pub fn save_params_bytes(&self) -> Result<Vec<u8>> {
+        let arena = self.arena.bytes();
+        let mut views = Vec::with_capacity(self.model.persistent().len());
+        for p in self.model.persistent() {
+            let s = &p.slot;
+            let view = safetensors::tensor::TensorView::new(
+                st_dtype(s.dtype),
+                s.shape.clone(),
+                &arena[s.range()],
+            )
+            .map_err(|e| Error::Safetensors(format!("`{}`: {e}", s.name)))?;
+            views.push((s.name.as_str(), view));
+        }
+        let mut meta = std::collections::HashMap::new();
+        meta.insert("model".to_string(), self.model.manifest().model.clone());
+        safetensors::tensor::serialize(views, Some(meta))
+            .map_err(|e| Error::Safetensors(e.to_string()))
+    }
+
+    /// Writes [`Session::save_params_bytes`] to `path`.
+    pub fn save_params(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = self.save_params_bytes()?;
+        std::fs::write(path, bytes).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Loads persistent tensors by name from safetensors bytes. The file may hold a subset
+    /// of the model's persistent tensors (the others keep their values); a name the model
+    /// does not have, a dtype or a shape that differs is an error, and then nothing is
+    /// written.
+    pub fn load_params_bytes(&mut self, bytes: &[u8]) -> Result<ParamsLoaded> {
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::Safetensors(e.to_string()))?;
+        let persistent = self.model.persistent();
+        let mut unknown: Vec<String> = st
+            .names()
+            .into_iter()
+            .filter(|n| !persistent.iter().any(|p| p.slot.name == **n))
+            .map(str::to_string)
+            .collect();
+        if !unknown.is_empty() {
+            unknown.sort();
+            return Err(Error::UnknownParams {
+                unknown,
+                known: persistent.iter().map(|p| p.slot.name.clone()).collect(),
+            });
+        }
+        let mut report = ParamsLoaded::default();
+        let mut copies = Vec::new();
+        for p in persistent {
+            let s = &p.slot;
+            let view = match st.tensor(&s.name) {
+                Ok(v) => v,
+                Err(_) => {
+                    report.missing.push(s.name.clone());
+                    continue;
+                }
+            };
+            let got = dtype_from_st(view.dtype()).ok_or_else(|| {
+                Error::Safetensors(format!(
+                    "`{}` has dtype {:?}, which tcc does not support",
+                    s.name,
+                    view.dtype()
+                ))
+            })?;
+            if got != s.dtype {
+                return Err(Error::DTypeMismatch {
+                    name: s.name.clone(),
+                    expected: s.dtype,
+                    got,
+                });
+            }
+            if view.shape() != s.shape.as_slice() {
+                return Err(Error::ShapeMismatch {
+                    name: s.name.clone(),
+                    expected: s.shape.clone(),
+                    got: view.shape().to_vec(),
+                });
+            }
+            check_bytes(s, view.data().len())?;
+            copies.push((s.range(), view.data()));
+            report.loaded.push(s.name.clone());
+        }
+        let arena = self.arena.bytes_mut();
+        for (range, data) in copies {
+            arena[range].copy_from_slice(data);
+        }
+        Ok(report)
+    }
+
+    /// Reads `path` and loads it with [`Session::load_params_bytes`].
+    pub fn load_params(&mut self, path: impl AsRef<Path>) -> Result<ParamsLoaded> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_params_bytes(&bytes)
+    }
+}
+
+fn st_dtype(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::Bf16 => safetensors::Dtype::BF16,
+        DType::I32 => safetensors::Dtype::I32,
+        DType::Bool => safetensors::Dtype::BOOL,
+    }
+}
+
+fn dtype_from_st(d: safetensors::Dtype) -> Option<DType> {
+    match d {
+        safetensors::Dtype::F32 => Some(DType::F32),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        safetensors::Dtype::BF16 => Some(DType::Bf16),
+        safetensors::Dtype::I32 => Some(DType::I32),
+        safetensors::Dtype::BOOL => Some(DType::Bool),
+        _ => None,
+    }
 }

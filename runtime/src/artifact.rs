@@ -1,0 +1,477 @@
+//! The artifact format: a JSON manifest plus aligned binary sections (see `ARTIFACT.md`).
+//!
+//! The compiler builds a [`Manifest`] and the section bytes and calls [`write`]; the runtime
+//! calls [`read`]. Both sides use these types, so the format has one definition.
+
+use serde::{Deserialize, Serialize};
+
+/// First 8 bytes of every artifact.
+pub const MAGIC: [u8; 8] = *b"TCCMODEL";
+/// The format version this crate writes and the newest it reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// Alignment of every section's start in the file.
+pub const SECTION_ALIGN: u64 = 64;
+
+/// Element type of a tensor, spelled as in TDSL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+    I32,
+    Bool,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+            DType::Bool => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::I32 => "i32",
+            DType::Bool => "bool",
+        }
+    }
+}
+
+/// Where a named tensor lives in the arena.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorSlot {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Byte offset in the arena (a multiple of the manifest's `alignment`).
+    pub offset: u64,
+    /// `product(shape) * dtype size`.
+    pub bytes: u64,
+}
+
+/// Persistent tensor kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PersistentKind {
+    /// A trainable (or frozen) parameter.
+    Param,
+    /// Optimizer state (momentum, Adam moments, step counters).
+    State,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PersistentSlot {
+    #[serde(flatten)]
+    pub slot: TensorSlot,
+    pub kind: PersistentKind,
+}
+
+/// One kernel launch of the step, in launch order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelEntry {
+    /// Function name in the code section (CLIF: `%name`; PTX: `.entry name`).
+    pub name: String,
+    /// CPU: the kernel's outer loop runs over `[0, extent)`; the function takes `[lo, hi)`.
+    /// CUDA: the number of threads in the grid's x dimension (before blocking).
+    pub extent: u64,
+    /// CPU: disjoint `[lo, hi)` ranges may run at the same time on different threads.
+    pub parallel: bool,
+    /// CUDA launch shape (absent on the CPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<Launch>,
+    /// One line on what the kernel computes (the fused graph nodes), for humans.
+    #[serde(default)]
+    pub describe: String,
+}
+
+/// A CUDA launch configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+/// One planned buffer (for tools and checks; the runtime does not need it to run).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanBuffer {
+    /// Name of the graph node that owns the buffer (`%12` or a tensor name).
+    pub owner: String,
+    pub offset: u64,
+    pub bytes: u64,
+    /// Live over kernel launches `[start, end)`; persistent buffers span the whole step.
+    pub start: usize,
+    pub end: usize,
+    /// `persistent`, `input` or `transient`.
+    pub kind: String,
+}
+
+/// The memory plan as shipped.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PlanInfo {
+    pub persistent_bytes: u64,
+    pub lower_bound: u64,
+    pub method: String,
+    pub buffers: Vec<PlanBuffer>,
+}
+
+/// A binary section of the file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Section {
+    pub name: String,
+    /// Byte offset from the start of the file (a multiple of [`SECTION_ALIGN`]).
+    pub offset: u64,
+    pub len: u64,
+    /// FNV-1a 64 of the section's bytes, as 16 lowercase hex digits.
+    pub fnv1a64: String,
+}
+
+/// Which kind of code the `code` section holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    /// Cranelift IR text, one function per kernel.
+    Cpu,
+    /// PTX text, one `.entry` per kernel.
+    Cuda,
+}
+
+/// The JSON manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    /// `tcc <version>`.
+    pub producer: String,
+    pub model: String,
+    pub target: Target,
+    pub arena_bytes: u64,
+    /// Alignment the arena base must have (and every offset is a multiple of).
+    pub alignment: u64,
+    pub inputs: Vec<TensorSlot>,
+    pub outputs: Vec<TensorSlot>,
+    /// Params and optimizer state, in declaration order; all lie in
+    /// `[0, plan.persistent_bytes)`.
+    pub persistent: Vec<PersistentSlot>,
+    pub kernels: Vec<KernelEntry>,
+    pub plan: PlanInfo,
+    /// Sections present in the file: `code` (UTF-8 text) and `persistent` (the initial
+    /// bytes of the arena's persistent region, `plan.persistent_bytes` long).
+    pub sections: Vec<Section>,
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        })
+    }
+}
+
+impl TensorSlot {
+    /// Number of elements (`product(shape)`; 1 for a scalar), or `None` on overflow.
+    pub fn elements(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// The slot's byte range in the arena (the manifest has been validated by [`read`] or
+    /// [`validate`], so the range fits `usize`).
+    pub fn range(&self) -> std::ops::Range<usize> {
+        let start = self.offset as usize;
+        start..start + self.bytes as usize
+    }
+}
+
+impl Manifest {
+    /// The section named `name`, if the file has one.
+    pub fn section(&self, name: &str) -> Option<&Section> {
+        self.sections.iter().find(|s| s.name == name)
+    }
+}
+
+/// Length of the fixed header before the manifest: magic, version, reserved, manifest length.
+pub const HEADER_BYTES: usize = 24;
+
+/// FNV-1a 64-bit hash (offset basis `cbf29ce484222325`, prime `100000001b3`).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn align_up(x: u64, align: u64) -> u64 {
+    x.div_ceil(align) * align
+}
+
+/// Serialises an artifact: the header, `manifest` as JSON and `sections` in the given order.
+///
+/// `manifest.sections` is ignored and rewritten from `sections` (offsets, lengths and
+/// checksums), and `manifest.format_version` is written as [`FORMAT_VERSION`]. Every section
+/// starts at a multiple of [`SECTION_ALIGN`]; the gaps are zero. The output depends only on
+/// the arguments, so writing the same model twice gives the same bytes.
+pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut m = manifest.clone();
+    m.format_version = FORMAT_VERSION;
+    let lay_out = |m: &mut Manifest, base: u64| {
+        let mut at = base;
+        m.sections = sections
+            .iter()
+            .map(|(name, bytes)| {
+                let s = Section {
+                    name: (*name).to_string(),
+                    offset: at,
+                    len: bytes.len() as u64,
+                    fnv1a64: format!("{:016x}", fnv1a64(bytes)),
+                };
+                at = align_up(at + bytes.len() as u64, SECTION_ALIGN);
+                s
+            })
+            .collect();
+    };
+    // The section offsets are part of the manifest, so its length depends on them. Grow the
+    // base until the manifest fits in front of it; the base only grows, so this terminates
+    // (a manifest that shrinks below the base just leaves more zero padding).
+    let mut base = align_up(HEADER_BYTES as u64, SECTION_ALIGN);
+    let json = loop {
+        lay_out(&mut m, base);
+        // Serialising these plain structs (strings, integers, vectors; no maps with
+        // non-string keys, no floats) cannot fail.
+        let json = serde_json::to_vec(&m).unwrap_or_default();
+        let needed = align_up((HEADER_BYTES + json.len()) as u64, SECTION_ALIGN);
+        if needed <= base {
+            break json;
+        }
+        base = needed;
+    };
+    let total = m
+        .sections
+        .last()
+        .map_or(base, |s| s.offset + s.len)
+        .max((HEADER_BYTES + json.len()) as u64);
+    let mut out = Vec::with_capacity(total as usize);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(&json);
+    for (s, (_, bytes)) in m.sections.iter().zip(sections) {
+        out.resize(s.offset as usize, 0);
+        out.extend_from_slice(bytes);
+    }
+    out
+}
+
+/// The byte ranges of an artifact's sections, by name, in file order.
+pub type SectionRanges = Vec<(String, std::ops::Range<usize>)>;
+
+/// Parses and checks an artifact: the header, the manifest ([`validate`]) and every section
+/// (inside the file, checksum). Returns the manifest and each section's byte range in `bytes`.
+pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
+    use crate::Error;
+    if bytes.len() < HEADER_BYTES || bytes[..8] != MAGIC {
+        return Err(Error::NotAnArtifact);
+    }
+    let word = |at: usize| [bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]];
+    let version = u32::from_le_bytes(word(8));
+    if version > FORMAT_VERSION {
+        return Err(Error::NewerVersion {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    if version == 0 {
+        return Err(Error::BadManifest(
+            "format version 0 does not exist (versions start at 1)".into(),
+        ));
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&bytes[16..24]);
+    let json_len = u64::from_le_bytes(len8);
+    let json_end = (HEADER_BYTES as u64).saturating_add(json_len);
+    if json_end > bytes.len() as u64 {
+        return Err(Error::Truncated {
+            section: "manifest".into(),
+            needed: json_end,
+            have: bytes.len() as u64,
+        });
+    }
+    let json = &bytes[HEADER_BYTES..json_end as usize];
+    let manifest: Manifest = serde_json::from_slice(json)
+        .map_err(|e| Error::BadManifest(format!("the manifest is not valid: {e}")))?;
+    if manifest.format_version != version {
+        return Err(Error::BadManifest(format!(
+            "the header says format version {version} but the manifest says {}",
+            manifest.format_version
+        )));
+    }
+    validate(&manifest)?;
+
+    let mut ranges = Vec::with_capacity(manifest.sections.len());
+    for s in &manifest.sections {
+        if ranges.iter().any(|(n, _): &(String, _)| *n == s.name) {
+            return Err(Error::BadManifest(format!(
+                "section `{}` is listed twice",
+                s.name
+            )));
+        }
+        if !s.offset.is_multiple_of(SECTION_ALIGN) || s.offset < json_end {
+            return Err(Error::BadManifest(format!(
+                "section `{}` starts at byte {}, which is not a multiple of {SECTION_ALIGN} \
+                 after the manifest (which ends at byte {json_end})",
+                s.name, s.offset
+            )));
+        }
+        let end = s.offset.saturating_add(s.len);
+        if end > bytes.len() as u64 {
+            return Err(Error::Truncated {
+                section: s.name.clone(),
+                needed: end,
+                have: bytes.len() as u64,
+            });
+        }
+        let range = s.offset as usize..end as usize;
+        let want = Some(&s.fnv1a64)
+            .filter(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or_else(|| {
+                Error::BadManifest(format!(
+                    "section `{}` has checksum `{}`, which is not 16 hex digits",
+                    s.name, s.fnv1a64
+                ))
+            })?;
+        if fnv1a64(&bytes[range.clone()]) != want {
+            return Err(Error::Corrupt {
+                section: s.name.clone(),
+            });
+        }
+        ranges.push((s.name.clone(), range));
+    }
+    Ok((manifest, ranges))
+}
+
+/// Checks that a manifest describes a usable arena: the alignment is a power of two, every
+/// slot's offset is a multiple of it, every slot and plan buffer lies inside `arena_bytes`,
+/// every slot's `bytes` equals `product(shape) * dtype size`, persistent slots lie in
+/// `[0, plan.persistent_bytes)`, names are unique per list and kernel extents fit an `i64`.
+pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
+    use crate::Error;
+    let bad = |msg: String| Err(Error::BadManifest(msg));
+    if m.alignment == 0 || !m.alignment.is_power_of_two() {
+        return bad(format!("alignment {} is not a power of two", m.alignment));
+    }
+    // Everything must be addressable on this host.
+    if usize::try_from(m.arena_bytes).is_err() || m.arena_bytes > isize::MAX as u64 {
+        return bad(format!(
+            "arena of {} bytes does not fit this host's address space",
+            m.arena_bytes
+        ));
+    }
+    if usize::try_from(m.alignment).is_err() || m.alignment > 1 << 30 {
+        return bad(format!("alignment {} is too large", m.alignment));
+    }
+    if m.plan.persistent_bytes > m.arena_bytes {
+        return bad(format!(
+            "the persistent region ({} bytes) is larger than the arena ({} bytes)",
+            m.plan.persistent_bytes, m.arena_bytes
+        ));
+    }
+    let check_slot = |kind: &str, s: &TensorSlot, limit: u64, region: &str| {
+        let elements = s.elements().ok_or_else(|| {
+            Error::BadManifest(format!(
+                "{kind} `{}`: shape {:?} overflows",
+                s.name, s.shape
+            ))
+        })?;
+        let expect = (elements as u64).checked_mul(s.dtype.size_bytes() as u64);
+        if expect != Some(s.bytes) {
+            return bad(format!(
+                "{kind} `{}`: {} {:?} needs {} bytes but the manifest says {}",
+                s.name,
+                s.dtype,
+                s.shape,
+                expect.map_or_else(|| "too many".to_string(), |b| b.to_string()),
+                s.bytes
+            ));
+        }
+        if !s.offset.is_multiple_of(m.alignment) {
+            return bad(format!(
+                "{kind} `{}`: offset {} is not a multiple of the alignment {}",
+                s.name, s.offset, m.alignment
+            ));
+        }
+        match s.offset.checked_add(s.bytes) {
+            Some(end) if end <= limit => Ok(()),
+            _ => bad(format!(
+                "{kind} `{}`: bytes [{}, {}+{}) lie outside the {region} ({limit} bytes)",
+                s.name, s.offset, s.offset, s.bytes
+            )),
+        }
+    };
+    let unique = |kind: &str, names: &mut dyn Iterator<Item = &String>| {
+        let mut seen = std::collections::HashSet::new();
+        for n in names {
+            if !seen.insert(n) {
+                return bad(format!("{kind} `{n}` is listed twice"));
+            }
+        }
+        Ok(())
+    };
+    for s in &m.inputs {
+        check_slot("input", s, m.arena_bytes, "arena")?;
+    }
+    for s in &m.outputs {
+        check_slot("output", s, m.arena_bytes, "arena")?;
+    }
+    for p in &m.persistent {
+        check_slot(
+            "persistent tensor",
+            &p.slot,
+            m.plan.persistent_bytes,
+            "persistent region",
+        )?;
+    }
+    unique("input", &mut m.inputs.iter().map(|s| &s.name))?;
+    unique("output", &mut m.outputs.iter().map(|s| &s.name))?;
+    unique(
+        "persistent tensor",
+        &mut m.persistent.iter().map(|p| &p.slot.name),
+    )?;
+    for b in &m.plan.buffers {
+        match b.offset.checked_add(b.bytes) {
+            Some(end) if end <= m.arena_bytes => {}
+            _ => {
+                return bad(format!(
+                    "plan buffer of `{}`: bytes [{}, {}+{}) lie outside the arena ({} bytes)",
+                    b.owner, b.offset, b.offset, b.bytes, m.arena_bytes
+                ))
+            }
+        }
+    }
+    for k in &m.kernels {
+        if k.extent > i64::MAX as u64 {
+            return bad(format!(
+                "kernel `{}`: extent {} does not fit an i64",
+                k.name, k.extent
+            ));
+        }
+    }
+    Ok(())
+}

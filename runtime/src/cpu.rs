@@ -1,0 +1,502 @@
+//! The CPU executor: compiles the artifact's Cranelift IR for the host and launches kernels.
+//!
+//! The kernel ABI is in `ARTIFACT.md`: every kernel is `(i64 arena, i64 lo, i64 hi, i64
+//! helpers)` in the host's default calling convention, and `helpers` points at a table of
+//! [`CPU_HELPERS`]`.len()` host function pointers in the order of [`CPU_HELPERS`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+
+use cranelift_codegen::ir::{types, AbiParam, GlobalValueData, Signature, UserFuncName};
+use cranelift_codegen::settings::{self, Configurable};
+use cranelift_jit::{JITBuilder, JITModule};
+use cranelift_module::{default_libcall_names, FuncId, Linkage, Module, ModuleError};
+
+use crate::artifact::KernelEntry;
+use crate::Error;
+
+/// Names of the helper table's slots, in slot order (the table in `ARTIFACT.md`). The
+/// compiler looks a helper's slot up by name here; the kernel loads the function pointer
+/// from `helpers + 8 * slot`.
+pub const CPU_HELPERS: [&str; 11] = [
+    "expf",
+    "logf",
+    "tanhf",
+    "sinf",
+    "cosf",
+    "erff",
+    "powf",
+    "f16_to_f32",
+    "f32_to_f16",
+    "bf16_to_f32",
+    "f32_to_bf16",
+];
+
+/// The slot of helper `name` in the table, if there is one.
+pub fn helper_slot(name: &str) -> Option<usize> {
+    CPU_HELPERS.iter().position(|&h| h == name)
+}
+
+extern "C" fn h_expf(x: f32) -> f32 {
+    libm::expf(x)
+}
+extern "C" fn h_logf(x: f32) -> f32 {
+    libm::logf(x)
+}
+extern "C" fn h_tanhf(x: f32) -> f32 {
+    libm::tanhf(x)
+}
+extern "C" fn h_sinf(x: f32) -> f32 {
+    libm::sinf(x)
+}
+extern "C" fn h_cosf(x: f32) -> f32 {
+    libm::cosf(x)
+}
+extern "C" fn h_erff(x: f32) -> f32 {
+    libm::erff(x)
+}
+extern "C" fn h_powf(x: f32, y: f32) -> f32 {
+    libm::powf(x, y)
+}
+extern "C" fn h_f16_to_f32(bits: i32) -> f32 {
+    half::f16::from_bits(bits as u16).to_f32()
+}
+extern "C" fn h_f32_to_f16(x: f32) -> i32 {
+    i32::from(half::f16::from_f32(x).to_bits())
+}
+extern "C" fn h_bf16_to_f32(bits: i32) -> f32 {
+    half::bf16::from_bits(bits as u16).to_f32()
+}
+extern "C" fn h_f32_to_bf16(x: f32) -> i32 {
+    i32::from(half::bf16::from_f32(x).to_bits())
+}
+
+/// The helper table, built at run time (function addresses cannot be taken in a constant).
+fn helper_table() -> [u64; CPU_HELPERS.len()] {
+    type F1 = extern "C" fn(f32) -> f32;
+    type F2 = extern "C" fn(f32, f32) -> f32;
+    type FromBits = extern "C" fn(i32) -> f32;
+    type ToBits = extern "C" fn(f32) -> i32;
+    [
+        h_expf as F1 as usize as u64,
+        h_logf as F1 as usize as u64,
+        h_tanhf as F1 as usize as u64,
+        h_sinf as F1 as usize as u64,
+        h_cosf as F1 as usize as u64,
+        h_erff as F1 as usize as u64,
+        h_powf as F2 as usize as u64,
+        h_f16_to_f32 as FromBits as usize as u64,
+        h_f32_to_f16 as ToBits as usize as u64,
+        h_bf16_to_f32 as FromBits as usize as u64,
+        h_f32_to_bf16 as ToBits as usize as u64,
+    ]
+}
+
+/// A compiled kernel: `(arena, lo, hi, helpers)`. The JIT compiles it with the host ISA's
+/// default calling convention, which is the platform's C convention (`extern "C"`).
+type KernelFn = unsafe extern "C" fn(*mut u8, i64, i64, *const u64);
+
+#[derive(Clone, Copy)]
+struct Launch {
+    f: KernelFn,
+    extent: u64,
+    parallel: bool,
+}
+
+/// The compiled code of one session plus its helper table and (optional) worker pool.
+pub(crate) struct CpuExecutor {
+    /// Dropped (joined) before the code is freed: see `Drop`.
+    pool: Option<Pool>,
+    /// Boxed so its address is stable while worker threads read it.
+    helpers: Box<[u64; CPU_HELPERS.len()]>,
+    launches: Vec<Launch>,
+    module: Option<JITModule>,
+}
+
+impl Drop for CpuExecutor {
+    fn drop(&mut self) {
+        // Stop the workers first: none of them may be inside a kernel when the code goes.
+        self.pool = None;
+        if let Some(module) = self.module.take() {
+            // SAFETY: no kernel of this module runs (the workers are joined, `run` takes
+            // `&mut self` and has returned) and `launches`, the only copies of its function
+            // pointers, are never called again: they are dropped with `self`.
+            unsafe { module.free_memory() };
+        }
+    }
+}
+
+fn compile_error(kernel: impl Into<String>, message: impl Into<String>) -> Error {
+    Error::Compile {
+        kernel: kernel.into(),
+        message: message.into(),
+    }
+}
+
+impl CpuExecutor {
+    /// Parses `code` (CLIF text), compiles every function in it for the host and resolves
+    /// the kernels of `kernels` (in launch order).
+    pub(crate) fn compile(code: &str, kernels: &[KernelEntry]) -> Result<Self, Error> {
+        if usize::BITS != 64 {
+            return Err(compile_error(
+                "(host)",
+                "the CPU kernel ABI needs a 64-bit host",
+            ));
+        }
+        let mut flags = settings::builder();
+        for (name, value) in [
+            ("opt_level", "speed"),
+            // As `JITBuilder::with_flags` does: the JIT needs absolute, long-range
+            // relocations.
+            ("use_colocated_libcalls", "false"),
+            ("is_pic", "false"),
+        ] {
+            flags
+                .set(name, value)
+                .map_err(|e| compile_error("(host)", format!("setting {name}={value}: {e}")))?;
+        }
+        let isa_builder = cranelift_native::builder()
+            .map_err(|m| compile_error("(host)", format!("this host is not supported: {m}")))?;
+        let isa = isa_builder
+            .finish(settings::Flags::new(flags))
+            .map_err(|e| compile_error("(host)", format!("building the host ISA: {e}")))?;
+        let mut module = JITModule::new(JITBuilder::with_isa(isa, default_libcall_names()));
+        let call_conv = module.isa().default_call_conv();
+
+        let funcs = cranelift_reader::parse_functions(code)
+            .map_err(|e| compile_error("(code section)", format!("CLIF parse error: {e}")))?;
+
+        let mut kernel_sig = Signature::new(call_conv);
+        kernel_sig.params = vec![AbiParam::new(types::I64); 4];
+        let mut ids: HashMap<String, FuncId> = HashMap::new();
+        for mut func in funcs {
+            let name = match &func.name {
+                UserFuncName::Testcase(t) => String::from_utf8_lossy(t.raw()).into_owned(),
+                UserFuncName::User(u) => {
+                    return Err(compile_error(
+                        format!("{u}"),
+                        "kernels must be named `%name`, not with a user name",
+                    ))
+                }
+            };
+            check_kernel_ir(&name, &func)?;
+            // The text says `system_v`; the helpers and our callers use the host's default.
+            func.signature.call_conv = call_conv;
+            for sig in func.dfg.signatures.values_mut() {
+                sig.call_conv = call_conv;
+            }
+            if func.signature != kernel_sig {
+                return Err(compile_error(
+                    &name,
+                    format!(
+                        "signature is {}, but a kernel takes (i64, i64, i64, i64) and returns \
+                         nothing",
+                        func.signature
+                    ),
+                ));
+            }
+            let id = module
+                .declare_function(&name, Linkage::Export, &kernel_sig)
+                .map_err(|e| compile_error(&name, e.to_string()))?;
+            let mut ctx = module.make_context();
+            ctx.func = func;
+            if let Err(e) = module.define_function(id, &mut ctx) {
+                let message = match e {
+                    ModuleError::Compilation(err) => {
+                        cranelift_codegen::print_errors::pretty_error(&ctx.func, err)
+                    }
+                    other => other.to_string(),
+                };
+                return Err(compile_error(&name, message));
+            }
+            ids.insert(name, id);
+        }
+        module
+            .finalize_definitions()
+            .map_err(|e| compile_error("(code section)", e.to_string()))?;
+
+        let mut launches = Vec::with_capacity(kernels.len());
+        for k in kernels {
+            let id = *ids.get(&k.name).ok_or_else(|| {
+                let mut have: Vec<&str> = ids.keys().map(String::as_str).collect();
+                have.sort_unstable();
+                compile_error(
+                    &k.name,
+                    format!(
+                        "the manifest launches `{}` but the code section has no function \
+                         `%{}` (it has: {})",
+                        k.name,
+                        k.name,
+                        if have.is_empty() {
+                            "none".to_string()
+                        } else {
+                            have.join(", ")
+                        }
+                    ),
+                )
+            })?;
+            let ptr = module.get_finalized_function(id);
+            // SAFETY: `ptr` is the entry of a finalized function whose signature we checked
+            // to be `(i64, i64, i64, i64)` with no results, compiled with the host's default
+            // calling convention, which is the platform C convention; on a 64-bit host
+            // (checked above) pointers are passed exactly like i64.
+            let f = unsafe { std::mem::transmute::<*const u8, KernelFn>(ptr) };
+            launches.push(Launch {
+                f,
+                extent: k.extent,
+                parallel: k.parallel,
+            });
+        }
+        Ok(CpuExecutor {
+            pool: None,
+            helpers: Box::new(helper_table()),
+            launches,
+            module: Some(module),
+        })
+    }
+
+    /// Number of threads a parallel kernel runs on (the caller's included).
+    pub(crate) fn threads(&self) -> usize {
+        self.pool.as_ref().map_or(1, |p| p.workers.len() + 1)
+    }
+
+    /// Runs parallel kernels on `threads` threads (the caller's included) from now on.
+    pub(crate) fn set_threads(&mut self, threads: usize) -> Result<(), Error> {
+        if threads == self.threads() {
+            return Ok(());
+        }
+        self.pool = None;
+        if threads > 1 {
+            self.pool = Some(Pool::new(threads - 1)?);
+        }
+        Ok(())
+    }
+
+    /// Launches every kernel in order. Allocates nothing.
+    pub(crate) fn run(&mut self, arena: *mut u8) {
+        let helpers = SendPtr(self.helpers.as_ptr().cast_mut().cast::<u8>());
+        for l in &self.launches {
+            match &self.pool {
+                Some(pool) if l.parallel && l.extent > 1 => pool.launch(Job {
+                    f: l.f,
+                    arena: SendPtr(arena),
+                    helpers,
+                    extent: l.extent,
+                    chunk: l.extent.div_ceil(4 * (pool.workers.len() as u64 + 1)),
+                }),
+                _ => {
+                    // SAFETY: `f` is a finalized kernel with the ABI of `KernelFn` (see
+                    // `compile`), still alive (the module is freed only on drop); `arena`
+                    // is the session's arena base, aligned and `arena_bytes` long, and the
+                    // kernel only touches that arena (the compiler's contract in
+                    // ARTIFACT.md); `helpers` points at the live helper table; the extent
+                    // fits an i64 (checked by `artifact::validate`).
+                    unsafe { (l.f)(arena, 0, l.extent as i64, self.helpers.as_ptr()) }
+                }
+            }
+        }
+    }
+}
+
+/// A raw pointer handed to worker threads for the duration of one launch.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: the pointer is only dereferenced (by kernels) while the launching thread waits in
+// `Pool::launch`, during which the arena and the helper table outlive every use, and the
+// kernels of a `parallel` launch touch disjoint bytes for disjoint `[lo, hi)` ranges (the
+// compiler's contract in ARTIFACT.md).
+unsafe impl Send for SendPtr {}
+
+#[derive(Clone, Copy)]
+struct Job {
+    f: KernelFn,
+    arena: SendPtr,
+    helpers: SendPtr,
+    extent: u64,
+    chunk: u64,
+}
+
+impl Job {
+    /// Takes chunks of `[0, extent)` from `next` until none are left.
+    fn work(&self, next: &AtomicU64) {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(lo) = i.checked_mul(self.chunk).filter(|&lo| lo < self.extent) else {
+                return;
+            };
+            let hi = lo.saturating_add(self.chunk).min(self.extent);
+            // SAFETY: as for the serial launch in `CpuExecutor::run`; in addition the
+            // kernel is `parallel`, so this thread's `[lo, hi)` touches bytes no other
+            // thread's chunk touches, and `lo < hi <= extent <= i64::MAX`.
+            unsafe {
+                (self.f)(
+                    self.arena.0,
+                    lo as i64,
+                    hi as i64,
+                    self.helpers.0.cast_const().cast::<u64>(),
+                )
+            }
+        }
+    }
+}
+
+struct PoolState {
+    job: Option<Job>,
+    shutdown: bool,
+}
+
+struct Shared {
+    /// The job of the current launch; also the lock the condition variables sleep on.
+    state: Mutex<PoolState>,
+    /// Bumped (under `state`) for every launch; a worker works once per generation.
+    generation: AtomicU64,
+    /// Workers that have not yet finished the current generation.
+    active: AtomicUsize,
+    /// Index of the next chunk of the current launch.
+    next: AtomicU64,
+    start: Condvar,
+    done: Condvar,
+}
+
+/// How many times a thread polls before it sleeps on a condition variable: kernels come
+/// back to back, so a short spin saves a futex wake-up per launch.
+const SPIN: u32 = 1 << 12;
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // No code panics while holding the lock, but a poisoned lock still holds valid
+        // state, so carry on rather than panic.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Worker threads that help the launching thread with `parallel` kernels. Created outside
+/// `run`; a launch only stores, spins, locks, notifies and waits, which allocates nothing.
+struct Pool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl Pool {
+    fn new(workers: usize) -> Result<Pool, Error> {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(PoolState {
+                job: None,
+                shutdown: false,
+            }),
+            generation: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+            next: AtomicU64::new(0),
+            start: Condvar::new(),
+            done: Condvar::new(),
+        });
+        let mut pool = Pool {
+            shared,
+            workers: Vec::with_capacity(workers),
+        };
+        for i in 0..workers {
+            let shared = Arc::clone(&pool.shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("tcc-worker-{i}"))
+                .spawn(move || worker(&shared))
+                .map_err(Error::Threads)?; // `pool` drops here and joins those started
+            pool.workers.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// Runs `job` on every worker and the calling thread; returns when all chunks are done.
+    fn launch(&self, job: Job) {
+        let sh = &*self.shared;
+        {
+            let mut st = sh.lock();
+            st.job = Some(job);
+            sh.next.store(0, Ordering::Relaxed);
+            sh.active.store(self.workers.len(), Ordering::Relaxed);
+            // Under the lock, so a worker that checked the generation under the lock is
+            // already waiting when `notify_all` runs.
+            sh.generation.fetch_add(1, Ordering::Release);
+        }
+        sh.start.notify_all();
+        job.work(&sh.next);
+        // Wait for every worker to finish its chunks (their arena writes happen-before the
+        // Acquire load that sees `active == 0`).
+        for _ in 0..SPIN {
+            if sh.active.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let mut st = sh.lock();
+        while sh.active.load(Ordering::Acquire) > 0 {
+            st = sh.done.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.start.notify_all();
+        for w in self.workers.drain(..) {
+            // A worker never panics (kernels are foreign code and do not unwind); if one
+            // did, there is nothing left to clean up.
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker(sh: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        let mut spins = 0;
+        while sh.generation.load(Ordering::Acquire) == seen && spins < SPIN {
+            std::hint::spin_loop();
+            spins += 1;
+        }
+        let job = {
+            let mut st = sh.lock();
+            while sh.generation.load(Ordering::Acquire) == seen && !st.shutdown {
+                st = sh.start.wait(st).unwrap_or_else(PoisonError::into_inner);
+            }
+            if st.shutdown {
+                return;
+            }
+            seen = sh.generation.load(Ordering::Acquire);
+            st.job
+        };
+        if let Some(job) = job {
+            job.work(&sh.next);
+        }
+        if sh.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Take the lock so the launcher is either before its check (and sees 0) or
+            // already waiting (and gets the notification).
+            drop(sh.lock());
+            sh.done.notify_one();
+        }
+    }
+}
+
+/// Rejects IR the JIT cannot link: kernels reach the host only through the helper table.
+fn check_kernel_ir(name: &str, func: &cranelift_codegen::ir::Function) -> Result<(), Error> {
+    if !func.dfg.ext_funcs.is_empty() {
+        return Err(compile_error(
+            name,
+            "declares external functions; kernels call host code only through the helper \
+             table (`call_indirect` on a pointer loaded from `helpers`)",
+        ));
+    }
+    if func
+        .global_values
+        .values()
+        .any(|gv| matches!(gv, GlobalValueData::Symbol { .. }))
+    {
+        return Err(compile_error(
+            name,
+            "references a symbol; kernels address memory only through the arena pointer",
+        ));
+    }
+    Ok(())
+}

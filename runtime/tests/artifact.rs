@@ -1,0 +1,271 @@
+//! The artifact format: writing, reading and every rejection `ARTIFACT.md` asks for.
+
+mod common;
+
+use common::*;
+use tcc_runtime::artifact::{self, fnv1a64, DType, SECTION_ALIGN};
+use tcc_runtime::{Error, Model};
+
+#[test]
+fn fnv1a64_known_values() {
+    assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+}
+
+#[test]
+fn write_then_read_round_trips() {
+    let bytes = tiny_artifact();
+    assert_eq!(&bytes[..8], b"TCCMODEL");
+    assert_eq!(
+        u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]),
+        1
+    );
+    let (m, sections) = artifact::read(&bytes).unwrap();
+    let mut want = tiny_manifest();
+    want.sections = m.sections.clone();
+    assert_eq!(m, want);
+    assert_eq!(sections.len(), 2);
+    assert_eq!(sections[0].0, "code");
+    assert_eq!(&bytes[sections[0].1.clone()], tiny_code().as_bytes());
+    assert_eq!(sections[1].0, "persistent");
+    assert_eq!(sections[1].1.len(), 64);
+    for (s, (_, r)) in m.sections.iter().zip(&sections) {
+        assert_eq!(s.offset % SECTION_ALIGN, 0);
+        assert_eq!(s.offset as usize, r.start);
+        assert_eq!(s.fnv1a64, format!("{:016x}", fnv1a64(&bytes[r.clone()])));
+    }
+    // The manifest length in the header matches the JSON, and the first section follows it.
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&bytes[16..24]);
+    let json_end = 24 + u64::from_le_bytes(l);
+    assert!(m.sections[0].offset >= json_end);
+    assert!(m.sections[0].offset < json_end + SECTION_ALIGN);
+}
+
+#[test]
+fn write_is_deterministic_and_ignores_given_sections() {
+    let a = tiny_artifact();
+    let mut m = tiny_manifest();
+    m.sections = vec![artifact::Section {
+        name: "stale".into(),
+        offset: 12345,
+        len: 1,
+        fnv1a64: "0".into(),
+    }];
+    let b = build(
+        &m,
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    );
+    assert_eq!(a, b);
+}
+
+#[test]
+fn write_handles_offsets_that_lengthen_the_manifest() {
+    // Many sections whose offsets grow in digits as the manifest grows.
+    let m = tiny_manifest();
+    let blobs: Vec<Vec<u8>> = (0..40).map(|i| vec![i as u8; 1000 + i * 37]).collect();
+    let names: Vec<String> = (0..40).map(|i| format!("s{i}")).collect();
+    let sections: Vec<(&str, &[u8])> = names
+        .iter()
+        .map(String::as_str)
+        .zip(blobs.iter().map(Vec::as_slice))
+        .collect();
+    let bytes = artifact::write(&m, &sections);
+    let (_, ranges) = artifact::read(&bytes).unwrap();
+    for ((name, r), blob) in ranges.iter().zip(&blobs) {
+        assert!(name.starts_with('s'));
+        assert_eq!(r.start % SECTION_ALIGN as usize, 0);
+        assert_eq!(&bytes[r.clone()], blob.as_slice());
+    }
+}
+
+#[test]
+fn empty_sections_and_no_sections() {
+    let bytes = artifact::write(&tiny_manifest(), &[]);
+    let (m, ranges) = artifact::read(&bytes).unwrap();
+    assert!(m.sections.is_empty() && ranges.is_empty());
+    let bytes = artifact::write(&tiny_manifest(), &[("code", b""), ("persistent", b"")]);
+    let (_, ranges) = artifact::read(&bytes).unwrap();
+    assert!(ranges.iter().all(|(_, r)| r.is_empty()));
+}
+
+#[test]
+fn short_file_or_bad_magic_is_not_an_artifact() {
+    let bytes = tiny_artifact();
+    assert!(matches!(
+        artifact::read(&bytes[..10]),
+        Err(Error::NotAnArtifact)
+    ));
+    assert!(matches!(artifact::read(b""), Err(Error::NotAnArtifact)));
+    let mut bad = bytes.clone();
+    bad[0] = b'X';
+    assert!(matches!(Model::from_bytes(bad), Err(Error::NotAnArtifact)));
+}
+
+#[test]
+fn newer_version_names_both_versions() {
+    let mut bytes = tiny_artifact();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let err = Model::from_bytes(bytes).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::NewerVersion {
+            found: 2,
+            supported: 1
+        }
+    ));
+    let msg = err.to_string();
+    assert!(msg.contains('2') && msg.contains('1'), "{msg}");
+}
+
+#[test]
+fn truncated_file_names_the_section() {
+    let bytes = tiny_artifact();
+    let cut = bytes[..bytes.len() - 1].to_vec();
+    match Model::from_bytes(cut) {
+        Err(Error::Truncated {
+            section,
+            needed,
+            have,
+        }) => {
+            assert_eq!(section, "persistent");
+            assert_eq!(needed, bytes.len() as u64);
+            assert_eq!(have, bytes.len() as u64 - 1);
+        }
+        other => panic!("expected Truncated, got {other:?}"),
+    }
+    // Cut inside the manifest.
+    assert!(matches!(
+        artifact::read(&bytes[..40]),
+        Err(Error::Truncated { section, .. }) if section == "manifest"
+    ));
+}
+
+#[test]
+fn flipped_byte_in_a_section_is_corrupt() {
+    let bytes = tiny_artifact();
+    let (m, _) = artifact::read(&bytes).unwrap();
+    for s in &m.sections {
+        let mut bad = bytes.clone();
+        bad[s.offset as usize + 1] ^= 0x40;
+        match Model::from_bytes(bad) {
+            Err(Error::Corrupt { section }) => assert_eq!(section, s.name),
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn invalid_json_is_a_bad_manifest() {
+    let mut bytes = tiny_artifact();
+    bytes[24] = b'[';
+    let err = artifact::read(&bytes).unwrap_err();
+    assert!(matches!(err, Error::BadManifest(_)), "{err}");
+}
+
+#[test]
+fn missing_field_is_a_bad_manifest() {
+    let json = br#"{"format_version":1}"#;
+    let mut bytes = b"TCCMODEL".to_vec();
+    bytes.extend_from_slice(&1u32.to_le_bytes());
+    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(json);
+    let err = artifact::read(&bytes).unwrap_err();
+    assert!(
+        matches!(err, Error::BadManifest(ref m) if m.contains("missing field")),
+        "{err}"
+    );
+}
+
+fn rejects(edit: impl FnOnce(&mut artifact::Manifest), needle: &str) {
+    let mut m = tiny_manifest();
+    edit(&mut m);
+    let bytes = build(
+        &m,
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    );
+    match Model::from_bytes(bytes) {
+        Err(Error::BadManifest(msg)) => assert!(msg.contains(needle), "{msg}"),
+        other => panic!("expected BadManifest({needle}), got {other:?}"),
+    }
+}
+
+#[test]
+fn layouts_that_do_not_fit_are_rejected() {
+    rejects(|m| m.outputs[1].offset = 256, "outside the arena");
+    rejects(
+        |m| m.inputs[0].offset = 65,
+        "not a multiple of the alignment",
+    );
+    rejects(|m| m.inputs[0].bytes = 12, "needs 16 bytes");
+    rejects(|m| m.inputs[0].dtype = DType::F16, "needs 8 bytes");
+    rejects(
+        |m| m.persistent[0].slot.offset = 64,
+        "outside the persistent region",
+    );
+    rejects(|m| m.plan.buffers[1].offset = 250, "plan buffer of `x`");
+    rejects(|m| m.alignment = 48, "not a power of two");
+    rejects(|m| m.plan.persistent_bytes = 512, "larger than the arena");
+    rejects(
+        |m| m.outputs.push(m.outputs[0].clone()),
+        "output `y` is listed twice",
+    );
+    rejects(|m| m.kernels[0].extent = u64::MAX, "does not fit an i64");
+    rejects(|m| m.inputs[0].shape = vec![usize::MAX, 2], "overflows");
+}
+
+#[test]
+fn missing_sections_and_wrong_persistent_size_are_rejected() {
+    let m = tiny_manifest();
+    let only_code = artifact::write(&m, &[("code", tiny_code().as_bytes())]);
+    assert!(matches!(
+        Model::from_bytes(only_code),
+        Err(Error::BadManifest(msg)) if msg.contains("`persistent`")
+    ));
+    let short = build(&m, &tiny_code(), &[0u8; 32]);
+    assert!(matches!(
+        Model::from_bytes(short),
+        Err(Error::BadManifest(msg)) if msg.contains("persistent section is 32 bytes")
+    ));
+    let not_utf8 = artifact::write(&m, &[("code", &[0xff, 0xfe]), ("persistent", &[0u8; 64])]);
+    assert!(matches!(
+        Model::from_bytes(not_utf8),
+        Err(Error::BadManifest(msg)) if msg.contains("UTF-8")
+    ));
+}
+
+#[test]
+fn model_accessors() {
+    let model = Model::from_bytes(tiny_artifact()).unwrap();
+    assert_eq!(model.arena_bytes(), 256);
+    assert_eq!(model.alignment(), 64);
+    assert_eq!(model.target(), artifact::Target::Cpu);
+    assert_eq!(model.inputs()[0].name, "x");
+    assert_eq!(model.outputs().len(), 2);
+    assert_eq!(model.persistent()[0].slot.name, "w");
+    assert_eq!(model.code(), tiny_code());
+    assert_eq!(model.manifest().model, "tiny");
+    assert_eq!(model.persistent_init().len(), 64);
+}
+
+#[test]
+fn load_reports_missing_file_with_its_path() {
+    let err = Model::load("no/such/dir/model.tcc").unwrap_err();
+    assert!(matches!(err, Error::Io { .. }));
+    assert!(err.to_string().contains("model.tcc"), "{err}");
+}
+
+#[test]
+fn load_from_a_file() {
+    let dir = std::env::temp_dir().join(format!("tcc-runtime-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.tcc");
+    std::fs::write(&path, tiny_artifact()).unwrap();
+    let model = Model::load(&path).unwrap();
+    assert_eq!(model.manifest().model, "tiny");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

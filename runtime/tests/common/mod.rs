@@ -1,0 +1,232 @@
+//! Hand-built artifacts for the runtime tests.
+#![allow(dead_code)]
+
+use tcc_runtime::artifact::{
+    self, DType, KernelEntry, Manifest, PersistentKind, PersistentSlot, PlanBuffer, PlanInfo,
+    Target, TensorSlot,
+};
+
+pub const ALIGN: u64 = 64;
+
+pub fn slot(name: &str, dtype: DType, shape: &[usize], offset: u64) -> TensorSlot {
+    TensorSlot {
+        name: name.to_string(),
+        dtype,
+        shape: shape.to_vec(),
+        offset,
+        bytes: (shape.iter().product::<usize>() * dtype.size_bytes()) as u64,
+    }
+}
+
+pub fn kernel(name: &str, extent: u64, parallel: bool) -> KernelEntry {
+    KernelEntry {
+        name: name.to_string(),
+        extent,
+        parallel,
+        launch: None,
+        describe: format!("test kernel {name}"),
+    }
+}
+
+/// `y[i] = x[i] * w[i] + 1.0` over `[lo, hi)`; `w` at 0, `x` at `xo`, `y` at `yo`.
+pub fn fma_kernel(name: &str, xo: u64, yo: u64) -> String {
+    format!(
+        "function %{name}(i64, i64, i64, i64) system_v {{
+block0(v0: i64, v1: i64, v2: i64, v3: i64):
+    v4 = icmp sge v1, v2
+    brif v4, block2, block1(v1)
+
+block1(v5: i64):
+    v30 = iconst.i64 2
+    v6 = ishl v5, v30
+    v7 = iadd v0, v6
+    v8 = load.f32 notrap aligned v7+{xo}
+    v9 = load.f32 notrap aligned v7
+    v10 = fmul v8, v9
+    v11 = f32const 0x1.0p0
+    v12 = fadd v10, v11
+    store notrap aligned v12, v7+{yo}
+    v31 = iconst.i64 1
+    v13 = iadd v5, v31
+    v14 = icmp slt v13, v2
+    brif v14, block1(v13), block2
+
+block2:
+    return
+}}
+"
+    )
+}
+
+/// `out[i] = helper(src[i])` for a unary `f32 -> f32` helper in table slot `slot`.
+pub fn unary_helper_kernel(name: &str, slot: u32, src: u64, out: u64) -> String {
+    let at = slot * 8;
+    format!(
+        "function %{name}(i64, i64, i64, i64) system_v {{
+    sig0 = (f32) -> f32 system_v
+
+block0(v0: i64, v1: i64, v2: i64, v3: i64):
+    v4 = icmp sge v1, v2
+    brif v4, block2, block1(v1)
+
+block1(v5: i64):
+    v30 = iconst.i64 2
+    v6 = ishl v5, v30
+    v7 = iadd v0, v6
+    v8 = load.f32 notrap aligned v7+{src}
+    v9 = load.i64 notrap aligned v3+{at}
+    v10 = call_indirect sig0, v9(v8)
+    store notrap aligned v10, v7+{out}
+    v31 = iconst.i64 1
+    v11 = iadd v5, v31
+    v12 = icmp slt v11, v2
+    brif v12, block1(v11), block2
+
+block2:
+    return
+}}
+"
+    )
+}
+
+/// `out[i] = powf(src[i], 2.0)` (slot 6), then `out2[i] = bf16_to_f32(f32_to_bf16(src[i]))`
+/// (slots 10 and 9), and `out3[i] = f16_to_f32(f32_to_f16(src[i]))` (slots 8 and 7).
+pub fn multi_helper_kernel(name: &str, src: u64, out: u64, out2: u64, out3: u64) -> String {
+    format!(
+        "function %{name}(i64, i64, i64, i64) system_v {{
+    sig0 = (f32, f32) -> f32 system_v
+    sig1 = (f32) -> i32 system_v
+    sig2 = (i32) -> f32 system_v
+
+block0(v0: i64, v1: i64, v2: i64, v3: i64):
+    v4 = icmp sge v1, v2
+    brif v4, block2, block1(v1)
+
+block1(v5: i64):
+    v30 = iconst.i64 2
+    v6 = ishl v5, v30
+    v7 = iadd v0, v6
+    v8 = load.f32 notrap aligned v7+{src}
+    v9 = load.i64 notrap aligned v3+48
+    v20 = f32const 0x1.0p1
+    v10 = call_indirect sig0, v9(v8, v20)
+    store notrap aligned v10, v7+{out}
+    v21 = load.i64 notrap aligned v3+80
+    v22 = call_indirect sig1, v21(v8)
+    v23 = load.i64 notrap aligned v3+72
+    v24 = call_indirect sig2, v23(v22)
+    store notrap aligned v24, v7+{out2}
+    v25 = load.i64 notrap aligned v3+64
+    v26 = call_indirect sig1, v25(v8)
+    v27 = load.i64 notrap aligned v3+56
+    v28 = call_indirect sig2, v27(v26)
+    store notrap aligned v28, v7+{out3}
+    v31 = iconst.i64 1
+    v11 = iadd v5, v31
+    v12 = icmp slt v11, v2
+    brif v12, block1(v11), block2
+
+block2:
+    return
+}}
+"
+    )
+}
+
+/// The small model of the tests: param `w: f32[4] = [1, 2, 3, 4]` at 0, input `x: f32[4]`
+/// at 64, output `y: f32[4]` at 128 (`y = x * w + 1`, kernel `k0`) and output `z: f32[4]` at
+/// 192 (`z = exp(y)`, kernel `k1` through helper slot 0). Arena: 256 bytes.
+pub fn tiny_manifest() -> Manifest {
+    Manifest {
+        format_version: artifact::FORMAT_VERSION,
+        producer: "tcc-runtime tests".into(),
+        model: "tiny".into(),
+        target: Target::Cpu,
+        arena_bytes: 256,
+        alignment: ALIGN,
+        inputs: vec![slot("x", DType::F32, &[4], 64)],
+        outputs: vec![
+            slot("y", DType::F32, &[4], 128),
+            slot("z", DType::F32, &[4], 192),
+        ],
+        persistent: vec![PersistentSlot {
+            slot: slot("w", DType::F32, &[4], 0),
+            kind: PersistentKind::Param,
+        }],
+        kernels: vec![kernel("k0", 4, false), kernel("k1", 4, true)],
+        plan: PlanInfo {
+            persistent_bytes: 64,
+            lower_bound: 256,
+            method: "by hand".into(),
+            buffers: vec![
+                PlanBuffer {
+                    owner: "w".into(),
+                    offset: 0,
+                    bytes: 16,
+                    start: 0,
+                    end: 2,
+                    kind: "persistent".into(),
+                },
+                PlanBuffer {
+                    owner: "x".into(),
+                    offset: 64,
+                    bytes: 16,
+                    start: 0,
+                    end: 1,
+                    kind: "input".into(),
+                },
+            ],
+        },
+        sections: vec![],
+    }
+}
+
+pub fn tiny_code() -> String {
+    fma_kernel("k0", 64, 128) + &unary_helper_kernel("k1", 0, 128, 192)
+}
+
+pub fn persistent_init(w: &[f32], bytes: usize) -> Vec<u8> {
+    let mut init: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    init.resize(bytes, 0);
+    init
+}
+
+/// Serialises `manifest` with a `code` and a `persistent` section.
+pub fn build(manifest: &Manifest, code: &str, persistent: &[u8]) -> Vec<u8> {
+    artifact::write(
+        manifest,
+        &[("code", code.as_bytes()), ("persistent", persistent)],
+    )
+}
+
+pub fn tiny_artifact() -> Vec<u8> {
+    build(
+        &tiny_manifest(),
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    )
+}
+
+/// A larger model for parallel runs: `y = x * w + 1` over `n` elements, kernel `k0`
+/// `parallel`, followed by `z = tanh(y)` (helper slot 2), also `parallel`.
+pub fn big_artifact(n: usize) -> Vec<u8> {
+    let bytes = (n * 4) as u64;
+    let pad = bytes.div_ceil(ALIGN) * ALIGN;
+    let (w, x, y, z) = (0, pad, 2 * pad, 3 * pad);
+    let mut m = tiny_manifest();
+    m.model = "big".into();
+    m.arena_bytes = 4 * pad;
+    m.inputs = vec![slot("x", DType::F32, &[n], x)];
+    m.outputs = vec![
+        slot("y", DType::F32, &[n], y),
+        slot("z", DType::F32, &[n], z),
+    ];
+    m.persistent[0].slot = slot("w", DType::F32, &[n], w);
+    m.kernels = vec![kernel("k0", n as u64, true), kernel("k1", n as u64, true)];
+    m.plan.persistent_bytes = pad;
+    m.plan.lower_bound = m.arena_bytes;
+    m.plan.buffers.clear();
+    let code = fma_kernel("k0", x, y) + &unary_helper_kernel("k1", 2, y, z);
+    let w: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.25).collect();
+    build(&m, &code, &persistent_init(&w, pad as usize))
+}

@@ -1,0 +1,110 @@
+//! `Session::run` allocates nothing: a counting global allocator sees zero allocations
+//! during `run()`, on one thread and with a worker pool.
+//!
+//! This binary holds a single test so no other test allocates concurrently.
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use tcc_runtime::{Device, Model, Session};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+/// Allocations with exactly this (size, align) are counted in `MATCHING`.
+static MATCH_SIZE: AtomicUsize = AtomicUsize::new(usize::MAX);
+static MATCH_ALIGN: AtomicUsize = AtomicUsize::new(0);
+static MATCHING: AtomicUsize = AtomicUsize::new(0);
+
+fn count(layout: Layout) {
+    if COUNTING.load(Ordering::SeqCst) {
+        ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+    }
+    if layout.size() == MATCH_SIZE.load(Ordering::SeqCst)
+        && layout.align() == MATCH_ALIGN.load(Ordering::SeqCst)
+    {
+        MATCHING.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: forwards every call to `System` unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        count(layout);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which `System` shares.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        count(layout);
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::SeqCst) {
+            ALLOCATIONS.fetch_add(1, Ordering::SeqCst);
+        }
+        // SAFETY: `ptr` came from this allocator, i.e. from `System`, with `layout`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator, i.e. from `System`, with `layout`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations_during(f: impl FnOnce()) -> usize {
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    f();
+    COUNTING.store(false, Ordering::SeqCst);
+    ALLOCATIONS.load(Ordering::SeqCst)
+}
+
+#[test]
+fn run_allocates_nothing() {
+    // The tiny model: one serial kernel and one kernel calling a helper.
+    let model = Model::from_bytes(common::tiny_artifact()).unwrap();
+    let mut s = Session::new(&model, Device::Cpu).unwrap();
+    s.set_input("x", &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    let n = allocations_during(|| {
+        for _ in 0..10 {
+            s.run().unwrap();
+        }
+    });
+    assert_eq!(n, 0, "run() allocated {n} times");
+    assert_eq!(s.output::<f32>("y").unwrap(), vec![2.0, 5.0, 10.0, 17.0]);
+
+    // Parallel kernels on a worker pool. `Session::new` allocates the arena exactly once,
+    // with the manifest's size and alignment.
+    let model = Model::from_bytes(common::big_artifact(10_000)).unwrap();
+    MATCH_ALIGN.store(model.alignment(), Ordering::SeqCst);
+    MATCH_SIZE.store(model.arena_bytes(), Ordering::SeqCst);
+    let mut s = Session::new(&model, Device::Cpu).unwrap();
+    MATCH_SIZE.store(usize::MAX, Ordering::SeqCst);
+    assert_eq!(MATCHING.load(Ordering::SeqCst), 1);
+    assert_eq!(s.arena_bytes(), model.arena_bytes());
+    s.set_threads(4).unwrap();
+    s.set_input("x", &vec![0.5f32; 10_000]).unwrap();
+    s.run().unwrap(); // warm up: threads are started and parked
+    let n = allocations_during(|| {
+        for _ in 0..20 {
+            s.run().unwrap();
+        }
+    });
+    assert_eq!(n, 0, "run() on 4 threads allocated {n} times");
+
+    // With a caller-provided arena.
+    let model = Model::from_bytes(common::tiny_artifact()).unwrap();
+    let mut buf = vec![0u8; 256 + 64];
+    let off = buf.as_ptr().align_offset(64);
+    let mut s = Session::with_arena(&model, &mut buf[off..]).unwrap();
+    s.set_input("x", &[1.0f32; 4]).unwrap();
+    let n = allocations_during(|| s.run().unwrap());
+    assert_eq!(n, 0);
+}
