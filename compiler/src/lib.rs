@@ -5,11 +5,14 @@
 //! stages (autodiff, passes, planner, back ends) transform that graph.
 
 pub mod analysis;
+pub mod artifact;
 pub mod autodiff;
+pub mod back;
 pub mod cli;
 pub mod eager;
 pub mod front;
 pub mod ir;
+pub mod kernel;
 pub mod passes;
 pub mod plan;
 pub mod remat;

@@ -209,10 +209,70 @@ fn run_eager_trains_and_reports_memory() {
 }
 
 #[test]
-fn run_needs_eager_for_now() {
-    let o = tcc(&["run", "examples/tiny.tdsl"]);
+fn run_compiles_for_the_cpu_and_trains() {
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--steps",
+        "30",
+        "--every",
+        "10",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("arena: "), "{out}");
+    assert!(out.contains("step time: median"), "{out}");
+    let losses: Vec<f64> = out
+        .lines()
+        .filter_map(|l| l.split("loss: f32[] = ").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert_eq!(losses.len(), 3, "{out}");
+    assert!(losses[2] < losses[0], "{out}");
+    assert!(stderr(&o).contains("kernels"), "{}", stderr(&o));
+}
+
+#[test]
+fn build_artifact_then_run_it_and_reject_a_corrupt_one() {
+    let d = tmpdir("artifact");
+    let path = d.join("tiny.tcc");
+    let p = path.display().to_string();
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--emit",
+        "artifact",
+        "-o",
+        &p,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tcc(&["run", &p, "--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("step    2"), "{}", stdout(&o));
+    // Flip a byte in the middle of the file: a section checksum fails.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let mid = bytes.len() - 8;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let o = tcc(&["run", &p]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("--eager"));
+    assert!(stderr(&o).contains("corrupt"), "{}", stderr(&o));
+    // Truncated.
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let o = tcc(&["run", &p]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("truncated"), "{}", stderr(&o));
+    // Kernels and CLIF print.
+    let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "kernels"]);
+    assert!(stdout(&o).contains("matmul batch=[]"), "{}", stdout(&o));
+    let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "clif"]);
+    assert!(
+        stdout(&o).contains("function %k0(i64, i64, i64, i64) system_v"),
+        "{}",
+        stdout(&o)
+    );
+    let o = tcc(&["run", "examples/tiny.tdsl", "--target", "cuda"]);
+    assert_eq!(o.status.code(), Some(1));
 }
 
 #[test]

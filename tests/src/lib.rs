@@ -115,3 +115,111 @@ pub fn compile_pipeline(src: &str, opts: &Options) -> Result<tcc::ir::Graph, Str
     tcc::passes::run(&mut g, &popts, |_, _| {}).map_err(|d| render_all(&d, &sources.map))?;
     Ok(g)
 }
+
+/// Result of running a compiled (or eager) program for some steps.
+#[derive(Clone, Debug)]
+pub struct StepResult {
+    /// Outputs of the last step, by name.
+    pub outputs: std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    /// Params and optimizer state after the last step, by name.
+    pub persistent: std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    /// Arena bytes (compiled runs).
+    pub arena_bytes: usize,
+}
+
+/// Compiles `g` for the CPU, writes and reloads the artifact, and runs `steps` steps with
+/// the same inputs every step. Params start from their initialisers (`seed`).
+pub fn cpu_steps(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+    fuse: bool,
+) -> Result<StepResult, String> {
+    use tcc::artifact::{self, CompileOptions, Target};
+    let opts = CompileOptions {
+        fuse: tcc::kernel::fuse::FuseOptions {
+            fuse,
+            channels_last: false,
+        },
+        ..CompileOptions::default()
+    };
+    let c = artifact::compile(g, &opts).map_err(|e| e.to_string())?;
+    let img =
+        artifact::persistent_image(&c, seed, &Default::default()).map_err(|e| e.to_string())?;
+    let bytes = artifact::write_artifact(&c, Target::Cpu, &img);
+    let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
+    let mut s =
+        tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).map_err(|e| e.to_string())?;
+    for _ in 0..steps {
+        for (name, t) in inputs {
+            s.set_input_bytes(name, &t.to_le_bytes())
+                .map_err(|e| e.to_string())?;
+        }
+        s.run().map_err(|e| e.to_string())?;
+    }
+    let mut outputs = std::collections::BTreeMap::new();
+    for (name, n) in &g.outputs {
+        let b = s.output_bytes(name).map_err(|e| e.to_string())?;
+        let t = tcc::eager::Tensor::from_le_bytes(g.ty(*n).clone(), b)
+            .ok_or_else(|| format!("output `{name}` has the wrong size"))?;
+        outputs.insert(name.clone(), t);
+    }
+    let mut persistent = std::collections::BTreeMap::new();
+    for &p in g.params.iter().chain(&g.states) {
+        let name = match &g.node(p).op {
+            tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } => name.clone(),
+            _ => continue,
+        };
+        let b = s.param_bytes(&name).map_err(|e| e.to_string())?;
+        let t = tcc::eager::Tensor::from_le_bytes(g.ty(p).clone(), b)
+            .ok_or_else(|| format!("param `{name}` has the wrong size"))?;
+        persistent.insert(name, t);
+    }
+    Ok(StepResult {
+        outputs,
+        persistent,
+        arena_bytes: s.arena_bytes(),
+    })
+}
+
+/// The same steps with the eager interpreter.
+pub fn eager_steps(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+) -> Result<StepResult, String> {
+    let mut p = tcc::eager::init_persistent(g, seed);
+    let mut outs = Vec::new();
+    for _ in 0..steps {
+        outs = tcc::eager::run_step(g, &mut p, inputs, tcc::eager::Precision::Native)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(StepResult {
+        outputs: outs.into_iter().collect(),
+        persistent: p.values,
+        arena_bytes: 0,
+    })
+}
+
+/// `‖a − b‖ / max(‖b‖, tiny)` over all elements (NaNs and infinities compare equal only
+/// to themselves; any mismatch there gives infinity).
+pub fn rel_err(a: &tcc::eager::Tensor, b: &tcc::eager::Tensor) -> f64 {
+    let (x, y) = (a.to_f64(), b.to_f64());
+    if x.len() != y.len() {
+        return f64::INFINITY;
+    }
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&p, &q) in x.iter().zip(&y) {
+        if !p.is_finite() || !q.is_finite() {
+            if p.is_nan() && q.is_nan() || p == q {
+                continue;
+            }
+            return f64::INFINITY;
+        }
+        num += (p - q) * (p - q);
+        den += q * q;
+    }
+    num.sqrt() / den.sqrt().max(1e-30)
+}

@@ -200,3 +200,73 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
     }
     lv
 }
+
+/// Buffers and lifetimes of fused kernels: step `t` is kernel `t`. Leaves (params, state,
+/// inputs) and every node a kernel stores get a buffer; an update's new value is stored
+/// into its target's buffer; nothing else has one. A buffer lives from the first kernel
+/// that writes it to one past the last kernel that reads it.
+pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::fuse::Fused) -> Liveness {
+    let n = fused.kernels.len();
+    let outputs: std::collections::BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
+    let update_target: BTreeMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();
+    let mut lv = Liveness::default();
+    let push = |lv: &mut Liveness, x: NodeId, kind: BufferKind, start: usize| {
+        lv.buffers.push(Buffer {
+            owner: x,
+            bytes: g.ty(x).size_bytes() as u64,
+            kind,
+            start,
+            end: start + 1,
+            nodes: vec![x],
+            output: outputs.contains(&x),
+        });
+        lv.buffer_of.insert(x, lv.buffers.len() - 1);
+    };
+    for &p in g.params.iter().chain(&g.states) {
+        push(&mut lv, p, BufferKind::Persistent, 0);
+    }
+    for &i in &g.inputs {
+        push(&mut lv, i, BufferKind::Input, 0);
+    }
+    for (t, k) in fused.kernels.iter().enumerate() {
+        for s in &k.stores {
+            if !lv.buffer_of.contains_key(&s.buf) {
+                match update_target
+                    .get(&s.buf)
+                    .and_then(|tg| lv.buffer_of.get(tg).copied())
+                {
+                    Some(b) => {
+                        lv.buffer_of.insert(s.buf, b);
+                        lv.buffers[b].nodes.push(s.buf);
+                        if outputs.contains(&s.buf) {
+                            lv.buffers[b].output = true;
+                        }
+                    }
+                    None => push(&mut lv, s.buf, BufferKind::Transient, t),
+                }
+            }
+            if let Some(&b) = lv.buffer_of.get(&s.buf) {
+                lv.buffers[b].end = lv.buffers[b].end.max(t + 1);
+            }
+        }
+        for r in k.loads() {
+            if let Some(&b) = lv.buffer_of.get(&r) {
+                lv.buffers[b].end = lv.buffers[b].end.max(t + 1);
+            }
+        }
+        lv.order.push(
+            k.stores
+                .first()
+                .map_or(NodeId(Default::default()), |s| s.buf),
+        );
+    }
+    for b in &mut lv.buffers {
+        if b.kind == BufferKind::Persistent || b.output {
+            b.end = n.max(1);
+        }
+        if b.kind == BufferKind::Persistent {
+            b.start = 0;
+        }
+    }
+    lv
+}

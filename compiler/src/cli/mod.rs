@@ -1,6 +1,7 @@
 //! The `tcc` command line.
 
 mod arena_cmd;
+mod build;
 pub mod fit;
 pub mod mem;
 mod remat_cmd;
@@ -64,10 +65,19 @@ pub enum Command {
         /// Where to write it (default: standard output).
         #[arg(short = 'o', long, value_name = "OUT")]
         output: Option<PathBuf>,
-        /// The device to compile for. The graph IR is the same for every target; compiled
-        /// artifacts (`--emit artifact`) arrive with the back ends.
+        /// The device to compile for.
         #[arg(long, value_enum, default_value_t = Target::Cpu)]
         target: Target,
+        /// Give every op its own kernel (no fusion): the baseline fusion is measured against.
+        #[arg(long)]
+        no_fuse: bool,
+        /// Layout of convolution-chain intermediates (`auto`: NHWC for CUDA, NCHW on the
+        /// CPU, whose scalar convolution loops measured faster in NCHW).
+        #[arg(long, value_enum, default_value_t = Layout::Auto)]
+        layout: Layout,
+        /// Seed of the params' initial values stored in the artifact.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
@@ -119,13 +129,20 @@ pub enum Command {
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
-    /// Run a program.
+    /// Run a program (a .tdsl file, compiled first, or a compiled .tcc artifact).
     Run {
         #[command(flatten)]
         program: ProgramArgs,
-        /// Run with the eager reference interpreter (op by op, allocate and free).
+        /// Run with the eager reference interpreter (op by op, allocate and free) instead
+        /// of compiled kernels.
         #[arg(long)]
         eager: bool,
+        /// The device to run on.
+        #[arg(long, value_enum, default_value_t = Target::Cpu)]
+        target: Target,
+        /// Worker threads for the CPU kernels (default: 1).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
         /// How many steps to run (0: only print the memory accounting).
         #[arg(long, default_value_t = 1, value_name = "N")]
         steps: u32,
@@ -203,11 +220,28 @@ pub enum Target {
     Cuda,
 }
 
+/// Layout of convolution-chain intermediates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Layout {
+    /// What the target's kernels prefer.
+    Auto,
+    /// Logical order (channels first).
+    Nchw,
+    /// Channels last.
+    Nhwc,
+}
+
 /// Build outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Emit {
     /// The graph IR, as text.
     Ir,
+    /// The fused kernels (kernel IR) with arena offsets.
+    Kernels,
+    /// The Cranelift IR of every kernel (CPU).
+    Clif,
+    /// The compiled artifact (`-o model.tcc`), for `tcc run` and the runtime crate.
+    Artifact,
 }
 
 fn parse_set(s: &str) -> Result<(String, String), String> {
@@ -260,16 +294,32 @@ pub fn run(cli: Cli) -> ExitCode {
             output,
             locations,
             pipeline,
-            target: _,
+            target,
+            no_fuse,
+            layout,
+            seed,
         } => {
+            // An artifact goes to a file; `-o` defaults to the program's name.
+            let output = match (emit, output) {
+                (Emit::Artifact, None) => Some(program.file.with_extension("tcc")),
+                (_, o) => o,
+            };
             let Some((sources, graph, ms)) = load_one(&program, &pipeline, locations, &mut stderr)
             else {
                 return ExitCode::from(1);
             };
             let graph = &graph;
-            let text = match emit {
-                Emit::Ir => printer::print(graph, locations.then_some(&sources.map)),
+            let bytes: Vec<u8> = match emit {
+                Emit::Ir => printer::print(graph, locations.then_some(&sources.map)).into_bytes(),
+                Emit::Kernels | Emit::Clif | Emit::Artifact => {
+                    match build::build(graph, emit, target, no_fuse, layout, seed, ms, &mut stderr)
+                    {
+                        Some(b) => b,
+                        None => return ExitCode::from(1),
+                    }
+                }
             };
+            let text = bytes;
             match output {
                 Some(path) => {
                     if let Err(e) = std::fs::write(&path, text) {
@@ -285,7 +335,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
                 None => {
                     let mut out = std::io::stdout().lock();
-                    if out.write_all(text.as_bytes()).is_err() {
+                    if out.write_all(&text).is_err() {
                         return ExitCode::from(1);
                     }
                 }
@@ -385,6 +435,8 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Run {
             program,
             eager,
+            target,
+            threads,
             steps,
             every,
             seed,
@@ -392,12 +444,17 @@ pub fn run(cli: Cli) -> ExitCode {
             param_file,
             save_params,
         } => {
+            let opts = run::RunOptions {
+                steps,
+                every: every.max(1),
+                seed,
+                inputs,
+                param_file,
+                save_params,
+                threads,
+            };
             if !eager {
-                let _ = writeln!(
-                    stderr,
-                    "error: compiled execution is not available yet; run with `--eager` (the reference interpreter)"
-                );
-                return ExitCode::from(1);
+                return run_compiled(&program, target, &opts, &mut stderr);
             }
             // The interpreter runs the step in program order (eager semantics).
             let upto = PipelineArgs {
@@ -407,14 +464,6 @@ pub fn run(cli: Cli) -> ExitCode {
             let Some((sources, graph, ms)) = load_one(&program, &upto, false, &mut stderr) else {
                 return ExitCode::from(1);
             };
-            let opts = run::RunOptions {
-                steps,
-                every: every.max(1),
-                seed,
-                inputs,
-                param_file,
-                save_params,
-            };
             match run::run_eager(&graph, &sources, &opts, ms) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -422,6 +471,66 @@ pub fn run(cli: Cli) -> ExitCode {
                     ExitCode::from(1)
                 }
             }
+        }
+    }
+}
+
+/// `tcc run` on compiled code: loads a `.tcc` artifact, or compiles a `.tdsl` first.
+fn run_compiled(
+    program: &ProgramArgs,
+    target: Target,
+    opts: &run::RunOptions,
+    stderr: &mut StandardStream,
+) -> ExitCode {
+    if target == Target::Cuda {
+        let _ = writeln!(
+            stderr,
+            "error: `--target cuda` is not available yet (the PTX back end); use `--target cpu`"
+        );
+        return ExitCode::from(1);
+    }
+    let is_artifact = program.file.extension().is_some_and(|e| e == "tcc");
+    let (model, graph, ms) = if is_artifact {
+        match tcc_runtime::Model::load(&program.file) {
+            Ok(m) => (m, None, 0.0),
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {}: {e}", display(&program.file));
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        let Some((_sources, graph, ms)) =
+            load_one(program, &PipelineArgs::default(), false, stderr)
+        else {
+            return ExitCode::from(1);
+        };
+        let t = Instant::now();
+        let Some(bytes) = build::build(
+            &graph,
+            Emit::Artifact,
+            target,
+            false,
+            Layout::Auto,
+            opts.seed,
+            ms,
+            stderr,
+        ) else {
+            return ExitCode::from(1);
+        };
+        let ms = ms + t.elapsed().as_secs_f64() * 1e3;
+        match tcc_runtime::Model::from_bytes(bytes) {
+            Ok(m) => (m, Some(graph), ms),
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    };
+    match run::run_compiled(&model, graph.as_ref(), opts, ms) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = writeln!(stderr, "error: {e}");
+            ExitCode::from(1)
         }
     }
 }

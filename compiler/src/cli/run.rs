@@ -15,6 +15,8 @@ pub struct RunOptions {
     pub inputs: Vec<(String, String)>,
     pub param_file: Option<PathBuf>,
     pub save_params: Option<PathBuf>,
+    /// CPU worker threads (compiled runs).
+    pub threads: usize,
 }
 
 /// Formats a byte count with a binary unit.
@@ -168,4 +170,121 @@ pub fn print_memory(g: &Graph, sources: &Sources, mem: &memory::EagerMemory) {
             sources.map.location(node.span)
         );
     }
+}
+
+fn tensor_type(s: &tcc_runtime::artifact::TensorSlot) -> crate::ir::TensorType {
+    use tcc_runtime::artifact::DType as D;
+    let d = match s.dtype {
+        D::F32 => crate::ir::DType::F32,
+        D::F16 => crate::ir::DType::F16,
+        D::Bf16 => crate::ir::DType::BF16,
+        D::I32 => crate::ir::DType::I32,
+        D::Bool => crate::ir::DType::Bool,
+    };
+    crate::ir::TensorType::new(d, s.shape.clone())
+}
+
+/// `tcc run --target cpu`: one session on the compiled artifact. `graph` (when the run
+/// compiled a .tdsl) gives random inputs their valid ranges (embedding ids, labels);
+/// without it, integer inputs not given with `--input` are zero.
+pub fn run_compiled(
+    model: &tcc_runtime::Model,
+    graph: Option<&Graph>,
+    opts: &RunOptions,
+    compile_ms: f64,
+) -> Result<(), String> {
+    let t0 = Instant::now();
+    let mut s =
+        tcc_runtime::Session::new(model, tcc_runtime::Device::Cpu).map_err(|e| e.to_string())?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+    s.set_threads(opts.threads.max(1))
+        .map_err(|e| e.to_string())?;
+    eprintln!(
+        "model `{}`: {} kernels; compiled in {compile_ms:.1} ms, loaded (Cranelift JIT) in {load_ms:.1} ms; arena {} in one allocation",
+        model.manifest().model,
+        model.manifest().kernels.len(),
+        bytes(s.arena_bytes() as u64),
+    );
+    if let Some(path) = &opts.param_file {
+        let loaded = s.load_params(path).map_err(|e| e.to_string())?;
+        eprintln!("loaded params from {}: {loaded:?}", path.display());
+    }
+    let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
+    let random = graph.map(|g| eager::random_inputs(g, opts.seed));
+    for slot in model.inputs() {
+        let ty = tensor_type(slot);
+        let given = opts.inputs.iter().find(|(n, _)| *n == slot.name);
+        let t = match (given, &random) {
+            (Some((_, file)), _) => {
+                eager::io::read_npy(std::path::Path::new(file), &slot.name, &ty)
+                    .map_err(|e| e.to_string())?
+            }
+            (None, Some(r)) => r
+                .get(&slot.name)
+                .cloned()
+                .unwrap_or_else(|| Tensor::zeros(ty.clone())),
+            (None, None) => {
+                let n = ty.shape.numel();
+                if ty.dtype.is_float() {
+                    let v = (0..n as u64)
+                        .map(|i| eager::kernels::dropout_uniform(opts.seed, i) * 2.0 - 1.0)
+                        .collect();
+                    Tensor::from_f64(ty.dtype, ty.shape.clone(), v)
+                } else {
+                    Tensor::zeros(ty.clone())
+                }
+            }
+        };
+        inputs.push((slot.name.clone(), t.to_le_bytes()));
+    }
+    for (name, _) in &opts.inputs {
+        if !model.inputs().iter().any(|s| s.name == *name) {
+            let names: Vec<&str> = model.inputs().iter().map(|s| s.name.as_str()).collect();
+            return Err(format!(
+                "--input {name}: the model has no input `{name}` (inputs: {})",
+                names.join(", ")
+            ));
+        }
+    }
+    let mut times = Vec::with_capacity(opts.steps as usize);
+    for step in 1..=opts.steps {
+        for (name, b) in &inputs {
+            s.set_input_bytes(name, b).map_err(|e| e.to_string())?;
+        }
+        let start = Instant::now();
+        s.run().map_err(|e| e.to_string())?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        if step % opts.every == 0 || step == opts.steps {
+            let mut line = format!("step {step:>4}");
+            for slot in model.outputs() {
+                let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
+                if let Some(t) = Tensor::from_le_bytes(tensor_type(slot), b) {
+                    let _ = write!(line, "  {}: {}", slot.name, summary(&t));
+                }
+            }
+            println!("{line}");
+        }
+    }
+    println!(
+        "arena: {} (params and optimizer state {}, the rest shared by inputs, outputs and intermediates)",
+        bytes(s.arena_bytes() as u64),
+        bytes(model.manifest().plan.persistent_bytes)
+    );
+    if !times.is_empty() {
+        let mut sorted = times.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        println!(
+            "step time: median {median:.2} ms, min {:.2} ms over {} step{} (first {:.2} ms)",
+            sorted[0],
+            times.len(),
+            if times.len() == 1 { "" } else { "s" },
+            times[0]
+        );
+    }
+    if let Some(path) = &opts.save_params {
+        s.save_params(path).map_err(|e| e.to_string())?;
+        eprintln!("saved params to {}", path.display());
+    }
+    Ok(())
 }

@@ -186,33 +186,15 @@ pub fn read_safetensors(
 pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, String> {
     let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, t) in tensors {
-        let (dt, bytes): (safetensors::Dtype, Vec<u8>) = match (&t.data, t.ty.dtype) {
-            (Data::F(v), DType::F32) => (
-                safetensors::Dtype::F32,
-                v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
-            ),
-            (Data::F(v), DType::F16) => (
-                safetensors::Dtype::F16,
-                v.iter()
-                    .flat_map(|&x| half::f16::from_f64(x).to_le_bytes())
-                    .collect(),
-            ),
-            (Data::F(v), DType::BF16) => (
-                safetensors::Dtype::BF16,
-                v.iter()
-                    .flat_map(|&x| half::bf16::from_f64(x).to_le_bytes())
-                    .collect(),
-            ),
-            (Data::I(v), _) => (
-                safetensors::Dtype::I32,
-                v.iter().flat_map(|&x| x.to_le_bytes()).collect(),
-            ),
-            (Data::B(v), _) => (
-                safetensors::Dtype::BOOL,
-                v.iter().map(|&b| u8::from(b)).collect(),
-            ),
+        let dt = match (&t.data, t.ty.dtype) {
+            (Data::F(_), DType::F32) => safetensors::Dtype::F32,
+            (Data::F(_), DType::F16) => safetensors::Dtype::F16,
+            (Data::F(_), DType::BF16) => safetensors::Dtype::BF16,
+            (Data::I(_), _) => safetensors::Dtype::I32,
+            (Data::B(_), _) => safetensors::Dtype::BOOL,
             _ => return Err(format!("`{name}` has data that does not match its dtype")),
         };
+        let bytes = t.to_le_bytes();
         owned.push((name.clone(), dt, t.dims().to_vec(), bytes));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = owned

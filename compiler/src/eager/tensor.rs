@@ -45,6 +45,60 @@ pub fn round(dtype: DType, x: f64, precision: Precision) -> f64 {
 }
 
 impl Tensor {
+    /// The elements as little-endian bytes of the tensor's dtype (the arena layout).
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        match (&self.data, self.ty.dtype) {
+            (Data::F(v), DType::F16) => v
+                .iter()
+                .flat_map(|&x| half::f16::from_f64(x).to_le_bytes())
+                .collect(),
+            (Data::F(v), DType::BF16) => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f64(x).to_le_bytes())
+                .collect(),
+            (Data::F(v), _) => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+            (Data::I(v), _) => v.iter().flat_map(|&x| x.to_le_bytes()).collect(),
+            (Data::B(v), _) => v.iter().map(|&b| u8::from(b)).collect(),
+        }
+    }
+
+    /// A tensor of `ty` from little-endian bytes of its dtype; `None` when the length is
+    /// wrong.
+    pub fn from_le_bytes(ty: TensorType, bytes: &[u8]) -> Option<Tensor> {
+        let n = ty.shape.numel();
+        if bytes.len() != n * ty.dtype.size_bytes() {
+            return None;
+        }
+        let data = match ty.dtype {
+            DType::F32 => Data::F(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                    .collect(),
+            ),
+            DType::F16 => Data::F(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f64())
+                    .collect(),
+            ),
+            DType::BF16 => Data::F(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                    .collect(),
+            ),
+            DType::I32 => Data::I(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            DType::Bool => Data::B(bytes.iter().map(|&b| b != 0).collect()),
+        };
+        Some(Tensor { ty, data })
+    }
+
     /// A tensor of `ty` filled with zeros (false).
     pub fn zeros(ty: TensorType) -> Tensor {
         let n = ty.shape.numel();

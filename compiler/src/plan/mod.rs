@@ -67,9 +67,19 @@ pub fn plan(g: &Graph, budget: Duration) -> Plan {
     plan_order(g, &order, budget)
 }
 
-/// Plans `g` executed in `order`.
+/// Plans `g` executed in `order`, one op per step (no fusion).
 pub fn plan_order(g: &Graph, order: &[NodeId], budget: Duration) -> Plan {
-    let lv = liveness(g, order);
+    plan_liveness(liveness(g, order), budget)
+}
+
+/// Plans the buffers of fused kernels (`crate::kernel::fuse`): one step per kernel; fused
+/// intermediates have no buffer.
+pub fn plan_kernels(g: &Graph, fused: &crate::kernel::fuse::Fused, budget: Duration) -> Plan {
+    plan_liveness(crate::analysis::liveness::kernel_liveness(g, fused), budget)
+}
+
+/// Gives offsets to the buffers of `lv`.
+pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
     let mut offsets = vec![0u64; lv.buffers.len()];
     // Persistent region: declaration order.
     let mut cursor = 0u64;

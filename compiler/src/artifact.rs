@@ -1,0 +1,307 @@
+//! From a scheduled graph to a compiled program and its artifact file.
+//!
+//! [`compile`] runs fusion (`kernel::fuse`), plans the buffers that remain into one arena
+//! (`plan::plan_kernels`) and translates every kernel for the target. [`write_artifact`]
+//! packs the result with the params' initial bytes into the format the runtime owns
+//! (`runtime/ARTIFACT.md`).
+
+use crate::analysis::liveness::BufferKind;
+use crate::back::clif;
+use crate::eager;
+use crate::ir::{DType, Graph, NodeId, Op};
+use crate::kernel::fuse::{self, FuseError, FuseOptions, Fused};
+use crate::plan::{self, Plan};
+use std::time::{Duration, Instant};
+use tcc_runtime::artifact as fmt;
+
+/// What to compile for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Cpu,
+    Cuda,
+}
+
+/// Options of [`compile`].
+#[derive(Clone, Copy, Debug)]
+pub struct CompileOptions {
+    pub target: Target,
+    pub fuse: FuseOptions,
+    /// Time budget of the arena offset search.
+    pub plan_budget: Duration,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            target: Target::Cpu,
+            fuse: FuseOptions::default(),
+            plan_budget: Duration::from_millis(500),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("fusion: {0}")]
+    Fuse(#[from] FuseError),
+    #[error("code generation: {0}")]
+    Clif(#[from] clif::ClifError),
+    #[error("the memory plan is invalid: {0}")]
+    Plan(String),
+    #[error("target `cuda` is not implemented yet (the PTX back end is issue 6)")]
+    NoCuda,
+    #[error("param `{0}` has no initialiser and no value was given")]
+    External(String),
+}
+
+/// A compiled program.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The graph the kernels compute (the input graph, plus a copy node for each output
+    /// that is a param or state the step updates: outputs hold the value the step used).
+    pub graph: Graph,
+    pub fused: Fused,
+    pub plan: Plan,
+    /// Code of every kernel (CLIF text for the CPU).
+    pub code: String,
+    /// Wall time of each stage.
+    pub timings: Vec<(&'static str, Duration)>,
+}
+
+impl Compiled {
+    /// Arena offset of a node's buffer.
+    pub fn offset_of(&self, n: NodeId) -> Option<u64> {
+        self.plan.offset_of(n)
+    }
+}
+
+/// Compiles a graph that went through the pass pipeline.
+pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
+    if o.target == Target::Cuda {
+        return Err(BuildError::NoCuda);
+    }
+    let g = &with_output_copies(g);
+    let mut timings = Vec::new();
+    let t = Instant::now();
+    let fused = fuse::fuse(g, o.fuse)?;
+    timings.push(("fuse", t.elapsed()));
+    let t = Instant::now();
+    let plan = plan::plan_kernels(g, &fused, o.plan_budget);
+    plan::verify(g, &plan).map_err(|errs| {
+        BuildError::Plan(
+            errs.iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        )
+    })?;
+    timings.push(("plan", t.elapsed()));
+    let t = Instant::now();
+    let code = clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?;
+    timings.push(("codegen", t.elapsed()));
+    Ok(Compiled {
+        graph: g.clone(),
+        fused,
+        plan,
+        code,
+        timings,
+    })
+}
+
+/// Outputs that name a param or state the step updates would read the new value at the end
+/// of the step; they get a copy made before any update, so they return the value the step
+/// used (as the eager interpreter does).
+fn with_output_copies(g: &Graph) -> Graph {
+    let targets: std::collections::BTreeSet<NodeId> = g.updates.iter().map(|u| u.0).collect();
+    if !g.outputs.iter().any(|(_, n)| targets.contains(n)) {
+        return g.clone();
+    }
+    let mut h = g.clone();
+    let mut copies = Vec::new();
+    for k in 0..h.outputs.len() {
+        let n = h.outputs[k].1;
+        if !targets.contains(&n) {
+            continue;
+        }
+        let node = h.node(n).clone();
+        let to = node.ty.dtype;
+        if let Ok(c) = h.add(Op::Cast { to }, vec![n], node.span, None) {
+            h.outputs[k].1 = c;
+            copies.push(c);
+        }
+    }
+    let Some(rest) = h.topo_order() else {
+        return h;
+    };
+    // Leaves, then the copies, then everything else in its scheduled order.
+    let leaves: Vec<NodeId> = rest
+        .iter()
+        .copied()
+        .filter(|&n| {
+            matches!(
+                h.node(n).op,
+                Op::Param { .. } | Op::State { .. } | Op::Input { .. }
+            )
+        })
+        .collect();
+    let mut order = leaves.clone();
+    order.extend(copies.iter().copied());
+    order.extend(
+        rest.into_iter()
+            .filter(|n| !leaves.contains(n) && !copies.contains(n)),
+    );
+    h.reordered(&order)
+}
+
+fn dtype(d: DType) -> fmt::DType {
+    match d {
+        DType::F32 => fmt::DType::F32,
+        DType::F16 => fmt::DType::F16,
+        DType::BF16 => fmt::DType::Bf16,
+        DType::I32 => fmt::DType::I32,
+        DType::Bool => fmt::DType::Bool,
+    }
+}
+
+fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
+    let ty = g.ty(n);
+    fmt::TensorSlot {
+        name: name.to_string(),
+        dtype: dtype(ty.dtype),
+        shape: ty.dims().to_vec(),
+        offset: c.offset_of(n).unwrap_or(0),
+        bytes: ty.size_bytes() as u64,
+    }
+}
+
+/// The manifest of a compiled program (sections are filled in by the writer).
+pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
+    let g = &c.graph;
+    let inputs = g
+        .inputs
+        .iter()
+        .filter_map(|&n| match &g.node(n).op {
+            Op::Input { name, .. } => Some(slot(g, c, name, n)),
+            _ => None,
+        })
+        .collect();
+    let outputs = g
+        .outputs
+        .iter()
+        .map(|(name, n)| slot(g, c, name, *n))
+        .collect();
+    let persistent = g
+        .params
+        .iter()
+        .chain(&g.states)
+        .filter_map(|&n| match &g.node(n).op {
+            Op::Param { name, .. } => Some(fmt::PersistentSlot {
+                slot: slot(g, c, name, n),
+                kind: fmt::PersistentKind::Param,
+            }),
+            Op::State { name, .. } => Some(fmt::PersistentSlot {
+                slot: slot(g, c, name, n),
+                kind: fmt::PersistentKind::State,
+            }),
+            _ => None,
+        })
+        .collect();
+    let kernels = c
+        .fused
+        .kernels
+        .iter()
+        .map(|k| fmt::KernelEntry {
+            name: k.name.clone(),
+            extent: match &k.matmul {
+                Some(mm) => mm.batch.iter().product::<usize>() as u64 * mm.m.div_ceil(4) as u64,
+                None => k.outer_extent(),
+            },
+            parallel: k.parallel,
+            launch: None,
+            describe: k.describe.clone(),
+        })
+        .collect();
+    let lv = &c.plan.liveness;
+    let buffers = lv
+        .buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| fmt::PlanBuffer {
+            owner: match &g.node(b.owner).op {
+                Op::Param { name, .. } | Op::State { name, .. } | Op::Input { name, .. } => {
+                    name.clone()
+                }
+                _ => format!("%{}", b.owner.index()),
+            },
+            offset: c.plan.offsets[i],
+            bytes: b.bytes,
+            start: b.start,
+            end: b.end,
+            kind: match b.kind {
+                BufferKind::Persistent => "persistent",
+                BufferKind::Input => "input",
+                BufferKind::Transient => "transient",
+            }
+            .to_string(),
+        })
+        .collect();
+    fmt::Manifest {
+        format_version: fmt::FORMAT_VERSION,
+        producer: format!("tcc {}", env!("CARGO_PKG_VERSION")),
+        model: g.name.clone(),
+        target: match target {
+            Target::Cpu => fmt::Target::Cpu,
+            Target::Cuda => fmt::Target::Cuda,
+        },
+        arena_bytes: c.plan.arena_bytes,
+        alignment: plan::ALIGN,
+        inputs,
+        outputs,
+        persistent,
+        kernels,
+        plan: fmt::PlanInfo {
+            persistent_bytes: c.plan.persistent_bytes,
+            lower_bound: c.plan.lower_bound,
+            method: c.plan.method.to_string(),
+            buffers,
+        },
+        sections: Vec::new(),
+    }
+}
+
+/// Initial bytes of the persistent region: params from their initialisers (`seed`), or
+/// from `given` (by name) when present; optimizer state zero.
+pub fn persistent_image(
+    c: &Compiled,
+    seed: u64,
+    given: &std::collections::BTreeMap<String, eager::tensor::Tensor>,
+) -> Result<Vec<u8>, BuildError> {
+    let g = &c.graph;
+    let mut img = vec![0u8; c.plan.persistent_bytes as usize];
+    for &n in g.params.iter().chain(&g.states) {
+        let Some(off) = c.offset_of(n) else { continue };
+        let t = match &g.node(n).op {
+            Op::Param { name, ty, init } => match given.get(name) {
+                Some(t) => t.clone(),
+                None => eager::init_value(name, ty, *init, seed)
+                    .ok_or_else(|| BuildError::External(name.clone()))?,
+            },
+            _ => continue,
+        };
+        let bytes = t.to_le_bytes();
+        let o = off as usize;
+        if let Some(dst) = img.get_mut(o..o + bytes.len()) {
+            dst.copy_from_slice(&bytes);
+        }
+    }
+    Ok(img)
+}
+
+/// The artifact file's bytes.
+pub fn write_artifact(c: &Compiled, target: Target, persistent: &[u8]) -> Vec<u8> {
+    let m = manifest(c, target);
+    fmt::write(
+        &m,
+        &[("code", c.code.as_bytes()), ("persistent", persistent)],
+    )
+}

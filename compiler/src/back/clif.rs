@@ -1,0 +1,1077 @@
+//! Kernel IR → Cranelift IR (CLIF), one function per kernel, as text.
+//!
+//! Every kernel has the signature `(i64 arena, i64 lo, i64 hi, i64 helpers)` (see
+//! `runtime/ARTIFACT.md`): its outermost loop runs over `[lo, hi)`. Loop kernels nest one
+//! loop per domain axis; each expression node is computed once, in the loop of its
+//! innermost variable (so row statistics are hoisted out of the column loop); reductions
+//! open their own loops. Matmul kernels run a 4×8 register tile with f32x4 vectors over the
+//! rows of B (contiguous along `j`), then the fused epilogue per element; edges take a
+//! scalar path.
+//!
+//! Functions go through the Cranelift verifier before they are printed, so the text the
+//! runtime receives is well-formed.
+
+use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
+use crate::kernel::lower::{free_vars, reachable};
+use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
+use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
+use cranelift_codegen::ir::types::{F32, F32X4, I32, I64, I8};
+use cranelift_codegen::ir::{
+    AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, StackSlotData, StackSlotKind,
+    Type, UserFuncName, Value,
+};
+use cranelift_codegen::isa::CallConv;
+use cranelift_codegen::settings;
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
+use std::collections::{BTreeSet, HashMap};
+
+/// Slots of the helper table (runtime/ARTIFACT.md).
+mod slot {
+    pub const LOG: usize = 1;
+    pub const SIN: usize = 3;
+    pub const COS: usize = 4;
+    pub const ERF: usize = 5;
+    pub const POW: usize = 6;
+    pub const F16_TO_F32: usize = 7;
+    pub const F32_TO_F16: usize = 8;
+    pub const BF16_TO_F32: usize = 9;
+    pub const F32_TO_BF16: usize = 10;
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClifError {
+    #[error("buffer of node %{0} has no arena offset")]
+    NoOffset(usize),
+    #[error("kernel {kernel}: Cranelift verifier: {message}")]
+    Verify { kernel: String, message: String },
+    #[error("kernel {kernel}: {message}")]
+    Unsupported { kernel: String, message: String },
+}
+
+type Res<T> = Result<T, ClifError>;
+
+fn cl_ty(t: VTy) -> Type {
+    match t {
+        VTy::F32 => F32,
+        VTy::I32 => I32,
+        VTy::I64 => I64,
+        VTy::Bool => I8,
+    }
+}
+
+fn flags() -> MemFlagsData {
+    MemFlagsData::trusted()
+}
+
+/// Translates kernels to CLIF text, in order. `offset_of` gives each buffer's arena offset.
+pub fn emit_module(kernels: &[Kernel], offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Res<String> {
+    let mut out = String::new();
+    let mut fctx = FunctionBuilderContext::new();
+    for k in kernels {
+        let f = emit_kernel(k, offset_of, &mut fctx)?;
+        out.push_str(&f.display().to_string());
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The target description the builder needs: 64-bit pointers, System V (the runtime
+/// rewrites the calling convention for its host).
+fn frontend_config() -> cranelift_codegen::isa::TargetFrontendConfig {
+    cranelift_codegen::isa::TargetFrontendConfig {
+        default_call_conv: CallConv::SystemV,
+        pointer_width: target_lexicon::PointerWidth::U64,
+        page_size_align_log2: 12,
+    }
+}
+
+fn signature() -> Signature {
+    let mut sig = Signature::new(CallConv::SystemV);
+    for _ in 0..4 {
+        sig.params.push(AbiParam::new(I64));
+    }
+    sig
+}
+
+/// Translates one kernel into a verified Cranelift function.
+pub fn emit_kernel(
+    k: &Kernel,
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    fctx: &mut FunctionBuilderContext,
+) -> Res<Function> {
+    let mut func = Function::with_name_signature(UserFuncName::testcase(&k.name), signature());
+    {
+        let b = FunctionBuilder::new(&mut func, fctx);
+        let mut cg = Cg::new(b, k, offset_of)?;
+        match &k.matmul {
+            Some(mm) => cg.matmul(mm)?,
+            None => cg.loops()?,
+        }
+        cg.b.ins().return_(&[]);
+        cg.b.seal_all_blocks();
+        cg.b.finalize(frontend_config());
+    }
+    let fl = settings::Flags::new(settings::builder());
+    cranelift_codegen::verify_function(&func, &fl).map_err(|e| ClifError::Verify {
+        kernel: k.name.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(func)
+}
+
+struct LoopCtx {
+    header: Block,
+    exit: Block,
+    iv: Value,
+}
+
+struct Cg<'a, 'b> {
+    b: FunctionBuilder<'b>,
+    k: &'a Kernel,
+    offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+    arena: Value,
+    lo: Value,
+    hi: Value,
+    helpers: Value,
+    vars: HashMap<Var, Value>,
+    cache: HashMap<ExprId, Value>,
+    /// Keys added to `cache` inside the loops being emitted (removed when a loop closes).
+    journal: Vec<Vec<ExprId>>,
+    /// The loop variable whose loop computes each node (`None`: the entry block).
+    site: Vec<Option<Var>>,
+    live: Vec<ExprId>,
+    acc: Option<Value>,
+}
+
+impl<'a, 'b> Cg<'a, 'b> {
+    fn new(
+        mut b: FunctionBuilder<'b>,
+        k: &'a Kernel,
+        offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+    ) -> Res<Cg<'a, 'b>> {
+        let entry = b.create_block();
+        b.append_block_params_for_function_params(entry);
+        b.switch_to_block(entry);
+        let p = b.block_params(entry).to_vec();
+        let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
+        let live = reachable(&k.pool, &roots);
+        let site = sites(k);
+        Ok(Cg {
+            b,
+            k,
+            offset_of,
+            arena: p[0],
+            lo: p[1],
+            hi: p[2],
+            helpers: p[3],
+            vars: HashMap::new(),
+            cache: HashMap::new(),
+            journal: Vec::new(),
+            site,
+            live,
+            acc: None,
+        })
+    }
+
+    fn unsupported(&self, m: impl Into<String>) -> ClifError {
+        ClifError::Unsupported {
+            kernel: self.k.name.clone(),
+            message: m.into(),
+        }
+    }
+
+    fn open_loop(&mut self, start: Value, end: Value) -> LoopCtx {
+        let header = self.b.create_block();
+        let body = self.b.create_block();
+        let exit = self.b.create_block();
+        self.b.append_block_param(header, I64);
+        self.b.ins().jump(header, &[start.into()]);
+        self.b.switch_to_block(header);
+        let iv = self.b.block_params(header)[0];
+        let c = self.b.ins().icmp(IntCC::SignedLessThan, iv, end);
+        self.b.ins().brif(c, body, &[], exit, &[]);
+        self.b.switch_to_block(body);
+        self.journal.push(Vec::new());
+        LoopCtx { header, exit, iv }
+    }
+
+    fn close_loop(&mut self, l: LoopCtx) {
+        let next = self.b.ins().iadd_imm_s(l.iv, 1);
+        self.b.ins().jump(l.header, &[next.into()]);
+        self.b.switch_to_block(l.exit);
+        if let Some(keys) = self.journal.pop() {
+            for key in keys {
+                self.cache.remove(&key);
+            }
+        }
+    }
+
+    fn remember(&mut self, e: ExprId, v: Value) {
+        self.cache.insert(e, v);
+        if let Some(j) = self.journal.last_mut() {
+            j.push(e);
+        }
+    }
+
+    fn iconst(&mut self, v: i64) -> Value {
+        self.b.ins().iconst(I64, v)
+    }
+
+    /// Emits every live node computed in the loop of `v` (or the entry block).
+    fn emit_site(&mut self, v: Option<Var>) -> Res<()> {
+        let todo: Vec<ExprId> = self
+            .live
+            .iter()
+            .copied()
+            .filter(|e| self.site[e.0 as usize] == v)
+            .collect();
+        for e in todo {
+            self.emit(e)?;
+        }
+        Ok(())
+    }
+
+    fn loops(&mut self) -> Res<()> {
+        self.emit_site(None)?;
+        let domain = self.k.domain.clone();
+        let mut open = Vec::new();
+        if domain.is_empty() {
+            let l = self.open_loop(self.lo, self.hi);
+            open.push(l);
+        }
+        for (d, &ext) in domain.iter().enumerate() {
+            let (start, end) = if d == 0 {
+                (self.lo, self.hi)
+            } else {
+                let z = self.iconst(0);
+                let e = self.iconst(ext as i64);
+                (z, e)
+            };
+            let l = self.open_loop(start, end);
+            self.vars.insert(d as Var, l.iv);
+            self.emit_site(Some(d as Var))?;
+            open.push(l);
+        }
+        self.stores()?;
+        while let Some(l) = open.pop() {
+            self.close_loop(l);
+        }
+        Ok(())
+    }
+
+    fn stores(&mut self) -> Res<()> {
+        for s in self.k.stores.clone() {
+            let idx = self.emit(s.index)?;
+            let val = self.emit(s.value)?;
+            let addr = self.address(s.buf, s.dtype, idx)?;
+            if s.accumulate {
+                let old = self.load_at(addr, s.dtype)?;
+                let sum = match VTy::of(s.dtype) {
+                    VTy::F32 => self.b.ins().fadd(old, val),
+                    VTy::I32 => self.b.ins().iadd(old, val),
+                    _ => return Err(self.unsupported("accumulating store of bool")),
+                };
+                self.store_at(addr, s.dtype, sum)?;
+            } else {
+                self.store_at(addr, s.dtype, val)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn address(&mut self, buf: NodeId, dtype: DType, idx: Value) -> Res<Value> {
+        let off = (self.offset_of)(buf).ok_or(ClifError::NoOffset(buf.index()))?;
+        let scaled = self.b.ins().imul_imm_s(idx, dtype.size_bytes() as i64);
+        let base = self.b.ins().iadd_imm_s(self.arena, off as i64);
+        Ok(self.b.ins().iadd(base, scaled))
+    }
+
+    fn helper(&mut self, slot: usize, args: &[Value], params: &[Type], ret: Type) -> Value {
+        // The pointer is loaded at each call site: a value cached across loops could
+        // fail to dominate its uses, and the load hits L1.
+        let f = self
+            .b
+            .ins()
+            .load(I64, flags(), self.helpers, (slot * 8) as i32);
+        let mut sig = Signature::new(CallConv::SystemV);
+        for &p in params {
+            sig.params.push(AbiParam::new(p));
+        }
+        sig.returns.push(AbiParam::new(ret));
+        let sr = self.b.import_signature(sig);
+        let call = self.b.ins().call_indirect(sr, f, args);
+        self.b.inst_results(call)[0]
+    }
+
+    fn load_at(&mut self, addr: Value, dtype: DType) -> Res<Value> {
+        Ok(match dtype {
+            DType::F32 => self.b.ins().load(F32, flags(), addr, 0),
+            DType::I32 => self.b.ins().load(I32, flags(), addr, 0),
+            DType::Bool => self.b.ins().load(I8, flags(), addr, 0),
+            DType::F16 | DType::BF16 => {
+                let bits = self.b.ins().uload16(I32, flags(), addr, 0);
+                let s = if dtype == DType::F16 {
+                    slot::F16_TO_F32
+                } else {
+                    slot::BF16_TO_F32
+                };
+                self.helper(s, &[bits], &[I32], F32)
+            }
+        })
+    }
+
+    fn store_at(&mut self, addr: Value, dtype: DType, v: Value) -> Res<()> {
+        match dtype {
+            DType::F32 | DType::I32 | DType::Bool => {
+                self.b.ins().store(flags(), v, addr, 0);
+            }
+            DType::F16 | DType::BF16 => {
+                let s = if dtype == DType::F16 {
+                    slot::F32_TO_F16
+                } else {
+                    slot::F32_TO_BF16
+                };
+                let bits = self.helper(s, &[v], &[F32], I32);
+                self.b.ins().istore16(flags(), bits, addr, 0);
+            }
+        }
+        Ok(())
+    }
+
+    fn emit(&mut self, e: ExprId) -> Res<Value> {
+        if let Some(&v) = self.cache.get(&e) {
+            return Ok(v);
+        }
+        let node = self.k.pool.get(e).clone();
+        let ty = self.k.pool.ty(e);
+        let v = match node {
+            E::Var(v) => *self
+                .vars
+                .get(&v)
+                .ok_or_else(|| self.unsupported(format!("variable v{v} is not bound here")))?,
+            E::Int(v) => self.iconst(v),
+            E::F32(bits) => self.b.ins().f32const(f32::from_bits(bits)),
+            E::I32(v) => self.b.ins().iconst(I32, v as i64),
+            E::Bool(v) => self.b.ins().iconst(I8, v as i64),
+            E::Acc => self
+                .acc
+                .ok_or_else(|| self.unsupported("accumulator outside a matmul"))?,
+            E::Load { buf, dtype, index } => {
+                let i = self.emit(index)?;
+                let addr = self.address(buf, dtype, i)?;
+                self.load_at(addr, dtype)?
+            }
+            E::Un(op, a) => {
+                let x = self.emit(a)?;
+                self.unary(op, self.k.pool.ty(a), x)?
+            }
+            E::Bin(op, a, b) => {
+                let x = self.emit(a)?;
+                let y = self.emit(b)?;
+                self.binary(op, self.k.pool.ty(a), x, y)?
+            }
+            E::IMin(a, b) => {
+                let x = self.emit(a)?;
+                let y = self.emit(b)?;
+                self.b.ins().smin(x, y)
+            }
+            E::IMax(a, b) => {
+                let x = self.emit(a)?;
+                let y = self.emit(b)?;
+                self.b.ins().smax(x, y)
+            }
+            E::Select(c, a, b) => {
+                let cv = self.emit(c)?;
+                let x = self.emit(a)?;
+                let y = self.emit(b)?;
+                self.b.ins().select(cv, x, y)
+            }
+            E::Cast(to, a) => {
+                let x = self.emit(a)?;
+                self.cast(self.k.pool.ty(a), to, x)
+            }
+            E::Uniform { seed, index } => {
+                let i = self.emit(index)?;
+                self.uniform(seed, i)
+            }
+            E::Reduce { op, vars, body } => self.reduce(e, op, &vars, body, ty)?,
+            E::ArgMax { vars, body } => self.argmax(e, &vars, body)?,
+        };
+        self.remember(e, v);
+        Ok(v)
+    }
+
+    /// Live nodes under `root` computed in the loop of `v`.
+    fn emit_site_under(&mut self, root: ExprId, v: Var) -> Res<()> {
+        let sub = reachable(&self.k.pool, &[root]);
+        for e in sub {
+            if self.site[e.0 as usize] == Some(v) {
+                self.emit(e)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn reduction_loops(&mut self, vars: &[(Var, usize)], body: ExprId) -> Res<Vec<LoopCtx>> {
+        let mut open = Vec::new();
+        for &(v, ext) in vars {
+            let z = self.iconst(0);
+            let e = self.iconst(ext as i64);
+            let l = self.open_loop(z, e);
+            self.vars.insert(v, l.iv);
+            self.emit_site_under(body, v)?;
+            open.push(l);
+        }
+        Ok(open)
+    }
+
+    fn reduce(
+        &mut self,
+        _e: ExprId,
+        op: Red,
+        vars: &[(Var, usize)],
+        body: ExprId,
+        ty: VTy,
+    ) -> Res<Value> {
+        let t = cl_ty(ty);
+        let acc = self.b.declare_var(t);
+        let init = match (op, ty) {
+            (Red::Sum, VTy::F32) => self.b.ins().f32const(0.0),
+            (Red::Max, VTy::F32) => self.b.ins().f32const(f32::NEG_INFINITY),
+            (Red::Min, VTy::F32) => self.b.ins().f32const(f32::INFINITY),
+            (Red::Sum, _) => self.b.ins().iconst(t, 0),
+            (Red::Max, VTy::I32) => self.b.ins().iconst(I32, i32::MIN as i64),
+            (Red::Min, VTy::I32) => self.b.ins().iconst(I32, i32::MAX as i64),
+            _ => return Err(self.unsupported(format!("{} over {}", op.name(), ty.name()))),
+        };
+        self.b.def_var(acc, init);
+        let open = self.reduction_loops(vars, body)?;
+        let x = self.emit(body)?;
+        let a = self.b.use_var(acc);
+        let r = match (op, ty) {
+            (Red::Sum, VTy::F32) => self.b.ins().fadd(a, x),
+            (Red::Max, VTy::F32) => self.b.ins().fmax(a, x),
+            (Red::Min, VTy::F32) => self.b.ins().fmin(a, x),
+            (Red::Sum, _) => self.b.ins().iadd(a, x),
+            (Red::Max, _) => self.b.ins().smax(a, x),
+            (Red::Min, _) => self.b.ins().smin(a, x),
+        };
+        self.b.def_var(acc, r);
+        for l in open.into_iter().rev() {
+            self.close_loop(l);
+        }
+        Ok(self.b.use_var(acc))
+    }
+
+    fn argmax(&mut self, _e: ExprId, vars: &[(Var, usize)], body: ExprId) -> Res<Value> {
+        let ty = self.k.pool.ty(body);
+        let t = cl_ty(ty);
+        let best = self.b.declare_var(t);
+        let besti = self.b.declare_var(I64);
+        let count = self.b.declare_var(I64);
+        let init = match ty {
+            VTy::F32 => self.b.ins().f32const(f32::NEG_INFINITY),
+            VTy::I32 => self.b.ins().iconst(I32, i32::MIN as i64),
+            _ => return Err(self.unsupported("argmax over bool")),
+        };
+        self.b.def_var(best, init);
+        let z = self.iconst(0);
+        self.b.def_var(besti, z);
+        self.b.def_var(count, z);
+        let open = self.reduction_loops(vars, body)?;
+        let x = self.emit(body)?;
+        let bv = self.b.use_var(best);
+        let bi = self.b.use_var(besti);
+        let c = self.b.use_var(count);
+        let better = match ty {
+            VTy::F32 => {
+                let gt = self.b.ins().fcmp(FloatCC::GreaterThan, x, bv);
+                let xn = self.b.ins().fcmp(FloatCC::Unordered, x, x);
+                let bn = self.b.ins().fcmp(FloatCC::Ordered, bv, bv);
+                let nan_wins = self.b.ins().band(xn, bn);
+                let first = self.b.ins().icmp_imm_s(IntCC::Equal, c, 0);
+                let a = self.b.ins().bor(gt, nan_wins);
+                self.b.ins().bor(a, first)
+            }
+            _ => {
+                let gt = self.b.ins().icmp(IntCC::SignedGreaterThan, x, bv);
+                let first = self.b.ins().icmp_imm_s(IntCC::Equal, c, 0);
+                self.b.ins().bor(gt, first)
+            }
+        };
+        let nb = self.b.ins().select(better, x, bv);
+        let ni = self.b.ins().select(better, c, bi);
+        self.b.def_var(best, nb);
+        self.b.def_var(besti, ni);
+        let c1 = self.b.ins().iadd_imm_s(c, 1);
+        self.b.def_var(count, c1);
+        for l in open.into_iter().rev() {
+            self.close_loop(l);
+        }
+        Ok(self.b.use_var(besti))
+    }
+
+    fn uniform(&mut self, seed: u64, i: Value) -> Value {
+        let s0 = crate::eager::kernels::splitmix64(seed ^ 0xD1B5_4A32_D192_ED03);
+        let s = self.iconst(s0 as i64);
+        let z = self.b.ins().iadd(s, i);
+        let h = self.splitmix(z);
+        let top = self.b.ins().ushr_imm_s(h, 40);
+        let f = self.b.ins().fcvt_from_uint(F32, top);
+        let scale = self.b.ins().f32const(1.0 / (1u64 << 24) as f32);
+        self.b.ins().fmul(f, scale)
+    }
+
+    fn splitmix(&mut self, z: Value) -> Value {
+        let z = self.b.ins().iadd_imm_s(z, 0x9E37_79B9_7F4A_7C15u64 as i64);
+        let s = self.b.ins().ushr_imm_s(z, 30);
+        let z = self.b.ins().bxor(z, s);
+        let z = self.b.ins().imul_imm_s(z, 0xBF58_476D_1CE4_E5B9u64 as i64);
+        let s = self.b.ins().ushr_imm_s(z, 27);
+        let z = self.b.ins().bxor(z, s);
+        let z = self.b.ins().imul_imm_s(z, 0x94D0_49BB_1331_11EBu64 as i64);
+        let s = self.b.ins().ushr_imm_s(z, 31);
+        self.b.ins().bxor(z, s)
+    }
+
+    /// `exp(x)` inline: Cody–Waite range reduction by ln 2 and a degree-7 polynomial,
+    /// scaled by 2^k through the exponent bits (about 1 ulp; 0 below -87.3, inf above
+    /// 88.7, NaN stays NaN). Inline code keeps exp-heavy kernels (softmax, sigmoid, GELU)
+    /// free of calls.
+    fn exp_inline(&mut self, x: Value) -> Value {
+        let lo = self.b.ins().f32const(-86.0);
+        let hi = self.b.ins().f32const(88.72);
+        let xc = self.b.ins().fmax(x, lo);
+        let xc = self.b.ins().fmin(xc, hi);
+        let log2e = self.b.ins().f32const(std::f32::consts::LOG2_E);
+        let t = self.b.ins().fmul(xc, log2e);
+        let k = self.b.ins().nearest(t);
+        let c1 = self.b.ins().f32const(0.693_359_4);
+        let c2 = self.b.ins().f32const(-2.121_944_4e-4);
+        let kc1 = self.b.ins().fmul(k, c1);
+        let r = self.b.ins().fsub(xc, kc1);
+        let kc2 = self.b.ins().fmul(k, c2);
+        let r = self.b.ins().fsub(r, kc2);
+        // 2 * (1 + r + r^2/2! + ... + r^7/7!), Horner form; times 2^(k-1) below, so that
+        // k = 128 (x near 88.7) stays a finite exponent.
+        let coefs = [
+            2.0 / 5040.0,
+            2.0 / 720.0,
+            2.0 / 120.0,
+            2.0 / 24.0,
+            2.0 / 6.0,
+            1.0,
+            2.0,
+            2.0,
+        ];
+        let mut p = self.b.ins().f32const(coefs[0] as f32);
+        for &c in &coefs[1..] {
+            let m = self.b.ins().fmul(p, r);
+            let cc = self.b.ins().f32const(c as f32);
+            p = self.b.ins().fadd(m, cc);
+        }
+        let ki = self.b.ins().fcvt_to_sint_sat(I32, k);
+        let e = self.b.ins().iadd_imm_s(ki, 126);
+        let bits = self.b.ins().ishl_imm_s(e, 23);
+        let scale = self.b.ins().bitcast(F32, MemFlagsData::new(), bits);
+        let y = self.b.ins().fmul(p, scale);
+        let zero = self.b.ins().f32const(0.0);
+        let inf = self.b.ins().f32const(f32::INFINITY);
+        let is_under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
+        let y = self.b.ins().select(is_under, zero, y);
+        let is_over = self.b.ins().fcmp(FloatCC::GreaterThan, x, hi);
+        self.b.ins().select(is_over, inf, y)
+    }
+
+    /// `tanh(x)` inline: an odd Taylor polynomial below |x| = 0.3, `1 - 2 / (e^{2|x|} + 1)`
+    /// with the sign restored above, ±1 beyond |x| = 9.
+    fn tanh_inline(&mut self, x: Value) -> Value {
+        let a = self.b.ins().fabs(x);
+        let x2 = self.b.ins().fmul(x, x);
+        let coefs = [62.0 / 2835.0, -17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0];
+        let mut p = self.b.ins().f32const(coefs[0] as f32);
+        for &c in &coefs[1..] {
+            let m = self.b.ins().fmul(p, x2);
+            let cc = self.b.ins().f32const(c as f32);
+            p = self.b.ins().fadd(m, cc);
+        }
+        let x3 = self.b.ins().fmul(x2, x);
+        let t = self.b.ins().fmul(x3, p);
+        let small = self.b.ins().fadd(x, t);
+        let nine = self.b.ins().f32const(9.0);
+        let ac = self.b.ins().fmin(a, nine);
+        let two_a = self.b.ins().fadd(ac, ac);
+        let e = self.exp_inline(two_a);
+        let one = self.b.ins().f32const(1.0);
+        let two = self.b.ins().f32const(2.0);
+        let d = self.b.ins().fadd(e, one);
+        let q = self.b.ins().fdiv(two, d);
+        let big = self.b.ins().fsub(one, q);
+        let big = self.b.ins().fcopysign(big, x);
+        let thr = self.b.ins().f32const(0.3);
+        let is_small = self.b.ins().fcmp(FloatCC::LessThan, a, thr);
+        self.b.ins().select(is_small, small, big)
+    }
+
+    fn call1(&mut self, slot: usize, x: Value) -> Value {
+        self.helper(slot, &[x], &[F32], F32)
+    }
+
+    fn unary(&mut self, op: UnaryOp, ty: VTy, x: Value) -> Res<Value> {
+        Ok(match ty {
+            VTy::F32 => match op {
+                UnaryOp::Neg => self.b.ins().fneg(x),
+                UnaryOp::Abs => self.b.ins().fabs(x),
+                UnaryOp::Exp => self.exp_inline(x),
+                UnaryOp::Log => self.call1(slot::LOG, x),
+                UnaryOp::Sqrt => self.b.ins().sqrt(x),
+                UnaryOp::Rsqrt => {
+                    let s = self.b.ins().sqrt(x);
+                    let one = self.b.ins().f32const(1.0);
+                    self.b.ins().fdiv(one, s)
+                }
+                UnaryOp::Recip => {
+                    let one = self.b.ins().f32const(1.0);
+                    self.b.ins().fdiv(one, x)
+                }
+                UnaryOp::Tanh => self.tanh_inline(x),
+                UnaryOp::Sigmoid | UnaryOp::Silu => {
+                    let n = self.b.ins().fneg(x);
+                    let e = self.exp_inline(n);
+                    let one = self.b.ins().f32const(1.0);
+                    let d = self.b.ins().fadd(one, e);
+                    let num = if op == UnaryOp::Silu { x } else { one };
+                    self.b.ins().fdiv(num, d)
+                }
+                UnaryOp::Relu => {
+                    let z = self.b.ins().f32const(0.0);
+                    let c = self.b.ins().fcmp(FloatCC::GreaterThan, x, z);
+                    self.b.ins().select(c, x, z)
+                }
+                UnaryOp::Gelu => {
+                    let c = (2.0f64 / std::f64::consts::PI).sqrt() as f32;
+                    let x3 = self.b.ins().fmul(x, x);
+                    let x3 = self.b.ins().fmul(x3, x);
+                    let k = self.b.ins().f32const(0.044715);
+                    let t = self.b.ins().fmul(k, x3);
+                    let t = self.b.ins().fadd(x, t);
+                    let cc = self.b.ins().f32const(c);
+                    let t = self.b.ins().fmul(cc, t);
+                    let th = self.tanh_inline(t);
+                    let one = self.b.ins().f32const(1.0);
+                    let s = self.b.ins().fadd(one, th);
+                    let half = self.b.ins().f32const(0.5);
+                    let hx = self.b.ins().fmul(half, x);
+                    self.b.ins().fmul(hx, s)
+                }
+                UnaryOp::Sin => self.call1(slot::SIN, x),
+                UnaryOp::Cos => self.call1(slot::COS, x),
+                UnaryOp::Erf => self.call1(slot::ERF, x),
+                UnaryOp::Not => return Err(self.unsupported("`not` of a float")),
+            },
+            VTy::I32 | VTy::I64 => match op {
+                UnaryOp::Neg => self.b.ins().ineg(x),
+                UnaryOp::Abs => self.b.ins().iabs(x),
+                UnaryOp::Relu => {
+                    let z = self.b.ins().iconst(cl_ty(ty), 0);
+                    self.b.ins().smax(x, z)
+                }
+                _ => return Err(self.unsupported(format!("{} of an integer", op.name()))),
+            },
+            VTy::Bool => match op {
+                UnaryOp::Not => self.b.ins().bxor_imm_s(x, 1),
+                _ => return Err(self.unsupported(format!("{} of a bool", op.name()))),
+            },
+        })
+    }
+
+    fn binary(&mut self, op: BinaryOp, ty: VTy, x: Value, y: Value) -> Res<Value> {
+        use BinaryOp as B;
+        let fcc = |op: BinaryOp| match op {
+            B::Eq => FloatCC::Equal,
+            B::Ne => FloatCC::NotEqual,
+            B::Lt => FloatCC::LessThan,
+            B::Le => FloatCC::LessThanOrEqual,
+            B::Gt => FloatCC::GreaterThan,
+            _ => FloatCC::GreaterThanOrEqual,
+        };
+        let icc = |op: BinaryOp| match op {
+            B::Eq => IntCC::Equal,
+            B::Ne => IntCC::NotEqual,
+            B::Lt => IntCC::SignedLessThan,
+            B::Le => IntCC::SignedLessThanOrEqual,
+            B::Gt => IntCC::SignedGreaterThan,
+            _ => IntCC::SignedGreaterThanOrEqual,
+        };
+        Ok(match ty {
+            VTy::F32 => match op {
+                B::Add => self.b.ins().fadd(x, y),
+                B::Sub => self.b.ins().fsub(x, y),
+                B::Mul => self.b.ins().fmul(x, y),
+                B::Div => self.b.ins().fdiv(x, y),
+                B::Rem => {
+                    let q = self.b.ins().fdiv(x, y);
+                    let f = self.b.ins().floor(q);
+                    let m = self.b.ins().fmul(y, f);
+                    self.b.ins().fsub(x, m)
+                }
+                B::Pow => self.helper(slot::POW, &[x, y], &[F32, F32], F32),
+                B::Maximum => self.b.ins().fmax(x, y),
+                B::Minimum => self.b.ins().fmin(x, y),
+                B::And | B::Or => return Err(self.unsupported("logical op on floats")),
+                c => self.b.ins().fcmp(fcc(c), x, y),
+            },
+            VTy::I32 => match op {
+                B::Add => self.b.ins().iadd(x, y),
+                B::Sub => self.b.ins().isub(x, y),
+                B::Mul => self.b.ins().imul(x, y),
+                B::Div | B::Rem => self.floor_divmod(op, x, y),
+                B::Pow => {
+                    let fx = self.b.ins().fcvt_from_sint(F32, x);
+                    let fy = self.b.ins().fcvt_from_sint(F32, y);
+                    let p = self.helper(slot::POW, &[fx, fy], &[F32, F32], F32);
+                    self.b.ins().fcvt_to_sint_sat(I32, p)
+                }
+                B::Maximum => self.b.ins().smax(x, y),
+                B::Minimum => self.b.ins().smin(x, y),
+                B::And | B::Or => return Err(self.unsupported("logical op on i32")),
+                c => self.b.ins().icmp(icc(c), x, y),
+            },
+            VTy::I64 => match op {
+                B::Add => self.b.ins().iadd(x, y),
+                B::Sub => self.b.ins().isub(x, y),
+                B::Mul => self.b.ins().imul(x, y),
+                B::Div => self.b.ins().sdiv(x, y),
+                B::Rem => self.b.ins().srem(x, y),
+                B::Maximum => self.b.ins().smax(x, y),
+                B::Minimum => self.b.ins().smin(x, y),
+                B::Pow | B::And | B::Or => return Err(self.unsupported("op on indices")),
+                c => self.b.ins().icmp(icc(c), x, y),
+            },
+            VTy::Bool => match op {
+                B::And => self.b.ins().band(x, y),
+                B::Or => self.b.ins().bor(x, y),
+                B::Eq => self.b.ins().icmp(IntCC::Equal, x, y),
+                B::Ne => self.b.ins().icmp(IntCC::NotEqual, x, y),
+                _ => return Err(self.unsupported(format!("{} of bools", op.name()))),
+            },
+        })
+    }
+
+    /// i32 `/` and `%` rounding toward negative infinity; a zero divisor gives 0 (and
+    /// `i32::MIN / -1` wraps), so the kernel never traps.
+    fn floor_divmod(&mut self, op: BinaryOp, x: Value, y: Value) -> Value {
+        let x64 = self.b.ins().sextend(I64, x);
+        let y64 = self.b.ins().sextend(I64, y);
+        let zero = self.iconst(0);
+        let one = self.iconst(1);
+        let yz = self.b.ins().icmp(IntCC::Equal, y64, zero);
+        let ys = self.b.ins().select(yz, one, y64);
+        let q = self.b.ins().sdiv(x64, ys);
+        let r = self.b.ins().srem(x64, ys);
+        // Adjust when the remainder is non-zero and its sign differs from the divisor's.
+        let rnz = self.b.ins().icmp(IntCC::NotEqual, r, zero);
+        let rneg = self.b.ins().icmp(IntCC::SignedLessThan, r, zero);
+        let yneg = self.b.ins().icmp(IntCC::SignedLessThan, ys, zero);
+        let differ = self.b.ins().bxor(rneg, yneg);
+        let adj = self.b.ins().band(rnz, differ);
+        let res = if op == BinaryOp::Div {
+            let qm = self.b.ins().iadd_imm_s(q, -1);
+            self.b.ins().select(adj, qm, q)
+        } else {
+            let rp = self.b.ins().iadd(r, ys);
+            self.b.ins().select(adj, rp, r)
+        };
+        let res = self.b.ins().select(yz, zero, res);
+        self.b.ins().ireduce(I32, res)
+    }
+
+    fn cast(&mut self, from: VTy, to: VTy, x: Value) -> Value {
+        match (from, to) {
+            (a, b) if a == b => x,
+            (VTy::F32, VTy::Bool) => {
+                let z = self.b.ins().f32const(0.0);
+                self.b.ins().fcmp(FloatCC::NotEqual, x, z)
+            }
+            (VTy::F32, t) => self.b.ins().fcvt_to_sint_sat(cl_ty(t), x),
+            (VTy::I32, VTy::I64) => self.b.ins().sextend(I64, x),
+            (VTy::I64, VTy::I32) => self.b.ins().ireduce(I32, x),
+            (VTy::I32 | VTy::I64, VTy::F32) => self.b.ins().fcvt_from_sint(F32, x),
+            (VTy::I32 | VTy::I64, VTy::Bool) => self.b.ins().icmp_imm_s(IntCC::NotEqual, x, 0),
+            (VTy::Bool, VTy::F32) => {
+                let w = self.b.ins().uextend(I32, x);
+                self.b.ins().fcvt_from_uint(F32, w)
+            }
+            (VTy::Bool, t) => self.b.ins().uextend(cl_ty(t), x),
+            // (a, b) with a == b handled above.
+            (_, _) => x,
+        }
+    }
+
+    // ---- matmul ----
+
+    fn matmul(&mut self, mm: &Matmul) -> Res<()> {
+        const MR: i64 = 4;
+        const NR: i64 = 8;
+        if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
+            return Err(self.unsupported("matmul operands must be f32"));
+        }
+        let (m, n, kk) = (mm.m as i64, mm.n as i64, mm.k as i64);
+        let mtiles = (m + MR - 1) / MR;
+        let nb = mm.batch.len();
+        let slot = self.b.create_sized_stack_slot(StackSlotData::new(
+            StackSlotKind::ExplicitSlot,
+            (MR * NR * 4) as u32,
+            4,
+        ));
+        let outer = self.open_loop(self.lo, self.hi);
+        // x -> (batch index, row tile)
+        let bflat = self.b.ins().sdiv_imm_s(outer.iv, mtiles.max(1));
+        let it = self.b.ins().srem_imm_s(outer.iv, mtiles.max(1));
+        let i0 = self.b.ins().imul_imm_s(it, MR);
+        // Batch multi-index.
+        let mut bidx = vec![bflat; nb];
+        let mut rest = bflat;
+        for d in (0..nb).rev() {
+            let e = mm.batch[d] as i64;
+            bidx[d] = self.b.ins().srem_imm_s(rest, e.max(1));
+            rest = self.b.ins().sdiv_imm_s(rest, e.max(1));
+        }
+        for (d, &v) in bidx.iter().enumerate() {
+            self.vars.insert(d as Var, v);
+        }
+        let abase = self.operand_base(&mm.a, &bidx)?;
+        let bbase = self.operand_base(&mm.b, &bidx)?;
+        let n8 = n - n % NR;
+        let full_rows = self.b.ins().iadd_imm_s(i0, MR);
+        let mconst = self.iconst(m);
+        let is_full = self
+            .b
+            .ins()
+            .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
+        let full_blk = self.b.create_block();
+        let part_blk = self.b.create_block();
+        let join = self.b.create_block();
+        self.b.ins().brif(is_full, full_blk, &[], part_blk, &[]);
+
+        // Full row tile: vector path over j in [0, n8), scalar for the right edge.
+        self.b.switch_to_block(full_blk);
+        if n8 > 0 && mm.b.cs == 1 {
+            let z = self.iconst(0);
+            let jt_end = self.iconst(n8 / NR);
+            let jl = self.open_loop(z, jt_end);
+            let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
+            let zero = self.b.ins().f32const(0.0);
+            let zv = self.b.ins().splat(F32X4, zero);
+            let accs: Vec<Variable> = (0..(MR * 2))
+                .map(|_| {
+                    let v = self.b.declare_var(F32X4);
+                    self.b.def_var(v, zv);
+                    v
+                })
+                .collect();
+            let z2 = self.iconst(0);
+            let kend = self.iconst(kk);
+            let kl = self.open_loop(z2, kend);
+            // B row k, columns j0..j0+8.
+            let brow = self.b.ins().imul_imm_s(kl.iv, mm.b.rs);
+            let bi = self.b.ins().iadd(bbase, brow);
+            let bi = self.b.ins().iadd(bi, j0);
+            let baddr = self.elem_addr(mm.b.buf, bi, 4)?;
+            let bv0 = self.b.ins().load(F32X4, flags(), baddr, 0);
+            let bv1 = self.b.ins().load(F32X4, flags(), baddr, 16);
+            let acol = self.b.ins().imul_imm_s(kl.iv, mm.a.cs);
+            let ak = self.b.ins().iadd(abase, acol);
+            for r in 0..MR {
+                let row = self.b.ins().iadd_imm_s(i0, r);
+                let arow = self.b.ins().imul_imm_s(row, mm.a.rs);
+                let ai = self.b.ins().iadd(ak, arow);
+                let aaddr = self.elem_addr(mm.a.buf, ai, 4)?;
+                let a = self.b.ins().load(F32, flags(), aaddr, 0);
+                let av = self.b.ins().splat(F32X4, a);
+                for (c, bv) in [bv0, bv1].into_iter().enumerate() {
+                    let var = accs[(r * 2) as usize + c];
+                    let old = self.b.use_var(var);
+                    let p = self.b.ins().fmul(av, bv);
+                    let s = self.b.ins().fadd(old, p);
+                    self.b.def_var(var, s);
+                }
+            }
+            self.close_loop(kl);
+            for r in 0..MR {
+                for c in 0..2 {
+                    let v = self.b.use_var(accs[(r * 2 + c) as usize]);
+                    self.b
+                        .ins()
+                        .stack_store(I64, v, slot, ((r * NR + c * 4) * 4) as i32);
+                }
+            }
+            // Epilogue over the tile.
+            let z3 = self.iconst(0);
+            let tend = self.iconst(MR * NR);
+            let tl = self.open_loop(z3, tend);
+            let r = self.b.ins().sdiv_imm_s(tl.iv, NR);
+            let c = self.b.ins().srem_imm_s(tl.iv, NR);
+            let i = self.b.ins().iadd(i0, r);
+            let j = self.b.ins().iadd(j0, c);
+            let saddr = self.b.ins().stack_addr(I64, slot, 0);
+            let off = self.b.ins().imul_imm_s(tl.iv, 4);
+            let sa = self.b.ins().iadd(saddr, off);
+            let accv = self.b.ins().load(F32, flags(), sa, 0);
+            self.epilogue(nb, i, j, accv)?;
+            self.close_loop(tl);
+            self.close_loop(jl);
+            let jstart = self.iconst(n8);
+            let iend = self.b.ins().iadd_imm_s(i0, MR);
+            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        } else {
+            let jstart = self.iconst(0);
+            let iend = self.b.ins().iadd_imm_s(i0, MR);
+            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        }
+        self.b.ins().jump(join, &[]);
+
+        // Partial row tile: scalar.
+        self.b.switch_to_block(part_blk);
+        let jstart = self.iconst(0);
+        let iend = self.iconst(m);
+        self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(join);
+        self.close_loop(outer);
+        Ok(())
+    }
+
+    fn elem_addr(&mut self, buf: NodeId, idx: Value, size: i64) -> Res<Value> {
+        let off = (self.offset_of)(buf).ok_or(ClifError::NoOffset(buf.index()))?;
+        let s = self.b.ins().imul_imm_s(idx, size);
+        let base = self.b.ins().iadd_imm_s(self.arena, off as i64);
+        Ok(self.b.ins().iadd(base, s))
+    }
+
+    fn operand_base(&mut self, o: &crate::kernel::Operand, bidx: &[Value]) -> Res<Value> {
+        let mut acc = self.iconst(o.base);
+        for (d, &st) in o.batch_strides.iter().enumerate() {
+            if st != 0 {
+                let t = self.b.ins().imul_imm_s(bidx[d], st);
+                acc = self.b.ins().iadd(acc, t);
+            }
+        }
+        Ok(acc)
+    }
+
+    /// Rows `[i0, iend)`, columns `[jstart, n)`, one dot product each, then the epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn scalar_block(
+        &mut self,
+        mm: &Matmul,
+        abase: Value,
+        bbase: Value,
+        i0: Value,
+        iend: Value,
+        jstart: Value,
+        nb: usize,
+    ) -> Res<()> {
+        let il = self.open_loop(i0, iend);
+        let nend = self.iconst(mm.n as i64);
+        let jl = self.open_loop(jstart, nend);
+        let acc = self.b.declare_var(F32);
+        let zero = self.b.ins().f32const(0.0);
+        self.b.def_var(acc, zero);
+        let arow = self.b.ins().imul_imm_s(il.iv, mm.a.rs);
+        let arow = self.b.ins().iadd(abase, arow);
+        let bcol = self.b.ins().imul_imm_s(jl.iv, mm.b.cs);
+        let bcol = self.b.ins().iadd(bbase, bcol);
+        let z = self.iconst(0);
+        let kend = self.iconst(mm.k as i64);
+        let kl = self.open_loop(z, kend);
+        let ak = self.b.ins().imul_imm_s(kl.iv, mm.a.cs);
+        let ai = self.b.ins().iadd(arow, ak);
+        let bk = self.b.ins().imul_imm_s(kl.iv, mm.b.rs);
+        let bi = self.b.ins().iadd(bcol, bk);
+        let aaddr = self.elem_addr(mm.a.buf, ai, 4)?;
+        let baddr = self.elem_addr(mm.b.buf, bi, 4)?;
+        let a = self.b.ins().load(F32, flags(), aaddr, 0);
+        let bv = self.b.ins().load(F32, flags(), baddr, 0);
+        let p = self.b.ins().fmul(a, bv);
+        let old = self.b.use_var(acc);
+        let s = self.b.ins().fadd(old, p);
+        self.b.def_var(acc, s);
+        self.close_loop(kl);
+        let v = self.b.use_var(acc);
+        self.epilogue(nb, il.iv, jl.iv, v)?;
+        self.close_loop(jl);
+        self.close_loop(il);
+        Ok(())
+    }
+
+    /// The stores at domain point `(batch.., i, j)` with the accumulator `acc`; everything
+    /// computed here is dropped from the cache afterwards.
+    fn epilogue(&mut self, nb: usize, i: Value, j: Value, acc: Value) -> Res<()> {
+        self.vars.insert(nb as Var, i);
+        self.vars.insert(nb as Var + 1, j);
+        self.acc = Some(acc);
+        self.journal.push(Vec::new());
+        let r = self.stores();
+        if let Some(keys) = self.journal.pop() {
+            for key in keys {
+                self.cache.remove(&key);
+            }
+        }
+        self.acc = None;
+        r
+    }
+}
+
+/// The loop each node is computed in: the bound variable of greatest depth among its free
+/// variables (`None` for constants).
+fn sites(k: &Kernel) -> Vec<Option<Var>> {
+    let pool = &k.pool;
+    let free = free_vars(pool);
+    // Binder of each reduction variable: (reduction node, position).
+    let mut binder: HashMap<Var, (ExprId, usize)> = HashMap::new();
+    for (i, e) in pool.nodes.iter().enumerate() {
+        if let E::Reduce { vars, .. } | E::ArgMax { vars, .. } = e {
+            for (p, (v, _)) in vars.iter().enumerate() {
+                binder.insert(*v, (ExprId(i as u32), p));
+            }
+        }
+    }
+    let rank = k.domain.len() as Var;
+    let mut depth: HashMap<Var, usize> = HashMap::new();
+    fn var_depth(
+        v: Var,
+        rank: Var,
+        binder: &HashMap<Var, (ExprId, usize)>,
+        free: &[BTreeSet<Var>],
+        depth: &mut HashMap<Var, usize>,
+        guard: usize,
+    ) -> usize {
+        if let Some(&d) = depth.get(&v) {
+            return d;
+        }
+        let d = if v < rank || guard > 64 {
+            v as usize + 1
+        } else if let Some(&(r, p)) = binder.get(&v) {
+            let base = free[r.0 as usize]
+                .iter()
+                .map(|&u| var_depth(u, rank, binder, free, depth, guard + 1))
+                .max()
+                .unwrap_or(0);
+            base + p + 1
+        } else {
+            0
+        };
+        depth.insert(v, d);
+        d
+    }
+    (0..pool.nodes.len())
+        .map(|i| {
+            free[i]
+                .iter()
+                .map(|&v| (var_depth(v, rank, &binder, &free, &mut depth, 0), v))
+                .max()
+                .map(|(_, v)| v)
+        })
+        .collect()
+}

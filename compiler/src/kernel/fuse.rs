@@ -1,0 +1,433 @@
+//! Fusion: which graph nodes get a buffer, and the kernels that compute them.
+//!
+//! Expects a verified, scheduled graph (after the pass pipeline). Guarantees: every node
+//! either has a buffer (inputs, params, state, outputs, update values, and the kernels'
+//! roots) or is computed inside the kernels that read it, with no buffer at all; kernels
+//! run in schedule order and every kernel reads only buffers written before it.
+//!
+//! Rules (producer into consumer):
+//! - views (reshape, permute, broadcast, slice, select) are index arithmetic: never a copy,
+//!   unless a matmul needs strides that the view chain cannot give (then one contiguous copy);
+//! - a pointwise node fuses into its consumers: always with one consumer, and with several
+//!   only when it is cheap (≤ 8 operations: recomputing beats a round trip to memory);
+//!   never into a consumer that reads each element many times (matmul, convolution,
+//!   pooling, gathers);
+//! - a reduction (sum/mean/max/min/argmax, pooling, convolution products) with one consumer
+//!   fuses into it when the consumer evaluates it once per distinct value, i.e. the
+//!   reduction's result varies only along outer loops of the consumer (row statistics of
+//!   softmax and layer norm; a convolution under its bias/activation epilogue);
+//! - an f32 matmul with one elementwise consumer of its own shape becomes that kernel's
+//!   anchor: bias, activation, residual add and scaling run as its epilogue;
+//! - scatter ops (embedding gradient, max-pool gradient) are a zero fill plus an
+//!   accumulating kernel.
+//!
+//! Cost: a few passes over the graph; a kernel that cannot be built as decided (a matmul
+//! operand that is no strided view, a reduction evaluated too often, an in-place update
+//! hazard) materializes the offending node and fusion runs again (at most once per node).
+
+use super::lower::{
+    self, free_vars, is_scatter, matmul_anchor_ok, reachable, Builder, Decisions, LowerError,
+};
+use super::{Kernel, Store, E};
+use crate::ir::{Graph, NodeId, Op, PoolKind};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Options of the fusion pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FuseOptions {
+    /// When false, every op gets its own kernel and buffer (views stay free): the unfused
+    /// baseline.
+    pub fuse: bool,
+    /// Lay out 4-D intermediates of convolution chains channels-last (NHWC).
+    pub channels_last: bool,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        FuseOptions {
+            fuse: true,
+            channels_last: false,
+        }
+    }
+}
+
+/// Kernels of one step in launch order.
+#[derive(Clone, Debug)]
+pub struct Fused {
+    pub kernels: Vec<Kernel>,
+    /// Nodes with a buffer (leaves included).
+    pub materialized: BTreeSet<NodeId>,
+    /// The node order the kernels follow.
+    pub order: Vec<NodeId>,
+    /// Buffers laid out other than row-major (see `lower::Decisions::layouts`).
+    pub layouts: BTreeMap<NodeId, Vec<usize>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FuseError {
+    #[error("the graph has a cycle")]
+    Cycle,
+    #[error(transparent)]
+    Lower(#[from] LowerError),
+    #[error(
+        "the update of `{0}` reads it at another index than it writes (not supported in place)"
+    )]
+    UpdateHazard(String),
+}
+
+fn is_leaf(op: &Op) -> bool {
+    matches!(op, Op::Input { .. } | Op::Param { .. } | Op::State { .. })
+}
+
+fn is_pointwise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Where
+            | Op::Cast { .. }
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Tri { .. }
+            | Op::Dropout { .. }
+            | Op::Concat { .. }
+            | Op::Embedding
+    )
+}
+
+fn is_reduction_like(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Reduce { .. }
+            | Op::ArgMax { .. }
+            | Op::MatMul
+            | Op::Conv2d { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradWeight { .. }
+            | Op::Pool2d { .. }
+            | Op::Pool2dGrad {
+                kind: PoolKind::Avg,
+                ..
+            }
+    )
+}
+
+/// True when `user` reads operand slot `k` many times per element.
+fn heavy_read(op: &Op, k: usize) -> bool {
+    match op {
+        Op::MatMul
+        | Op::Conv2d { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradWeight { .. }
+        | Op::Pool2d { .. }
+        | Op::Pool2dGrad { .. } => true,
+        Op::Embedding => k == 0,
+        _ => false,
+    }
+}
+
+fn elementwise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
+    )
+}
+
+/// Runs fusion on a scheduled graph.
+pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
+    let order = g.topo_order().ok_or(FuseError::Cycle)?;
+    let mut forced: BTreeSet<NodeId> = BTreeSet::new();
+    for _ in 0..=order.len() {
+        let materialized = decide(g, &order, opts, &forced);
+        let layouts = if opts.channels_last {
+            super::layout::channels_last(g, &materialized)
+        } else {
+            BTreeMap::new()
+        };
+        match build(g, &order, &materialized, &layouts) {
+            Ok(kernels) => {
+                return Ok(Fused {
+                    kernels,
+                    materialized,
+                    order,
+                    layouts,
+                })
+            }
+            Err(Retry::Materialize(ns)) => {
+                let before = forced.len();
+                forced.extend(ns);
+                if forced.len() == before {
+                    return Err(FuseError::Lower(LowerError::Internal(
+                        "fusion did not converge".into(),
+                    )));
+                }
+            }
+            Err(Retry::Fail(e)) => return Err(e),
+        }
+    }
+    Err(FuseError::Lower(LowerError::Internal(
+        "fusion did not converge".into(),
+    )))
+}
+
+/// Which nodes get a buffer.
+fn decide(
+    g: &Graph,
+    order: &[NodeId],
+    opts: FuseOptions,
+    forced: &BTreeSet<NodeId>,
+) -> BTreeSet<NodeId> {
+    let mut m: BTreeSet<NodeId> = forced.clone();
+    let outputs: BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
+    let updates: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+    let mut users: BTreeMap<NodeId, Vec<(NodeId, usize)>> = BTreeMap::new();
+    for &n in order {
+        for (k, &i) in g.node(n).inputs.iter().enumerate() {
+            users.entry(i).or_default().push((n, k));
+        }
+    }
+    let no_users = Vec::new();
+    for &n in order {
+        let op = &g.node(n).op;
+        if is_leaf(op) || outputs.contains(&n) || updates.contains(&n) || is_scatter(op) {
+            m.insert(n);
+        }
+    }
+    // Reverse pass: heavy uses (through views) and reductions.
+    let mut heavy: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().rev() {
+        let op = &g.node(n).op;
+        let us = users.get(&n).unwrap_or(&no_users);
+        let is_heavy = us.iter().any(|&(u, k)| {
+            heavy_read(&g.node(u).op, k)
+                || (g.node(u).op.is_view_candidate() && heavy.contains(&u) && !m.contains(&u))
+        });
+        if is_heavy {
+            heavy.insert(n);
+        }
+        if m.contains(&n) || is_leaf(op) || matches!(op, Op::Literal { .. }) {
+            continue;
+        }
+        if op.is_view_candidate() {
+            continue;
+        }
+        if !opts.fuse {
+            m.insert(n);
+            continue;
+        }
+        if is_pointwise(op) {
+            let constant = matches!(op, Op::Full { .. } | Op::Arange { .. });
+            if is_heavy && !constant {
+                m.insert(n);
+            }
+            continue;
+        }
+        if is_reduction_like(op) {
+            let single = us.len() == 1;
+            let ok = single
+                && !is_heavy
+                && match op {
+                    Op::MatMul if matmul_anchor_ok(g, n) => {
+                        let (u, _) = us[0];
+                        elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
+                    }
+                    _ => !is_scatter(&g.node(us[0].0).op),
+                };
+            if !ok {
+                m.insert(n);
+            }
+            continue;
+        }
+        m.insert(n);
+    }
+    if !opts.fuse {
+        return m;
+    }
+    // Forward pass: pointwise nodes read by several consumers fuse only when cheap.
+    let mut cost: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for &n in order {
+        let node = g.node(n);
+        if m.contains(&n) || is_leaf(&node.op) {
+            cost.insert(n, 1);
+            continue;
+        }
+        let c = match &node.op {
+            Op::Literal { .. } => 0,
+            op if is_reduction_like(op) => 1000,
+            _ => {
+                1 + node
+                    .inputs
+                    .iter()
+                    .map(|i| cost.get(i).copied().unwrap_or(1))
+                    .sum::<usize>()
+            }
+        };
+        let nusers = users.get(&n).map_or(0, |u| u.len());
+        if is_pointwise(&node.op) && nusers > 1 && c > 8 {
+            m.insert(n);
+            cost.insert(n, 1);
+        } else {
+            cost.insert(n, c.min(1000));
+        }
+    }
+    m
+}
+
+enum Retry {
+    Materialize(Vec<NodeId>),
+    Fail(FuseError),
+}
+
+impl From<LowerError> for Retry {
+    fn from(e: LowerError) -> Retry {
+        match e {
+            LowerError::Materialize(n) => Retry::Materialize(vec![n]),
+            e => Retry::Fail(FuseError::Lower(e)),
+        }
+    }
+}
+
+fn build(
+    g: &Graph,
+    order: &[NodeId],
+    m: &BTreeSet<NodeId>,
+    layouts: &BTreeMap<NodeId, Vec<usize>>,
+) -> Result<Vec<Kernel>, Retry> {
+    let d = Decisions {
+        g,
+        materialized: m,
+        layouts,
+    };
+    let mut kernels = Vec::new();
+    let mut retry: Vec<NodeId> = Vec::new();
+    let mut pos_of_kernel: Vec<usize> = Vec::new();
+    for (pos, &n) in order.iter().enumerate() {
+        let node = g.node(n);
+        if !m.contains(&n) || is_leaf(&node.op) {
+            continue;
+        }
+        let name = format!("k{}", kernels.len());
+        if is_scatter(&node.op) {
+            kernels.push(fill_kernel(&d, n, name)?);
+            pos_of_kernel.push(pos);
+            let name = format!("k{}", kernels.len());
+            kernels.push(lower::scatter_kernel(&d, n, name)?);
+            pos_of_kernel.push(pos);
+            continue;
+        }
+        // The loop nest follows the buffer's physical layout (contiguous stores).
+        let layout = d.layout(n);
+        let dims = node.ty.dims().to_vec();
+        let mut b = Builder::new(&d, n, layout.iter().map(|&a| dims[a]).collect());
+        let idx = b.logical_index(n);
+        let value = match b.value(n, &idx) {
+            Ok(v) => v,
+            Err(LowerError::Materialize(x)) => {
+                retry.push(x);
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let index = b.buffer_index(n, &idx);
+        let st = Store {
+            buf: n,
+            dtype: node.ty.dtype,
+            index,
+            value,
+            accumulate: false,
+        };
+        // Fused reductions must be evaluated once per distinct value: their free domain
+        // variables must be the outermost loops.
+        let fv = free_vars(&b.pool);
+        let live = reachable(&b.pool, &[value, index]);
+        for &(r, origin) in &b.fused_reductions {
+            if !live.contains(&r) {
+                continue;
+            }
+            let f = &fv[r.0 as usize];
+            let rank = node.ty.rank() as u32;
+            let dom: Vec<u32> = f.iter().copied().filter(|&v| v < rank).collect();
+            let prefix = dom.iter().enumerate().all(|(i, &v)| v == i as u32);
+            if !prefix || dom.len() != f.len() {
+                retry.push(origin);
+            }
+        }
+        kernels.push(b.finish(name, vec![st], true));
+        pos_of_kernel.push(pos);
+    }
+    if !retry.is_empty() {
+        return Err(Retry::Materialize(retry));
+    }
+    // In-place updates: the kernel writing a param's new value must follow every other
+    // kernel reading its old value, and read it only where it writes.
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    for &(target, value) in &g.updates {
+        let Some(kv) = kernels
+            .iter()
+            .position(|k| k.stores.iter().any(|s| s.buf == value))
+        else {
+            continue;
+        };
+        for (ki, k) in kernels.iter().enumerate() {
+            if ki == kv || !k.loads().contains(&target) {
+                continue;
+            }
+            if pos_of_kernel[ki] > pos_of_kernel[kv] {
+                // Some fused node reads the old value too late: give it a buffer.
+                for &x in &k.nodes {
+                    if g.node(x).inputs.contains(&target) && x != *k.nodes.last().unwrap_or(&x) {
+                        retry.push(x);
+                    }
+                }
+                if retry.is_empty() {
+                    return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
+                }
+            }
+        }
+        let k = &kernels[kv];
+        let store_index = k.stores[0].index;
+        let bad = k.pool.nodes.iter().enumerate().any(|(i, e)| {
+            matches!(e, E::Load { buf, index, .. } if *buf == target && *index != store_index)
+                && reachable(&k.pool, &[k.stores[0].value]).contains(&super::ExprId(i as u32))
+        });
+        if bad
+            || k.matmul
+                .as_ref()
+                .is_some_and(|mm| mm.a.buf == target || mm.b.buf == target)
+        {
+            return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
+        }
+    }
+    if !retry.is_empty() {
+        return Err(Retry::Materialize(retry));
+    }
+    let _ = pos;
+    Ok(kernels)
+}
+
+fn name_of(g: &Graph, n: NodeId) -> String {
+    match &g.node(n).op {
+        Op::Param { name, .. } | Op::State { name, .. } | Op::Input { name, .. } => name.clone(),
+        _ => format!("%{}", n.index()),
+    }
+}
+
+/// `buf[i] = 0` over the node's shape.
+fn fill_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Result<Kernel, LowerError> {
+    let ty = d.g.ty(n).clone();
+    let layout = d.layout(n);
+    let mut b = Builder::new(d, n, layout.iter().map(|&a| ty.dims()[a]).collect());
+    let idx = b.logical_index(n);
+    let index = b.buffer_index(n, &idx);
+    let z = b.pool.constant(0.0, super::VTy::of(ty.dtype));
+    let st = Store {
+        buf: n,
+        dtype: ty.dtype,
+        index,
+        value: z,
+        accumulate: false,
+    };
+    let mut k = b.finish(name, vec![st], true);
+    k.describe = format!("zero fill for {} %{}", d.g.node(n).op.name(), n.index());
+    Ok(k)
+}

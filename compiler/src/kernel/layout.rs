@@ -1,0 +1,73 @@
+//! Layout selection: which buffers are stored channels-last.
+//!
+//! The language's logical layout is NCHW, and inputs, outputs, params and optimizer state
+//! keep it (the caller sees them). A buffer's physical layout is only a permutation of its
+//! axes in the index arithmetic of every load and store (`lower::Builder::buffer_index`),
+//! so choosing NHWC for the intermediates of a convolution chain costs no copy: the kernels
+//! at the chain's boundaries read one layout and write the other. The matmul anchor reads
+//! strides from the same arithmetic. Views never copy; a contiguous copy is made only where
+//! a matmul's B operand is not contiguous along its columns (`lower::Builder::matmul_spec`).
+//!
+//! A 4-D intermediate belongs to a convolution chain when a convolution, pooling or their
+//! gradients produces it or reads it, directly or through pointwise ops and views.
+
+use crate::ir::{Graph, NodeId, Op};
+use std::collections::{BTreeMap, BTreeSet};
+
+fn conv_family(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Conv2d { .. }
+            | Op::Conv2dGradInput { .. }
+            | Op::Conv2dGradWeight { .. }
+            | Op::Pool2d { .. }
+            | Op::Pool2dGrad { .. }
+    )
+}
+
+fn passes_layout(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::BroadcastTo { .. }
+    )
+}
+
+/// NHWC for every materialized 4-D intermediate of a convolution chain.
+pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<NodeId, Vec<usize>> {
+    let outputs: BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
+    let updates: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+    // Nodes connected to a conv-family op through layout-preserving ops.
+    let mut in_chain: BTreeSet<NodeId> = BTreeSet::new();
+    let mut stack: Vec<NodeId> = Vec::new();
+    for n in g.node_ids() {
+        if conv_family(&g.node(n).op) {
+            stack.push(n);
+            stack.extend(g.node(n).inputs.iter().copied());
+        }
+    }
+    while let Some(n) = stack.pop() {
+        if g.ty(n).rank() != 4 || !in_chain.insert(n) {
+            continue;
+        }
+        let node = g.node(n);
+        if passes_layout(&node.op) || conv_family(&node.op) {
+            stack.extend(node.inputs.iter().copied());
+        }
+        for u in g.users(n) {
+            if passes_layout(&g.node(u).op) || conv_family(&g.node(u).op) {
+                stack.push(u);
+            }
+        }
+    }
+    in_chain
+        .into_iter()
+        .filter(|n| {
+            let op = &g.node(*n).op;
+            materialized.contains(n)
+                && (passes_layout(op) || conv_family(op))
+                && !outputs.contains(n)
+                && !updates.contains(n)
+        })
+        .map(|n| (n, vec![0, 2, 3, 1]))
+        .collect()
+}

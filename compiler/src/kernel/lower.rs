@@ -1,0 +1,939 @@
+//! Lowering graph nodes into kernel expressions.
+//!
+//! [`Builder::value`] gives the expression of node `n` at a multi-index: a load when `n`
+//! has a buffer, otherwise `n`'s own expression over its operands' values (the node is
+//! fused). Views only transform the index. When an index could leave an operand's bounds
+//! (concat branches, convolution padding, embedding ids), it is clamped and the value is
+//! masked, so no load ever reads outside its buffer.
+
+use super::{Affine, ExprId, ExprPool, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
+use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
+use std::collections::{BTreeSet, HashMap};
+
+/// Why a kernel could not be built as decided.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LowerError {
+    /// The node must get a buffer of its own (a matmul operand that is not a strided view
+    /// of a buffer, a matmul that cannot be an epilogue's anchor, ...). Fusion retries.
+    #[error("node %{} must be materialized", .0.index())]
+    Materialize(NodeId),
+    #[error("kernel lowering: {0}")]
+    Internal(String),
+}
+
+type Res<T> = Result<T, LowerError>;
+
+/// What fusion decided, as the lowering needs it.
+pub struct Decisions<'a> {
+    pub g: &'a Graph,
+    /// Nodes with a buffer (leaves included).
+    pub materialized: &'a BTreeSet<NodeId>,
+    /// Physical layouts of buffers that are not row-major in their logical axes: the
+    /// logical axis of each physical axis, outermost first (`[0, 2, 3, 1]` is NHWC for a
+    /// logical NCHW tensor).
+    pub layouts: &'a std::collections::BTreeMap<NodeId, Vec<usize>>,
+}
+
+impl Decisions<'_> {
+    /// The physical order of `n`'s axes (identity when row-major).
+    pub fn layout(&self, n: NodeId) -> Vec<usize> {
+        match self.layouts.get(&n) {
+            Some(p) => p.clone(),
+            None => (0..self.g.ty(n).rank()).collect(),
+        }
+    }
+}
+
+/// True for ops lowered as an f32 matmul anchor.
+pub fn matmul_anchor_ok(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    matches!(node.op, Op::MatMul)
+        && node.ty.dtype == DType::F32
+        && node.inputs.iter().all(|&i| g.ty(i).rank() >= 2)
+}
+
+/// Builds one kernel.
+pub struct Builder<'a> {
+    d: &'a Decisions<'a>,
+    pub pool: ExprPool,
+    ext: HashMap<Var, usize>,
+    domain: Vec<usize>,
+    dvars: Vec<ExprId>,
+    root: NodeId,
+    pub matmul: Option<(NodeId, Matmul)>,
+    memo: HashMap<(NodeId, Vec<ExprId>), ExprId>,
+    /// Fused nodes visited (root excluded).
+    pub fused: BTreeSet<NodeId>,
+    /// Reductions made for fused (non-root) nodes, to check where they are evaluated.
+    pub fused_reductions: Vec<(ExprId, NodeId)>,
+}
+
+fn contiguous_strides(dims: &[usize]) -> Vec<i64> {
+    let mut s = vec![1i64; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * dims[i + 1] as i64;
+    }
+    s
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(d: &'a Decisions<'a>, root: NodeId, domain: Vec<usize>) -> Builder<'a> {
+        let mut pool = ExprPool::default();
+        pool.reserve_vars(domain.len() as u32);
+        let mut ext = HashMap::new();
+        let mut dvars = Vec::new();
+        for (i, &e) in domain.iter().enumerate() {
+            ext.insert(i as Var, e);
+            dvars.push(pool.var(i as Var));
+        }
+        Builder {
+            d,
+            pool,
+            ext,
+            domain,
+            dvars,
+            root,
+            matmul: None,
+            memo: HashMap::new(),
+            fused: BTreeSet::new(),
+            fused_reductions: Vec::new(),
+        }
+    }
+
+    pub fn domain_vars(&self) -> Vec<ExprId> {
+        self.dvars.clone()
+    }
+
+    fn fresh(&mut self, extent: usize) -> (Var, ExprId) {
+        let v = self.pool.fresh_var();
+        self.ext.insert(v, extent);
+        (v, self.pool.var(v))
+    }
+
+    /// Element index of logical index `idx` in `n`'s buffer (its physical layout).
+    pub fn buffer_index(&mut self, n: NodeId, idx: &[ExprId]) -> ExprId {
+        let dims = self.d.g.ty(n).dims().to_vec();
+        let p = self.d.layout(n);
+        let pidx: Vec<ExprId> = p.iter().map(|&a| idx[a]).collect();
+        let pdims: Vec<usize> = p.iter().map(|&a| dims[a]).collect();
+        self.linear(&pidx, &pdims)
+    }
+
+    /// The logical index of a kernel whose domain is `n`'s physical shape.
+    pub fn logical_index(&self, n: NodeId) -> Vec<ExprId> {
+        let p = self.d.layout(n);
+        let mut idx = self.dvars.clone();
+        for (i, &a) in p.iter().enumerate() {
+            if let Some(&v) = self.dvars.get(i) {
+                idx[a] = v;
+            }
+        }
+        idx
+    }
+
+    /// Row-major linear index of `idx` in `dims`.
+    pub fn linear(&mut self, idx: &[ExprId], dims: &[usize]) -> ExprId {
+        let s = contiguous_strides(dims);
+        let mut acc = self.pool.int(0);
+        for (i, &x) in idx.iter().enumerate() {
+            if dims[i] == 1 {
+                // The index of a size-1 axis is 0 (dropping it keeps equal indices equal).
+                continue;
+            }
+            let t = self.pool.imul_c(x, s[i]);
+            acc = self.pool.iadd(acc, t);
+        }
+        acc
+    }
+
+    fn idiv(&mut self, a: ExprId, c: i64) -> ExprId {
+        let ext = &self.ext;
+        self.pool.idiv_c(a, c, &|v| ext.get(&v).copied())
+    }
+
+    fn irem(&mut self, a: ExprId, c: i64) -> ExprId {
+        let ext = &self.ext;
+        self.pool.irem_c(a, c, &|v| ext.get(&v).copied())
+    }
+
+    fn unflatten(&mut self, lin: ExprId, dims: &[usize]) -> Vec<ExprId> {
+        let s = contiguous_strides(dims);
+        (0..dims.len())
+            .map(|i| {
+                let q = self.idiv(lin, s[i]);
+                if i == 0 {
+                    q
+                } else {
+                    self.irem(q, dims[i] as i64)
+                }
+            })
+            .collect()
+    }
+
+    /// The index of an operand of shape `od` broadcast to an output indexed by `idx`.
+    fn broadcast(&mut self, idx: &[ExprId], od: &[usize]) -> Vec<ExprId> {
+        let off = idx.len() - od.len();
+        od.iter()
+            .enumerate()
+            .map(|(i, &d)| {
+                if d == 1 {
+                    self.pool.int(0)
+                } else {
+                    idx[off + i]
+                }
+            })
+            .collect()
+    }
+
+    /// Value of `n` at `idx`, with indices clamped into bounds and the value replaced by
+    /// `fill` where `guard` is false.
+    fn guarded(&mut self, n: NodeId, idx: &[ExprId], guard: ExprId, fill: f64) -> Res<ExprId> {
+        let dims = self.d.g.ty(n).dims().to_vec();
+        let cl: Vec<ExprId> = idx
+            .iter()
+            .zip(&dims)
+            .map(|(&x, &d)| self.pool.clamp(x, 0, d as i64 - 1))
+            .collect();
+        let v = self.value(n, &cl)?;
+        let ty = self.pool.ty(v);
+        let f = self.pool.constant(fill, ty);
+        Ok(self.pool.select(guard, v, f))
+    }
+
+    fn in_range(&mut self, x: ExprId, hi: usize) -> ExprId {
+        let z = self.pool.int(0);
+        let h = self.pool.int(hi as i64);
+        let a = self.pool.bin(BinaryOp::Ge, x, z);
+        let b = self.pool.bin(BinaryOp::Lt, x, h);
+        self.pool.and(a, b)
+    }
+
+    fn scalar(&mut self, v: Scalar, dtype: DType) -> ExprId {
+        let ty = VTy::of(dtype);
+        match v {
+            Scalar::Float(f) => self.pool.constant(f, ty),
+            Scalar::Int(i) => self.pool.constant(i as f64, ty),
+            Scalar::Bool(b) => self.pool.constant(if b { 1.0 } else { 0.0 }, ty),
+        }
+    }
+
+    /// The expression of node `n` at multi-index `idx` (one i64 per axis of `n`).
+    pub fn value(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
+        let key = (n, idx.to_vec());
+        if let Some(&e) = self.memo.get(&key) {
+            return Ok(e);
+        }
+        let e = self.value_uncached(n, idx)?;
+        self.memo.insert(key, e);
+        Ok(e)
+    }
+
+    fn value_uncached(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
+        let g = self.d.g;
+        let node = g.node(n);
+        let is_root = n == self.root;
+        if !is_root && self.d.materialized.contains(&n) {
+            let index = self.buffer_index(n, idx);
+            return Ok(self.pool.add(
+                E::Load {
+                    buf: n,
+                    dtype: node.ty.dtype,
+                    index,
+                },
+                VTy::of(node.ty.dtype),
+            ));
+        }
+        if !is_root && !matches!(node.op, Op::Literal { .. }) {
+            self.fused.insert(n);
+        }
+        let dims = node.ty.dims().to_vec();
+        let ins = node.inputs.clone();
+        let ity = |k: usize| g.ty(ins[k]).clone();
+        let out_ty = VTy::of(node.ty.dtype);
+        match &node.op {
+            Op::Input { .. } | Op::Param { .. } | Op::State { .. } | Op::Grad => Err(
+                LowerError::Internal(format!("`{}` has no expression", node.op.name())),
+            ),
+            Op::Literal { value, dtype } => Ok(self.scalar(*value, *dtype)),
+            Op::Full { value, ty } => Ok(self.scalar(*value, ty.dtype)),
+            Op::Arange { .. } => Ok(self.pool.cast(VTy::I32, idx[0])),
+            Op::Unary(u) => {
+                let i0 = self.broadcast(idx, ity(0).dims());
+                let x = self.value(ins[0], &i0)?;
+                Ok(self.pool.un(*u, x))
+            }
+            Op::Binary(b) => {
+                let i0 = self.broadcast(idx, ity(0).dims());
+                let i1 = self.broadcast(idx, ity(1).dims());
+                let x = self.value(ins[0], &i0)?;
+                let y = self.value(ins[1], &i1)?;
+                Ok(self.pool.bin(*b, x, y))
+            }
+            Op::Where => {
+                let i0 = self.broadcast(idx, ity(0).dims());
+                let i1 = self.broadcast(idx, ity(1).dims());
+                let i2 = self.broadcast(idx, ity(2).dims());
+                let c = self.value(ins[0], &i0)?;
+                let a = self.value(ins[1], &i1)?;
+                let b = self.value(ins[2], &i2)?;
+                Ok(self.pool.select(c, a, b))
+            }
+            Op::Cast { to } => {
+                let x = self.value(ins[0], idx)?;
+                Ok(self.pool.cast(VTy::of(*to), x))
+            }
+            Op::Reshape { .. } => {
+                let lin = self.linear(idx, &dims);
+                let in_dims = ity(0).dims().to_vec();
+                let i0 = self.unflatten(lin, &in_dims);
+                self.value(ins[0], &i0)
+            }
+            Op::Permute { perm } => {
+                let mut i0 = vec![self.pool.int(0); perm.len()];
+                for (a, &p) in perm.iter().enumerate() {
+                    i0[p] = idx[a];
+                }
+                self.value(ins[0], &i0)
+            }
+            Op::BroadcastTo { .. } => {
+                let i0 = self.broadcast(idx, ity(0).dims());
+                self.value(ins[0], &i0)
+            }
+            Op::Slice { ranges } => {
+                let i0: Vec<ExprId> = idx
+                    .iter()
+                    .zip(ranges)
+                    .map(|(&x, &(s, _))| self.pool.iadd_c(x, s as i64))
+                    .collect();
+                self.value(ins[0], &i0)
+            }
+            Op::Select { axis, index } => {
+                let mut i0 = idx.to_vec();
+                let c = self.pool.int(*index as i64);
+                i0.insert(*axis, c);
+                self.value(ins[0], &i0)
+            }
+            Op::Concat { axis } => {
+                // Last operand first; each earlier one wins below its end.
+                let mut starts = Vec::new();
+                let mut s = 0usize;
+                for &i in &ins {
+                    starts.push(s);
+                    s += g.ty(i).dims()[*axis];
+                }
+                let mut acc: Option<ExprId> = None;
+                for k in (0..ins.len()).rev() {
+                    let len = g.ty(ins[k]).dims()[*axis];
+                    if len == 0 {
+                        continue;
+                    }
+                    let mut ik = idx.to_vec();
+                    let shifted = self.pool.iadd_c(idx[*axis], -(starts[k] as i64));
+                    ik[*axis] = self.pool.clamp(shifted, 0, len as i64 - 1);
+                    let v = self.value(ins[k], &ik)?;
+                    acc = Some(match acc {
+                        None => v,
+                        Some(later) => {
+                            let end = self.pool.int((starts[k] + len) as i64);
+                            let c = self.pool.bin(BinaryOp::Lt, idx[*axis], end);
+                            self.pool.select(c, v, later)
+                        }
+                    });
+                }
+                acc.ok_or_else(|| LowerError::Internal("empty concat".into()))
+            }
+            Op::Embedding => {
+                let (table, ids) = (ins[0], ins[1]);
+                let td = g.ty(table).dims().to_vec();
+                let r = idx.len();
+                let id = self.value(ids, &idx[..r - 1])?;
+                let id64 = self.pool.cast(VTy::I64, id);
+                let row = self.pool.clamp(id64, 0, td[0] as i64 - 1);
+                self.value(table, &[row, idx[r - 1]])
+            }
+            Op::Dropout { p, seed } => {
+                let x = self.value(ins[0], idx)?;
+                let lin = self.linear(idx, &dims);
+                let u = self.pool.add(
+                    E::Uniform {
+                        seed: *seed,
+                        index: lin,
+                    },
+                    VTy::F32,
+                );
+                let pc = self.pool.f32(*p as f32);
+                let keep = self.pool.bin(BinaryOp::Ge, u, pc);
+                let sc = self.pool.f32((1.0 / (1.0 - p)) as f32);
+                let scaled = self.pool.bin(BinaryOp::Mul, x, sc);
+                let z = self.pool.f32(0.0);
+                Ok(self.pool.select(keep, scaled, z))
+            }
+            Op::Tri { upper, k } => {
+                let x = self.value(ins[0], idx)?;
+                let r = idx.len();
+                let neg_i = self.pool.imul_c(idx[r - 2], -1);
+                let diff = self.pool.iadd(idx[r - 1], neg_i);
+                let kc = self.pool.int(*k);
+                let keep = if *upper {
+                    self.pool.bin(BinaryOp::Ge, diff, kc)
+                } else {
+                    self.pool.bin(BinaryOp::Le, diff, kc)
+                };
+                let z = self.pool.constant(0.0, out_ty);
+                Ok(self.pool.select(keep, x, z))
+            }
+            Op::Reduce { op, axes, keepdim } => {
+                let xd = ity(0).dims().to_vec();
+                let mut vars = Vec::new();
+                let mut ix = Vec::with_capacity(xd.len());
+                let mut o = 0usize;
+                let mut count = 1usize;
+                for (a, &d) in xd.iter().enumerate() {
+                    if axes.contains(&a) {
+                        let (v, ve) = self.fresh(d);
+                        vars.push((v, d));
+                        ix.push(ve);
+                        count *= d;
+                        if *keepdim {
+                            o += 1;
+                        }
+                    } else {
+                        ix.push(idx[o]);
+                        o += 1;
+                    }
+                }
+                let body = self.value(ins[0], &ix)?;
+                let red = match op {
+                    ReduceOp::Sum | ReduceOp::Mean => Red::Sum,
+                    ReduceOp::Max => Red::Max,
+                    ReduceOp::Min => Red::Min,
+                };
+                let ty = self.pool.ty(body);
+                let r = self.pool.add(
+                    E::Reduce {
+                        op: red,
+                        vars,
+                        body,
+                    },
+                    ty,
+                );
+                self.note_reduction(r, n);
+                if *op == ReduceOp::Mean {
+                    let c = self.pool.constant(count.max(1) as f64, ty);
+                    Ok(self.pool.bin(BinaryOp::Div, r, c))
+                } else {
+                    Ok(r)
+                }
+            }
+            Op::ArgMax { axis, keepdim } => {
+                let xd = ity(0).dims().to_vec();
+                let mut vars = Vec::new();
+                let mut ix = Vec::new();
+                let mut o = 0usize;
+                for (a, &d) in xd.iter().enumerate() {
+                    if axis.is_none_or(|ax| ax == a) {
+                        let (v, ve) = self.fresh(d);
+                        vars.push((v, d));
+                        ix.push(ve);
+                        if *keepdim {
+                            o += 1;
+                        }
+                    } else {
+                        ix.push(idx[o]);
+                        o += 1;
+                    }
+                }
+                let body = self.value(ins[0], &ix)?;
+                let r = self.pool.add(E::ArgMax { vars, body }, VTy::I64);
+                self.note_reduction(r, n);
+                Ok(self.pool.cast(VTy::I32, r))
+            }
+            Op::MatMul => self.matmul_value(n, idx),
+            Op::Conv2d {
+                stride,
+                padding,
+                groups,
+            } => {
+                let (x, w) = (ins[0], ins[1]);
+                let (xd, wd) = (g.ty(x).dims().to_vec(), g.ty(w).dims().to_vec());
+                let (cpg, kh, kw) = (wd[1], wd[2], wd[3]);
+                let opg = (wd[0] / (*groups).max(1)) as i64;
+                let (vc, c) = self.fresh(cpg);
+                let (vi, i) = self.fresh(kh);
+                let (vj, j) = self.fresh(kw);
+                let grp = self.idiv(idx[1], opg);
+                let gbase = self.pool.imul_c(grp, cpg as i64);
+                let ch = self.pool.iadd(gbase, c);
+                let ih = self.tap(idx[2], stride[0], i, padding[0]);
+                let iw = self.tap(idx[3], stride[1], j, padding[1]);
+                let gh = self.in_range(ih, xd[2]);
+                let gw = self.in_range(iw, xd[3]);
+                let gd = self.pool.and(gh, gw);
+                let xv = self.guarded(x, &[idx[0], ch, ih, iw], gd, 0.0)?;
+                let wv = self.value(w, &[idx[1], c, i, j])?;
+                let body = self.pool.bin(BinaryOp::Mul, xv, wv);
+                Ok(self.reduction(n, Red::Sum, vec![(vc, cpg), (vi, kh), (vj, kw)], body))
+            }
+            Op::Conv2dGradInput {
+                stride,
+                padding,
+                groups,
+                ..
+            } => {
+                let (dy, w) = (ins[0], ins[1]);
+                let (yd, wd) = (g.ty(dy).dims().to_vec(), g.ty(w).dims().to_vec());
+                let (cpg, kh, kw) = (wd[1] as i64, wd[2], wd[3]);
+                let opg = wd[0] / (*groups).max(1);
+                let (vo, oo) = self.fresh(opg);
+                let (vi, i) = self.fresh(kh);
+                let (vj, j) = self.fresh(kw);
+                let grp = self.idiv(idx[1], cpg);
+                let cc = self.irem(idx[1], cpg);
+                let obase = self.pool.imul_c(grp, opg as i64);
+                let o = self.pool.iadd(obase, oo);
+                let (oh, gh) = self.untap(idx[2], stride[0], i, padding[0], yd[2]);
+                let (ow, gw) = self.untap(idx[3], stride[1], j, padding[1], yd[3]);
+                let gd = self.pool.and(gh, gw);
+                let gv = self.guarded(dy, &[idx[0], o, oh, ow], gd, 0.0)?;
+                let wv = self.value(w, &[o, cc, i, j])?;
+                let body = self.pool.bin(BinaryOp::Mul, gv, wv);
+                Ok(self.reduction(n, Red::Sum, vec![(vo, opg), (vi, kh), (vj, kw)], body))
+            }
+            Op::Conv2dGradWeight {
+                stride,
+                padding,
+                groups,
+                ..
+            } => {
+                let (x, dy) = (ins[0], ins[1]);
+                let (xd, yd) = (g.ty(x).dims().to_vec(), g.ty(dy).dims().to_vec());
+                let cpg = dims[1] as i64;
+                let opg = (dims[0] / (*groups).max(1)) as i64;
+                let (vn, nn) = self.fresh(yd[0]);
+                let (vh, oh) = self.fresh(yd[2]);
+                let (vw, ow) = self.fresh(yd[3]);
+                let grp = self.idiv(idx[0], opg);
+                let gbase = self.pool.imul_c(grp, cpg);
+                let ch = self.pool.iadd(gbase, idx[1]);
+                let ih = self.tap(oh, stride[0], idx[2], padding[0]);
+                let iw = self.tap(ow, stride[1], idx[3], padding[1]);
+                let gh = self.in_range(ih, xd[2]);
+                let gw = self.in_range(iw, xd[3]);
+                let gd = self.pool.and(gh, gw);
+                let xv = self.guarded(x, &[nn, ch, ih, iw], gd, 0.0)?;
+                let gv = self.value(dy, &[nn, idx[0], oh, ow])?;
+                let body = self.pool.bin(BinaryOp::Mul, xv, gv);
+                Ok(self.reduction(
+                    n,
+                    Red::Sum,
+                    vec![(vn, yd[0]), (vh, yd[2]), (vw, yd[3])],
+                    body,
+                ))
+            }
+            Op::Pool2d {
+                kind,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let x = ins[0];
+                let xd = g.ty(x).dims().to_vec();
+                let (vi, i) = self.fresh(kernel[0]);
+                let (vj, j) = self.fresh(kernel[1]);
+                let ih = self.tap(idx[2], stride[0], i, padding[0]);
+                let iw = self.tap(idx[3], stride[1], j, padding[1]);
+                let gh = self.in_range(ih, xd[2]);
+                let gw = self.in_range(iw, xd[3]);
+                let gd = self.pool.and(gh, gw);
+                let vars = vec![(vi, kernel[0]), (vj, kernel[1])];
+                match kind {
+                    PoolKind::Max => {
+                        let body =
+                            self.guarded(x, &[idx[0], idx[1], ih, iw], gd, f64::NEG_INFINITY)?;
+                        Ok(self.reduction(n, Red::Max, vars, body))
+                    }
+                    PoolKind::Avg => {
+                        let body = self.guarded(x, &[idx[0], idx[1], ih, iw], gd, 0.0)?;
+                        let s = self.reduction(n, Red::Sum, vars, body);
+                        let area = self.pool.f32((kernel[0] * kernel[1]) as f32);
+                        Ok(self.pool.bin(BinaryOp::Div, s, area))
+                    }
+                }
+            }
+            Op::Pool2dGrad {
+                kind: PoolKind::Avg,
+                kernel,
+                stride,
+                padding,
+            } => {
+                let dy = ins[1];
+                let yd = g.ty(dy).dims().to_vec();
+                let (vi, i) = self.fresh(kernel[0]);
+                let (vj, j) = self.fresh(kernel[1]);
+                let (oh, gh) = self.untap(idx[2], stride[0], i, padding[0], yd[2]);
+                let (ow, gw) = self.untap(idx[3], stride[1], j, padding[1], yd[3]);
+                let gd = self.pool.and(gh, gw);
+                let body = self.guarded(dy, &[idx[0], idx[1], oh, ow], gd, 0.0)?;
+                let s = self.reduction(n, Red::Sum, vec![(vi, kernel[0]), (vj, kernel[1])], body);
+                let area = self.pool.f32((kernel[0] * kernel[1]) as f32);
+                Ok(self.pool.bin(BinaryOp::Div, s, area))
+            }
+            Op::Pool2dGrad {
+                kind: PoolKind::Max,
+                ..
+            }
+            | Op::EmbeddingGrad { .. } => Err(LowerError::Internal(format!(
+                "`{}` is a scatter kernel, not an expression",
+                node.op.name()
+            ))),
+        }
+    }
+
+    /// `o * stride + tap - pad`.
+    fn tap(&mut self, o: ExprId, stride: usize, tap: ExprId, pad: usize) -> ExprId {
+        let a = self.pool.imul_c(o, stride as i64);
+        let b = self.pool.iadd(a, tap);
+        self.pool.iadd_c(b, -(pad as i64))
+    }
+
+    /// The output position `o` with `o * stride + tap - pad == i`, and whether it exists.
+    fn untap(
+        &mut self,
+        i: ExprId,
+        stride: usize,
+        tap: ExprId,
+        pad: usize,
+        out: usize,
+    ) -> (ExprId, ExprId) {
+        let nt = self.pool.imul_c(tap, -1);
+        let a = self.pool.iadd_c(i, pad as i64);
+        let t = self.pool.iadd(a, nt);
+        let z = self.pool.int(0);
+        let nonneg = self.pool.bin(BinaryOp::Ge, t, z);
+        if stride == 1 {
+            let inr = self.in_range(t, out);
+            return (t, self.pool.and(nonneg, inr));
+        }
+        let s = self.pool.int(stride as i64);
+        let q = self.pool.add(E::Bin(BinaryOp::Div, t, s), VTy::I64);
+        let r = self.pool.add(E::Bin(BinaryOp::Rem, t, s), VTy::I64);
+        let exact = self.pool.bin(BinaryOp::Eq, r, z);
+        let inr = self.in_range(q, out);
+        let a = self.pool.and(nonneg, exact);
+        (q, self.pool.and(a, inr))
+    }
+
+    fn reduction(&mut self, n: NodeId, op: Red, vars: Vec<(Var, usize)>, body: ExprId) -> ExprId {
+        let ty = self.pool.ty(body);
+        let r = self.pool.add(E::Reduce { op, vars, body }, ty);
+        self.note_reduction(r, n);
+        r
+    }
+
+    fn note_reduction(&mut self, r: ExprId, n: NodeId) {
+        if n != self.root {
+            self.fused_reductions.push((r, n));
+        }
+    }
+
+    /// A matmul: the kernel's anchor when it can be (f32, ranks ≥ 2, evaluated at the
+    /// kernel's own domain point), else a sum over `k`.
+    fn matmul_value(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
+        let g = self.d.g;
+        let node = g.node(n);
+        let dims = node.ty.dims().to_vec();
+        if matmul_anchor_ok(g, n) {
+            let identity = idx == self.dvars.as_slice() && dims == self.domain;
+            if !identity || self.matmul.is_some() {
+                return Err(LowerError::Materialize(n));
+            }
+            let mm = self.matmul_spec(n)?;
+            self.matmul = Some((n, mm));
+            return Ok(self.pool.add(E::Acc, VTy::F32));
+        }
+        // General form: promote 1-D operands, broadcast batch dims.
+        let (a, b) = (node.inputs[0], node.inputs[1]);
+        let (ad, bd) = (g.ty(a).dims().to_vec(), g.ty(b).dims().to_vec());
+        let kdim = ad[ad.len() - 1];
+        let (vk, k) = self.fresh(kdim);
+        let r = idx.len();
+        let ai: Vec<ExprId> = if ad.len() == 1 {
+            vec![k]
+        } else {
+            let bo = if bd.len() == 1 { r } else { r - 1 };
+            let mut batch_idx: Vec<ExprId> = idx[..bo - 1].to_vec();
+            let i = idx[bo - 1];
+            let bdims = &ad[..ad.len() - 2];
+            batch_idx = self.broadcast(&batch_idx, bdims);
+            batch_idx.push(i);
+            batch_idx.push(k);
+            batch_idx
+        };
+        let bi: Vec<ExprId> = if bd.len() == 1 {
+            vec![k]
+        } else {
+            let j = idx[r - 1];
+            let nb = if ad.len() == 1 { r - 1 } else { r - 2 };
+            let bdims = &bd[..bd.len() - 2];
+            let mut batch_idx = self.broadcast(&idx[..nb], bdims);
+            batch_idx.push(k);
+            batch_idx.push(j);
+            batch_idx
+        };
+        let x = self.value(a, &ai)?;
+        let y = self.value(b, &bi)?;
+        let body = self.pool.bin(BinaryOp::Mul, x, y);
+        Ok(self.reduction(n, Red::Sum, vec![(vk, kdim)], body))
+    }
+
+    /// Strides of a matmul operand that is a strided view of a buffer.
+    fn operand(&mut self, x: NodeId, batch: &[usize], rows: usize, cols: usize) -> Res<Operand> {
+        let xd = self.d.g.ty(x).dims().to_vec();
+        let mut vars = Vec::new();
+        let mut bidx = Vec::new();
+        for &d in batch {
+            let (v, e) = self.fresh(d);
+            vars.push(v);
+            bidx.push(e);
+        }
+        let (vr, r) = self.fresh(rows);
+        let (vc, c) = self.fresh(cols);
+        let mut idx = self.broadcast(&bidx, &xd[..xd.len() - 2]);
+        idx.push(r);
+        idx.push(c);
+        let saved = std::mem::take(&mut self.fused);
+        let v = self.value(x, &idx)?;
+        let fused = std::mem::replace(&mut self.fused, saved);
+        let (buf, dtype, index) = match self.pool.get(v) {
+            E::Load { buf, dtype, index } => (*buf, *dtype, *index),
+            _ => return Err(LowerError::Materialize(x)),
+        };
+        let Some(af) = self.pool.affine(index) else {
+            return Err(LowerError::Materialize(x));
+        };
+        self.fused.extend(fused);
+        let known: Vec<Var> = vars.iter().copied().chain([vr, vc]).collect();
+        if af.terms.iter().any(|t| !known.contains(&t.0)) {
+            return Err(LowerError::Materialize(x));
+        }
+        Ok(Operand {
+            buf,
+            dtype,
+            base: af.c0,
+            batch_strides: vars.iter().map(|&v| af.coef(v)).collect(),
+            rs: af.coef(vr),
+            cs: af.coef(vc),
+        })
+    }
+
+    fn matmul_spec(&mut self, n: NodeId) -> Res<Matmul> {
+        let g = self.d.g;
+        let node = g.node(n);
+        let dims = node.ty.dims().to_vec();
+        let r = dims.len();
+        let (m, nn) = (dims[r - 2], dims[r - 1]);
+        let k = g.ty(node.inputs[0]).dims()[g.ty(node.inputs[0]).rank() - 1];
+        let batch = dims[..r - 2].to_vec();
+        let a = self.operand(node.inputs[0], &batch, m, k)?;
+        let b = self.operand(node.inputs[1], &batch, k, nn)?;
+        // The tiled loop reads rows of B as vectors: a B that is not contiguous along its
+        // columns (a transposed view) is copied once, contiguously.
+        if b.cs != 1 && nn > 1 {
+            return Err(LowerError::Materialize(node.inputs[1]));
+        }
+        Ok(Matmul {
+            batch,
+            m,
+            n: nn,
+            k,
+            a,
+            b,
+        })
+    }
+
+    /// Finishes the kernel with the given stores.
+    pub fn finish(self, name: String, stores: Vec<Store>, parallel: bool) -> Kernel {
+        let mut nodes: Vec<NodeId> = self.fused.iter().copied().collect();
+        nodes.push(self.root);
+        let describe = nodes
+            .iter()
+            .map(|&x| format!("{} %{}", self.d.g.node(x).op.name(), x.index()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Kernel {
+            name,
+            domain: self.domain,
+            pool: self.pool,
+            stores,
+            matmul: self.matmul.map(|m| m.1),
+            nodes,
+            parallel,
+            describe,
+        }
+    }
+
+    /// Extent of a variable.
+    pub fn extent(&self, v: Var) -> Option<usize> {
+        self.ext.get(&v).copied()
+    }
+}
+
+/// Free variables of every node of a pool (variables not bound by a reduction inside).
+pub fn free_vars(pool: &ExprPool) -> Vec<BTreeSet<Var>> {
+    let mut out: Vec<BTreeSet<Var>> = Vec::with_capacity(pool.nodes.len());
+    for e in &pool.nodes {
+        let mut s = BTreeSet::new();
+        let take = |c: &ExprId, s: &mut BTreeSet<Var>| {
+            s.extend(out[c.0 as usize].iter().copied());
+        };
+        match e {
+            E::Var(v) => {
+                s.insert(*v);
+            }
+            E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => {}
+            E::Load { index, .. } => take(index, &mut s),
+            E::Un(_, a) | E::Cast(_, a) => take(a, &mut s),
+            E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => {
+                take(a, &mut s);
+                take(b, &mut s);
+            }
+            E::Select(c, a, b) => {
+                take(c, &mut s);
+                take(a, &mut s);
+                take(b, &mut s);
+            }
+            E::Reduce { vars, body, .. } | E::ArgMax { vars, body } => {
+                take(body, &mut s);
+                for (v, _) in vars {
+                    s.remove(v);
+                }
+            }
+            E::Uniform { index, .. } => take(index, &mut s),
+        }
+        out.push(s);
+    }
+    out
+}
+
+/// Nodes reachable from `roots` (children before parents, each once).
+pub fn reachable(pool: &ExprPool, roots: &[ExprId]) -> Vec<ExprId> {
+    let mut seen = vec![false; pool.nodes.len()];
+    let mut stack: Vec<ExprId> = roots.to_vec();
+    while let Some(x) = stack.pop() {
+        if std::mem::replace(&mut seen[x.0 as usize], true) {
+            continue;
+        }
+        stack.extend(children(pool.get(x)));
+    }
+    // Pool order is already a topological order (children are interned first).
+    (0..pool.nodes.len() as u32)
+        .map(ExprId)
+        .filter(|x| seen[x.0 as usize])
+        .collect()
+}
+
+/// Operands of an expression node.
+pub fn children(e: &E) -> Vec<ExprId> {
+    match e {
+        E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => vec![],
+        E::Load { index, .. } => vec![*index],
+        E::Un(_, a) | E::Cast(_, a) => vec![*a],
+        E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => vec![*a, *b],
+        E::Select(c, a, b) => vec![*c, *a, *b],
+        E::Reduce { body, .. } | E::ArgMax { body, .. } => vec![*body],
+        E::Uniform { index, .. } => vec![*index],
+    }
+}
+
+/// The affine form, if any, re-exported for back ends.
+pub fn affine_of(pool: &ExprPool, e: ExprId) -> Option<Affine> {
+    pool.affine(e)
+}
+
+/// Scatter kernels: `embedding_grad` and `max_pool2d_grad` accumulate into a zeroed
+/// buffer; this builds the accumulating kernel (the zero fill is a separate kernel).
+pub fn scatter_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Res<Kernel> {
+    let g = d.g;
+    let node = g.node(n);
+    match &node.op {
+        Op::EmbeddingGrad { vocab } => {
+            let (ids, dy) = (node.inputs[0], node.inputs[1]);
+            let dd = g.ty(dy).dims().to_vec();
+            let mut b = Builder::new(d, n, dd.clone());
+            let idx = b.domain_vars();
+            let r = idx.len();
+            let gv = b.value(dy, &idx)?;
+            let id = b.value(ids, &idx[..r - 1])?;
+            let id64 = b.pool.cast(VTy::I64, id);
+            let row = b.pool.clamp(id64, 0, *vocab as i64 - 1);
+            let index = b.buffer_index(n, &[row, idx[r - 1]]);
+            let st = Store {
+                buf: n,
+                dtype: node.ty.dtype,
+                index,
+                value: gv,
+                accumulate: true,
+            };
+            Ok(b.finish(name, vec![st], false))
+        }
+        Op::Pool2dGrad {
+            kind: PoolKind::Max,
+            kernel,
+            stride,
+            padding,
+        } => {
+            let (x, dy) = (node.inputs[0], node.inputs[1]);
+            let xd = g.ty(x).dims().to_vec();
+            let yd = g.ty(dy).dims().to_vec();
+            let mut b = Builder::new(d, n, yd);
+            let idx = b.domain_vars();
+            let (vi, i) = b.fresh(kernel[0]);
+            let (vj, j) = b.fresh(kernel[1]);
+            let ih = b.tap(idx[2], stride[0], i, padding[0]);
+            let iw = b.tap(idx[3], stride[1], j, padding[1]);
+            let gh = b.in_range(ih, xd[2]);
+            let gw = b.in_range(iw, xd[3]);
+            let gd = b.pool.and(gh, gw);
+            let body = b.guarded(x, &[idx[0], idx[1], ih, iw], gd, f64::NEG_INFINITY)?;
+            let am = b.pool.add(
+                E::ArgMax {
+                    vars: vec![(vi, kernel[0]), (vj, kernel[1])],
+                    body,
+                },
+                VTy::I64,
+            );
+            let bi = b.idiv(am, kernel[1] as i64);
+            let bj = b.irem(am, kernel[1] as i64);
+            let th = b.tap(idx[2], stride[0], bi, padding[0]);
+            let tw = b.tap(idx[3], stride[1], bj, padding[1]);
+            let th = b.pool.clamp(th, 0, xd[2] as i64 - 1);
+            let tw = b.pool.clamp(tw, 0, xd[3] as i64 - 1);
+            let gv = b.value(dy, &idx)?;
+            let index = b.buffer_index(n, &[idx[0], idx[1], th, tw]);
+            let st = Store {
+                buf: n,
+                dtype: node.ty.dtype,
+                index,
+                value: gv,
+                accumulate: true,
+            };
+            Ok(b.finish(name, vec![st], false))
+        }
+        _ => Err(LowerError::Internal(format!(
+            "`{}` is not a scatter op",
+            node.op.name()
+        ))),
+    }
+}
+
+/// Whether a node is computed by accumulating into a zeroed buffer.
+pub fn is_scatter(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::EmbeddingGrad { .. }
+            | Op::Pool2dGrad {
+                kind: PoolKind::Max,
+                ..
+            }
+    )
+}

@@ -1,0 +1,512 @@
+//! Kernel IR: what one fused kernel computes, in the form both back ends read.
+//!
+//! A [`Kernel`] is a loop nest over an index space (`domain`, row-major, outermost first)
+//! and a list of [`Store`]s: for every point of the domain, each store writes one value to
+//! `buffer[index]`. Values are expressions in an [`ExprPool`]: a DAG of interned nodes
+//! (equal sub-expressions are one node, so a value used twice is computed once) over
+//! - loop variables (`v0`.. for the domain, fresh ones for reductions) and integer index
+//!   arithmetic,
+//! - loads of a buffer at an element index (the layout of views is nothing but this index
+//!   arithmetic: permute, slice, broadcast and reshape cost no copy),
+//! - elementwise math, selects and casts,
+//! - structured reductions over extra loop variables ([`E::Reduce`], [`E::ArgMax`]); a
+//!   back end evaluates a node at the outermost loop where all its variables are bound, so
+//!   a row reduction inside a per-element kernel runs once per row (softmax, layer norm).
+//!
+//! Matmul kernels are a structured form ([`Matmul`]): the back end owns the loop nest (tiled,
+//! vectorised) and the stores read its accumulator through [`E::Acc`] (the fused epilogue).
+//!
+//! Buffers are named by the graph node that owns them; [`Program`] pairs the kernels with
+//! the memory plan that gives every buffer its arena offset.
+
+pub mod fuse;
+pub mod layout;
+pub mod lower;
+pub mod print;
+
+use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
+use std::collections::HashMap;
+
+/// Type of a value inside a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum VTy {
+    /// Every float dtype computes in f32 (f16/bf16 convert on load and store).
+    F32,
+    I32,
+    /// Indices and loop variables.
+    I64,
+    Bool,
+}
+
+impl VTy {
+    /// The compute type of a storage dtype.
+    pub fn of(d: DType) -> VTy {
+        match d {
+            DType::F32 | DType::F16 | DType::BF16 => VTy::F32,
+            DType::I32 => VTy::I32,
+            DType::Bool => VTy::Bool,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            VTy::F32 => "f32",
+            VTy::I32 => "i32",
+            VTy::I64 => "i64",
+            VTy::Bool => "bool",
+        }
+    }
+}
+
+/// Reduction combiners.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Red {
+    Sum,
+    /// NaN if any element is NaN.
+    Max,
+    Min,
+}
+
+impl Red {
+    pub fn name(self) -> &'static str {
+        match self {
+            Red::Sum => "sum",
+            Red::Max => "max",
+            Red::Min => "min",
+        }
+    }
+}
+
+/// Index of an expression node in its pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExprId(pub u32);
+
+/// A loop variable.
+pub type Var = u32;
+
+/// One expression node.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum E {
+    /// A loop variable (i64).
+    Var(Var),
+    /// An i64 constant (indices).
+    Int(i64),
+    /// An f32 constant, by its bits (so the node can be hashed).
+    F32(u32),
+    I32(i32),
+    Bool(bool),
+    /// `buf[index]`, where `buf` is the buffer of a graph node; converted to the compute
+    /// type of `dtype`. The index is always in bounds (lowering clamps where it must).
+    Load {
+        buf: NodeId,
+        dtype: DType,
+        index: ExprId,
+    },
+    Un(UnaryOp, ExprId),
+    /// Same-typed operands; comparisons give `Bool`. Integer `/` and `%` round toward
+    /// negative infinity (i32) and give 0 when dividing by 0; on i64 indices they truncate.
+    Bin(BinaryOp, ExprId, ExprId),
+    /// `min`/`max` of i64 indices (clamping).
+    IMin(ExprId, ExprId),
+    IMax(ExprId, ExprId),
+    Select(ExprId, ExprId, ExprId),
+    Cast(VTy, ExprId),
+    /// Reduction of `body` over fresh variables `vars` (extents), row-major order.
+    Reduce {
+        op: Red,
+        vars: Vec<(Var, usize)>,
+        body: ExprId,
+    },
+    /// Row-major linear index (i64) over `vars` of the first maximum of `body` (NaN counts
+    /// as the maximum).
+    ArgMax {
+        vars: Vec<(Var, usize)>,
+        body: ExprId,
+    },
+    /// Dropout's uniform draw in [0, 1) for element `index` (see `eager::dropout_uniform`).
+    Uniform {
+        seed: u64,
+        index: ExprId,
+    },
+    /// The accumulator of the kernel's matmul at the current domain point.
+    Acc,
+}
+
+/// An interned expression DAG.
+#[derive(Clone, Debug, Default)]
+pub struct ExprPool {
+    pub nodes: Vec<E>,
+    pub tys: Vec<VTy>,
+    intern: HashMap<E, ExprId>,
+    next_var: Var,
+}
+
+impl ExprPool {
+    pub fn get(&self, id: ExprId) -> &E {
+        &self.nodes[id.0 as usize]
+    }
+
+    pub fn ty(&self, id: ExprId) -> VTy {
+        self.tys[id.0 as usize]
+    }
+
+    /// Interns `e` of type `ty`.
+    pub fn add(&mut self, e: E, ty: VTy) -> ExprId {
+        if let Some(&id) = self.intern.get(&e) {
+            return id;
+        }
+        let id = ExprId(self.nodes.len() as u32);
+        self.nodes.push(e.clone());
+        self.tys.push(ty);
+        self.intern.insert(e, id);
+        id
+    }
+
+    pub fn fresh_var(&mut self) -> Var {
+        let v = self.next_var;
+        self.next_var += 1;
+        v
+    }
+
+    /// Reserves variables `0..n` for the domain.
+    pub fn reserve_vars(&mut self, n: u32) {
+        self.next_var = self.next_var.max(n);
+    }
+
+    pub fn var(&mut self, v: Var) -> ExprId {
+        self.add(E::Var(v), VTy::I64)
+    }
+
+    pub fn int(&mut self, v: i64) -> ExprId {
+        self.add(E::Int(v), VTy::I64)
+    }
+
+    pub fn f32(&mut self, v: f32) -> ExprId {
+        self.add(E::F32(v.to_bits()), VTy::F32)
+    }
+
+    /// The constant `v` in type `ty`.
+    pub fn constant(&mut self, v: f64, ty: VTy) -> ExprId {
+        match ty {
+            VTy::F32 => self.f32(v as f32),
+            VTy::I32 => self.add(E::I32(v as i32), VTy::I32),
+            VTy::I64 => self.int(v as i64),
+            VTy::Bool => self.add(E::Bool(v != 0.0), VTy::Bool),
+        }
+    }
+
+    fn int_value(&self, id: ExprId) -> Option<i64> {
+        match self.get(id) {
+            E::Int(v) => Some(*v),
+            _ => None,
+        }
+    }
+
+    /// `a + b` on i64 with constant folding.
+    pub fn iadd(&mut self, a: ExprId, b: ExprId) -> ExprId {
+        match (self.int_value(a), self.int_value(b)) {
+            (Some(x), Some(y)) => self.int(x + y),
+            (Some(0), _) => b,
+            (_, Some(0)) => a,
+            _ => self.add(E::Bin(BinaryOp::Add, a, b), VTy::I64),
+        }
+    }
+
+    /// `a * b` on i64 with constant folding.
+    pub fn imul(&mut self, a: ExprId, b: ExprId) -> ExprId {
+        match (self.int_value(a), self.int_value(b)) {
+            (Some(x), Some(y)) => self.int(x * y),
+            (Some(0), _) | (_, Some(0)) => self.int(0),
+            (Some(1), _) => b,
+            (_, Some(1)) => a,
+            _ => self.add(E::Bin(BinaryOp::Mul, a, b), VTy::I64),
+        }
+    }
+
+    pub fn imul_c(&mut self, a: ExprId, c: i64) -> ExprId {
+        let c = self.int(c);
+        self.imul(a, c)
+    }
+
+    pub fn iadd_c(&mut self, a: ExprId, c: i64) -> ExprId {
+        let c = self.int(c);
+        self.iadd(a, c)
+    }
+
+    /// `a / c` for an index `a` that is known non-negative, simplified through
+    /// [`Affine`] when `a` is affine in bounded variables.
+    pub fn idiv_c(&mut self, a: ExprId, c: i64, ext: &dyn Fn(Var) -> Option<usize>) -> ExprId {
+        if c == 1 {
+            return a;
+        }
+        if let Some(af) = self.affine(a) {
+            if let Some((hi, _lo)) = af.split(c, ext) {
+                return self.from_affine(&hi);
+            }
+        }
+        let cc = self.int(c);
+        self.add(E::Bin(BinaryOp::Div, a, cc), VTy::I64)
+    }
+
+    /// `a % c` for a non-negative index `a`, simplified like [`ExprPool::idiv_c`].
+    pub fn irem_c(&mut self, a: ExprId, c: i64, ext: &dyn Fn(Var) -> Option<usize>) -> ExprId {
+        if c == 1 {
+            return self.int(0);
+        }
+        if let Some(af) = self.affine(a) {
+            if let Some((_hi, lo)) = af.split(c, ext) {
+                return self.from_affine(&lo);
+            }
+        }
+        let cc = self.int(c);
+        self.add(E::Bin(BinaryOp::Rem, a, cc), VTy::I64)
+    }
+
+    /// `min(max(a, lo), hi)` on i64.
+    pub fn clamp(&mut self, a: ExprId, lo: i64, hi: i64) -> ExprId {
+        let l = self.int(lo);
+        let h = self.int(hi);
+        let m = self.add(E::IMax(a, l), VTy::I64);
+        self.add(E::IMin(m, h), VTy::I64)
+    }
+
+    pub fn bin(&mut self, op: BinaryOp, a: ExprId, b: ExprId) -> ExprId {
+        let ty = if op.is_comparison() || op.is_logical() {
+            VTy::Bool
+        } else {
+            self.ty(a)
+        };
+        self.add(E::Bin(op, a, b), ty)
+    }
+
+    pub fn un(&mut self, op: UnaryOp, a: ExprId) -> ExprId {
+        let ty = self.ty(a);
+        self.add(E::Un(op, a), ty)
+    }
+
+    pub fn select(&mut self, c: ExprId, a: ExprId, b: ExprId) -> ExprId {
+        if let E::Bool(v) = self.get(c) {
+            return if *v { a } else { b };
+        }
+        if a == b {
+            return a;
+        }
+        let ty = self.ty(a);
+        self.add(E::Select(c, a, b), ty)
+    }
+
+    pub fn and(&mut self, a: ExprId, b: ExprId) -> ExprId {
+        match (self.get(a), self.get(b)) {
+            (E::Bool(true), _) => b,
+            (_, E::Bool(true)) => a,
+            _ => self.add(E::Bin(BinaryOp::And, a, b), VTy::Bool),
+        }
+    }
+
+    pub fn cast(&mut self, to: VTy, a: ExprId) -> ExprId {
+        if self.ty(a) == to {
+            return a;
+        }
+        self.add(E::Cast(to, a), to)
+    }
+
+    /// The affine form `c0 + Σ c_i v_i` of an index expression, if it is one.
+    pub fn affine(&self, id: ExprId) -> Option<Affine> {
+        match self.get(id) {
+            E::Int(v) => Some(Affine {
+                c0: *v,
+                terms: Vec::new(),
+            }),
+            E::Var(v) => Some(Affine {
+                c0: 0,
+                terms: vec![(*v, 1)],
+            }),
+            E::Bin(BinaryOp::Add, a, b) if self.ty(id) == VTy::I64 => {
+                let (x, y) = (self.affine(*a)?, self.affine(*b)?);
+                Some(x.plus(&y))
+            }
+            E::Bin(BinaryOp::Mul, a, b) if self.ty(id) == VTy::I64 => {
+                match (self.int_value(*a), self.int_value(*b)) {
+                    (Some(c), _) => Some(self.affine(*b)?.scaled(c)),
+                    (_, Some(c)) => Some(self.affine(*a)?.scaled(c)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+
+    /// Builds the expression of an affine form (terms in variable order: deterministic).
+    pub fn from_affine(&mut self, a: &Affine) -> ExprId {
+        let mut acc = self.int(a.c0);
+        for &(v, c) in &a.terms {
+            let x = self.var(v);
+            let t = self.imul_c(x, c);
+            acc = self.iadd(acc, t);
+        }
+        acc
+    }
+}
+
+/// `c0 + Σ c_i v_i`, terms sorted by variable, no zero coefficients.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Affine {
+    pub c0: i64,
+    pub terms: Vec<(Var, i64)>,
+}
+
+impl Affine {
+    fn normalized(mut self) -> Affine {
+        self.terms.sort_unstable();
+        let mut out: Vec<(Var, i64)> = Vec::new();
+        for (v, c) in self.terms {
+            match out.last_mut() {
+                Some((w, d)) if *w == v => *d += c,
+                _ => out.push((v, c)),
+            }
+        }
+        out.retain(|&(_, c)| c != 0);
+        Affine {
+            c0: self.c0,
+            terms: out,
+        }
+    }
+
+    pub fn plus(&self, o: &Affine) -> Affine {
+        let mut terms = self.terms.clone();
+        terms.extend_from_slice(&o.terms);
+        Affine {
+            c0: self.c0 + o.c0,
+            terms,
+        }
+        .normalized()
+    }
+
+    pub fn scaled(&self, c: i64) -> Affine {
+        Affine {
+            c0: self.c0 * c,
+            terms: self.terms.iter().map(|&(v, k)| (v, k * c)).collect(),
+        }
+        .normalized()
+    }
+
+    /// Coefficient of `v`.
+    pub fn coef(&self, v: Var) -> i64 {
+        self.terms
+            .iter()
+            .find(|t| t.0 == v)
+            .map(|t| t.1)
+            .unwrap_or(0)
+    }
+
+    /// Splits `self = c * hi + lo` with `0 <= lo < c` for every value of the variables
+    /// (extents from `ext`), when the terms allow it exactly: terms whose coefficient `c`
+    /// divides go to `hi`, the rest (and the constant) must stay within `[0, c)`.
+    pub fn split(&self, c: i64, ext: &dyn Fn(Var) -> Option<usize>) -> Option<(Affine, Affine)> {
+        if c <= 0 {
+            return None;
+        }
+        let mut hi = Affine {
+            c0: self.c0.div_euclid(c),
+            terms: Vec::new(),
+        };
+        let mut lo = Affine {
+            c0: self.c0.rem_euclid(c),
+            terms: Vec::new(),
+        };
+        let (mut min, mut max) = (lo.c0, lo.c0);
+        for &(v, k) in &self.terms {
+            if k % c == 0 {
+                hi.terms.push((v, k / c));
+            } else {
+                let e = ext(v)? as i64;
+                let span = k * (e - 1).max(0);
+                if span < 0 {
+                    min += span;
+                } else {
+                    max += span;
+                }
+                lo.terms.push((v, k));
+            }
+        }
+        (min >= 0 && max < c).then_some((hi, lo))
+    }
+}
+
+/// One store of a kernel: `buf[index] = value` (or `+=` when `accumulate`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Store {
+    pub buf: NodeId,
+    pub dtype: DType,
+    pub index: ExprId,
+    pub value: ExprId,
+    pub accumulate: bool,
+}
+
+/// A matmul operand: `buf[base + Σ batch_i * batch_strides_i + row * rs + col * cs]`
+/// (element strides; 0 broadcasts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub buf: NodeId,
+    pub dtype: DType,
+    pub base: i64,
+    pub batch_strides: Vec<i64>,
+    pub rs: i64,
+    pub cs: i64,
+}
+
+/// `C[batch.., i, j] = Σ_k A[batch.., i, k] * B[batch.., k, j]` with f32 accumulation.
+/// The kernel's domain is `batch ++ [m, n]`; stores read the result through [`E::Acc`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Matmul {
+    pub batch: Vec<usize>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: Operand,
+    pub b: Operand,
+}
+
+/// One fused kernel.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    pub name: String,
+    pub domain: Vec<usize>,
+    pub pool: ExprPool,
+    pub stores: Vec<Store>,
+    pub matmul: Option<Matmul>,
+    /// Graph nodes computed by this kernel (root last), for descriptions.
+    pub nodes: Vec<NodeId>,
+    /// False when stores accumulate (iterations of the outer loop may touch the same
+    /// element).
+    pub parallel: bool,
+    /// One line naming the fused ops.
+    pub describe: String,
+}
+
+impl Kernel {
+    /// Extent of the outermost loop (what the runtime splits across threads).
+    pub fn outer_extent(&self) -> u64 {
+        self.domain.first().copied().unwrap_or(1) as u64
+    }
+
+    /// Every buffer the kernel loads from.
+    pub fn loads(&self) -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = self
+            .pool
+            .nodes
+            .iter()
+            .filter_map(|e| match e {
+                E::Load { buf, .. } => Some(*buf),
+                _ => None,
+            })
+            .collect();
+        if let Some(mm) = &self.matmul {
+            v.push(mm.a.buf);
+            v.push(mm.b.buf);
+        }
+        v.sort();
+        v.dedup();
+        v
+    }
+}

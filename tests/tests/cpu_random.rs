@@ -1,0 +1,81 @@
+//! Random well-typed programs (proptest) compiled for the CPU agree with the eager
+//! interpreter: outputs, and params after two training steps.
+
+use proptest::prelude::*;
+use tcc::front::Options;
+use tcc_tests::{compile_pipeline, cpu_steps, eager_steps, rel_err};
+
+/// A program over values of shape `[r, c]` built from random ops on earlier values.
+fn program(r: usize, c: usize, ops: &[(usize, usize, usize)], train: Option<bool>) -> String {
+    let mut src = format!(
+        "model m {{\n input x: f32[{r}, {c}]\n input row: f32[{c}]\n input col: f32[{r}, 1]\n param w: f32[{c}, {c}] = normal(0.0, 0.3)\n param g: f32[{c}] = ones\n let v0 = tanh(x @ w)\n"
+    );
+    for (k, &(op, a, b)) in ops.iter().enumerate() {
+        let (a, b) = (a % (k + 1), b % (k + 1));
+        let smooth = train.is_some();
+        let e = match op % 14 {
+            0 => format!("v{a} + v{b}"),
+            1 => format!("tanh(v{a}) * v{b}"),
+            2 => format!("v{a} @ w"),
+            3 => format!("softmax(v{a})"),
+            4 => format!("v{a} - mean(v{b}, axis: 0, keepdim: true)"),
+            5 => format!("transpose(transpose(v{a})) * 0.5 + row"),
+            6 => format!("layer_norm(v{a}, g, row)"),
+            7 => format!("v{a} * col - sigmoid(v{b})"),
+            8 => format!("concat([v{a}[:, 0:1], v{b}[:, 1:]], axis: 1)"),
+            9 => format!("exp(-v{a} * v{a}) + sum(v{b}, axis: 1, keepdim: true) * 0.1"),
+            10 if !smooth => format!("maximum(v{a}, v{b}) + relu(v{a})"),
+            11 if !smooth => format!("where(v{a} > v{b}, v{a}, col)"),
+            12 => format!("reshape(transpose(reshape(v{a}, [{c}, {r}])), [{r}, {c}])"),
+            _ => format!("gelu(v{a}) / (1.0 + v{b} * v{b})"),
+        };
+        src.push_str(&format!(" let v{} = {e}\n", k + 1));
+    }
+    let last = ops.len();
+    src.push_str(&format!(
+        " let loss = mean(v{last} * v{last})\n output loss, v{}\n",
+        last / 2
+    ));
+    match train {
+        Some(true) => src.push_str(" train adam(lr: 0.01) minimize loss\n"),
+        Some(false) => src.push_str(" train sgd(lr: 0.1, momentum: 0.9) minimize loss\n"),
+        None => {}
+    }
+    src.push_str("}\n");
+    src
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_programs_agree_with_eager(
+        r in 1usize..6,
+        c in 2usize..9,
+        ops in prop::collection::vec((0usize..14, 0usize..8, 0usize..8), 1..10),
+        train in prop::option::of(any::<bool>()),
+    ) {
+        let src = program(r, c, &ops, train);
+        let g = compile_pipeline(&src, &Options::default()).map_err(|e| TestCaseError::fail(format!("{src}\n{e}")))?;
+        let inputs = tcc::eager::random_inputs(&g, 11);
+        let steps = if train.is_some() { 2 } else { 1 };
+        let want = eager_steps(&g, &inputs, steps, 0).map_err(TestCaseError::fail)?;
+        let got = cpu_steps(&g, &inputs, steps, 0, true).map_err(|e| TestCaseError::fail(format!("{src}\n{e}")))?;
+        for (name, t) in &want.outputs {
+            let e = rel_err(&got.outputs[name], t);
+            prop_assert!(e <= 1e-5, "output `{}` differs by {:e}\n{}", name, e, src);
+        }
+        // Params and optimizer state as one vector (a param whose gradient is zero up to
+        // rounding, e.g. under a layer norm of two elements, is noise on its own).
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for (name, t) in &want.persistent {
+            let (a, b) = (got.persistent[name].to_f64(), t.to_f64());
+            for (x, y) in a.iter().zip(&b) {
+                num += (x - y) * (x - y);
+                den += y * y;
+            }
+        }
+        let e = num.sqrt() / den.sqrt().max(1e-30);
+        prop_assert!(e <= 1e-5, "params differ by {:e}\n{}", e, src);
+    }
+}

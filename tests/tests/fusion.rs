@@ -1,0 +1,109 @@
+//! Fusion cases: `tests/cases/fusion/*.tdsl`, each with an `// expect-kernels: N` header
+//! checked beside a snapshot of its kernels, and each run on the CPU against the eager
+//! interpreter.
+
+use tcc::kernel::fuse::{fuse, FuseOptions};
+use tcc::kernel::print::print_kernels;
+use tcc_tests::{compile_pipeline, cpu_steps, eager_steps, header, rel_err, tdsl_files};
+
+#[test]
+fn fusion_cases() {
+    let files = tdsl_files("tests/cases/fusion");
+    assert!(files.len() >= 7, "fusion cases are missing");
+    for f in files {
+        let src = std::fs::read_to_string(&f).unwrap();
+        let name = f.file_stem().unwrap().to_string_lossy().to_string();
+        let want: usize = header(&src, "expect-kernels")
+            .unwrap_or_else(|| panic!("{name}: no `// expect-kernels:` header"))
+            .parse()
+            .unwrap();
+        let g = compile_pipeline(&src, &Default::default()).unwrap();
+        let fused = fuse(&g, FuseOptions::default()).unwrap();
+        let text = print_kernels(&fused.kernels, None);
+        assert_eq!(
+            fused.kernels.len(),
+            want,
+            "{name}: expected {want} kernels, got:\n{text}"
+        );
+        insta::assert_snapshot!(format!("fusion_{name}"), text);
+        // Unfused, every op is a kernel of its own.
+        let unfused = fuse(
+            &g,
+            FuseOptions {
+                fuse: false,
+                channels_last: false,
+            },
+        )
+        .unwrap();
+        assert!(unfused.kernels.len() >= fused.kernels.len(), "{name}");
+        // Same numbers as the interpreter.
+        let inputs = tcc::eager::random_inputs(&g, 3);
+        let a = eager_steps(&g, &inputs, 1, 0).unwrap();
+        let b = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
+        for (out, t) in &a.outputs {
+            let e = rel_err(&b.outputs[out], t);
+            assert!(e <= 1e-5, "{name}: output `{out}` differs: {e:e}");
+        }
+    }
+}
+
+/// The layout pass: channels-last intermediates for a convolution chain, converting only at
+/// the chain's ends (snapshots of both layouts), with the same numbers as the interpreter.
+#[test]
+fn channels_last_conv_chain() {
+    let src = std::fs::read_to_string(tcc_tests::root().join("tests/cases/layout/conv_chain.tdsl"))
+        .unwrap();
+    let g = compile_pipeline(&src, &Default::default()).unwrap();
+    let nchw = fuse(&g, FuseOptions::default()).unwrap();
+    let nhwc = fuse(
+        &g,
+        FuseOptions {
+            fuse: true,
+            channels_last: true,
+        },
+    )
+    .unwrap();
+    assert!(nchw.layouts.is_empty());
+    assert!(
+        !nhwc.layouts.is_empty(),
+        "conv-chain intermediates go channels-last"
+    );
+    // Same kernels, no copies added: conversion happens inside the boundary kernels.
+    assert_eq!(nchw.kernels.len(), nhwc.kernels.len());
+    for (n, p) in &nhwc.layouts {
+        assert_eq!(p, &vec![0, 2, 3, 1]);
+        assert_eq!(g.ty(*n).rank(), 4);
+        assert!(!g.outputs.iter().any(|(_, o)| o == n), "outputs keep NCHW");
+    }
+    insta::assert_snapshot!("layout_nchw", print_kernels(&nchw.kernels, None));
+    insta::assert_snapshot!("layout_nhwc", print_kernels(&nhwc.kernels, None));
+    // Numbers: compile with channels-last and compare with the interpreter.
+    let inputs = tcc::eager::random_inputs(&g, 2);
+    let want = eager_steps(&g, &inputs, 1, 0).unwrap();
+    let c = tcc::artifact::compile(
+        &g,
+        &tcc::artifact::CompileOptions {
+            fuse: FuseOptions {
+                fuse: true,
+                channels_last: true,
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).unwrap();
+    let bytes = tcc::artifact::write_artifact(&c, tcc::artifact::Target::Cpu, &img);
+    let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
+    let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    for (name, t) in &inputs {
+        s.set_input_bytes(name, &t.to_le_bytes()).unwrap();
+    }
+    s.run().unwrap();
+    for (name, n) in &g.outputs {
+        let got =
+            tcc::eager::Tensor::from_le_bytes(g.ty(*n).clone(), s.output_bytes(name).unwrap())
+                .unwrap();
+        let e = rel_err(&got, &want.outputs[name]);
+        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
+    }
+}
