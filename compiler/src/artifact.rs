@@ -48,8 +48,8 @@ pub enum BuildError {
     Clif(#[from] clif::ClifError),
     #[error("the memory plan is invalid: {0}")]
     Plan(String),
-    #[error("target `cuda` is not implemented yet (the PTX back end is issue 6)")]
-    NoCuda,
+    #[error("PTX generation: {0}")]
+    Ptx(#[from] crate::back::ptx::PtxError),
     #[error("param `{0}` has no initialiser and no value was given")]
     External(String),
 }
@@ -62,8 +62,10 @@ pub struct Compiled {
     pub graph: Graph,
     pub fused: Fused,
     pub plan: Plan,
-    /// Code of every kernel (CLIF text for the CPU).
+    /// Code of every kernel (CLIF text for the CPU, PTX for CUDA).
     pub code: String,
+    /// CUDA launch shapes, one per kernel (empty on the CPU).
+    pub launches: Vec<crate::back::ptx::LaunchShape>,
     /// Wall time of each stage.
     pub timings: Vec<(&'static str, Duration)>,
 }
@@ -77,9 +79,6 @@ impl Compiled {
 
 /// Compiles a graph that went through the pass pipeline.
 pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
-    if o.target == Target::Cuda {
-        return Err(BuildError::NoCuda);
-    }
     let g = &with_output_copies(g);
     let mut timings = Vec::new();
     let t = Instant::now();
@@ -97,13 +96,20 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
     })?;
     timings.push(("plan", t.elapsed()));
     let t = Instant::now();
-    let code = clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?;
+    let (code, launches) = match o.target {
+        Target::Cpu => (
+            clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
+            Vec::new(),
+        ),
+        Target::Cuda => crate::back::ptx::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
+    };
     timings.push(("codegen", t.elapsed()));
     Ok(Compiled {
         graph: g.clone(),
         fused,
         plan,
         code,
+        launches,
         timings,
     })
 }
@@ -210,15 +216,26 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
         .fused
         .kernels
         .iter()
-        .map(|k| fmt::KernelEntry {
-            name: k.name.clone(),
-            extent: match &k.matmul {
-                Some(mm) => mm.batch.iter().product::<usize>() as u64 * mm.m.div_ceil(4) as u64,
-                None => k.outer_extent(),
-            },
-            parallel: k.parallel,
-            launch: None,
-            describe: k.describe.clone(),
+        .enumerate()
+        .map(|(i, k)| {
+            let launch = c.launches.get(i).map(|l| fmt::Launch {
+                grid: l.grid,
+                block: l.block,
+                shared_bytes: l.shared_bytes,
+            });
+            fmt::KernelEntry {
+                name: k.name.clone(),
+                extent: match (&launch, &k.matmul) {
+                    (Some(l), _) => l.grid[0] as u64 * l.block[0] as u64,
+                    (None, Some(mm)) => {
+                        mm.batch.iter().product::<usize>() as u64 * mm.m.div_ceil(4) as u64
+                    }
+                    (None, None) => k.outer_extent(),
+                },
+                parallel: k.parallel,
+                launch,
+                describe: k.describe.clone(),
+            }
         })
         .collect();
     let lv = &c.plan.liveness;

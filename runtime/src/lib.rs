@@ -26,9 +26,32 @@
 //!
 //! Running a model executes the machine code compiled from its artifact; load only artifacts
 //! you trust, as you would a shared library.
+//!
+//! # CUDA
+//!
+//! With the cargo feature `cuda`, `Session::new(&model, Device::Cuda(i))` runs an artifact
+//! built with `--target cuda` on GPU `i`. The CUDA driver is opened at run time, so building
+//! needs no CUDA toolkit, and a machine without a driver or a GPU gets an [`Error::Cuda`]
+//! (never a panic); [`cuda_device_count`] tells whether there is one. A CUDA session makes
+//! exactly one device allocation, the arena (`cuMemAlloc`, 256-byte aligned: an artifact
+//! asking for more is refused), loads the PTX once and captures the step's kernel launches
+//! into a CUDA graph that every [`Session::run`] replays ([`Session::set_cuda_graph`] turns
+//! that off for debugging). The API is the CPU one, with the data moving as a GPU program
+//! wants it to:
+//!
+//! - `set_input*` write a page-locked (pinned) host buffer; `run` copies the inputs set since
+//!   the last step to the device, runs the step, copies every output back into its pinned
+//!   buffer and waits for the stream, so `output*` read host memory and a failing kernel
+//!   is an error of that `run`. Steady-state steps allocate nothing on the host.
+//! - `param*`, `set_param*`, `save_params*` and `load_params*` copy the bytes they need
+//!   between host and device; [`Session::arena`] is a host copy of the device arena.
+//! - [`Session::device_memory`] reports the device's free and total memory, so a caller can
+//!   see the arena and the runtime's overhead.
 
 pub mod artifact;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use std::alloc::Layout;
 use std::fmt;
@@ -176,6 +199,10 @@ pub enum Error {
     /// Starting a worker thread failed.
     #[error("could not start a worker thread: {0}")]
     Threads(std::io::Error),
+    /// The CUDA driver is missing, has no such device, or a CUDA call failed (`context`
+    /// says what the session was doing; `message` is the driver's error).
+    #[error("CUDA error while {context}: {message}")]
+    Cuda { context: String, message: String },
 }
 
 /// Result type of this crate.
@@ -364,11 +391,13 @@ impl Model {
         &self.inner.bytes[self.inner.persistent.clone()]
     }
 
-    fn input_slot(&self, name: &str) -> Result<&TensorSlot> {
+    /// Input `name` and its index in [`Model::inputs`].
+    fn input_slot(&self, name: &str) -> Result<(usize, &TensorSlot)> {
         find_slot("input", self.inputs().iter(), name)
     }
 
-    fn output_slot(&self, name: &str) -> Result<&TensorSlot> {
+    /// Output `name` and its index in [`Model::outputs`].
+    fn output_slot(&self, name: &str) -> Result<(usize, &TensorSlot)> {
         find_slot("output", self.outputs().iter(), name)
     }
 
@@ -378,6 +407,7 @@ impl Model {
             self.persistent().iter().map(|p| &p.slot),
             name,
         )
+        .map(|(_, slot)| slot)
     }
 }
 
@@ -385,15 +415,38 @@ fn find_slot<'m>(
     kind: &'static str,
     mut slots: impl Iterator<Item = &'m TensorSlot> + Clone,
     name: &str,
-) -> Result<&'m TensorSlot> {
+) -> Result<(usize, &'m TensorSlot)> {
     slots
         .clone()
-        .find(|s| s.name == name)
+        .enumerate()
+        .find(|(_, s)| s.name == name)
         .ok_or_else(|| Error::UnknownTensor {
             kind,
             name: name.to_string(),
             known: slots.by_ref().map(|s| s.name.clone()).collect(),
         })
+}
+
+/// Number of CUDA devices this build can use: `Ok(0)` when the driver reports none, an
+/// [`Error::Cuda`] when the driver library is missing or fails, and
+/// [`Error::UnsupportedDevice`] when tcc-runtime was built without the `cuda` feature.
+pub fn cuda_device_count() -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::device_count()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(no_cuda(Device::Cuda(0)))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(device: Device) -> Error {
+    Error::UnsupportedDevice {
+        device,
+        reason: "built without CUDA support (enable the `cuda` feature of tcc-runtime)",
+    }
 }
 
 fn check_elements<T: Element>(slot: &TensorSlot, len: usize) -> Result<()> {
@@ -502,8 +555,12 @@ impl Drop for Arena<'_> {
 // the session to another thread moves that ownership. Nothing else holds the pointer.
 unsafe impl Send for Arena<'_> {}
 
+// One per session, moved only when the session is: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Executor {
     Cpu(cpu::CpuExecutor),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaExecutor),
 }
 
 /// What [`Session::load_params`] did.
@@ -516,6 +573,9 @@ pub struct ParamsLoaded {
 }
 
 /// A model ready to run: one arena holding every tensor, and the compiled kernels.
+///
+/// On a CUDA device the arena lives in device memory; the methods that read or write
+/// tensors copy the bytes they need (see the crate docs).
 ///
 /// `'a` is the lifetime of a caller-provided arena ([`Session::with_arena`]); sessions that
 /// allocate their own arena ([`Session::new`]) are `Session<'static>`.
@@ -539,29 +599,51 @@ impl fmt::Debug for Session<'_> {
 }
 
 fn check_device(model: &Model, device: Device) -> Result<()> {
-    match device {
-        Device::Cuda(_) => Err(Error::UnsupportedDevice {
-            device,
-            reason: "built without CUDA support",
-        }),
-        Device::Cpu if model.target() != Target::Cpu => Err(Error::TargetMismatch {
+    let target = match device {
+        Device::Cpu => Target::Cpu,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => Target::Cuda,
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => return Err(no_cuda(device)),
+    };
+    if model.target() != target {
+        return Err(Error::TargetMismatch {
             target: model.target(),
             device,
-        }),
-        Device::Cpu => Ok(()),
+        });
     }
+    Ok(())
 }
 
 impl Session<'static> {
     /// Compiles `model` for `device` and allocates its arena: exactly one allocation of
     /// [`Model::arena_bytes`] bytes, aligned to the manifest's `alignment`, holding the
     /// initial persistent bytes and zeros elsewhere.
+    ///
+    /// On [`Device::Cuda`] (feature `cuda`, a `cuda` artifact) the arena is one device
+    /// allocation, the PTX is loaded and the step is captured as a CUDA graph here; a missing
+    /// driver or device, or any failing CUDA call, is an [`Error::Cuda`].
     pub fn new(model: &Model, device: Device) -> Result<Session<'static>> {
         check_device(model, device)?;
-        let exec = Executor::Cpu(cpu::CpuExecutor::compile(
-            model.code(),
-            &model.manifest().kernels,
-        )?);
+        let exec = match device {
+            Device::Cpu => Executor::Cpu(cpu::CpuExecutor::compile(
+                model.code(),
+                &model.manifest().kernels,
+            )?),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let exec = Executor::Cuda(cuda::CudaExecutor::new(model, ordinal)?);
+                // The arena lives on the device; the host holds none.
+                return Ok(Session {
+                    exec,
+                    arena: Arena::alloc(0, model.alignment())?,
+                    model: model.clone(),
+                    device,
+                });
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => return Err(no_cuda(device)),
+        };
         let arena = Arena::alloc(model.arena_bytes(), model.alignment())?;
         let mut s = Session {
             exec,
@@ -617,8 +699,14 @@ impl<'a> Session<'a> {
     }
 
     /// Restores the arena to its state after creation: the initial params and optimizer
-    /// state from the artifact, zeros everywhere else.
+    /// state from the artifact, zeros everywhere else (outputs read as zeros until the next
+    /// step). On a CUDA device a failing copy is reported by the next [`Session::run`].
     pub fn reset(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &mut self.exec {
+            c.reset();
+            return;
+        }
         let n = self.model.persistent_init().len();
         self.arena.bytes_mut()[n..].fill(0);
         self.copy_persistent_init();
@@ -634,26 +722,74 @@ impl<'a> Session<'a> {
         self.device
     }
 
-    /// Size of the arena in use, in bytes (the manifest's `arena_bytes`).
+    /// Size of the arena in use, in bytes (the manifest's `arena_bytes`; on a CUDA device,
+    /// the size of the one device allocation).
     pub fn arena_bytes(&self) -> usize {
-        self.arena.bytes().len()
+        self.model.arena_bytes()
     }
 
-    /// The whole arena, for tools and debugging.
+    /// The whole arena, for tools and debugging. On a CUDA device this is a host copy of the
+    /// device arena, taken on the first call after the arena last changed (a step,
+    /// `set_param*`, `load_params*`, `reset`; inputs reach the device only with the next
+    /// step), and empty if the copy fails.
     pub fn arena(&self) -> &[u8] {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &self.exec {
+            return c.arena().unwrap_or(&[]);
+        }
         self.arena.bytes()
     }
 
-    /// Number of threads `parallel` kernels run on (1 unless [`Session::set_threads`]).
+    /// Number of threads `parallel` kernels run on (1 unless [`Session::set_threads`]; always
+    /// 1 on a CUDA device).
     pub fn threads(&self) -> usize {
         match &self.exec {
             Executor::Cpu(c) => c.threads(),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(_) => 1,
+        }
+    }
+
+    /// Whether [`Session::run`] replays the step as a CUDA graph (CUDA sessions; on by
+    /// default). Always `false` on the CPU.
+    pub fn cuda_graph(&self) -> bool {
+        match &self.exec {
+            Executor::Cpu(_) => false,
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.graph_enabled(),
+        }
+    }
+
+    /// Turns CUDA graph replay on or off (for debugging: with it off, every kernel is
+    /// launched on its own, so a failing launch names its kernel). A CUDA session captures
+    /// the step's launches into a graph when it is created (or at the next step after graphs
+    /// are turned back on) and replays it at every step. No effect on the CPU.
+    pub fn set_cuda_graph(&mut self, enabled: bool) {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &mut self.exec {
+            c.set_graph(enabled);
+        }
+        let _ = enabled;
+    }
+
+    /// `(free, total)` bytes of memory on the session's CUDA device (`cuMemGetInfo`), the
+    /// arena and the runtime's own use included. On the CPU this is an
+    /// [`Error::UnsupportedDevice`].
+    pub fn device_memory(&self) -> Result<(usize, usize)> {
+        match &self.exec {
+            Executor::Cpu(_) => Err(Error::UnsupportedDevice {
+                device: self.device,
+                reason: "device memory is reported for CUDA sessions only",
+            }),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.memory_info(),
         }
     }
 
     /// Runs `parallel` kernels on `threads` threads from now on, the calling thread
     /// included (0 means one per available core). Worker threads are started here, not in
-    /// [`Session::run`], and stopped when the session is dropped or the count changes.
+    /// [`Session::run`], and stopped when the session is dropped or the count changes. A
+    /// CUDA session ignores it.
     pub fn set_threads(&mut self, threads: usize) -> Result<()> {
         let threads = if threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -662,28 +798,82 @@ impl<'a> Session<'a> {
         };
         match &mut self.exec {
             Executor::Cpu(c) => c.set_threads(threads),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(_) => Ok(()),
         }
     }
 
+    /// Where the bytes of input `index` (arena `range`) are written: the arena on the CPU,
+    /// the input's pinned staging buffer on a CUDA device (copied at the next step).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn input_target(&mut self, index: usize, range: Range<usize>) -> Result<&mut [u8]> {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &mut self.exec {
+            return c
+                .input_buffer(index)
+                .ok_or_else(|| Error::BadManifest(format!("no input number {index}")));
+        }
+        Ok(&mut self.arena.bytes_mut()[range])
+    }
+
+    /// The bytes of output `index` (arena `range`) as of the last step.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn output_source(&self, index: usize, range: Range<usize>) -> Result<&[u8]> {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &self.exec {
+            return c
+                .output(index)
+                .ok_or_else(|| Error::BadManifest(format!("no output number {index}")));
+        }
+        Ok(&self.arena.bytes()[range])
+    }
+
+    /// The persistent region `[0, plan.persistent_bytes)` (on a CUDA device a host copy,
+    /// kept until the arena next changes).
+    fn persistent_region(&self) -> Result<&[u8]> {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &self.exec {
+            return c.persistent();
+        }
+        Ok(&self.arena.bytes()[..self.model.persistent_init().len()])
+    }
+
+    /// Copies each `(range, bytes)` into the arena.
+    fn write_arena(&mut self, copies: &[(Range<usize>, &[u8])]) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &mut self.exec {
+            let copies: Vec<(usize, &[u8])> = copies.iter().map(|(r, b)| (r.start, *b)).collect();
+            return c.write(&copies);
+        }
+        let arena = self.arena.bytes_mut();
+        for (range, bytes) in copies {
+            arena[range.clone()].copy_from_slice(bytes);
+        }
+        Ok(())
+    }
+
     /// Writes input `name` from `data`, which must have the input's dtype and element count.
+    ///
+    /// On a CUDA device the data goes to a pinned host buffer and reaches the device at the
+    /// start of the next [`Session::run`].
     pub fn set_input<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
-        let range = {
-            let slot = self.model.input_slot(name)?;
+        let (index, range) = {
+            let (index, slot) = self.model.input_slot(name)?;
             check_elements::<T>(slot, data.len())?;
-            slot.range()
+            (index, slot.range())
         };
-        encode(data, &mut self.arena.bytes_mut()[range]);
+        encode(data, self.input_target(index, range)?);
         Ok(())
     }
 
     /// Writes input `name` from raw little-endian bytes; only the length is checked.
     pub fn set_input_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
-        let range = {
-            let slot = self.model.input_slot(name)?;
+        let (index, range) = {
+            let (index, slot) = self.model.input_slot(name)?;
             check_bytes(slot, bytes.len())?;
-            slot.range()
+            (index, slot.range())
         };
-        self.arena.bytes_mut()[range].copy_from_slice(bytes);
+        self.input_target(index, range)?.copy_from_slice(bytes);
         Ok(())
     }
 
@@ -692,38 +882,51 @@ impl<'a> Session<'a> {
     /// A training step updates params and optimizer state in place, so running again
     /// continues training. Inputs may share arena bytes with intermediates, so set every
     /// input again before the next `run`.
+    ///
+    /// On a CUDA device: copies the inputs set since the last step to the device, replays
+    /// the step's CUDA graph (or launches the kernels one by one, see
+    /// [`Session::set_cuda_graph`]), copies every output to its pinned host buffer and waits
+    /// for all of it; a failing launch, kernel or copy is an [`Error::Cuda`].
     pub fn run(&mut self) -> Result<()> {
         let base = self.arena.base();
         match &mut self.exec {
             Executor::Cpu(c) => c.run(base),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => return c.run(),
         }
         Ok(())
     }
 
     /// Reads output `name` (valid after [`Session::run`] until inputs are set again).
     pub fn output<T: Element>(&self, name: &str) -> Result<Vec<T>> {
-        let slot = self.model.output_slot(name)?;
+        let (index, slot) = self.model.output_slot(name)?;
         check_elements::<T>(slot, slot.bytes as usize / slot.dtype.size_bytes())?;
-        Ok(decode(&self.arena.bytes()[slot.range()]))
+        Ok(decode(self.output_source(index, slot.range())?))
     }
 
-    /// The raw little-endian bytes of output `name`.
+    /// The raw little-endian bytes of output `name` (on a CUDA device: its pinned host
+    /// buffer, filled at the end of every step).
     pub fn output_bytes(&self, name: &str) -> Result<&[u8]> {
-        let slot = self.model.output_slot(name)?;
-        Ok(&self.arena.bytes()[slot.range()])
+        let (index, slot) = self.model.output_slot(name)?;
+        self.output_source(index, slot.range())
     }
 
     /// Reads persistent tensor `name` (a param or optimizer state).
     pub fn param<T: Element>(&self, name: &str) -> Result<Vec<T>> {
         let slot = self.model.persistent_slot(name)?;
         check_elements::<T>(slot, slot.bytes as usize / slot.dtype.size_bytes())?;
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(c) = &self.exec {
+            return Ok(decode(&c.read(slot.offset as usize, slot.bytes as usize)?));
+        }
         Ok(decode(&self.arena.bytes()[slot.range()]))
     }
 
-    /// The raw little-endian bytes of persistent tensor `name`.
+    /// The raw little-endian bytes of persistent tensor `name` (on a CUDA device, from a
+    /// host copy of the persistent region taken on the first call after it last changed).
     pub fn param_bytes(&self, name: &str) -> Result<&[u8]> {
         let slot = self.model.persistent_slot(name)?;
-        Ok(&self.arena.bytes()[slot.range()])
+        Ok(&self.persistent_region()?[slot.range()])
     }
 
     /// Overwrites persistent tensor `name` (a param or optimizer state).
@@ -733,6 +936,12 @@ impl<'a> Session<'a> {
             check_elements::<T>(slot, data.len())?;
             slot.range()
         };
+        #[cfg(feature = "cuda")]
+        if let Executor::Cuda(_) = &self.exec {
+            let mut bytes = vec![0u8; range.len()];
+            encode(data, &mut bytes);
+            return self.write_arena(&[(range, &bytes)]);
+        }
         encode(data, &mut self.arena.bytes_mut()[range]);
         Ok(())
     }
@@ -744,13 +953,12 @@ impl<'a> Session<'a> {
             check_bytes(slot, bytes.len())?;
             slot.range()
         };
-        self.arena.bytes_mut()[range].copy_from_slice(bytes);
-        Ok(())
+        self.write_arena(&[(range, bytes)])
     }
 
     /// Every persistent tensor (params and optimizer state) as safetensors bytes, by name.
     pub fn save_params_bytes(&self) -> Result<Vec<u8>> {
-        let arena = self.arena.bytes();
+        let arena = self.persistent_region()?;
         let mut views = Vec::with_capacity(self.model.persistent().len());
         for p in self.model.persistent() {
             let s = &p.slot;
@@ -835,10 +1043,7 @@ impl<'a> Session<'a> {
             copies.push((s.range(), view.data()));
             report.loaded.push(s.name.clone());
         }
-        let arena = self.arena.bytes_mut();
-        for (range, data) in copies {
-            arena[range].copy_from_slice(data);
-        }
+        self.write_arena(&copies)?;
         Ok(report)
     }
 

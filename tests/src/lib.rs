@@ -136,21 +136,37 @@ pub fn cpu_steps(
     seed: u64,
     fuse: bool,
 ) -> Result<StepResult, String> {
+    device_steps(g, inputs, steps, seed, fuse, tcc_runtime::Device::Cpu)
+}
+
+/// Like [`cpu_steps`] on any device (`Device::Cuda(i)` compiles PTX).
+pub fn device_steps(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+    fuse: bool,
+    device: tcc_runtime::Device,
+) -> Result<StepResult, String> {
     use tcc::artifact::{self, CompileOptions, Target};
+    let target = match device {
+        tcc_runtime::Device::Cpu => Target::Cpu,
+        tcc_runtime::Device::Cuda(_) => Target::Cuda,
+    };
     let opts = CompileOptions {
+        target,
         fuse: tcc::kernel::fuse::FuseOptions {
             fuse,
-            channels_last: false,
+            channels_last: target == Target::Cuda,
         },
         ..CompileOptions::default()
     };
     let c = artifact::compile(g, &opts).map_err(|e| e.to_string())?;
     let img =
         artifact::persistent_image(&c, seed, &Default::default()).map_err(|e| e.to_string())?;
-    let bytes = artifact::write_artifact(&c, Target::Cpu, &img);
+    let bytes = artifact::write_artifact(&c, target, &img);
     let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
-    let mut s =
-        tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).map_err(|e| e.to_string())?;
+    let mut s = tcc_runtime::Session::new(&model, device).map_err(|e| e.to_string())?;
     for _ in 0..steps {
         for (name, t) in inputs {
             s.set_input_bytes(name, &t.to_le_bytes())
@@ -181,6 +197,31 @@ pub fn cpu_steps(
         persistent,
         arena_bytes: s.arena_bytes(),
     })
+}
+
+/// `ptxas` matching the GPU machine's CUDA (13.0): `$TCC_PTXAS`, then the PyPI package
+/// `nvidia-cuda-nvcc==13.0.88` of `python3`, then `PATH`.
+pub fn ptxas() -> Option<PathBuf> {
+    if let Ok(p) = std::env::var("TCC_PTXAS") {
+        return Some(PathBuf::from(p));
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13', 'bin', 'ptxas'))",
+        ])
+        .output()
+        .ok()?;
+    let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if out.status.success() && p.is_file() {
+        return Some(p);
+    }
+    let which = std::process::Command::new("which")
+        .arg("ptxas")
+        .output()
+        .ok()?;
+    let p = PathBuf::from(String::from_utf8_lossy(&which.stdout).trim());
+    p.is_file().then_some(p)
 }
 
 /// The same steps with the eager interpreter.
@@ -222,4 +263,185 @@ pub fn rel_err(a: &tcc::eager::Tensor, b: &tcc::eager::Tensor) -> f64 {
         den += q * q;
     }
     num.sqrt() / den.sqrt().max(1e-30)
+}
+
+/// Inputs every builtin case may use.
+pub const BUILTIN_DECLS: &str = "
+    input a: f32[3, 4]
+    input b: f32[4]
+    input c: f32[3, 1]
+    input v: f32[2, 3, 4]
+    input m: f32[4, 5]
+    input img: f32[2, 4, 6, 6]
+    input k: f32[6, 2, 3, 3]
+    input table: f32[7, 3]
+    input ids: i32[2, 5]
+    input labels: i32[3]
+    input g4: f32[4]
+    input q: f32[2, 5, 4]
+    input kv: f32[2, 6, 4]
+";
+
+/// One builtin case: an expression over [`BUILTIN_DECLS`] and the inputs to differentiate.
+pub type BuiltinCase = (&'static str, &'static [&'static str]);
+
+/// Every builtin and primitive, grouped by kind.
+pub const BUILTIN_CASES: &[(&str, &[BuiltinCase])] = &[
+    (
+        "unary",
+        &[
+            ("neg(a)", &["a"]),
+            ("abs(a)", &["a"]),
+            ("exp(a)", &["a"]),
+            ("tanh(a)", &["a"]),
+            ("sigmoid(a)", &["a"]),
+            ("relu(a)", &["a"]),
+            ("gelu(a)", &["a"]),
+            ("silu(a)", &["a"]),
+            ("sin(a)", &["a"]),
+            ("cos(a)", &["a"]),
+            ("erf(a)", &["a"]),
+            ("log(abs(a) + 0.5)", &["a"]),
+            ("sqrt(abs(a) + 0.5)", &["a"]),
+            ("rsqrt(abs(a) + 0.5)", &["a"]),
+            ("recip(abs(a) + 0.5)", &["a"]),
+        ],
+    ),
+    (
+        "binary",
+        &[
+            ("a + b", &["a", "b"]),
+            ("a - c", &["a", "c"]),
+            ("a * b * c", &["a", "b", "c"]),
+            ("a / (abs(b) + 0.5)", &["a", "b"]),
+            ("pow(abs(a) + 0.5, c)", &["a", "c"]),
+            ("maximum(a, b)", &["a", "b"]),
+            ("minimum(c, a)", &["a", "c"]),
+            ("a * 3 - 2 / (abs(c) + 1)", &["a", "c"]),
+            ("where(a > 0, b, c)", &["b", "c"]),
+            ("v * a", &["v", "a"]),
+            ("a % (abs(c) + 0.5)", &["a"]),
+        ],
+    ),
+    (
+        "reductions",
+        &[
+            ("sum(a, axis: 0)", &["a"]),
+            ("mean(v, axis: [0, 2], keepdim: true)", &["v"]),
+            ("max(a, axis: 1)", &["a"]),
+            ("min(v, axis: -1, keepdim: true)", &["v"]),
+            ("mean(a)", &["a"]),
+            ("sum(v, axis: 1)", &["v"]),
+        ],
+    ),
+    (
+        "shapes",
+        &[
+            ("reshape(a, [2, 6])", &["a"]),
+            ("transpose(a) @ a", &["a"]),
+            ("permute(v, [2, 0, 1])", &["v"]),
+            ("broadcast_to(b, [2, 3, 4])", &["b"]),
+            ("concat([a, c, a], axis: 1)", &["a", "c"]),
+            ("split(v, 2, axis: -1)[1] * 2", &["v"]),
+            ("squeeze(c, axis: 1)", &["c"]),
+            ("unsqueeze(b, axis: 0) + a", &["a", "b"]),
+            ("v[1]", &["v"]),
+            ("v[:, 1:3, ..]", &["v"]),
+            ("v[.., -1]", &["v"]),
+            ("a[1:3, 0:2] * a[0:2, 2:4]", &["a"]),
+            ("tril(a)", &["a"]),
+            ("triu(v, k: 1)", &["v"]),
+            ("softmax(transpose(a))", &["a"]),
+            ("relu(v[:, 1:3, :]) @ m", &["v", "m"]),
+        ],
+    ),
+    (
+        "matmul",
+        &[
+            ("a @ m", &["a", "m"]),
+            ("v @ m", &["v", "m"]),
+            ("b @ m", &["b", "m"]),
+            ("a @ b", &["a", "b"]),
+            ("b @ g4", &["b", "g4"]),
+            ("v @ transpose(v)", &["v"]),
+            ("relu(a @ m + m[0]) * 2", &["a", "m"]),
+        ],
+    ),
+    (
+        "conv",
+        &[
+            ("conv2d(img, k, padding: 1, groups: 2)", &["img", "k"]),
+            ("conv2d(img[:, 0:2], k, stride: 2)", &["img", "k"]),
+            ("max_pool2d(img, 2)", &["img"]),
+            ("max_pool2d(img, 3, stride: 2, padding: 1)", &["img"]),
+            ("avg_pool2d(img, 3, stride: 1, padding: 1)", &["img"]),
+            ("embedding(table, ids)", &["table"]),
+            ("dropout(a, 0.3)", &["a"]),
+        ],
+    ),
+    (
+        "composites",
+        &[
+            ("softmax(a)", &["a"]),
+            ("softmax(v, axis: 1)", &["v"]),
+            ("log_softmax(a)", &["a"]),
+            ("layer_norm(a, b, g4)", &["a", "b", "g4"]),
+            ("rms_norm(v, b)", &["v", "b"]),
+            ("batch_norm(img, b, g4)", &["img", "b", "g4"]),
+            ("cross_entropy(a, labels)", &["a"]),
+            ("mse(a, c)", &["a", "c"]),
+            ("linear(v, m, m[0])", &["v", "m"]),
+            ("attention(q, kv, kv)", &["q", "kv"]),
+            ("attention(q, kv, kv, causal: true)", &["q", "kv"]),
+            ("checkpoint { let h = tanh(a @ m)\n h * h }", &["a", "m"]),
+        ],
+    ),
+];
+
+/// Integer and boolean cases over `input i: i32[3, 4]`, `input j: i32[4]`,
+/// `input x: f32[3, 4]` (exact results).
+pub const INTEGER_CASES: &[&str] = &[
+    "i / (abs(j) + 1)",
+    "i % (abs(j) + 1)",
+    "i * j - j",
+    "maximum(i, j)",
+    "-i",
+    "abs(i)",
+    "relu(i)",
+    "argmax(x, axis: 1)",
+    "argmax(x)",
+    "cast(x, i32)",
+    "cast(i, f32) * x",
+    "where(x > 0 && i > 0, x, 0.0)",
+    "cast(!(x > 0) || i == 2, f32)",
+    "arange(12)",
+    "sum(i, axis: 0)",
+    "max(i, axis: 1)",
+    "full([2, 3], 1.5) + 1",
+];
+
+/// The program of an integer case.
+pub fn integer_program(e: &str) -> String {
+    format!("model m {{\n input i: i32[3, 4]\n input j: i32[4]\n input x: f32[3, 4]\n let out = {e}\n output out\n}}\n")
+}
+
+/// The program of a builtin case: `out = expr`, `y = sum(out * proj)` and the gradients of
+/// `y` with respect to `wrt`, all outputs.
+pub fn builtin_program(expr: &str, wrt: &[&str]) -> Result<String, String> {
+    let probe = format!("model m {{ {BUILTIN_DECLS}\n let out = {expr}\n output out\n}}\n");
+    let g = compile_pipeline(&probe, &Options::default())?;
+    let ty = g.ty(g.outputs[0].1).to_string();
+    let dims = ty.trim_start_matches("f32");
+    let grads: String = wrt
+        .iter()
+        .map(|x| format!("    let d_{x} = grad(y, {x})\n"))
+        .collect();
+    let mut src = format!(
+        "model m {{ {BUILTIN_DECLS}\n    input proj: f32{dims}\n    let out = {expr}\n    let y = sum(out * proj)\n{grads}    output out, y"
+    );
+    for x in wrt {
+        src.push_str(&format!(", d_{x}"));
+    }
+    src.push_str("\n}\n");
+    Ok(src)
 }

@@ -15,7 +15,7 @@ use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::{free_vars, reachable};
 use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
-use cranelift_codegen::ir::types::{F32, F32X4, I32, I64, I8};
+use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
 use cranelift_codegen::ir::{
     AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, StackSlotData, StackSlotKind,
     Type, UserFuncName, Value,
@@ -61,6 +61,25 @@ fn cl_ty(t: VTy) -> Type {
 
 fn flags() -> MemFlagsData {
     MemFlagsData::trusted()
+}
+
+/// Flags of vector loads and stores: they never trap, but a vector of 4 f32 at an element
+/// index is only 4-byte aligned (without `aligned`, x64 does not fold the access into an SSE
+/// operand, which would need 16).
+fn vflags() -> MemFlagsData {
+    MemFlagsData::new().with_notrap()
+}
+
+/// f32 lanes of the vectors of the innermost loop.
+const LANES: i64 = 4;
+
+/// How a Loop kernel's innermost domain loop runs on f32x4 vectors (see `Cg::simd_plan`).
+struct SimdPlan {
+    /// The innermost domain variable.
+    inner: Var,
+    /// Values computed outside the innermost loop that its vector code reads, splat once
+    /// before the loop (ascending ids: deterministic).
+    invariants: Vec<ExprId>,
 }
 
 /// Translates kernels to CLIF text, in order. `offset_of` gives each buffer's arena offset.
@@ -141,6 +160,10 @@ struct Cg<'a, 'b> {
     site: Vec<Option<Var>>,
     live: Vec<ExprId>,
     acc: Option<Value>,
+    /// Vector values (f32x4, or i32x4 masks for bools) of the vector loop being emitted.
+    vcache: HashMap<ExprId, Value>,
+    /// The variable of the vector loop being emitted.
+    vinner: Option<Var>,
 }
 
 impl<'a, 'b> Cg<'a, 'b> {
@@ -170,6 +193,8 @@ impl<'a, 'b> Cg<'a, 'b> {
             site,
             live,
             acc: None,
+            vcache: HashMap::new(),
+            vinner: None,
         })
     }
 
@@ -233,6 +258,7 @@ impl<'a, 'b> Cg<'a, 'b> {
 
     fn loops(&mut self) -> Res<()> {
         self.emit_site(None)?;
+        let plan = self.simd_plan();
         let domain = self.k.domain.clone();
         let mut open = Vec::new();
         if domain.is_empty() {
@@ -240,13 +266,17 @@ impl<'a, 'b> Cg<'a, 'b> {
             open.push(l);
         }
         for (d, &ext) in domain.iter().enumerate() {
-            let (start, end) = if d == 0 {
+            let (mut start, end) = if d == 0 {
                 (self.lo, self.hi)
             } else {
                 let z = self.iconst(0);
                 let e = self.iconst(ext as i64);
                 (z, e)
             };
+            if let Some(p) = plan.as_ref().filter(|p| p.inner == d as Var) {
+                // Vectors of 4 while they fit; the scalar loop below takes the rest.
+                start = self.vector_loop(p, start, end)?;
+            }
             let l = self.open_loop(start, end);
             self.vars.insert(d as Var, l.iv);
             self.emit_site(Some(d as Var))?;
@@ -257,6 +287,220 @@ impl<'a, 'b> Cg<'a, 'b> {
             self.close_loop(l);
         }
         Ok(())
+    }
+
+    /// Whether the innermost domain loop can run on f32x4 vectors, and what it then splats.
+    ///
+    /// It can when every store is a plain f32 store at an index of coefficient 1 in the
+    /// innermost variable, and every value the stores need per iteration of that loop is
+    /// vector arithmetic: f32 loads at indices of coefficient 1 (contiguous) or 0, inline
+    /// f32 math, comparisons (lane masks), selects, bool/f32 casts, or values computed
+    /// outside the loop. Helper calls, integer math on the loop variable other than affine
+    /// indices, draws, reductions per element and other dtypes keep the scalar loop. A load
+    /// from the bytes a store writes must read them at the store's index (lanes then see
+    /// exactly what the scalar loop would).
+    fn simd_plan(&self) -> Option<SimdPlan> {
+        let k = self.k;
+        let pool = &k.pool;
+        if k.matmul.is_some() {
+            return None;
+        }
+        let inner = k.domain.len().checked_sub(1)? as Var;
+        if (*k.domain.last()? as i64) < LANES {
+            return None;
+        }
+        let mut stores = Vec::new();
+        for s in &k.stores {
+            if s.accumulate || s.dtype != DType::F32 || pool.ty(s.value) != VTy::F32 {
+                return None;
+            }
+            let a = pool.affine(s.index)?;
+            if a.coef(inner) != 1 {
+                return None;
+            }
+            stores.push(((self.offset_of)(s.buf)?, a));
+        }
+        let mut seen = vec![false; pool.nodes.len()];
+        let mut invariants = Vec::new();
+        let mut stack: Vec<ExprId> = k.stores.iter().map(|s| s.value).collect();
+        while let Some(e) = stack.pop() {
+            let i = e.0 as usize;
+            if std::mem::replace(seen.get_mut(i)?, true) {
+                continue;
+            }
+            let ty = pool.ty(e);
+            if *self.site.get(i)? != Some(inner) {
+                if ty != VTy::F32 && ty != VTy::Bool {
+                    return None;
+                }
+                invariants.push(e);
+                continue;
+            }
+            match pool.get(e) {
+                E::Load {
+                    buf,
+                    dtype: DType::F32,
+                    index,
+                } => {
+                    let a = pool.affine(*index)?;
+                    if !matches!(a.coef(inner), 0 | 1) {
+                        return None;
+                    }
+                    let off = (self.offset_of)(*buf)?;
+                    if stores.iter().any(|(so, sa)| *so == off && *sa != a) {
+                        return None;
+                    }
+                }
+                E::Un(op, a) if ty == VTy::F32 && simd_unary(*op) => stack.push(*a),
+                E::Un(UnaryOp::Not, a) if ty == VTy::Bool => stack.push(*a),
+                E::Bin(op, a, b)
+                    if pool.ty(*a) == VTy::F32 && simd_binary(*op)
+                        || ty == VTy::Bool
+                            && pool.ty(*a) == VTy::Bool
+                            && matches!(op, BinaryOp::And | BinaryOp::Or) =>
+                {
+                    stack.push(*a);
+                    stack.push(*b);
+                }
+                E::Select(c, a, b) if ty == VTy::F32 && pool.ty(*c) == VTy::Bool => {
+                    stack.push(*c);
+                    stack.push(*a);
+                    stack.push(*b);
+                }
+                E::Cast(to, a)
+                    if matches!(
+                        (pool.ty(*a), *to),
+                        (VTy::F32, VTy::Bool) | (VTy::Bool, VTy::F32)
+                    ) =>
+                {
+                    stack.push(*a)
+                }
+                _ => return None,
+            }
+        }
+        invariants.sort_unstable();
+        Some(SimdPlan { inner, invariants })
+    }
+
+    /// The vector loop over `[start, end)` in steps of 4 while 4 lanes fit; returns the
+    /// first index it did not run (where the scalar loop resumes).
+    fn vector_loop(&mut self, p: &SimdPlan, start: Value, end: Value) -> Res<Value> {
+        self.vcache.clear();
+        self.vinner = Some(p.inner);
+        // Splat what the loop reads from outside once, before it.
+        for &e in &p.invariants {
+            let s = self.emit(e)?;
+            let v = match self.k.pool.ty(e) {
+                VTy::Bool => self.bool_mask(s),
+                _ => self.b.ins().splat(F32X4, s),
+            };
+            self.vcache.insert(e, v);
+        }
+        let header = self.b.create_block();
+        let body = self.b.create_block();
+        let exit = self.b.create_block();
+        self.b.append_block_param(header, I64);
+        self.b.ins().jump(header, &[start.into()]);
+        self.b.switch_to_block(header);
+        let iv = self.b.block_params(header)[0];
+        let next = self.b.ins().iadd_imm_s(iv, LANES);
+        let fits = self.b.ins().icmp(IntCC::SignedLessThanOrEqual, next, end);
+        self.b.ins().brif(fits, body, &[], exit, &[]);
+        self.b.switch_to_block(body);
+        self.journal.push(Vec::new());
+        self.vars.insert(p.inner, iv);
+        // Every value before any store, as the scalar loop does.
+        let mut vals = Vec::with_capacity(self.k.stores.len());
+        for s in &self.k.stores {
+            vals.push(self.vemit(s.value)?);
+        }
+        for (s, v) in self.k.stores.iter().zip(vals) {
+            let idx = self.emit(s.index)?;
+            let addr = self.address(s.buf, s.dtype, idx)?;
+            self.b.ins().store(vflags(), v, addr, 0);
+        }
+        self.b.ins().jump(header, &[next.into()]);
+        self.b.switch_to_block(exit);
+        if let Some(keys) = self.journal.pop() {
+            for key in keys {
+                self.cache.remove(&key);
+            }
+        }
+        self.vcache.clear();
+        self.vinner = None;
+        Ok(iv)
+    }
+
+    /// An i32x4 lane mask (all ones where true) from a scalar bool (i8 0 or 1).
+    fn bool_mask(&mut self, b: Value) -> Value {
+        let w = self.b.ins().uextend(I32, b);
+        let m = self.b.ins().ineg(w);
+        self.b.ins().splat(I32X4, m)
+    }
+
+    /// The vector value of `e` at lanes `v, v+1, v+2, v+3` of the innermost variable `v`
+    /// (f32x4, or an i32x4 mask for bools); `simd_plan` accepted every node reached here.
+    fn vemit(&mut self, e: ExprId) -> Res<Value> {
+        if let Some(&v) = self.vcache.get(&e) {
+            return Ok(v);
+        }
+        let inner = self
+            .vinner
+            .ok_or_else(|| self.unsupported("vector code outside a vector loop"))?;
+        let node = self.k.pool.get(e).clone();
+        let v = match node {
+            E::Load { buf, dtype, index } if dtype == DType::F32 => {
+                let coef = self.k.pool.affine(index).map(|a| a.coef(inner));
+                let i = self.emit(index)?;
+                let addr = self.address(buf, dtype, i)?;
+                match coef {
+                    Some(1) => self.b.ins().load(F32X4, vflags(), addr, 0),
+                    Some(0) => {
+                        let s = self.b.ins().load(F32, flags(), addr, 0);
+                        self.b.ins().splat(F32X4, s)
+                    }
+                    _ => return Err(self.unsupported("vector load at a non-contiguous index")),
+                }
+            }
+            E::Un(UnaryOp::Not, a) if self.k.pool.ty(e) == VTy::Bool => {
+                let x = self.vemit(a)?;
+                self.b.ins().bnot(x)
+            }
+            E::Un(op, a) => {
+                let x = self.vemit(a)?;
+                self.unary_f(F32X4, op, x)?
+            }
+            E::Bin(op, a, b) => {
+                let x = self.vemit(a)?;
+                let y = self.vemit(b)?;
+                match (op, self.k.pool.ty(a)) {
+                    (_, VTy::F32) => self.binary_f(F32X4, op, x, y)?,
+                    (BinaryOp::And, VTy::Bool) => self.b.ins().band(x, y),
+                    (BinaryOp::Or, VTy::Bool) => self.b.ins().bor(x, y),
+                    _ => return Err(self.unsupported(format!("vector {}", op.name()))),
+                }
+            }
+            E::Select(c, a, b) => {
+                let m = self.vemit(c)?;
+                let x = self.vemit(a)?;
+                let y = self.vemit(b)?;
+                self.fselect(F32X4, m, x, y)
+            }
+            E::Cast(VTy::Bool, a) => {
+                let x = self.vemit(a)?;
+                let z = self.fconst(F32X4, 0.0);
+                self.b.ins().fcmp(FloatCC::NotEqual, x, z)
+            }
+            E::Cast(VTy::F32, a) => {
+                let m = self.vemit(a)?;
+                let one = self.fconst(F32X4, 1.0);
+                let z = self.fconst(F32X4, 0.0);
+                self.fselect(F32X4, m, one, z)
+            }
+            _ => return Err(self.unsupported("expression without a vector form")),
+        };
+        self.vcache.insert(e, v);
+        Ok(v)
     }
 
     fn stores(&mut self) -> Res<()> {
@@ -534,20 +778,74 @@ impl<'a, 'b> Cg<'a, 'b> {
         self.b.ins().bxor(z, s)
     }
 
+    /// The f32 constant `v` as a value of `ty` (`F32`, or `F32X4` splat).
+    fn fconst(&mut self, ty: Type, v: f32) -> Value {
+        let c = self.b.ins().f32const(v);
+        if ty == F32X4 {
+            self.b.ins().splat(F32X4, c)
+        } else {
+            c
+        }
+    }
+
+    /// `cond ? a : b` on `ty`: a scalar `select` on an i8 bool, or for `F32X4` a
+    /// `bitselect` on an i32x4 lane mask (all ones or all zeros per lane, as `fcmp` gives).
+    fn fselect(&mut self, ty: Type, cond: Value, a: Value, b: Value) -> Value {
+        if ty == F32X4 {
+            let m = self.b.ins().bitcast(F32X4, MemFlagsData::new(), cond);
+            self.b.ins().bitselect(m, a, b)
+        } else {
+            self.b.ins().select(cond, a, b)
+        }
+    }
+
+    /// `max(x, lo)` for a non-NaN `lo`, NaN staying NaN: `fmax` on scalars; on vectors
+    /// `x < lo ? lo : x`, which x64 lowers to one `maxps` (the `fmax` of vectors is a
+    /// sequence that orders zeros and NaNs).
+    fn clamp_lo(&mut self, ty: Type, x: Value, lo: Value) -> Value {
+        if ty == F32X4 {
+            let under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
+            self.fselect(ty, under, lo, x)
+        } else {
+            self.b.ins().fmax(x, lo)
+        }
+    }
+
+    /// `min(x, hi)` for a non-NaN `hi`, NaN staying NaN (`hi < x ? hi : x`: one `minps`).
+    fn clamp_hi(&mut self, ty: Type, x: Value, hi: Value) -> Value {
+        if ty == F32X4 {
+            let over = self.b.ins().fcmp(FloatCC::LessThan, hi, x);
+            self.fselect(ty, over, hi, x)
+        } else {
+            self.b.ins().fmin(x, hi)
+        }
+    }
+
     /// `exp(x)` inline: Cody–Waite range reduction by ln 2 and a degree-7 polynomial,
     /// scaled by 2^k through the exponent bits (about 1 ulp; 0 below -87.3, inf above
     /// 88.7, NaN stays NaN). Inline code keeps exp-heavy kernels (softmax, sigmoid, GELU)
-    /// free of calls.
-    fn exp_inline(&mut self, x: Value) -> Value {
-        let lo = self.b.ins().f32const(-86.0);
-        let hi = self.b.ins().f32const(88.72);
-        let xc = self.b.ins().fmax(x, lo);
-        let xc = self.b.ins().fmin(xc, hi);
-        let log2e = self.b.ins().f32const(std::f32::consts::LOG2_E);
+    /// free of calls. `ty` is `F32` or `F32X4` (the same operations per lane, so vector
+    /// and scalar loops agree bit for bit).
+    fn exp_inline(&mut self, ty: Type, x: Value) -> Value {
+        let lo = self.fconst(ty, -86.0);
+        let hi = self.fconst(ty, 88.72);
+        let xc = self.clamp_lo(ty, x, lo);
+        let xc = self.clamp_hi(ty, xc, hi);
+        let log2e = self.fconst(ty, std::f32::consts::LOG2_E);
         let t = self.b.ins().fmul(xc, log2e);
-        let k = self.b.ins().nearest(t);
-        let c1 = self.b.ins().f32const(0.693_359_4);
-        let c2 = self.b.ins().f32const(-2.121_944_4e-4);
+        // k = round(t), ties to even. Vectors add and subtract 1.5 * 2^23 (exact for
+        // |t| < 2^22, here |t| <= 128): the sum's low mantissa bits are k itself, which
+        // spares the saturating vector conversion below (NaN gives NaN through `p`).
+        let magic = (ty == F32X4).then(|| self.fconst(ty, 12_582_912.0));
+        let (k, j) = match magic {
+            Some(m) => {
+                let j = self.b.ins().fadd(t, m);
+                (self.b.ins().fsub(j, m), Some(j))
+            }
+            None => (self.b.ins().nearest(t), None),
+        };
+        let c1 = self.fconst(ty, 0.693_359_4);
+        let c2 = self.fconst(ty, -2.121_944_4e-4);
         let kc1 = self.b.ins().fmul(k, c1);
         let r = self.b.ins().fsub(xc, kc1);
         let kc2 = self.b.ins().fmul(k, c2);
@@ -564,53 +862,73 @@ impl<'a, 'b> Cg<'a, 'b> {
             2.0,
             2.0,
         ];
-        let mut p = self.b.ins().f32const(coefs[0] as f32);
+        let mut p = self.fconst(ty, coefs[0] as f32);
         for &c in &coefs[1..] {
             let m = self.b.ins().fmul(p, r);
-            let cc = self.b.ins().f32const(c as f32);
+            let cc = self.fconst(ty, c as f32);
             p = self.b.ins().fadd(m, cc);
         }
-        let ki = self.b.ins().fcvt_to_sint_sat(I32, k);
-        let e = self.b.ins().iadd_imm_s(ki, 126);
-        let bits = self.b.ins().ishl_imm_s(e, 23);
-        let scale = self.b.ins().bitcast(F32, MemFlagsData::new(), bits);
+        let bits = match j {
+            Some(j) => {
+                // bits(j) = bits(1.5 * 2^23) + k, and bits(1.5 * 2^23) << 23 wraps to 0:
+                // (bits(j) + 126) << 23 is (k + 126) << 23.
+                let ji = self.b.ins().bitcast(I32X4, MemFlagsData::new(), j);
+                let b126 = self.b.ins().iconst(I32, 126);
+                let b126 = self.b.ins().splat(I32X4, b126);
+                let e = self.b.ins().iadd(ji, b126);
+                let sh = self.b.ins().iconst(I32, 23);
+                self.b.ins().ishl(e, sh)
+            }
+            None => {
+                let ki = self.b.ins().fcvt_to_sint_sat(I32, k);
+                let e = self.b.ins().iadd_imm_s(ki, 126);
+                self.b.ins().ishl_imm_s(e, 23)
+            }
+        };
+        let scale = self.b.ins().bitcast(ty, MemFlagsData::new(), bits);
         let y = self.b.ins().fmul(p, scale);
-        let zero = self.b.ins().f32const(0.0);
-        let inf = self.b.ins().f32const(f32::INFINITY);
+        let zero = self.fconst(ty, 0.0);
+        let inf = self.fconst(ty, f32::INFINITY);
         let is_under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
-        let y = self.b.ins().select(is_under, zero, y);
+        let y = self.fselect(ty, is_under, zero, y);
         let is_over = self.b.ins().fcmp(FloatCC::GreaterThan, x, hi);
-        self.b.ins().select(is_over, inf, y)
+        self.fselect(ty, is_over, inf, y)
     }
 
     /// `tanh(x)` inline: an odd Taylor polynomial below |x| = 0.3, `1 - 2 / (e^{2|x|} + 1)`
-    /// with the sign restored above, ±1 beyond |x| = 9.
-    fn tanh_inline(&mut self, x: Value) -> Value {
+    /// with the sign restored above, ±1 beyond |x| = 9. `ty` as for [`Cg::exp_inline`].
+    fn tanh_inline(&mut self, ty: Type, x: Value) -> Value {
         let a = self.b.ins().fabs(x);
         let x2 = self.b.ins().fmul(x, x);
         let coefs = [62.0 / 2835.0, -17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0];
-        let mut p = self.b.ins().f32const(coefs[0] as f32);
+        let mut p = self.fconst(ty, coefs[0] as f32);
         for &c in &coefs[1..] {
             let m = self.b.ins().fmul(p, x2);
-            let cc = self.b.ins().f32const(c as f32);
+            let cc = self.fconst(ty, c as f32);
             p = self.b.ins().fadd(m, cc);
         }
         let x3 = self.b.ins().fmul(x2, x);
         let t = self.b.ins().fmul(x3, p);
         let small = self.b.ins().fadd(x, t);
-        let nine = self.b.ins().f32const(9.0);
-        let ac = self.b.ins().fmin(a, nine);
+        let nine = self.fconst(ty, 9.0);
+        let ac = self.clamp_hi(ty, a, nine);
         let two_a = self.b.ins().fadd(ac, ac);
-        let e = self.exp_inline(two_a);
-        let one = self.b.ins().f32const(1.0);
-        let two = self.b.ins().f32const(2.0);
+        let e = self.exp_inline(ty, two_a);
+        let one = self.fconst(ty, 1.0);
+        let two = self.fconst(ty, 2.0);
         let d = self.b.ins().fadd(e, one);
         let q = self.b.ins().fdiv(two, d);
         let big = self.b.ins().fsub(one, q);
-        let big = self.b.ins().fcopysign(big, x);
-        let thr = self.b.ins().f32const(0.3);
+        let big = if ty == F32X4 {
+            // copysign: the sign bit of `x`, the other bits of `big`.
+            let sign = self.fconst(ty, -0.0);
+            self.b.ins().bitselect(sign, x, big)
+        } else {
+            self.b.ins().fcopysign(big, x)
+        };
+        let thr = self.fconst(ty, 0.3);
         let is_small = self.b.ins().fcmp(FloatCC::LessThan, a, thr);
-        self.b.ins().select(is_small, small, big)
+        self.fselect(ty, is_small, small, big)
     }
 
     fn call1(&mut self, slot: usize, x: Value) -> Value {
@@ -619,56 +937,7 @@ impl<'a, 'b> Cg<'a, 'b> {
 
     fn unary(&mut self, op: UnaryOp, ty: VTy, x: Value) -> Res<Value> {
         Ok(match ty {
-            VTy::F32 => match op {
-                UnaryOp::Neg => self.b.ins().fneg(x),
-                UnaryOp::Abs => self.b.ins().fabs(x),
-                UnaryOp::Exp => self.exp_inline(x),
-                UnaryOp::Log => self.call1(slot::LOG, x),
-                UnaryOp::Sqrt => self.b.ins().sqrt(x),
-                UnaryOp::Rsqrt => {
-                    let s = self.b.ins().sqrt(x);
-                    let one = self.b.ins().f32const(1.0);
-                    self.b.ins().fdiv(one, s)
-                }
-                UnaryOp::Recip => {
-                    let one = self.b.ins().f32const(1.0);
-                    self.b.ins().fdiv(one, x)
-                }
-                UnaryOp::Tanh => self.tanh_inline(x),
-                UnaryOp::Sigmoid | UnaryOp::Silu => {
-                    let n = self.b.ins().fneg(x);
-                    let e = self.exp_inline(n);
-                    let one = self.b.ins().f32const(1.0);
-                    let d = self.b.ins().fadd(one, e);
-                    let num = if op == UnaryOp::Silu { x } else { one };
-                    self.b.ins().fdiv(num, d)
-                }
-                UnaryOp::Relu => {
-                    let z = self.b.ins().f32const(0.0);
-                    let c = self.b.ins().fcmp(FloatCC::GreaterThan, x, z);
-                    self.b.ins().select(c, x, z)
-                }
-                UnaryOp::Gelu => {
-                    let c = (2.0f64 / std::f64::consts::PI).sqrt() as f32;
-                    let x3 = self.b.ins().fmul(x, x);
-                    let x3 = self.b.ins().fmul(x3, x);
-                    let k = self.b.ins().f32const(0.044715);
-                    let t = self.b.ins().fmul(k, x3);
-                    let t = self.b.ins().fadd(x, t);
-                    let cc = self.b.ins().f32const(c);
-                    let t = self.b.ins().fmul(cc, t);
-                    let th = self.tanh_inline(t);
-                    let one = self.b.ins().f32const(1.0);
-                    let s = self.b.ins().fadd(one, th);
-                    let half = self.b.ins().f32const(0.5);
-                    let hx = self.b.ins().fmul(half, x);
-                    self.b.ins().fmul(hx, s)
-                }
-                UnaryOp::Sin => self.call1(slot::SIN, x),
-                UnaryOp::Cos => self.call1(slot::COS, x),
-                UnaryOp::Erf => self.call1(slot::ERF, x),
-                UnaryOp::Not => return Err(self.unsupported("`not` of a float")),
-            },
+            VTy::F32 => self.unary_f(F32, op, x)?,
             VTy::I32 | VTy::I64 => match op {
                 UnaryOp::Neg => self.b.ins().ineg(x),
                 UnaryOp::Abs => self.b.ins().iabs(x),
@@ -685,16 +954,65 @@ impl<'a, 'b> Cg<'a, 'b> {
         })
     }
 
+    /// A unary op on f32 values of `ty` (`F32`, or `F32X4`: no helper calls there).
+    fn unary_f(&mut self, ty: Type, op: UnaryOp, x: Value) -> Res<Value> {
+        if ty == F32X4 && !simd_unary(op) {
+            return Err(self.unsupported(format!("{} has no vector form", op.name())));
+        }
+        Ok(match op {
+            UnaryOp::Neg => self.b.ins().fneg(x),
+            UnaryOp::Abs => self.b.ins().fabs(x),
+            UnaryOp::Exp => self.exp_inline(ty, x),
+            UnaryOp::Log => self.call1(slot::LOG, x),
+            UnaryOp::Sqrt => self.b.ins().sqrt(x),
+            UnaryOp::Rsqrt => {
+                let s = self.b.ins().sqrt(x);
+                let one = self.fconst(ty, 1.0);
+                self.b.ins().fdiv(one, s)
+            }
+            UnaryOp::Recip => {
+                let one = self.fconst(ty, 1.0);
+                self.b.ins().fdiv(one, x)
+            }
+            UnaryOp::Tanh => self.tanh_inline(ty, x),
+            UnaryOp::Sigmoid | UnaryOp::Silu => {
+                let n = self.b.ins().fneg(x);
+                let e = self.exp_inline(ty, n);
+                let one = self.fconst(ty, 1.0);
+                let d = self.b.ins().fadd(one, e);
+                let num = if op == UnaryOp::Silu { x } else { one };
+                self.b.ins().fdiv(num, d)
+            }
+            UnaryOp::Relu => {
+                let z = self.fconst(ty, 0.0);
+                let c = self.b.ins().fcmp(FloatCC::GreaterThan, x, z);
+                self.fselect(ty, c, x, z)
+            }
+            UnaryOp::Gelu => {
+                let c = (2.0f64 / std::f64::consts::PI).sqrt() as f32;
+                let x3 = self.b.ins().fmul(x, x);
+                let x3 = self.b.ins().fmul(x3, x);
+                let k = self.fconst(ty, 0.044715);
+                let t = self.b.ins().fmul(k, x3);
+                let t = self.b.ins().fadd(x, t);
+                let cc = self.fconst(ty, c);
+                let t = self.b.ins().fmul(cc, t);
+                let th = self.tanh_inline(ty, t);
+                let one = self.fconst(ty, 1.0);
+                let s = self.b.ins().fadd(one, th);
+                let half = self.fconst(ty, 0.5);
+                let hx = self.b.ins().fmul(half, x);
+                self.b.ins().fmul(hx, s)
+            }
+            UnaryOp::Sin => self.call1(slot::SIN, x),
+            UnaryOp::Cos => self.call1(slot::COS, x),
+            UnaryOp::Erf => self.call1(slot::ERF, x),
+            UnaryOp::Not => return Err(self.unsupported("`not` of a float")),
+        })
+    }
+
     fn binary(&mut self, op: BinaryOp, ty: VTy, x: Value, y: Value) -> Res<Value> {
         use BinaryOp as B;
-        let fcc = |op: BinaryOp| match op {
-            B::Eq => FloatCC::Equal,
-            B::Ne => FloatCC::NotEqual,
-            B::Lt => FloatCC::LessThan,
-            B::Le => FloatCC::LessThanOrEqual,
-            B::Gt => FloatCC::GreaterThan,
-            _ => FloatCC::GreaterThanOrEqual,
-        };
         let icc = |op: BinaryOp| match op {
             B::Eq => IntCC::Equal,
             B::Ne => IntCC::NotEqual,
@@ -704,23 +1022,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             _ => IntCC::SignedGreaterThanOrEqual,
         };
         Ok(match ty {
-            VTy::F32 => match op {
-                B::Add => self.b.ins().fadd(x, y),
-                B::Sub => self.b.ins().fsub(x, y),
-                B::Mul => self.b.ins().fmul(x, y),
-                B::Div => self.b.ins().fdiv(x, y),
-                B::Rem => {
-                    let q = self.b.ins().fdiv(x, y);
-                    let f = self.b.ins().floor(q);
-                    let m = self.b.ins().fmul(y, f);
-                    self.b.ins().fsub(x, m)
-                }
-                B::Pow => self.helper(slot::POW, &[x, y], &[F32, F32], F32),
-                B::Maximum => self.b.ins().fmax(x, y),
-                B::Minimum => self.b.ins().fmin(x, y),
-                B::And | B::Or => return Err(self.unsupported("logical op on floats")),
-                c => self.b.ins().fcmp(fcc(c), x, y),
-            },
+            VTy::F32 => self.binary_f(F32, op, x, y)?,
             VTy::I32 => match op {
                 B::Add => self.b.ins().iadd(x, y),
                 B::Sub => self.b.ins().isub(x, y),
@@ -755,6 +1057,40 @@ impl<'a, 'b> Cg<'a, 'b> {
                 B::Ne => self.b.ins().icmp(IntCC::NotEqual, x, y),
                 _ => return Err(self.unsupported(format!("{} of bools", op.name()))),
             },
+        })
+    }
+
+    /// A binary op on f32 values of `ty` (`F32`, or `F32X4`: comparisons then give i32x4
+    /// lane masks, and `pow` has no vector form).
+    fn binary_f(&mut self, ty: Type, op: BinaryOp, x: Value, y: Value) -> Res<Value> {
+        use BinaryOp as B;
+        if ty == F32X4 && !simd_binary(op) {
+            return Err(self.unsupported(format!("{} has no vector form", op.name())));
+        }
+        let fcc = |op: BinaryOp| match op {
+            B::Eq => FloatCC::Equal,
+            B::Ne => FloatCC::NotEqual,
+            B::Lt => FloatCC::LessThan,
+            B::Le => FloatCC::LessThanOrEqual,
+            B::Gt => FloatCC::GreaterThan,
+            _ => FloatCC::GreaterThanOrEqual,
+        };
+        Ok(match op {
+            B::Add => self.b.ins().fadd(x, y),
+            B::Sub => self.b.ins().fsub(x, y),
+            B::Mul => self.b.ins().fmul(x, y),
+            B::Div => self.b.ins().fdiv(x, y),
+            B::Rem => {
+                let q = self.b.ins().fdiv(x, y);
+                let f = self.b.ins().floor(q);
+                let m = self.b.ins().fmul(y, f);
+                self.b.ins().fsub(x, m)
+            }
+            B::Pow => self.helper(slot::POW, &[x, y], &[F32, F32], F32),
+            B::Maximum => self.b.ins().fmax(x, y),
+            B::Minimum => self.b.ins().fmin(x, y),
+            B::And | B::Or => return Err(self.unsupported("logical op on floats")),
+            c => self.b.ins().fcmp(fcc(c), x, y),
         })
     }
 
@@ -878,8 +1214,8 @@ impl<'a, 'b> Cg<'a, 'b> {
             let bi = self.b.ins().iadd(bbase, brow);
             let bi = self.b.ins().iadd(bi, j0);
             let baddr = self.elem_addr(mm.b.buf, bi, 4)?;
-            let bv0 = self.b.ins().load(F32X4, flags(), baddr, 0);
-            let bv1 = self.b.ins().load(F32X4, flags(), baddr, 16);
+            let bv0 = self.b.ins().load(F32X4, vflags(), baddr, 0);
+            let bv1 = self.b.ins().load(F32X4, vflags(), baddr, 16);
             let acol = self.b.ins().imul_imm_s(kl.iv, mm.a.cs);
             let ak = self.b.ins().iadd(abase, acol);
             for r in 0..MR {
@@ -1023,9 +1359,49 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 }
 
+/// Unary f32 ops with a vector form (inline math; the rest call helpers).
+fn simd_unary(op: UnaryOp) -> bool {
+    use UnaryOp as U;
+    matches!(
+        op,
+        U::Neg
+            | U::Abs
+            | U::Sqrt
+            | U::Rsqrt
+            | U::Recip
+            | U::Relu
+            | U::Exp
+            | U::Tanh
+            | U::Sigmoid
+            | U::Silu
+            | U::Gelu
+    )
+}
+
+/// Binary f32 ops with a vector form (comparisons give lane masks).
+fn simd_binary(op: BinaryOp) -> bool {
+    use BinaryOp as B;
+    matches!(
+        op,
+        B::Add
+            | B::Sub
+            | B::Mul
+            | B::Div
+            | B::Rem
+            | B::Maximum
+            | B::Minimum
+            | B::Eq
+            | B::Ne
+            | B::Lt
+            | B::Le
+            | B::Gt
+            | B::Ge
+    )
+}
+
 /// The loop each node is computed in: the bound variable of greatest depth among its free
 /// variables (`None` for constants).
-fn sites(k: &Kernel) -> Vec<Option<Var>> {
+pub(crate) fn sites(k: &Kernel) -> Vec<Option<Var>> {
     let pool = &k.pool;
     let free = free_vars(pool);
     // Binder of each reduction variable: (reduction node, position).

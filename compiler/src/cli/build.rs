@@ -42,6 +42,20 @@ pub fn build(
         },
         ..CompileOptions::default()
     };
+    let target_of_emit = match emit {
+        Emit::Clif => Some(Target::Cpu),
+        Emit::Ptx => Some(Target::Cuda),
+        _ => None,
+    };
+    if let Some(want) = target_of_emit.filter(|&w| w != t) {
+        let _ = writeln!(
+            stderr,
+            "error: `--emit {}` needs `--target {}`",
+            if want == Target::Cpu { "clif" } else { "ptx" },
+            if want == Target::Cpu { "cpu" } else { "cuda" }
+        );
+        return None;
+    }
     let c = match artifact::compile(g, &opts) {
         Ok(c) => c,
         Err(e) => {
@@ -67,7 +81,7 @@ pub fn build(
         Emit::Kernels => {
             Some(print_kernels(&c.fused.kernels, Some(&|n| c.offset_of(n))).into_bytes())
         }
-        Emit::Clif => Some(c.code.into_bytes()),
+        Emit::Clif | Emit::Ptx => Some(c.code.into_bytes()),
         Emit::Artifact => {
             let t0 = Instant::now();
             let img = match artifact::persistent_image(&c, seed, &Default::default()) {

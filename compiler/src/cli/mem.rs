@@ -44,6 +44,12 @@ pub struct MemReport {
     pub buffers: usize,
     pub in_place: usize,
     pub plan_ms: f64,
+    /// The compiled program: kernels after fusion, and their plan (fused intermediates
+    /// have no buffer).
+    pub fused_kernels: usize,
+    pub fused_arena_bytes: u64,
+    pub fused_lower_bound_bytes: u64,
+    pub fused_over_eager: f64,
     pub live_at_peak: Vec<LiveTensor>,
 }
 
@@ -107,6 +113,11 @@ pub fn report(
             }
         })
         .collect();
+    let fused = crate::kernel::fuse::fuse(scheduled, Default::default())
+        .map_err(|e| format!("fusion: {e}"))?;
+    let fp = plan::plan_kernels(scheduled, &fused, budget);
+    plan::verify(scheduled, &fp)
+        .map_err(|e| format!("internal error: the fused plan does not verify: {e:?}"))?;
     let r = MemReport {
         model: scheduled.name.clone(),
         nodes: scheduled.node_count(),
@@ -130,6 +141,10 @@ pub fn report(
         buffers: lv.buffers.len(),
         in_place: lv.in_place.len(),
         plan_ms,
+        fused_kernels: fused.kernels.len(),
+        fused_arena_bytes: fp.arena_bytes,
+        fused_lower_bound_bytes: fp.lower_bound,
+        fused_over_eager: fp.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
         live_at_peak,
     };
     Ok((r, p, eager))
@@ -174,7 +189,7 @@ pub fn text(r: &MemReport, timing: bool) -> String {
     );
     line(
         &mut s,
-        "arena",
+        "arena, one kernel per op",
         r.arena_bytes,
         format!(
             "persistent {} + transient {}",
@@ -192,6 +207,17 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         "vs eager",
         format!("{:.3}x", r.arena_over_eager)
     ));
+    line(
+        &mut s,
+        "arena, fused (what runs)",
+        r.fused_arena_bytes,
+        format!(
+            "{} kernels; lower bound {}; {:.3}x eager",
+            r.fused_kernels,
+            bytes(r.fused_lower_bound_bytes),
+            r.fused_over_eager
+        ),
+    );
     s.push_str(&format!(
         "  plan: {} buffers ({} in place), offsets by {}{}; coloring into {} slots would need {}{}\n",
         r.buffers,

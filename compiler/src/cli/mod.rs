@@ -238,8 +238,10 @@ pub enum Emit {
     Ir,
     /// The fused kernels (kernel IR) with arena offsets.
     Kernels,
-    /// The Cranelift IR of every kernel (CPU).
+    /// The Cranelift IR of every kernel (`--target cpu`).
     Clif,
+    /// The PTX module (`--target cuda`).
+    Ptx,
     /// The compiled artifact (`-o model.tcc`), for `tcc run` and the runtime crate.
     Artifact,
 }
@@ -311,7 +313,7 @@ pub fn run(cli: Cli) -> ExitCode {
             let graph = &graph;
             let bytes: Vec<u8> = match emit {
                 Emit::Ir => printer::print(graph, locations.then_some(&sources.map)).into_bytes(),
-                Emit::Kernels | Emit::Clif | Emit::Artifact => {
+                Emit::Kernels | Emit::Clif | Emit::Ptx | Emit::Artifact => {
                     match build::build(graph, emit, target, no_fuse, layout, seed, ms, &mut stderr)
                     {
                         Some(b) => b,
@@ -482,13 +484,6 @@ fn run_compiled(
     opts: &run::RunOptions,
     stderr: &mut StandardStream,
 ) -> ExitCode {
-    if target == Target::Cuda {
-        let _ = writeln!(
-            stderr,
-            "error: `--target cuda` is not available yet (the PTX back end); use `--target cpu`"
-        );
-        return ExitCode::from(1);
-    }
     let is_artifact = program.file.extension().is_some_and(|e| e == "tcc");
     let (model, graph, ms) = if is_artifact {
         match tcc_runtime::Model::load(&program.file) {

@@ -184,7 +184,7 @@ fn tensor_type(s: &tcc_runtime::artifact::TensorSlot) -> crate::ir::TensorType {
     crate::ir::TensorType::new(d, s.shape.clone())
 }
 
-/// `tcc run --target cpu`: one session on the compiled artifact. `graph` (when the run
+/// `tcc run` on compiled code (the artifact's target picks the device): one session on the compiled artifact. `graph` (when the run
 /// compiled a .tdsl) gives random inputs their valid ranges (embedding ids, labels);
 /// without it, integer inputs not given with `--input` are zero.
 pub fn run_compiled(
@@ -193,14 +193,19 @@ pub fn run_compiled(
     opts: &RunOptions,
     compile_ms: f64,
 ) -> Result<(), String> {
+    let device = match model.target() {
+        tcc_runtime::artifact::Target::Cpu => tcc_runtime::Device::Cpu,
+        tcc_runtime::artifact::Target::Cuda => tcc_runtime::Device::Cuda(0),
+    };
     let t0 = Instant::now();
-    let mut s =
-        tcc_runtime::Session::new(model, tcc_runtime::Device::Cpu).map_err(|e| e.to_string())?;
+    let mut s = tcc_runtime::Session::new(model, device).map_err(|e| e.to_string())?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    s.set_threads(opts.threads.max(1))
-        .map_err(|e| e.to_string())?;
+    if device == tcc_runtime::Device::Cpu {
+        s.set_threads(opts.threads.max(1))
+            .map_err(|e| e.to_string())?;
+    }
     eprintln!(
-        "model `{}`: {} kernels; compiled in {compile_ms:.1} ms, loaded (Cranelift JIT) in {load_ms:.1} ms; arena {} in one allocation",
+        "model `{}`: {} kernels; compiled in {compile_ms:.1} ms, loaded on {device} in {load_ms:.1} ms; arena {} in one allocation",
         model.manifest().model,
         model.manifest().kernels.len(),
         bytes(s.arena_bytes() as u64),

@@ -230,3 +230,198 @@ pub fn big_artifact(n: usize) -> Vec<u8> {
     let w: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.25).collect();
     build(&m, &code, &persistent_init(&w, pad as usize))
 }
+
+/// The launch shape of the CUDA test kernels: `ceil(n / 256)` blocks of 256 threads (one
+/// block of 32 for tiny sizes).
+pub fn launch_for(n: u64) -> artifact::Launch {
+    if n <= 32 {
+        artifact::Launch {
+            grid: [1, 1, 1],
+            block: [32, 1, 1],
+            shared_bytes: 0,
+        }
+    } else {
+        artifact::Launch {
+            grid: [n.div_ceil(256) as u32, 1, 1],
+            block: [256, 1, 1],
+            shared_bytes: 0,
+        }
+    }
+}
+
+/// The header of every PTX module of the tests.
+pub const PTX_HEADER: &str = ".version 8.0\n.target sm_80\n.address_size 64\n";
+
+/// PTX entry `name(.param .u64 arena)`: `y[i] = x[i] * w[i] + 1.0` for `i < n` (f32; `w` at
+/// byte `wo`, `x` at `xo`, `y` at `yo` of the arena), one thread per element.
+pub fn fma_ptx(name: &str, n: u64, wo: u64, xo: u64, yo: u64) -> String {
+    format!(
+        "
+.visible .entry {name}(
+	.param .u64 arena
+)
+{{
+	.reg .pred 	%p<2>;
+	.reg .b32 	%r<5>;
+	.reg .f32 	%f<4>;
+	.reg .b64 	%rd<6>;
+
+	ld.param.u64 	%rd1, [arena];
+	cvta.to.global.u64 	%rd2, %rd1;
+	mov.u32 	%r1, %ctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mov.u32 	%r3, %tid.x;
+	mad.lo.s32 	%r4, %r1, %r2, %r3;
+	setp.ge.u32 	%p1, %r4, {n};
+	@%p1 bra 	DONE;
+	mul.wide.u32 	%rd3, %r4, 4;
+	add.s64 	%rd4, %rd2, %rd3;
+	ld.global.f32 	%f1, [%rd4+{xo}];
+	ld.global.f32 	%f2, [%rd4+{wo}];
+	fma.rn.f32 	%f3, %f1, %f2, 0f3F800000;
+	st.global.f32 	[%rd4+{yo}], %f3;
+DONE:
+	ret;
+}}
+"
+    )
+}
+
+/// PTX entry `name(.param .u64 arena)`: `z[i] = y[i] * y[i] + w[i]`, then `w[i] += 1.0`
+/// (an in-place param update, as a training step does) for `i < n`.
+pub fn square_update_ptx(name: &str, n: u64, wo: u64, yo: u64, zo: u64) -> String {
+    format!(
+        "
+.visible .entry {name}(
+	.param .u64 arena
+)
+{{
+	.reg .pred 	%p<2>;
+	.reg .b32 	%r<5>;
+	.reg .f32 	%f<5>;
+	.reg .b64 	%rd<6>;
+
+	ld.param.u64 	%rd1, [arena];
+	cvta.to.global.u64 	%rd2, %rd1;
+	mov.u32 	%r1, %ctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mov.u32 	%r3, %tid.x;
+	mad.lo.s32 	%r4, %r1, %r2, %r3;
+	setp.ge.u32 	%p1, %r4, {n};
+	@%p1 bra 	DONE;
+	mul.wide.u32 	%rd3, %r4, 4;
+	add.s64 	%rd4, %rd2, %rd3;
+	ld.global.f32 	%f1, [%rd4+{yo}];
+	ld.global.f32 	%f2, [%rd4+{wo}];
+	fma.rn.f32 	%f3, %f1, %f1, %f2;
+	st.global.f32 	[%rd4+{zo}], %f3;
+	add.f32 	%f4, %f2, 0f3F800000;
+	st.global.f32 	[%rd4+{wo}], %f4;
+DONE:
+	ret;
+}}
+"
+    )
+}
+
+/// PTX entry `name(.param .u64 arena)` that stores to a null pointer: an illegal address.
+pub fn faulting_ptx(name: &str) -> String {
+    format!(
+        "
+.visible .entry {name}(
+	.param .u64 arena
+)
+{{
+	.reg .b32 	%r<2>;
+	.reg .b64 	%rd<2>;
+
+	mov.u64 	%rd1, 0;
+	mov.u32 	%r1, 7;
+	st.global.u32 	[%rd1], %r1;
+	ret;
+}}
+"
+    )
+}
+
+/// The PTX of [`cuda_tiny_manifest`].
+pub fn cuda_tiny_ptx() -> String {
+    format!(
+        "{PTX_HEADER}{}{}",
+        fma_ptx("k0", 4, 0, 64, 128),
+        square_update_ptx("k1", 4, 0, 128, 192)
+    )
+}
+
+/// The tiny model for the CUDA target: the layout of [`tiny_manifest`] (param `w = [1, 2, 3,
+/// 4]` at 0, input `x` at 64, outputs `y` at 128 and `z` at 192, arena 256 bytes), kernel
+/// `k0`: `y = x * w + 1`, kernel `k1`: `z = y * y + w; w += 1`, each one block of 32 threads.
+pub fn cuda_tiny_manifest() -> Manifest {
+    let mut m = tiny_manifest();
+    m.target = Target::Cuda;
+    m.model = "tiny-cuda".into();
+    for k in &mut m.kernels {
+        k.launch = Some(launch_for(4));
+    }
+    m
+}
+
+pub fn cuda_tiny_artifact() -> Vec<u8> {
+    build(
+        &cuda_tiny_manifest(),
+        &cuda_tiny_ptx(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    )
+}
+
+/// The CUDA version of [`big_artifact`]: `y = x * w + 1`, then `z = y * y + w; w += 1` over
+/// `n` elements, `ceil(n / 256)` blocks of 256 threads.
+pub fn cuda_big_artifact(n: usize) -> Vec<u8> {
+    let bytes = (n * 4) as u64;
+    let pad = bytes.div_ceil(ALIGN) * ALIGN;
+    let (w, x, y, z) = (0, pad, 2 * pad, 3 * pad);
+    let mut m = cuda_tiny_manifest();
+    m.model = "big-cuda".into();
+    m.arena_bytes = 4 * pad;
+    m.inputs = vec![slot("x", DType::F32, &[n], x)];
+    m.outputs = vec![
+        slot("y", DType::F32, &[n], y),
+        slot("z", DType::F32, &[n], z),
+    ];
+    m.persistent[0].slot = slot("w", DType::F32, &[n], w);
+    m.kernels = vec![kernel("k0", n as u64, true), kernel("k1", n as u64, true)];
+    for k in &mut m.kernels {
+        k.launch = Some(launch_for(n as u64));
+    }
+    m.plan.persistent_bytes = pad;
+    m.plan.lower_bound = m.arena_bytes;
+    m.plan.buffers.clear();
+    let code = format!(
+        "{PTX_HEADER}{}{}",
+        fma_ptx("k0", n as u64, w, x, y),
+        square_update_ptx("k1", n as u64, w, y, z)
+    );
+    let init: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.25).collect();
+    build(&m, &code, &persistent_init(&init, pad as usize))
+}
+
+/// Whether the CUDA tests can run here: the `cuda` feature is on and the driver reports a
+/// device. Otherwise prints a notice (straight to stderr, so `cargo test` shows it even for a
+/// passing test) and returns false, unless `TCC_REQUIRE_CUDA` is set, which makes a missing
+/// device a failure (for runs on a GPU machine that must not skip).
+pub fn cuda_or_skip(test: &str) -> bool {
+    use std::io::Write;
+    let why = match tcc_runtime::cuda_device_count() {
+        Ok(n) if n > 0 => return true,
+        Ok(_) => "the driver reports no CUDA device".to_string(),
+        Err(e) => e.to_string(),
+    };
+    if std::env::var_os("TCC_REQUIRE_CUDA").is_some() {
+        panic!("TCC_REQUIRE_CUDA is set, but {test} cannot run: {why}");
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "note: skipping {test} (needs a CUDA device): {why}"
+    );
+    false
+}

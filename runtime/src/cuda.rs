@@ -1,0 +1,882 @@
+//! The CUDA executor (feature `cuda`): loads the artifact's PTX with the CUDA driver and runs
+//! its kernels on one stream, replaying the step as a CUDA graph.
+//!
+//! The kernel ABI is in `ARTIFACT.md`: one PTX module, one `.entry` per kernel, each taking
+//! the arena's device address as its only parameter (`.param .u64 arena`) and launched with
+//! the manifest's `launch` shape.
+//!
+//! A session owns, on the device, exactly one allocation (the arena, `cuMemAlloc`, so 256-byte
+//! aligned) and, on the host, one page-locked buffer per input and per output:
+//!
+//! - `set_input*` writes the input's pinned buffer and marks it; `run` copies the marked
+//!   inputs to the arena on the stream, launches the step (a CUDA graph of every kernel, or
+//!   the kernels one by one when graphs are off), copies every output into its pinned buffer
+//!   and waits for the stream. `output*` then read the pinned buffers.
+//! - params, optimizer state and the whole arena are copied on demand; `param_bytes`,
+//!   `save_params*` and `arena` keep a host copy until the arena next changes.
+//!
+//! The driver library is opened at run time (cudarc's `dynamic-loading`), so a build needs no
+//! CUDA toolkit; a machine without a driver or a GPU gets [`Error::Cuda`], never a panic.
+//!
+//! Every public entry point makes the session's context current on the calling thread first,
+//! so a session may move between threads (it is `Send`, not `Sync`).
+
+use std::cell::OnceCell;
+use std::ffi::{c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaGraph, CudaStream, DriverError};
+
+use crate::artifact::{KernelEntry, Launch, Target};
+use crate::{Error, Model, Result};
+
+/// Alignment of every `cuMemAlloc` allocation: the largest arena alignment we can honour.
+pub(crate) const DEVICE_ALIGN: u64 = 256;
+/// Dynamic shared memory a kernel gets without opting in (`cudaFuncSetAttribute`).
+const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
+
+fn cuda_error(context: impl Into<String>, message: impl Into<String>) -> Error {
+    Error::Cuda {
+        context: context.into(),
+        message: message.into(),
+    }
+}
+
+/// `CUDA_ERROR_NAME: the driver's description`.
+fn describe(e: DriverError) -> String {
+    let name = format!("{:?}", e.0);
+    match e.error_string() {
+        Ok(s) => format!("{name}: {}", s.to_string_lossy()),
+        Err(_) => name,
+    }
+}
+
+fn driver_error(context: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+    move |e| cuda_error(context, describe(e))
+}
+
+/// Runs `f`, turning a panic into [`Error::Cuda`]: cudarc panics when the driver library or
+/// one of its symbols cannot be loaded (an old driver, say), and no CUDA failure may take
+/// the caller's process down.
+fn guard<R>(context: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_else(|| "the CUDA bindings panicked".to_string());
+            Err(cuda_error(context, message))
+        }
+    }
+}
+
+/// Checks that the driver library can be opened, so that the first driver call does not
+/// panic inside cudarc.
+fn driver_present() -> Result<()> {
+    // SAFETY: this only tries to open the driver library under its usual names (and closes
+    // it again), which runs the library's initialisers as any use of the driver would.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(cuda_error(
+            "loading the CUDA driver",
+            "the CUDA driver library (libcuda) was not found; is an NVIDIA driver installed \
+             and on the library path?",
+        ))
+    }
+}
+
+/// Number of CUDA devices; 0 when the driver reports none.
+pub(crate) fn device_count() -> Result<usize> {
+    driver_present()?;
+    guard("counting CUDA devices", || {
+        match result::init() {
+            Ok(()) => {}
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => return Ok(0),
+            Err(e) => return Err(driver_error("initialising the CUDA driver")(e)),
+        }
+        let n = result::device::get_count().map_err(driver_error("counting CUDA devices"))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    })
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`), so copies between it and the arena are DMA
+/// transfers that run asynchronously on the stream. Zeroed at allocation.
+struct Pinned {
+    ptr: NonNull<u8>,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value; moving it to another thread
+// moves that ownership (the context it was allocated in is thread-safe).
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    /// Allocates `len` bytes in `ctx`, which must be current on this thread.
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Pinned, DriverError> {
+        if len == 0 {
+            return Ok(Pinned {
+                ptr: NonNull::dangling(),
+                len,
+                ctx: ctx.clone(),
+            });
+        }
+        // SAFETY: a plain allocation of `len` (> 0) bytes with default flags in the current
+        // context; the memory is initialised below before any reference is made to it.
+        let raw = unsafe { result::malloc_host(len, 0) }?;
+        let ptr = NonNull::new(raw.cast::<u8>())
+            .ok_or(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))?;
+        // SAFETY: `ptr` points at `len` writable bytes that nothing else refers to yet.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        Ok(Pinned {
+            ptr,
+            len,
+            ctx: ctx.clone(),
+        })
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialised bytes until `drop` (or dangling with
+        // `len == 0`). The device writes into the buffer only between a copy enqueued by a
+        // `&mut` method of the executor and the stream synchronisation that method does
+        // before returning, so no reference handed out can observe a write in flight.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference; no copy
+        // reads the buffer while the executor is not inside a `&mut` method.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `ptr` came from `malloc_host` and is freed only here, once; the
+            // executor synchronises its stream before dropping, so no copy uses it.
+            let _ = unsafe { result::free_host(self.ptr.as_ptr().cast::<c_void>()) };
+        }
+    }
+}
+
+/// The one device allocation: `bytes` bytes at `ptr` (0 for an empty arena).
+struct DeviceArena {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceArena {
+    /// Allocates `bytes` bytes in `ctx`, which must be current on this thread.
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceArena> {
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: a plain `cuMemAlloc` of `bytes` (> 0) bytes in the current context; the
+            // memory is zeroed before any kernel runs.
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+                cuda_error(format!("allocating the {bytes}-byte arena"), describe(e))
+            })?
+        };
+        Ok(DeviceArena {
+            ptr,
+            bytes,
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl Drop for DeviceArena {
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `ptr` came from `malloc_sync` and is freed only here, once; the
+            // executor synchronises its stream (and drops its graph) before dropping the
+            // arena, so no kernel or copy uses it any more.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// The loaded PTX module.
+struct Module {
+    raw: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a module handle may be used from any thread once its context is current there,
+// which every entry point of the executor makes sure of.
+unsafe impl Send for Module {}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `raw` was loaded by `load_module` and is unloaded only here, once; the
+        // graph and kernels that refer to its functions are dropped or unused by then.
+        let _ = unsafe { result::module::unload(self.raw) };
+    }
+}
+
+/// One kernel of the step, resolved in the module.
+struct Kernel {
+    name: String,
+    func: sys::CUfunction,
+    launch: Launch,
+}
+
+// SAFETY: a function handle may be used from any thread once its context is current there;
+// it stays valid while the module (owned by the same executor) is loaded.
+unsafe impl Send for Kernel {}
+
+/// The captured step.
+struct Graph(CudaGraph);
+
+// SAFETY: graph objects are not internally synchronised, so they must not be used from two
+// threads at once; the executor owns this one exclusively and uses it only through `&mut
+// self`, so moving it to another thread is fine.
+unsafe impl Send for Graph {}
+
+/// A staged input or output: its pinned host buffer and its place in the arena.
+struct Staged {
+    host: Pinned,
+    offset: u64,
+    /// Inputs: written since the last step, so `run` copies it to the device first.
+    dirty: bool,
+}
+
+/// The compiled module, the arena on the device, the staging buffers and the stream of one
+/// session.
+pub(crate) struct CudaExecutor {
+    // Drop order (see `Drop`): the graph and buffers go before the module, the module before
+    // the stream, the stream before the context.
+    graph: Option<Graph>,
+    use_graph: bool,
+    kernels: Vec<Kernel>,
+    inputs: Vec<Staged>,
+    outputs: Vec<Staged>,
+    /// Host copies of the persistent region and of the whole arena, taken on demand and
+    /// dropped whenever the arena changes.
+    persistent_copy: OnceCell<Vec<u8>>,
+    arena_copy: OnceCell<Vec<u8>>,
+    /// An error of a method that cannot return one ([`CudaExecutor::reset`]), reported by
+    /// the next `run`.
+    pending: Option<Error>,
+    arena: DeviceArena,
+    /// Keeps the kernels' functions loaded.
+    _module: Module,
+    model: Model,
+    ordinal: usize,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for CudaExecutor {
+    fn drop(&mut self) {
+        // Nothing may still run or copy when the buffers, the arena and the module go.
+        let _ = guard("dropping the session", || {
+            let _ = self.ctx.bind_to_thread();
+            let _ = self.stream.synchronize();
+            self.graph = None;
+            Ok(())
+        });
+    }
+}
+
+/// Checks the parts of the manifest the CUDA executor needs, before touching the driver.
+fn check_model(model: &Model) -> Result<()> {
+    if model.target() != Target::Cuda {
+        return Err(Error::BadManifest(format!(
+            "the CUDA executor needs a `cuda` artifact, not `{}`",
+            model.target()
+        )));
+    }
+    let align = model.manifest().alignment;
+    if align > DEVICE_ALIGN {
+        return Err(cuda_error(
+            "allocating the arena",
+            format!(
+                "the artifact asks for a {align}-byte aligned arena, but device allocations \
+                 are only guaranteed to be {DEVICE_ALIGN}-byte aligned"
+            ),
+        ));
+    }
+    for k in &model.manifest().kernels {
+        let launch = k.launch.as_ref().ok_or_else(|| {
+            Error::BadManifest(format!(
+                "kernel `{}` has no `launch` (grid, block, shared_bytes), which a `cuda` \
+                 artifact needs for every kernel",
+                k.name
+            ))
+        })?;
+        if launch.grid.contains(&0) || launch.block.contains(&0) {
+            return Err(Error::BadManifest(format!(
+                "kernel `{}` has an empty launch shape (grid {:?}, block {:?})",
+                k.name, launch.grid, launch.block
+            )));
+        }
+        if k.name.contains('\0') {
+            return Err(Error::BadManifest(format!(
+                "kernel name {:?} contains a NUL byte",
+                k.name
+            )));
+        }
+    }
+    if model.code().contains('\0') {
+        return Err(Error::Compile {
+            kernel: "(code section)".into(),
+            message: "the PTX text contains a NUL byte".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Loads PTX `code` into the current context; a JIT failure carries the driver's log.
+fn load_module(ctx: &Arc<CudaContext>, code: &str) -> Result<Module> {
+    let compile_error = |message: String| Error::Compile {
+        kernel: "(code section)".into(),
+        message,
+    };
+    let image =
+        CString::new(code).map_err(|_| compile_error("the PTX text contains a NUL byte".into()))?;
+    let mut log = vec![0u8; 16 * 1024];
+    let mut options = [
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    // The driver reads the buffer size from the pointer-sized value itself.
+    let mut values = [
+        log.as_mut_ptr().cast::<c_void>(),
+        std::ptr::without_provenance_mut(log.len()),
+    ];
+    let mut raw: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `image` is a NUL-terminated string that outlives the call; `options` and
+    // `values` are two matching entries: the log buffer (writable, `log.len()` bytes, alive
+    // for the call) and its size; `raw` is a valid place for the module handle. The context
+    // is current (the caller bound it).
+    let status = unsafe {
+        sys::cuModuleLoadDataEx(
+            &mut raw,
+            image.as_ptr().cast::<c_void>(),
+            options.len() as u32,
+            options.as_mut_ptr(),
+            values.as_mut_ptr(),
+        )
+    };
+    match status.result() {
+        Ok(()) if !raw.is_null() => Ok(Module {
+            raw,
+            ctx: ctx.clone(),
+        }),
+        Ok(()) => Err(compile_error("the driver returned no module".into())),
+        Err(e) => {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            let text = String::from_utf8_lossy(&log[..end]).trim().to_string();
+            let mut message = format!("loading the PTX module failed: {}", describe(e));
+            if !text.is_empty() {
+                message.push('\n');
+                message.push_str(&text);
+            }
+            Err(compile_error(message))
+        }
+    }
+}
+
+/// Resolves `entry` in `module` and prepares it for its launch shape.
+fn resolve_kernel(module: &Module, entry: &KernelEntry) -> Result<Kernel> {
+    let launch = entry
+        .launch
+        .clone()
+        .ok_or_else(|| Error::BadManifest(format!("kernel `{}` has no `launch`", entry.name)))?;
+    let kernel_error = |message: String| Error::Compile {
+        kernel: entry.name.clone(),
+        message,
+    };
+    let name = CString::new(entry.name.as_str())
+        .map_err(|_| kernel_error("the name contains a NUL byte".into()))?;
+    // SAFETY: `module.raw` is a loaded module (it lives as long as `module`) and the context
+    // is current.
+    let func = unsafe { result::module::get_function(module.raw, name) }.map_err(|e| {
+        kernel_error(match e.0 {
+            sys::CUresult::CUDA_ERROR_NOT_FOUND => {
+                format!("the PTX module has no `.entry {}`", entry.name)
+            }
+            _ => format!("looking the kernel up failed: {}", describe(e)),
+        })
+    })?;
+    if launch.shared_bytes > DEFAULT_DYNAMIC_SHARED {
+        let bytes = i32::try_from(launch.shared_bytes).unwrap_or(i32::MAX);
+        // SAFETY: `func` is a function of the loaded module; this only raises its limit of
+        // dynamic shared memory.
+        unsafe {
+            result::function::set_function_attribute(
+                func,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes,
+            )
+        }
+        .map_err(|e| {
+            kernel_error(format!(
+                "the launch asks for {} bytes of dynamic shared memory, which the device \
+                 refuses: {}",
+                launch.shared_bytes,
+                describe(e)
+            ))
+        })?;
+    }
+    Ok(Kernel {
+        name: entry.name.clone(),
+        func,
+        launch,
+    })
+}
+
+impl CudaExecutor {
+    /// Creates a context on device `ordinal`, allocates and initialises the arena, loads
+    /// the module, resolves every kernel and captures the step as a CUDA graph.
+    pub(crate) fn new(model: &Model, ordinal: usize) -> Result<CudaExecutor> {
+        check_model(model)?;
+        driver_present()?;
+        guard("creating a CUDA session", || Self::create(model, ordinal))
+    }
+
+    fn create(model: &Model, ordinal: usize) -> Result<CudaExecutor> {
+        if i32::try_from(ordinal).is_err() {
+            return Err(cuda_error(
+                format!("opening device cuda:{ordinal}"),
+                "no such device",
+            ));
+        }
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(cuda_error(
+                format!("opening device cuda:{ordinal}"),
+                if count == 0 {
+                    "the driver reports no CUDA device".to_string()
+                } else {
+                    format!(
+                        "no such device; this machine has {count} (cuda:0 to cuda:{})",
+                        count - 1
+                    )
+                },
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_error(format!(
+            "creating a context on cuda:{ordinal}"
+        )))?;
+        // SAFETY: event tracking only concerns cudarc's `CudaSlice`s, which this executor
+        // does not use (it orders everything on its one stream). Turning it off also keeps
+        // `new_stream` from synchronising the whole (primary, shared) context, which could
+        // disturb another session capturing its graph on another thread.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(driver_error("creating a stream"))?;
+        ctx.bind_to_thread()
+            .map_err(driver_error("making the CUDA context current"))?;
+
+        let module = load_module(&ctx, model.code())?;
+        let kernels = model
+            .manifest()
+            .kernels
+            .iter()
+            .map(|k| resolve_kernel(&module, k))
+            .collect::<Result<Vec<_>>>()?;
+
+        let arena = DeviceArena::new(&ctx, model.arena_bytes())?;
+        let staged = |slots: &[crate::TensorSlot], what: &str| {
+            slots
+                .iter()
+                .map(|s| {
+                    let host = Pinned::new(&ctx, s.bytes as usize).map_err(|e| {
+                        cuda_error(
+                            format!("allocating the pinned host buffer of {what} `{}`", s.name),
+                            describe(e),
+                        )
+                    })?;
+                    Ok(Staged {
+                        host,
+                        offset: s.offset,
+                        dirty: false,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let inputs = staged(model.inputs(), "input")?;
+        let outputs = staged(model.outputs(), "output")?;
+
+        let mut exec = CudaExecutor {
+            graph: None,
+            use_graph: true,
+            kernels,
+            inputs,
+            outputs,
+            persistent_copy: OnceCell::new(),
+            arena_copy: OnceCell::new(),
+            pending: None,
+            arena,
+            _module: module,
+            model: model.clone(),
+            ordinal,
+            stream,
+            ctx,
+        };
+        exec.init_arena()?;
+        exec.capture()?;
+        Ok(exec)
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_error("making the CUDA context current"))
+    }
+
+    fn sync(&self, context: &str) -> Result<()> {
+        self.stream.synchronize().map_err(driver_error(context))
+    }
+
+    fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    fn invalidate_copies(&mut self) {
+        self.persistent_copy.take();
+        self.arena_copy.take();
+    }
+
+    /// Zeroes the arena and copies the initial persistent bytes to its start; zeroes the
+    /// outputs' host buffers and forgets inputs set since the last step.
+    fn init_arena(&mut self) -> Result<()> {
+        self.bind()?;
+        self.invalidate_copies();
+        let enqueued = (|| {
+            if self.arena.bytes > 0 {
+                // SAFETY: the arena is a live allocation of `arena.bytes` bytes; the memset
+                // runs on the session's stream, ordered with every other use of the arena.
+                unsafe {
+                    result::memset_d8_async(self.arena.ptr, 0, self.arena.bytes, self.cu_stream())
+                }
+                .map_err(driver_error("zeroing the arena"))?;
+            }
+            let init = self.model.persistent_init();
+            if !init.is_empty() {
+                // SAFETY: `init` (the model's bytes, alive for the whole call: the stream is
+                // synchronised below before returning) is `plan.persistent_bytes` long, which
+                // `Model::from_bytes` checked fits the arena; the copy runs on the stream.
+                unsafe { result::memcpy_htod_async(self.arena.ptr, init, self.cu_stream()) }
+                    .map_err(driver_error("copying the initial params to the arena"))?;
+            }
+            Ok(())
+        })();
+        let synced = self.sync("initialising the arena");
+        enqueued.and(synced)?;
+        for s in &mut self.inputs {
+            s.dirty = false;
+        }
+        for s in &mut self.outputs {
+            s.host.as_mut_slice().fill(0);
+        }
+        Ok(())
+    }
+
+    /// Enqueues every kernel of the step on the stream (or into the graph being captured).
+    fn launch_all(&self) -> Result<()> {
+        let mut arena: u64 = self.arena.ptr;
+        for k in &self.kernels {
+            let mut params = [std::ptr::addr_of_mut!(arena).cast::<c_void>()];
+            let Launch {
+                grid,
+                block,
+                shared_bytes,
+            } = k.launch;
+            // SAFETY: `k.func` is an entry of `self.module`, which stays loaded while the
+            // executor lives. A tcc kernel takes exactly one parameter, `.param .u64 arena`
+            // (ARTIFACT.md), and `params` holds one pointer to a u64 that the driver reads
+            // during this call. The arena it receives is a live device allocation of
+            // `arena_bytes` bytes, which the compiler planned every access of the kernel to
+            // stay inside; the kernel runs on the session's stream, ordered after the input
+            // copies and before the output copies. Dynamic shared memory above 48 KiB was
+            // opted into in `resolve_kernel`.
+            unsafe {
+                result::launch_kernel(
+                    k.func,
+                    (grid[0], grid[1], grid[2]),
+                    (block[0], block[1], block[2]),
+                    shared_bytes,
+                    self.cu_stream(),
+                    &mut params,
+                )
+            }
+            .map_err(|e| {
+                cuda_error(
+                    format!(
+                        "launching kernel `{}` (grid {grid:?}, block {block:?}, {shared_bytes} \
+                         bytes of dynamic shared memory)",
+                        k.name
+                    ),
+                    describe(e),
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Captures every kernel launch of the step into a CUDA graph, unless graphs are off, one
+    /// is already there or the step has no kernel.
+    fn capture(&mut self) -> Result<()> {
+        if !self.use_graph || self.graph.is_some() || self.kernels.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_error(
+                "starting to capture the step into a CUDA graph",
+            ))?;
+        let launched = self.launch_all();
+        // Always end the capture, so the stream is usable again whatever happened.
+        let ended = self
+            .stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver_error("capturing the step into a CUDA graph"));
+        launched?;
+        let graph = ended?.ok_or_else(|| {
+            cuda_error(
+                "capturing the step into a CUDA graph",
+                "the driver returned no graph",
+            )
+        })?;
+        graph
+            .upload()
+            .map_err(driver_error("uploading the CUDA graph"))?;
+        self.sync("uploading the CUDA graph")?;
+        self.graph = Some(Graph(graph));
+        Ok(())
+    }
+
+    /// Whether `run` replays a CUDA graph.
+    pub(crate) fn graph_enabled(&self) -> bool {
+        self.use_graph
+    }
+
+    /// Turns graph replay on or off; the graph is captured again on the next `run` after it
+    /// is turned back on.
+    pub(crate) fn set_graph(&mut self, enabled: bool) {
+        self.use_graph = enabled;
+        if !enabled {
+            let _ = guard("dropping the CUDA graph", || {
+                let _ = self.ctx.bind_to_thread();
+                self.graph = None;
+                Ok(())
+            });
+        }
+    }
+
+    /// The pinned staging buffer of input `index`, marked to be copied at the next step.
+    pub(crate) fn input_buffer(&mut self, index: usize) -> Option<&mut [u8]> {
+        let s = self.inputs.get_mut(index)?;
+        s.dirty = true;
+        Some(s.host.as_mut_slice())
+    }
+
+    /// Output `index` as of the end of the last step.
+    pub(crate) fn output(&self, index: usize) -> Option<&[u8]> {
+        self.outputs.get(index).map(|s| s.host.as_slice())
+    }
+
+    /// Runs one step: copies the inputs set since the last step to the device, launches the
+    /// kernels (replaying the graph), copies every output to its pinned buffer and waits.
+    pub(crate) fn run(&mut self) -> Result<()> {
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
+        self.invalidate_copies();
+        guard("running a step", || {
+            self.bind()?;
+            let enqueued = self.enqueue_step();
+            // Wait even after a failed enqueue: nothing may still read or write the pinned
+            // buffers once `run` returns.
+            let synced = self.sync("running the step (a kernel or a copy failed)");
+            enqueued.and(synced)
+        })
+    }
+
+    fn enqueue_step(&mut self) -> Result<()> {
+        let stream = self.cu_stream();
+        let base = self.arena.ptr;
+        for (s, slot) in self.inputs.iter_mut().zip(self.model.inputs()) {
+            if !s.dirty || s.host.len == 0 {
+                continue;
+            }
+            s.dirty = false;
+            // SAFETY: the source is the input's pinned buffer (alive while the executor is,
+            // and not written before the stream is synchronised at the end of `run`); the
+            // destination `[offset, offset + len)` lies inside the arena (validated manifest).
+            unsafe { result::memcpy_htod_async(base + s.offset, s.host.as_slice(), stream) }
+                .map_err(|e| {
+                    cuda_error(
+                        format!("copying input `{}` to the device", slot.name),
+                        describe(e),
+                    )
+                })?;
+        }
+        if self.use_graph {
+            self.capture()?;
+        }
+        match &self.graph {
+            Some(g) if self.use_graph => {
+                g.0.launch()
+                    .map_err(driver_error("launching the step's CUDA graph"))?
+            }
+            _ => self.launch_all()?,
+        }
+        for (s, slot) in self.outputs.iter_mut().zip(self.model.outputs()) {
+            if s.host.len == 0 {
+                continue;
+            }
+            // SAFETY: the destination is the output's pinned buffer, which no reference
+            // points into while `run` holds `&mut self`, until the stream is synchronised;
+            // the source lies inside the arena (validated manifest).
+            unsafe { result::memcpy_dtoh_async(s.host.as_mut_slice(), base + s.offset, stream) }
+                .map_err(|e| {
+                    cuda_error(
+                        format!("copying output `{}` to the host", slot.name),
+                        describe(e),
+                    )
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Copies arena bytes `[offset, offset + out.len())` into `out` and waits.
+    fn read_into(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        guard("copying from the arena", || {
+            self.bind()?;
+            // SAFETY: callers pass a range inside the arena (validated manifest slots or the
+            // whole arena); `out` is a live, exclusively borrowed host buffer, and the stream
+            // is synchronised below before it is released.
+            let copied = unsafe {
+                result::memcpy_dtoh_async(out, self.arena.ptr + offset as u64, self.cu_stream())
+            }
+            .map_err(driver_error("copying from the arena to the host"));
+            let synced = self.sync("copying from the arena to the host");
+            copied.and(synced)
+        })
+    }
+
+    /// Arena bytes `[offset, offset + len)`, copied to the host.
+    pub(crate) fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; len];
+        self.read_into(offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// The persistent region `[0, plan.persistent_bytes)`, copied on the first call after
+    /// the arena last changed.
+    pub(crate) fn persistent(&self) -> Result<&[u8]> {
+        cached(&self.persistent_copy, || {
+            self.read(0, self.model.persistent_init().len())
+        })
+    }
+
+    /// The whole arena, copied on the first call after it last changed.
+    pub(crate) fn arena(&self) -> Result<&[u8]> {
+        cached(&self.arena_copy, || self.read(0, self.arena.bytes))
+    }
+
+    /// Copies each `(offset, bytes)` to the arena and waits.
+    pub(crate) fn write(&mut self, copies: &[(usize, &[u8])]) -> Result<()> {
+        self.invalidate_copies();
+        guard("copying to the arena", || {
+            self.bind()?;
+            let enqueued = copies.iter().try_for_each(|&(offset, bytes)| {
+                if bytes.is_empty() {
+                    return Ok(());
+                }
+                // SAFETY: callers pass validated persistent slots, which lie inside the
+                // arena; `bytes` stays borrowed until the stream is synchronised below.
+                unsafe {
+                    result::memcpy_htod_async(
+                        self.arena.ptr + offset as u64,
+                        bytes,
+                        self.cu_stream(),
+                    )
+                }
+                .map_err(driver_error("copying from the host to the arena"))
+            });
+            let synced = self.sync("copying from the host to the arena");
+            enqueued.and(synced)
+        })
+    }
+
+    /// Restores the arena to its state after creation; an error is reported by the next
+    /// `run`.
+    pub(crate) fn reset(&mut self) {
+        if let Err(e) = guard("resetting the arena", || self.init_arena()) {
+            self.pending = Some(e);
+        }
+    }
+
+    /// `(free, total)` bytes of device memory, from `cuMemGetInfo`.
+    pub(crate) fn memory_info(&self) -> Result<(usize, usize)> {
+        guard("querying device memory", || {
+            self.bind()?;
+            result::mem_get_info().map_err(driver_error(format!(
+                "querying the memory of cuda:{}",
+                self.ordinal
+            )))
+        })
+    }
+}
+
+/// The value in `cell`, filled by `fill` if it is empty.
+fn cached(cell: &OnceCell<Vec<u8>>, fill: impl FnOnce() -> Result<Vec<u8>>) -> Result<&[u8]> {
+    if let Some(v) = cell.get() {
+        return Ok(v);
+    }
+    let v = fill()?;
+    Ok(cell.get_or_init(|| v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guard_turns_panics_into_errors() {
+        let e = guard("testing", || -> Result<()> {
+            panic!("Missing symbol cuFoo")
+        })
+        .unwrap_err();
+        match e {
+            Error::Cuda { context, message } => {
+                assert_eq!(context, "testing");
+                assert!(message.contains("cuFoo"), "{message}");
+            }
+            other => panic!("expected a CUDA error, got {other:?}"),
+        }
+        let e = guard("testing", || -> Result<()> {
+            std::panic::panic_any(7u8);
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("panicked"), "{e}");
+    }
+
+    #[test]
+    fn cached_fills_once() {
+        let cell = OnceCell::new();
+        assert!(cached(&cell, || Err(cuda_error("a", "b"))).is_err());
+        assert_eq!(cached(&cell, || Ok(vec![1, 2])).unwrap(), &[1, 2]);
+        assert_eq!(cached(&cell, || Ok(vec![3])).unwrap(), &[1, 2]);
+    }
+}

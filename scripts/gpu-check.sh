@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one call.
+#
+# Here (a machine with cargo, no GPU needed):   scripts/gpu-check.sh build
+#   builds the release `tcc` with CUDA support, the GPU test binaries and the benchmark
+#   artifacts into .gpu/ (git-ignored).
+# On the GPU machine (no Rust there):           bash scripts/gpu-check.sh device
+#   runs the GPU tests (TCC_REQUIRE_GPU=1: a missing GPU fails them), compute-sanitizer
+#   memcheck on every example, tcc's benchmarks and PyTorch's (bench/torch_bench.py), and
+#   prints a short table last.
+# Without an argument: `build` when cargo is present, then `device` when a GPU is.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=.gpu
+mode="${1:-auto}"
+
+build() {
+    set -e
+    mkdir -p "$OUT"
+    cargo build --release -p tcc --features cuda
+    cp target/release/tcc "$OUT/tcc"
+    # Test binaries: the GPU differential tests and the runtime's CUDA tests.
+    cargo test --release -p tcc-tests --features cuda --test gpu --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])' | head -1 | xargs -I{} cp {} "$OUT/gpu-tests"
+    cargo test --release -p tcc-runtime --features cuda --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "cuda" in m["target"]["name"]:
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$OUT/runtime-$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    ls -la "$OUT"
+}
+
+device() {
+    local T="$OUT/tcc" log="$OUT/log" status=0
+    mkdir -p "$log"
+    # Artifacts are compiled here by the carried `tcc` (the gpt one holds 1 GiB of params
+    # and optimizer state: too big to carry).
+    "$T" build examples/mlp.tdsl --target cuda --emit artifact -o "$OUT/mlp.tcc" 2>>"$log/build.txt"
+    "$T" build examples/cnn.tdsl --target cuda --emit artifact -o "$OUT/cnn.tcc" 2>>"$log/build.txt"
+    "$T" build examples/gpt.tdsl --target cuda --emit artifact -o "$OUT/gpt.tcc" 2>>"$log/build.txt"
+    "$T" build bench/gelu.tdsl --target cuda --emit artifact -o "$OUT/gelu.tcc" 2>>"$log/build.txt"
+    "$T" build examples/tiny.tdsl --target cuda --emit artifact -o "$OUT/tiny-small.tcc" 2>>"$log/build.txt"
+    "$T" build examples/mlp.tdsl --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small.tcc" 2>>"$log/build.txt"
+    "$T" build examples/cnn.tdsl --set B=2 --set C=4 --set S=8 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
+    "$T" build examples/gpt.tdsl --set L=2 --set D=16 --set H=2 --set T=8 --set B=2 --set V=32 --target cuda --emit artifact -o "$OUT/gpt-small.tcc" 2>>"$log/build.txt"
+    grep -E "^compiled" "$log/build.txt"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    echo "== GPU tests"
+    for t in "$OUT"/gpu-tests "$OUT"/runtime-*; do
+        [ -x "$t" ] || continue
+        if TCC_REQUIRE_GPU=1 TCC_REQUIRE_CUDA=1 "$t" --test-threads 1 >"$log/$(basename "$t").txt" 2>&1; then
+            echo "ok   $(basename "$t"): $(grep -E '^test result' "$log/$(basename "$t").txt" | tail -1)"
+        else
+            echo "FAIL $(basename "$t")"; tail -30 "$log/$(basename "$t").txt"; status=1
+        fi
+    done
+    echo "== compute-sanitizer memcheck"
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for m in tiny-small mlp-small cnn-small gpt-small; do
+        if [ -n "$CS" ]; then
+            if "$CS" --tool memcheck --error-exitcode 3 "$T" run "$OUT/$m.tcc" --steps 2 >"$log/memcheck-$m.txt" 2>&1; then
+                echo "clean $m: $(grep -E 'ERROR SUMMARY' "$log/memcheck-$m.txt" | tail -1)"
+            else
+                echo "DIRTY $m"; tail -20 "$log/memcheck-$m.txt"; status=1
+            fi
+        else
+            echo "compute-sanitizer not found"
+        fi
+    done
+    echo "== tcc benchmarks"
+    for m in mlp cnn gpt gelu; do
+        "$T" run "$OUT/$m.tcc" --steps 20 --every 100 >"$log/tcc-$m.txt" 2>&1 || status=1
+        echo "$m: $(grep -E 'step time|device memory|arena:' "$log/tcc-$m.txt" | tr '\n' ' ')"
+    done
+    echo "== PyTorch"
+    python3 bench/torch_bench.py --json "$log/torch.json" >"$log/torch.txt" 2>&1 || status=1
+    tail -25 "$log/torch.txt"
+    echo "== summary"
+    python3 bench/summary.py "$log" || true
+    return $status
+}
+
+case "$mode" in
+    build) build ;;
+    device) device ;;
+    auto)
+        if command -v cargo >/dev/null; then build; fi
+        if command -v nvidia-smi >/dev/null; then device; fi ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device]"; exit 2 ;;
+esac

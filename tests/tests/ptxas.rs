@@ -1,0 +1,115 @@
+//! Every PTX module the test suite generates assembles with `ptxas -arch=sm_90` (the GPU
+//! machine's CUDA 13.0). Without ptxas the test prints a notice and passes, except under
+//! CI (`CI` set), where `.ci/run` installs it and its absence is a failure.
+
+use tcc::artifact::{compile, CompileOptions, Target};
+use tcc::front::Options;
+use tcc::kernel::fuse::FuseOptions;
+use tcc_tests::{
+    builtin_program, compile_pipeline, integer_program, options_from_args, ptxas, root, tdsl_files,
+    BUILTIN_CASES, INTEGER_CASES,
+};
+
+fn programs() -> Vec<(String, String, Options)> {
+    let mut v = Vec::new();
+    for (ex, set) in [
+        ("tiny", ""),
+        ("mlp", "--set B=8 --set D=32"),
+        ("cnn", "--set B=2 --set C=4 --set S=8"),
+        (
+            "gpt",
+            "--set L=2 --set D=16 --set H=2 --set T=8 --set B=2 --set V=32",
+        ),
+        ("mlp", ""),
+    ] {
+        let src = std::fs::read_to_string(root().join(format!("examples/{ex}.tdsl"))).unwrap();
+        v.push((format!("{ex} {set}"), src, options_from_args(set)));
+    }
+    for dir in ["tests/cases/fusion", "tests/cases/layout"] {
+        for f in tdsl_files(dir) {
+            let src = std::fs::read_to_string(&f).unwrap();
+            v.push((f.display().to_string(), src, Options::default()));
+        }
+    }
+    for (_, cases) in BUILTIN_CASES {
+        for (expr, wrt) in cases.iter() {
+            v.push((
+                expr.to_string(),
+                builtin_program(expr, wrt).unwrap(),
+                Options::default(),
+            ));
+        }
+    }
+    for e in INTEGER_CASES {
+        v.push((e.to_string(), integer_program(e), Options::default()));
+    }
+    for d in ["f16", "bf16"] {
+        v.push((
+            d.to_string(),
+            format!("model m {{\n input x: {d}[8, 16]\n let out = softmax(x * 2) @ transpose(x)\n output out\n}}\n"),
+            Options::default(),
+        ));
+    }
+    v
+}
+
+#[test]
+fn every_generated_ptx_module_assembles_for_sm_90() {
+    let Some(ptxas) = ptxas() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "ptxas is missing under CI: `pip install nvidia-cuda-nvcc==13.0.88`"
+        );
+        eprintln!("NOTICE: ptxas not found; PTX not assembled (set TCC_PTXAS or pip install nvidia-cuda-nvcc==13.0.88)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("tcc-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut failures = Vec::new();
+    let progs = programs();
+    for (i, (what, src, opts)) in progs.iter().enumerate() {
+        let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        for channels_last in [false, true] {
+            let c = compile(
+                &g,
+                &CompileOptions {
+                    target: Target::Cuda,
+                    fuse: FuseOptions {
+                        fuse: true,
+                        channels_last,
+                    },
+                    ..Default::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let path = dir.join(format!("m{i}_{channels_last}.ptx"));
+            std::fs::write(&path, &c.code).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .arg("-arch=sm_90")
+                .arg(&path)
+                .arg("-o")
+                .arg(dir.join("out.cubin"))
+                .output()
+                .unwrap();
+            if !out.status.success() {
+                failures.push(format!(
+                    "{what}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                        .lines()
+                        .take(5)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                ));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        failures.is_empty(),
+        "{} of {} modules fail ptxas:\n{}",
+        failures.len(),
+        2 * progs.len(),
+        failures.join("\n")
+    );
+    eprintln!("ptxas -arch=sm_90 accepted {} modules", 2 * progs.len());
+}
