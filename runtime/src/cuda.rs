@@ -251,6 +251,14 @@ struct Staged {
     dirty: bool,
 }
 
+/// A CUDA event handle owned by one executor.
+#[derive(Clone, Copy)]
+struct Event(sys::CUevent);
+
+// SAFETY: an event handle is a plain driver handle; the executor that owns it uses it only
+// with its own context bound and its stream, from whichever thread holds the session.
+unsafe impl Send for Event {}
+
 /// The compiled module, the arena on the device, the staging buffers and the stream of one
 /// session.
 pub(crate) struct CudaExecutor {
@@ -258,6 +266,9 @@ pub(crate) struct CudaExecutor {
     // the stream, the stream before the context.
     graph: Option<Graph>,
     use_graph: bool,
+    /// CUDA events around the step's kernels (created once): device time of the last step.
+    events: Option<(Event, Event)>,
+    last_device_ms: Option<f32>,
     kernels: Vec<Kernel>,
     inputs: Vec<Staged>,
     outputs: Vec<Staged>,
@@ -284,6 +295,14 @@ impl Drop for CudaExecutor {
             let _ = self.ctx.bind_to_thread();
             let _ = self.stream.synchronize();
             self.graph = None;
+            if let Some((a, b)) = self.events.take() {
+                // SAFETY: the events were created by this executor and the stream is
+                // synchronised, so no pending record refers to them.
+                unsafe {
+                    let _ = result::event::destroy(a.0);
+                    let _ = result::event::destroy(b.0);
+                }
+            }
             Ok(())
         });
     }
@@ -511,9 +530,17 @@ impl CudaExecutor {
         let inputs = staged(model.inputs(), "input")?;
         let outputs = staged(model.outputs(), "output")?;
 
+        let events = (|| {
+            let a = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+            let b = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)?;
+            Ok::<_, DriverError>((Event(a), Event(b)))
+        })()
+        .map_err(driver_error("creating the timing events"))?;
         let mut exec = CudaExecutor {
             graph: None,
             use_graph: true,
+            events: Some(events),
+            last_device_ms: None,
             kernels,
             inputs,
             outputs,
@@ -588,8 +615,49 @@ impl CudaExecutor {
 
     /// Enqueues every kernel of the step on the stream (or into the graph being captured).
     fn launch_all(&self) -> Result<()> {
-        let mut arena: u64 = self.arena.ptr;
         for k in &self.kernels {
+            self.launch_one(k)?;
+        }
+        Ok(())
+    }
+
+    /// Device time of each kernel of one step, launched one by one between events (a
+    /// profiling aid: it runs the step, so params of a training step are updated).
+    pub(crate) fn profile(&mut self) -> Result<Vec<(String, f32)>> {
+        let Some((a, b)) = self.events else {
+            return Ok(Vec::new());
+        };
+        self.invalidate_copies();
+        guard("profiling the kernels", || {
+            self.bind()?;
+            let mut out = Vec::with_capacity(self.kernels.len());
+            for k in &self.kernels {
+                // SAFETY: the events live as long as the executor; recording on the
+                // session's stream orders them around the one launch.
+                unsafe { result::event::record(a.0, self.cu_stream()) }
+                    .map_err(driver_error("recording a timing event"))?;
+                self.launch_one(k)?;
+                // SAFETY: as above.
+                unsafe { result::event::record(b.0, self.cu_stream()) }
+                    .map_err(driver_error("recording a timing event"))?;
+                self.sync("profiling a kernel")?;
+                // SAFETY: both events were recorded and have completed (stream synchronised).
+                let ms = unsafe { result::event::elapsed(a.0, b.0) }
+                    .map_err(driver_error("reading a timing event"))?;
+                out.push((k.name.clone(), ms));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Device time of the last step's kernels (CUDA events), in milliseconds.
+    pub(crate) fn last_device_ms(&self) -> Option<f32> {
+        self.last_device_ms
+    }
+
+    fn launch_one(&self, k: &Kernel) -> Result<()> {
+        let mut arena: u64 = self.arena.ptr;
+        {
             let mut params = [std::ptr::addr_of_mut!(arena).cast::<c_void>()];
             let Launch {
                 grid,
@@ -704,7 +772,13 @@ impl CudaExecutor {
             // Wait even after a failed enqueue: nothing may still read or write the pinned
             // buffers once `run` returns.
             let synced = self.sync("running the step (a kernel or a copy failed)");
-            enqueued.and(synced)
+            enqueued.and(synced)?;
+            if let Some((a, b)) = self.events {
+                // SAFETY: both events were recorded in this step and the stream is
+                // synchronised, so they have completed.
+                self.last_device_ms = unsafe { result::event::elapsed(a.0, b.0) }.ok();
+            }
+            Ok(())
         })
     }
 
@@ -730,12 +804,23 @@ impl CudaExecutor {
         if self.use_graph {
             self.capture()?;
         }
+        if let Some((a, _)) = self.events {
+            // SAFETY: the event lives as long as the executor; it is recorded on the
+            // session's stream, before the step's kernels.
+            unsafe { result::event::record(a.0, stream) }
+                .map_err(driver_error("recording a timing event"))?;
+        }
         match &self.graph {
             Some(g) if self.use_graph => {
                 g.0.launch()
                     .map_err(driver_error("launching the step's CUDA graph"))?
             }
             _ => self.launch_all()?,
+        }
+        if let Some((_, b)) = self.events {
+            // SAFETY: as above, after the step's kernels.
+            unsafe { result::event::record(b.0, stream) }
+                .map_err(driver_error("recording a timing event"))?;
         }
         for (s, slot) in self.outputs.iter_mut().zip(self.model.outputs()) {
             if s.host.len == 0 {

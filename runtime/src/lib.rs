@@ -772,6 +772,27 @@ impl<'a> Session<'a> {
         let _ = enabled;
     }
 
+    /// Device time of the last step's kernels in milliseconds, from CUDA events around the
+    /// launches (input and output copies excluded); `None` on the CPU or before a step.
+    pub fn last_step_device_ms(&self) -> Option<f32> {
+        match &self.exec {
+            Executor::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.last_device_ms(),
+        }
+    }
+
+    /// Device time of every kernel of one step, launched one by one between CUDA events (a
+    /// profiling aid; it runs a step, so a training step updates the params). Empty on the
+    /// CPU.
+    pub fn profile_kernels(&mut self) -> Result<Vec<(String, f32)>> {
+        match &mut self.exec {
+            Executor::Cpu(_) => Ok(Vec::new()),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.profile(),
+        }
+    }
+
     /// `(free, total)` bytes of memory on the session's CUDA device (`cuMemGetInfo`), the
     /// arena and the runtime's own use included. On the CPU this is an
     /// [`Error::UnsupportedDevice`].

@@ -20,7 +20,7 @@ fn program(r: usize, c: usize, ops: &[(usize, usize, usize)], train: Option<bool
             3 => format!("softmax(v{a})"),
             4 => format!("v{a} - mean(v{b}, axis: 0, keepdim: true)"),
             5 => format!("transpose(transpose(v{a})) * 0.5 + row"),
-            6 => format!("layer_norm(v{a}, g, row)"),
+            6 => format!("layer_norm(v{a} + row, g, row)"),
             7 => format!("v{a} * col - sigmoid(v{b})"),
             8 => format!("concat([v{a}[:, 0:1], v{b}[:, 1:]], axis: 1)"),
             9 => format!("exp(-v{a} * v{a}) + sum(v{b}, axis: 1, keepdim: true) * 0.1"),

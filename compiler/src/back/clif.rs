@@ -4,9 +4,11 @@
 //! `runtime/ARTIFACT.md`): its outermost loop runs over `[lo, hi)`. Loop kernels nest one
 //! loop per domain axis; each expression node is computed once, in the loop of its
 //! innermost variable (so row statistics are hoisted out of the column loop); reductions
-//! open their own loops. Matmul kernels run a 4×8 register tile with f32x4 vectors over the
-//! rows of B (contiguous along `j`), then the fused epilogue per element; edges take a
-//! scalar path.
+//! open their own loops. Where shapes allow (f32 stores and loads contiguous along the
+//! innermost axis, inline math only: see `Cg::simd_plan`), the innermost loop runs on f32x4
+//! vectors while 4 lanes fit and the scalar loop takes the last `extent % 4` iterations.
+//! Matmul kernels run a 4×8 register tile with f32x4 vectors over the rows of B (contiguous
+//! along `j`), then the fused epilogue per element; edges take a scalar path.
 //!
 //! Functions go through the Cranelift verifier before they are printed, so the text the
 //! runtime receives is well-formed.
@@ -302,7 +304,7 @@ impl<'a, 'b> Cg<'a, 'b> {
     fn simd_plan(&self) -> Option<SimdPlan> {
         let k = self.k;
         let pool = &k.pool;
-        if k.matmul.is_some() {
+        if k.matmul.is_some() || k.stores.is_empty() {
             return None;
         }
         let inner = k.domain.len().checked_sub(1)? as Var;
@@ -799,26 +801,18 @@ impl<'a, 'b> Cg<'a, 'b> {
         }
     }
 
-    /// `max(x, lo)` for a non-NaN `lo`, NaN staying NaN: `fmax` on scalars; on vectors
-    /// `x < lo ? lo : x`, which x64 lowers to one `maxps` (the `fmax` of vectors is a
-    /// sequence that orders zeros and NaNs).
+    /// `max(x, lo)` for a non-NaN `lo`, NaN staying NaN, as `x < lo ? lo : x`: x64 lowers
+    /// it to one `maxss`/`maxps` (`fmax` is a sequence that also orders zeros and NaNs,
+    /// which a clamp to a constant does not need).
     fn clamp_lo(&mut self, ty: Type, x: Value, lo: Value) -> Value {
-        if ty == F32X4 {
-            let under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
-            self.fselect(ty, under, lo, x)
-        } else {
-            self.b.ins().fmax(x, lo)
-        }
+        let under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
+        self.fselect(ty, under, lo, x)
     }
 
-    /// `min(x, hi)` for a non-NaN `hi`, NaN staying NaN (`hi < x ? hi : x`: one `minps`).
+    /// `min(x, hi)` for a non-NaN `hi`, NaN staying NaN (`hi < x ? hi : x`: one `minss`/`minps`).
     fn clamp_hi(&mut self, ty: Type, x: Value, hi: Value) -> Value {
-        if ty == F32X4 {
-            let over = self.b.ins().fcmp(FloatCC::LessThan, hi, x);
-            self.fselect(ty, over, hi, x)
-        } else {
-            self.b.ins().fmin(x, hi)
-        }
+        let over = self.b.ins().fcmp(FloatCC::LessThan, hi, x);
+        self.fselect(ty, over, hi, x)
     }
 
     /// `exp(x)` inline: Cody–Waite range reduction by ln 2 and a degree-7 polynomial,
@@ -833,17 +827,13 @@ impl<'a, 'b> Cg<'a, 'b> {
         let xc = self.clamp_hi(ty, xc, hi);
         let log2e = self.fconst(ty, std::f32::consts::LOG2_E);
         let t = self.b.ins().fmul(xc, log2e);
-        // k = round(t), ties to even. Vectors add and subtract 1.5 * 2^23 (exact for
-        // |t| < 2^22, here |t| <= 128): the sum's low mantissa bits are k itself, which
-        // spares the saturating vector conversion below (NaN gives NaN through `p`).
-        let magic = (ty == F32X4).then(|| self.fconst(ty, 12_582_912.0));
-        let (k, j) = match magic {
-            Some(m) => {
-                let j = self.b.ins().fadd(t, m);
-                (self.b.ins().fsub(j, m), Some(j))
-            }
-            None => (self.b.ins().nearest(t), None),
-        };
+        // k = round(t), ties to even, by adding and subtracting 1.5 * 2^23 (exact for
+        // |t| < 2^22; here |t| <= 128): the low mantissa bits of the sum are k itself, which
+        // gives 2^k below without a (saturating, branchy) float-to-int conversion. NaN stays
+        // NaN through `r` and `p`.
+        let magic = self.fconst(ty, 12_582_912.0);
+        let j = self.b.ins().fadd(t, magic);
+        let k = self.b.ins().fsub(j, magic);
         let c1 = self.fconst(ty, 0.693_359_4);
         let c2 = self.fconst(ty, -2.121_944_4e-4);
         let kc1 = self.b.ins().fmul(k, c1);
@@ -868,22 +858,19 @@ impl<'a, 'b> Cg<'a, 'b> {
             let cc = self.fconst(ty, c as f32);
             p = self.b.ins().fadd(m, cc);
         }
-        let bits = match j {
-            Some(j) => {
-                // bits(j) = bits(1.5 * 2^23) + k, and bits(1.5 * 2^23) << 23 wraps to 0:
-                // (bits(j) + 126) << 23 is (k + 126) << 23.
-                let ji = self.b.ins().bitcast(I32X4, MemFlagsData::new(), j);
-                let b126 = self.b.ins().iconst(I32, 126);
-                let b126 = self.b.ins().splat(I32X4, b126);
-                let e = self.b.ins().iadd(ji, b126);
-                let sh = self.b.ins().iconst(I32, 23);
-                self.b.ins().ishl(e, sh)
-            }
-            None => {
-                let ki = self.b.ins().fcvt_to_sint_sat(I32, k);
-                let e = self.b.ins().iadd_imm_s(ki, 126);
-                self.b.ins().ishl_imm_s(e, 23)
-            }
+        // bits(j) = bits(1.5 * 2^23) + k, and bits(1.5 * 2^23) << 23 wraps to 0, so
+        // (bits(j) + 126) << 23 is (k + 126) << 23: the exponent field of 2^(k-1).
+        let bits = if ty == F32X4 {
+            let ji = self.b.ins().bitcast(I32X4, MemFlagsData::new(), j);
+            let b126 = self.b.ins().iconst(I32, 126);
+            let b126 = self.b.ins().splat(I32X4, b126);
+            let e = self.b.ins().iadd(ji, b126);
+            let sh = self.b.ins().iconst(I32, 23);
+            self.b.ins().ishl(e, sh)
+        } else {
+            let ji = self.b.ins().bitcast(I32, MemFlagsData::new(), j);
+            let e = self.b.ins().iadd_imm_s(ji, 126);
+            self.b.ins().ishl_imm_s(e, 23)
         };
         let scale = self.b.ins().bitcast(ty, MemFlagsData::new(), bits);
         let y = self.b.ins().fmul(p, scale);

@@ -82,6 +82,10 @@ struct Px<'a> {
     live: Vec<ExprId>,
     acc: Option<String>,
     arena: String,
+    /// Block mode: the reductions computed by the whole block (`%tid.x` strides over their
+    /// range, then warp shuffles and shared memory combine the partial results).
+    block_reductions: Vec<ExprId>,
+    tid: String,
 }
 
 /// Register class prefix and declared type of a value type.
@@ -323,6 +327,9 @@ impl<'a> Px<'a> {
                 let i = self.emit(index)?;
                 self.uniform(seed, &i)
             }
+            E::Reduce { op, vars, body } if self.block_reductions.contains(&e) => {
+                self.block_reduce(op, &vars, body, ty)?
+            }
             E::Reduce { op, vars, body } => self.reduce(op, &vars, body, ty)?,
             E::ArgMax { vars, body } => self.argmax(&vars, body)?,
         };
@@ -398,6 +405,110 @@ impl<'a> Px<'a> {
         for l in open.into_iter().rev() {
             self.close_loop(l);
         }
+        Ok(acc)
+    }
+
+    /// A reduction computed by all threads of the block: each takes every `BLOCK`-th point
+    /// of the flattened range, then the partial results meet through warp shuffles and
+    /// shared memory; every thread gets the result.
+    fn block_reduce(
+        &mut self,
+        op: Red,
+        vars: &[(Var, usize)],
+        body: ExprId,
+        ty: VTy,
+    ) -> Res<String> {
+        let (t, init) = match (op, ty) {
+            (Red::Sum, VTy::F32) => ("f32", f32_lit(0.0)),
+            (Red::Max, VTy::F32) => ("f32", f32_lit(f32::NEG_INFINITY)),
+            (Red::Min, VTy::F32) => ("f32", f32_lit(f32::INFINITY)),
+            (Red::Sum, VTy::I32) => ("s32", "0".to_string()),
+            (Red::Max, VTy::I32) => ("s32", i32::MIN.to_string()),
+            (Red::Min, VTy::I32) => ("s32", i32::MAX.to_string()),
+            _ => return Err(self.unsupported(format!("block {} over {}", op.name(), ty.name()))),
+        };
+        let combine = |px: &mut Self, acc: &str, x: &str| match (op, t) {
+            (Red::Sum, _) => px.line(format!("add.{t} {acc}, {acc}, {x};")),
+            (Red::Max, "f32") => px.line(format!("max.NaN.f32 {acc}, {acc}, {x};")),
+            (Red::Min, "f32") => px.line(format!("min.NaN.f32 {acc}, {acc}, {x};")),
+            (Red::Max, _) => px.line(format!("max.{t} {acc}, {acc}, {x};")),
+            (Red::Min, _) => px.line(format!("min.{t} {acc}, {acc}, {x};")),
+        };
+        let acc = self.reg(ty);
+        self.line(format!(
+            "mov.{} {acc}, {init};",
+            if t == "f32" { "f32" } else { "s32" }
+        ));
+        let n: usize = vars.iter().map(|v| v.1).product();
+        // for (lin = tid; lin < n; lin += BLOCK)
+        let lin = self.fresh("rd");
+        let head = self.label("bhead");
+        let exit = self.label("bexit");
+        let tid = self.tid.clone();
+        self.line(format!("cvt.u64.u32 {lin}, {tid};"));
+        self.body.push_str(&format!("{head}:\n"));
+        let p = self.fresh("p");
+        self.line(format!("setp.ge.s64 {p}, {lin}, {n};"));
+        self.line(format!("@{p} bra {exit};"));
+        self.journal.push(Vec::new());
+        let mut rest = lin.clone();
+        for (i, &(v, ext)) in vars.iter().enumerate().rev() {
+            let r = self.fresh("rd");
+            if i == 0 {
+                self.line(format!("mov.s64 {r}, {rest};"));
+            } else {
+                self.line(format!("rem.u64 {r}, {rest}, {ext};"));
+                let q = self.fresh("rd");
+                self.line(format!("div.u64 {q}, {rest}, {ext};"));
+                rest = q;
+            }
+            self.vars.insert(v, r);
+        }
+        let x = self.emit(body)?;
+        combine(self, &acc, &x);
+        self.line(format!("add.s64 {lin}, {lin}, {BLOCK};"));
+        self.line(format!("bra.uni {head};"));
+        self.body.push_str(&format!("{exit}:\n"));
+        if let Some(keys) = self.journal.pop() {
+            for key in keys {
+                self.cache.remove(&key);
+            }
+        }
+        // Warp, then block.
+        let other = self.reg(ty);
+        let warp_reduce = |px: &mut Self, acc: &str, other: &str| {
+            for off in [16, 8, 4, 2, 1] {
+                px.line(format!("shfl.sync.down.b32 {other}, {acc}, {off}, 31, -1;"));
+                combine(px, acc, other);
+            }
+        };
+        warp_reduce(self, &acc, &other);
+        let lane = self.fresh("r");
+        let warp = self.fresh("r");
+        self.line(format!("and.b32 {lane}, {tid}, 31;"));
+        self.line(format!("shr.u32 {warp}, {tid}, 5;"));
+        let addr = self.fresh("r");
+        let pl = self.fresh("p");
+        self.line("bar.sync 0;");
+        self.line(format!("setp.eq.u32 {pl}, {lane}, 0;"));
+        self.line(format!("mov.u32 {addr}, red_smem;"));
+        let wa = self.fresh("r");
+        self.line(format!("mad.lo.u32 {wa}, {warp}, 4, {addr};"));
+        self.line(format!("@{pl} st.shared.b32 [{wa}], {acc};"));
+        self.line("bar.sync 0;");
+        let la = self.fresh("r");
+        self.line(format!("mad.lo.u32 {la}, {lane}, 4, {addr};"));
+        let pw = self.fresh("p");
+        self.line(format!("setp.lt.u32 {pw}, {lane}, {};", BLOCK / 32));
+        self.line(format!("mov.b32 {acc}, {init};"));
+        self.line(format!("@{pw} ld.shared.b32 {acc}, [{la}];"));
+        warp_reduce(self, &acc, &other);
+        let p0 = self.fresh("p");
+        self.line(format!("setp.eq.u32 {p0}, {tid}, 0;"));
+        self.line(format!("@{p0} st.shared.b32 [{addr}], {acc};"));
+        self.line("bar.sync 0;");
+        self.line(format!("ld.shared.b32 {acc}, [{addr}];"));
+        self.line("bar.sync 0;");
         Ok(acc)
     }
 
@@ -812,11 +923,54 @@ fn emit_kernel(
     } else {
         parallel_axes(k, &site, &live)
     };
-    let threads: u64 = k.domain[..par]
+    // Trailing axes of extent 1 need no loop: they are parallel too.
+    let par = if k.domain[par..].iter().all(|&d| d == 1) {
+        rank
+    } else {
+        par
+    };
+    // Block mode: one block per point when every axis is parallel and the kernel's
+    // outermost reductions are long enough to share among a block's threads.
+    let innermost = rank.checked_sub(1).map(|d| d as Var);
+    let top: Vec<ExprId> = if k.matmul.is_none() && par == rank {
+        live.iter()
+            .copied()
+            .filter(|&e| {
+                matches!(k.pool.get(e), E::Reduce { .. })
+                    && site[e.0 as usize] == innermost
+                    && matches!(k.pool.ty(e), VTy::F32 | VTy::I32)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let longest = top
+        .iter()
+        .map(|&e| match k.pool.get(e) {
+            E::Reduce { vars, .. } => vars.iter().map(|v| v.1).product::<usize>(),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0);
+    let argmax_at_top = live
+        .iter()
+        .any(|&e| matches!(k.pool.get(e), E::ArgMax { .. }) && site[e.0 as usize] == innermost);
+    let points: u64 = k.domain[..par]
         .iter()
         .map(|&d| d as u64)
         .product::<u64>()
         .max(1);
+    // A block per point pays off when there are too few points to fill the GPU with one
+    // thread each; with many points (a convolution's outputs) one thread per point wins.
+    let block_mode = longest >= 64
+        && points <= 16384
+        && !argmax_at_top
+        && k.stores.iter().all(|s| !s.accumulate);
+    let threads: u64 = if block_mode {
+        points * BLOCK as u64
+    } else {
+        points
+    };
     let mut px = Px {
         k,
         offset_of,
@@ -830,6 +984,8 @@ fn emit_kernel(
         live,
         acc: None,
         arena: String::new(),
+        block_reductions: if block_mode { top } else { Vec::new() },
+        tid: String::new(),
     };
     let arena = px.fresh("rd");
     px.arena = arena.clone();
@@ -839,15 +995,21 @@ fn emit_kernel(
     px.line(format!("mov.u32 {a}, %ctaid.x;"));
     px.line(format!("mov.u32 {b}, %ntid.x;"));
     px.line(format!("mov.u32 {c}, %tid.x;"));
+    px.tid = c.clone();
     let tid = px.fresh("rd");
-    px.line(format!("mul.wide.u32 {tid}, {a}, {b};"));
-    let c64 = px.fresh("rd");
-    px.line(format!("cvt.u64.u32 {c64}, {c};"));
-    px.line(format!("add.u64 {tid}, {tid}, {c64};"));
     let done = px.label("done");
-    let pd = px.fresh("p");
-    px.line(format!("setp.ge.u64 {pd}, {tid}, {threads};"));
-    px.line(format!("@{pd} bra {done};"));
+    if block_mode {
+        // One block per point: the point is the block index.
+        px.line(format!("cvt.u64.u32 {tid}, {a};"));
+    } else {
+        px.line(format!("mul.wide.u32 {tid}, {a}, {b};"));
+        let c64 = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {c64}, {c};"));
+        px.line(format!("add.u64 {tid}, {tid}, {c64};"));
+        let pd = px.fresh("p");
+        px.line(format!("setp.ge.u64 {pd}, {tid}, {threads};"));
+        px.line(format!("@{pd} bra {done};"));
+    }
     // Thread index → the parallel axes (row-major).
     let mut rest = tid.clone();
     for d in (0..par).rev() {
@@ -903,6 +1065,13 @@ fn emit_kernel(
         for d in 0..par {
             px.emit_site(Some(d as Var))?;
         }
+        if block_mode {
+            // Every thread took part in the reductions; thread 0 stores.
+            let pz = px.fresh("p");
+            let tidr = px.tid.clone();
+            px.line(format!("setp.ne.u32 {pz}, {tidr}, 0;"));
+            px.line(format!("@{pz} bra {done};"));
+        }
         let mut open = Vec::new();
         for d in par..rank {
             let l = px.open_loop("0", &k.domain[d].to_string());
@@ -931,6 +1100,9 @@ fn emit_kernel(
             _ => ".pred",
         };
         let _ = writeln!(text, "\t.reg {t} %{p}<{n}>;");
+    }
+    if block_mode {
+        let _ = writeln!(text, "\t.shared .align 4 .b8 red_smem[{}];", BLOCK / 32 * 4);
     }
     text.push_str(&px.body);
     text.push_str("}\n");

@@ -252,6 +252,7 @@ pub fn run_compiled(
         }
     }
     let mut times = Vec::with_capacity(opts.steps as usize);
+    let mut device_times = Vec::with_capacity(opts.steps as usize);
     for step in 1..=opts.steps {
         for (name, b) in &inputs {
             s.set_input_bytes(name, b).map_err(|e| e.to_string())?;
@@ -259,6 +260,9 @@ pub fn run_compiled(
         let start = Instant::now();
         s.run().map_err(|e| e.to_string())?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
+        if let Some(ms) = s.last_step_device_ms() {
+            device_times.push(ms as f64);
+        }
         if step % opts.every == 0 || step == opts.steps {
             let mut line = format!("step {step:>4}");
             for slot in model.outputs() {
@@ -286,6 +290,41 @@ pub fn run_compiled(
             if times.len() == 1 { "" } else { "s" },
             times[0]
         );
+    }
+    if device_times.len() > 1 {
+        // The first step is the warm-up.
+        let mut sorted = device_times[1..].to_vec();
+        sorted.sort_by(f64::total_cmp);
+        println!(
+            "device step time (CUDA events, kernels only, after 1 warm-up step): median {:.3} ms, min {:.3} ms",
+            sorted[sorted.len() / 2],
+            sorted[0]
+        );
+    }
+    if let Ok((free, total)) = s.device_memory() {
+        println!(
+            "device memory in use: {} of {} (arena {} + CUDA context, module and other processes)",
+            bytes((total - free) as u64),
+            bytes(total as u64),
+            bytes(s.arena_bytes() as u64)
+        );
+    }
+    if std::env::var_os("TCC_PROFILE").is_some() {
+        let mut prof = s.profile_kernels().map_err(|e| e.to_string())?;
+        let total: f32 = prof.iter().map(|p| p.1).sum();
+        prof.sort_by(|a, b| b.1.total_cmp(&a.1));
+        println!("kernel profile (one step, kernels launched one by one): {total:.3} ms");
+        for (name, ms) in prof.iter().take(15) {
+            let describe = model
+                .manifest()
+                .kernels
+                .iter()
+                .find(|k| &k.name == name)
+                .map(|k| k.describe.clone())
+                .unwrap_or_default();
+            let short: String = describe.chars().take(90).collect();
+            println!("  {ms:>10.3} ms  {name:<6} {short}");
+        }
     }
     if let Some(path) = &opts.save_params {
         s.save_params(path).map_err(|e| e.to_string())?;

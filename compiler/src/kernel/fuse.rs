@@ -348,7 +348,11 @@ fn build(
             let rank = node.ty.rank() as u32;
             let dom: Vec<u32> = f.iter().copied().filter(|&v| v < rank).collect();
             let prefix = dom.iter().enumerate().all(|(i, &v)| v == i as u32);
-            if !prefix || dom.len() != f.len() {
+            // A reduction that depends on no axis of a kernel with several points is a
+            // kernel of its own (computed once, in parallel, rather than before the loops
+            // of every thread of a GPU kernel).
+            let whole = dom.is_empty() && node.ty.shape.numel() > 1;
+            if !prefix || dom.len() != f.len() || whole {
                 retry.push(origin);
             }
         }
