@@ -104,3 +104,28 @@ fn conv_ops_like_eager() {
 }";
     check(src, "", 1, 1e-5);
 }
+
+/// Every compiled example passes the plan verifier (inside `compile`) and the runtime's one
+/// arena is exactly the plan's size.
+#[test]
+fn runtime_arena_equals_the_verified_plan() {
+    for (ex, set) in [
+        ("tiny.tdsl", ""),
+        ("mlp.tdsl", ""),
+        ("cnn.tdsl", "--set B=4 --set C=4 --set S=16"),
+        (
+            "gpt.tdsl",
+            "--set L=2 --set D=16 --set H=2 --set T=8 --set B=2 --set V=32",
+        ),
+    ] {
+        let g = compile_pipeline(&example(ex), &options_from_args(set)).unwrap();
+        let c = tcc::artifact::compile(&g, &Default::default()).unwrap();
+        tcc::plan::verify(&c.graph, &c.plan).unwrap();
+        let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).unwrap();
+        let bytes = tcc::artifact::write_artifact(&c, tcc::artifact::Target::Cpu, &img);
+        let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
+        let s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+        assert_eq!(s.arena_bytes() as u64, c.plan.arena_bytes, "{ex}");
+        assert_eq!(model.arena_bytes() as u64, c.plan.arena_bytes, "{ex}");
+    }
+}
