@@ -286,15 +286,24 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
     }
 }
 
-/// Initial bytes of the persistent region: params from their initialisers (`seed`), or
-/// from `given` (by name) when present; optimizer state zero.
+/// Initial bytes of the persistent region up to its last param: params from their
+/// initialisers (`seed`), or from `given` (by name) when present. The optimizer state after
+/// them is left out (the runtime starts it at zero).
 pub fn persistent_image(
     c: &Compiled,
     seed: u64,
     given: &std::collections::BTreeMap<String, eager::tensor::Tensor>,
 ) -> Result<Vec<u8>, BuildError> {
     let g = &c.graph;
-    let mut img = vec![0u8; c.plan.persistent_bytes as usize];
+    // Up to the end of the last param: optimizer state (after the params) starts at zero.
+    let end = g
+        .params
+        .iter()
+        .filter_map(|&n| Some(c.offset_of(n)? + g.ty(n).size_bytes() as u64))
+        .max()
+        .unwrap_or(0)
+        .min(c.plan.persistent_bytes);
+    let mut img = vec![0u8; end as usize];
     for &n in g.params.iter().chain(&g.states) {
         let Some(off) = c.offset_of(n) else { continue };
         let t = match &g.node(n).op {

@@ -870,7 +870,7 @@ impl CudaExecutor {
     /// the arena last changed.
     pub(crate) fn persistent(&self) -> Result<&[u8]> {
         cached(&self.persistent_copy, || {
-            self.read(0, self.model.persistent_init().len())
+            self.read(0, self.model.manifest().plan.persistent_bytes as usize)
         })
     }
 

@@ -325,9 +325,11 @@ impl Model {
         };
         let code = find("code")?;
         let persistent = find("persistent")?;
-        if persistent.len() as u64 != manifest.plan.persistent_bytes {
+        // The section holds the region's initial bytes up to the last param; the rest of the
+        // region (optimizer state) starts at zero.
+        if persistent.len() as u64 > manifest.plan.persistent_bytes {
             return Err(Error::BadManifest(format!(
-                "the persistent section is {} bytes but plan.persistent_bytes is {}",
+                "the persistent section is {} bytes but plan.persistent_bytes is only {}",
                 persistent.len(),
                 manifest.plan.persistent_bytes
             )));
@@ -694,7 +696,7 @@ impl<'a> Session<'a> {
 
     fn copy_persistent_init(&mut self) {
         let init = self.model.persistent_init();
-        // `Model::from_bytes` checked init.len() == plan.persistent_bytes <= arena_bytes.
+        // `Model::from_bytes` checked init.len() <= plan.persistent_bytes <= arena_bytes.
         self.arena.bytes_mut()[..init.len()].copy_from_slice(init);
     }
 
@@ -856,7 +858,7 @@ impl<'a> Session<'a> {
         if let Executor::Cuda(c) = &self.exec {
             return c.persistent();
         }
-        Ok(&self.arena.bytes()[..self.model.persistent_init().len()])
+        Ok(&self.arena.bytes()[..self.model.manifest().plan.persistent_bytes as usize])
     }
 
     /// Copies each `(range, bytes)` into the arena.
