@@ -5,8 +5,11 @@
 //! reduction are spread over threads (one thread per point); the remaining axes, and every
 //! reduction, are loops inside the thread, with each expression node computed once in the
 //! loop of its innermost variable (the same rule as the CPU back end, so a row statistic is
-//! computed once per row). Matmul kernels give one output element per thread with an FMA
-//! loop over `k`, then the fused epilogue.
+//! computed once per row). Matmul kernels are a shared-memory tiled SGEMM (64×64 block
+//! tiles of 256 threads, 4×4 register micro-tiles, `k` staged 16 deep; grid
+//! `(⌈n/64⌉, ⌈m/64⌉, batch)`), then the fused epilogue per output element; small or thin
+//! matmuls, and batches beyond the grid's `z` limit, give one output element per thread
+//! with an FMA loop over `k` instead.
 //!
 //! Math: `exp` is `ex2.approx` of `x·log2 e`; `log` is `lg2.approx`; `tanh` is computed
 //! from `exp` (a polynomial near 0) because `tanh.approx` is only good to about 1e-3;
@@ -16,7 +19,7 @@
 use super::clif::sites;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
-use crate::kernel::{ExprId, Kernel, Red, VTy, Var, E};
+use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -99,6 +102,56 @@ fn class(t: VTy) -> &'static str {
 }
 
 impl<'a> Px<'a> {
+    fn new(
+        k: &'a Kernel,
+        offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+        site: Vec<Option<Var>>,
+        live: Vec<ExprId>,
+    ) -> Self {
+        Px {
+            k,
+            offset_of,
+            body: String::new(),
+            counts: HashMap::new(),
+            labels: 0,
+            cache: HashMap::new(),
+            journal: Vec::new(),
+            vars: HashMap::new(),
+            site,
+            live,
+            acc: None,
+            arena: String::new(),
+            block_reductions: Vec::new(),
+            tid: String::new(),
+        }
+    }
+
+    /// The entry's text: header, register declarations, `shared` (declarations of shared
+    /// arrays, one a line), then the body.
+    fn finish(&self, shared: &str) -> String {
+        let k = self.k;
+        let mut text = format!(
+            "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{{\n",
+            k.describe, k.name
+        );
+        let mut classes: Vec<(&&str, &u32)> = self.counts.iter().collect();
+        classes.sort();
+        for (p, n) in classes {
+            let t = match *p {
+                "f" => ".f32",
+                "r" => ".b32",
+                "rd" => ".b64",
+                "h" => ".b16",
+                _ => ".pred",
+            };
+            let _ = writeln!(text, "\t.reg {t} %{p}<{n}>;");
+        }
+        text.push_str(shared);
+        text.push_str(&self.body);
+        text.push_str("}\n");
+        text
+    }
+
     fn unsupported(&self, m: impl Into<String>) -> PtxError {
         PtxError::Unsupported {
             kernel: self.k.name.clone(),
@@ -250,6 +303,47 @@ impl<'a> Px<'a> {
             let addr = self.address(s.buf, s.dtype, &idx)?;
             self.store(&addr, s.dtype, &val, s.accumulate)?;
         }
+        Ok(())
+    }
+
+    /// The per-element matmul (fallback for small or huge-batch matmuls): one output
+    /// element per thread (its domain variables already bound), an FMA loop over `k`,
+    /// then the fused epilogue.
+    fn matmul_per_element(&mut self, mm: &Matmul) -> Res<()> {
+        let nb = mm.batch.len();
+        let acc = self.fresh("f");
+        self.line(format!("mov.f32 {acc}, {};", f32_lit(0.0)));
+        let mut abase = self.imm64(mm.a.base);
+        let mut bbase = self.imm64(mm.b.base);
+        for d in 0..nb {
+            let v = self.vars.get(&(d as Var)).cloned().unwrap_or_default();
+            let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
+            let na = self.fresh("rd");
+            self.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
+            abase = na;
+            let nb2 = self.fresh("rd");
+            self.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
+            bbase = nb2;
+        }
+        let i = self.vars.get(&(nb as Var)).cloned().unwrap_or_default();
+        let j = self.vars.get(&(nb as Var + 1)).cloned().unwrap_or_default();
+        let arow = self.fresh("rd");
+        self.line(format!("mad.lo.s64 {arow}, {i}, {}, {abase};", mm.a.rs));
+        let bcol = self.fresh("rd");
+        self.line(format!("mad.lo.s64 {bcol}, {j}, {}, {bbase};", mm.b.cs));
+        let l = self.open_loop("0", &mm.k.to_string());
+        let ai = self.fresh("rd");
+        self.line(format!("mad.lo.s64 {ai}, {}, {}, {arow};", l.iv, mm.a.cs));
+        let bi = self.fresh("rd");
+        self.line(format!("mad.lo.s64 {bi}, {}, {}, {bcol};", l.iv, mm.b.rs));
+        let aa = self.address(mm.a.buf, DType::F32, &ai)?;
+        let ba = self.address(mm.b.buf, DType::F32, &bi)?;
+        let av = self.load(&aa, DType::F32);
+        let bv = self.load(&ba, DType::F32);
+        self.line(format!("fma.rn.f32 {acc}, {av}, {bv}, {acc};"));
+        self.close_loop(l);
+        self.acc = Some(acc);
+        self.stores()?;
         Ok(())
     }
 
@@ -910,10 +1004,289 @@ fn parallel_axes(k: &Kernel, site: &[Option<Var>], live: &[ExprId]) -> usize {
     p
 }
 
+/// Tiled matmul: rows of the block tile.
+const TILE_M: usize = 64;
+/// Tiled matmul: columns of the block tile.
+const TILE_N: usize = 64;
+/// Tiled matmul: depth of one `k` step staged through shared memory.
+const TILE_K: usize = 16;
+/// Row stride (in floats) of the shared tiles `[TILE_K][TILE_STRIDE]`: padded by 4 so
+/// that transposing stores spread over the banks while rows stay 16-byte aligned.
+const TILE_STRIDE: usize = TILE_M + 4;
+
+/// The grid of the tiled matmul, or `None` where the per-element path is used instead
+/// (non-f32 operands, small or thin outputs, or a grid that does not fit).
+fn tiled_grid(mm: &Matmul) -> Option<[u32; 3]> {
+    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
+        return None;
+    }
+    if mm.m < 16 || mm.n < 16 || mm.m * mm.n < 4096 {
+        return None;
+    }
+    let batch: usize = mm.batch.iter().product();
+    let (gx, gy) = (mm.n.div_ceil(TILE_N), mm.m.div_ceil(TILE_M));
+    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+        return None;
+    }
+    Some([gx as u32, gy as u32, batch as u32])
+}
+
+/// Classic shared-memory SGEMM: a 64×64 output tile per block of 256 threads, each thread
+/// holding a 4×4 micro-tile (rows `ty*4 + r`, columns `tx + 16*c`) in registers; A and B
+/// are staged 16 deep through shared memory (`mm_as[k][row]`, `mm_bs[k][col]`). Every
+/// thread runs every `bar.sync`: out-of-range loads read 0 and out-of-range elements skip
+/// only their epilogue.
+fn emit_tiled_matmul(
+    k: &Kernel,
+    mm: &Matmul,
+    grid: [u32; 3],
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+) -> Res<(String, LaunchShape)> {
+    let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
+    let live = reachable(&k.pool, &roots);
+    let mut px = Px::new(k, offset_of, sites(k), live);
+    let nb = mm.batch.len();
+    let (m, n, kd) = (mm.m, mm.n, mm.k);
+    let row_bytes = TILE_STRIDE * 4;
+
+    let arena = px.fresh("rd");
+    px.arena = arena.clone();
+    px.line(format!("ld.param.u64 {arena}, [arena];"));
+    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
+    px.line(format!("mov.u32 {by}, %ctaid.y;"));
+    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
+    px.line(format!("mov.u32 {t}, %tid.x;"));
+    px.tid = t.clone();
+    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {tx}, {t}, 15;"));
+    px.line(format!("shr.u32 {ty}, {t}, 4;"));
+
+    // Batch index (%ctaid.z) → the batch variables (row-major).
+    let mut rest = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {rest}, {bz};"));
+    for d in (0..nb).rev() {
+        let v = px.fresh("rd");
+        if d == 0 {
+            px.line(format!("mov.u64 {v}, {rest};"));
+        } else {
+            let ext = mm.batch[d];
+            px.line(format!("rem.u64 {v}, {rest}, {ext};"));
+            let q = px.fresh("rd");
+            px.line(format!("div.u64 {q}, {rest}, {ext};"));
+            rest = q;
+        }
+        px.vars.insert(d as Var, v);
+    }
+    let mut abase = px.imm64(mm.a.base);
+    let mut bbase = px.imm64(mm.b.base);
+    for d in 0..nb {
+        let v = px.vars[&(d as Var)].clone();
+        let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
+        let na = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
+        abase = na;
+        let nb2 = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
+        bbase = nb2;
+    }
+    // Byte addresses of the operand buffers.
+    let buf_addr = |px: &mut Px, buf: NodeId| -> Res<String> {
+        let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
+        let r = px.fresh("rd");
+        let arena = px.arena.clone();
+        px.line(format!("add.s64 {r}, {arena}, {off};"));
+        Ok(r)
+    };
+    let abuf = buf_addr(&mut px, mm.a.buf)?;
+    let bbuf = buf_addr(&mut px, mm.b.buf)?;
+    // First row and column of the block tile.
+    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {row0}, {by}, {TILE_M};"));
+    px.line(format!("mul.wide.u32 {col0}, {bx}, {TILE_N};"));
+    let (sa, sb) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {sa}, mm_as;"));
+    px.line(format!("mov.u32 {sb}, mm_bs;"));
+
+    // Load slots: each thread moves 4 elements of A and 4 of B per step. The fast
+    // thread index runs along the operand's unit stride so that a warp reads contiguous
+    // memory: along k for A when A.cs == 1, else along rows; along columns for B unless
+    // only B.rs is 1.
+    struct Slot {
+        /// Shared byte address of the element.
+        smem: String,
+        /// Element index of the operand at k = 0 (base + batch + row/col part).
+        base: String,
+        /// In-range row (A) or column (B).
+        ok: String,
+        /// k offset inside the step.
+        kk: String,
+    }
+    let slots = |px: &mut Px,
+                 k_fast: bool,
+                 extent: usize,
+                 stride: i64,
+                 first: &str,
+                 opbase: &str,
+                 smem0: &str|
+     -> Vec<Slot> {
+        let mut out = Vec::new();
+        for r in 0..4u32 {
+            // (kk, x): x is the row of A or the column of B inside the tile.
+            let (kk, x) = (px.fresh("r"), px.fresh("r"));
+            if k_fast {
+                px.line(format!("and.b32 {kk}, {t}, {};", TILE_K - 1));
+                px.line(format!("shr.u32 {x}, {t}, 4;"));
+                px.line(format!("add.u32 {x}, {x}, {};", 16 * r));
+            } else {
+                px.line(format!("and.b32 {x}, {t}, {};", TILE_M - 1));
+                px.line(format!("shr.u32 {kk}, {t}, 6;"));
+                px.line(format!("add.u32 {kk}, {kk}, {};", 4 * r));
+            }
+            let smem = px.fresh("r");
+            px.line(format!("mad.lo.u32 {smem}, {kk}, {TILE_STRIDE}, {x};"));
+            px.line(format!("mad.lo.u32 {smem}, {smem}, 4, {smem0};"));
+            let g = px.fresh("rd");
+            px.line(format!("cvt.u64.u32 {g}, {x};"));
+            px.line(format!("add.s64 {g}, {g}, {first};"));
+            let ok = px.fresh("p");
+            px.line(format!("setp.lt.s64 {ok}, {g}, {extent};"));
+            let base = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {base}, {g}, {stride}, {opbase};"));
+            let kk64 = px.fresh("rd");
+            px.line(format!("cvt.u64.u32 {kk64}, {kk};"));
+            out.push(Slot {
+                smem,
+                base,
+                ok,
+                kk: kk64,
+            });
+        }
+        out
+    };
+    let a_slots = slots(&mut px, mm.a.cs == 1, m, mm.a.rs, &row0, &abase, &sa);
+    let b_k_fast = mm.b.rs == 1 && mm.b.cs != 1;
+    let b_slots = slots(&mut px, b_k_fast, n, mm.b.cs, &col0, &bbase, &sb);
+
+    // Shared addresses this thread's compute reads at kk = 0.
+    let (ra, rb) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("mad.lo.u32 {ra}, {ty}, 16, {sa};"));
+    px.line(format!("mad.lo.u32 {rb}, {tx}, 4, {sb};"));
+
+    let accs: Vec<String> = (0..16).map(|_| px.fresh("f")).collect();
+    for a in &accs {
+        px.line(format!("mov.f32 {a}, {};", f32_lit(0.0)));
+    }
+    let av: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
+    let bv: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
+
+    // for (k0 = 0; k0 < K; k0 += TILE_K): the condition is uniform over the block.
+    let k0 = px.fresh("rd");
+    let head = px.label("kstep");
+    let exit = px.label("kdone");
+    px.line(format!("mov.s64 {k0}, 0;"));
+    px.body.push_str(&format!("{head}:\n"));
+    let pk = px.fresh("p");
+    px.line(format!("setp.ge.s64 {pk}, {k0}, {kd};"));
+    px.line(format!("@{pk} bra.uni {exit};"));
+    for (slots, buf, kstride) in [(&a_slots, &abuf, mm.a.cs), (&b_slots, &bbuf, mm.b.rs)] {
+        for s in slots {
+            let kg = px.fresh("rd");
+            px.line(format!("add.s64 {kg}, {k0}, {};", s.kk));
+            let p = px.fresh("p");
+            px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {};", s.ok));
+            let idx = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {idx}, {kg}, {kstride}, {};", s.base));
+            let addr = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {addr}, {idx}, 4, {buf};"));
+            let v = px.fresh("f");
+            px.line(format!("mov.f32 {v}, {};", f32_lit(0.0)));
+            px.line(format!("@{p} ld.global.f32 {v}, [{addr}];"));
+            px.line(format!("st.shared.f32 [{}], {v};", s.smem));
+        }
+    }
+    px.line("bar.sync 0;");
+    for kk in 0..TILE_K {
+        let off = kk * row_bytes;
+        px.line(format!(
+            "ld.shared.v4.f32 {{{}, {}, {}, {}}}, [{ra}+{off}];",
+            av[0], av[1], av[2], av[3]
+        ));
+        for (c, b) in bv.iter().enumerate() {
+            px.line(format!("ld.shared.f32 {b}, [{rb}+{}];", off + c * 64));
+        }
+        for r in 0..4 {
+            for c in 0..4 {
+                let a = &accs[r * 4 + c];
+                px.line(format!("fma.rn.f32 {a}, {}, {}, {a};", av[r], bv[c]));
+            }
+        }
+    }
+    px.line("bar.sync 0;");
+    px.line(format!("add.s64 {k0}, {k0}, {TILE_K};"));
+    px.line(format!("bra.uni {head};"));
+    px.body.push_str(&format!("{exit}:\n"));
+
+    // Epilogue, element by element: rows ty*4 + r, columns tx + 16*c.
+    let mut rows = Vec::new();
+    for r in 0..4u32 {
+        let (i, ok) = (px.fresh("rd"), px.fresh("p"));
+        px.line(format!("mad.wide.u32 {i}, {ty}, 4, {row0};"));
+        px.line(format!("add.s64 {i}, {i}, {r};"));
+        px.line(format!("setp.lt.s64 {ok}, {i}, {m};"));
+        rows.push((i, ok));
+    }
+    let mut cols = Vec::new();
+    for c in 0..4u32 {
+        let (j, ok) = (px.fresh("rd"), px.fresh("p"));
+        px.line(format!("cvt.u64.u32 {j}, {tx};"));
+        px.line(format!("add.s64 {j}, {j}, {col0};"));
+        px.line(format!("add.s64 {j}, {j}, {};", 16 * c));
+        px.line(format!("setp.lt.s64 {ok}, {j}, {n};"));
+        cols.push((j, ok));
+    }
+    for (r, (i, pi)) in rows.iter().enumerate() {
+        for (c, (j, pj)) in cols.iter().enumerate() {
+            let skip = px.label("skip");
+            let p = px.fresh("p");
+            px.line(format!("and.pred {p}, {pi}, {pj};"));
+            px.line(format!("@!{p} bra {skip};"));
+            px.journal.push(Vec::new());
+            px.vars.insert(nb as Var, i.clone());
+            px.vars.insert(nb as Var + 1, j.clone());
+            px.acc = Some(accs[r * 4 + c].clone());
+            px.stores()?;
+            if let Some(keys) = px.journal.pop() {
+                for key in keys {
+                    px.cache.remove(&key);
+                }
+            }
+            px.body.push_str(&format!("{skip}:\n"));
+        }
+    }
+    px.line("ret;");
+    let tile = TILE_K * TILE_STRIDE;
+    let shared = format!(
+        "\t.shared .align 16 .f32 mm_as[{tile}];\n\t.shared .align 16 .f32 mm_bs[{tile}];\n"
+    );
+    Ok((
+        px.finish(&shared),
+        LaunchShape {
+            grid,
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+        },
+    ))
+}
+
 fn emit_kernel(
     k: &Kernel,
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
 ) -> Res<(String, LaunchShape)> {
+    if let Some(grid) = k.matmul.as_ref().and_then(tiled_grid) {
+        return emit_tiled_matmul(k, k.matmul.as_ref().unwrap(), grid, offset_of);
+    }
     let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
     let live = reachable(&k.pool, &roots);
     let site = sites(k);
@@ -971,22 +1344,10 @@ fn emit_kernel(
     } else {
         points
     };
-    let mut px = Px {
-        k,
-        offset_of,
-        body: String::new(),
-        counts: HashMap::new(),
-        labels: 0,
-        cache: HashMap::new(),
-        journal: Vec::new(),
-        vars: HashMap::new(),
-        site,
-        live,
-        acc: None,
-        arena: String::new(),
-        block_reductions: if block_mode { top } else { Vec::new() },
-        tid: String::new(),
-    };
+    let mut px = Px::new(k, offset_of, site, live);
+    if block_mode {
+        px.block_reductions = top;
+    }
     let arena = px.fresh("rd");
     px.arena = arena.clone();
     px.line(format!("ld.param.u64 {arena}, [arena];"));
@@ -1026,40 +1387,7 @@ fn emit_kernel(
         px.vars.insert(d as Var, v);
     }
     if let Some(mm) = &k.matmul {
-        let nb = mm.batch.len();
-        let acc = px.fresh("f");
-        px.line(format!("mov.f32 {acc}, {};", f32_lit(0.0)));
-        let mut abase = px.imm64(mm.a.base);
-        let mut bbase = px.imm64(mm.b.base);
-        for d in 0..nb {
-            let v = px.vars.get(&(d as Var)).cloned().unwrap_or_default();
-            let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
-            let na = px.fresh("rd");
-            px.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
-            abase = na;
-            let nb2 = px.fresh("rd");
-            px.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
-            bbase = nb2;
-        }
-        let i = px.vars.get(&(nb as Var)).cloned().unwrap_or_default();
-        let j = px.vars.get(&(nb as Var + 1)).cloned().unwrap_or_default();
-        let arow = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {arow}, {i}, {}, {abase};", mm.a.rs));
-        let bcol = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {bcol}, {j}, {}, {bbase};", mm.b.cs));
-        let l = px.open_loop("0", &mm.k.to_string());
-        let ai = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {ai}, {}, {}, {arow};", l.iv, mm.a.cs));
-        let bi = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {bi}, {}, {}, {bcol};", l.iv, mm.b.rs));
-        let aa = px.address(mm.a.buf, DType::F32, &ai)?;
-        let ba = px.address(mm.b.buf, DType::F32, &bi)?;
-        let av = px.load(&aa, DType::F32);
-        let bv = px.load(&ba, DType::F32);
-        px.line(format!("fma.rn.f32 {acc}, {av}, {bv}, {acc};"));
-        px.close_loop(l);
-        px.acc = Some(acc);
-        px.stores()?;
+        px.matmul_per_element(mm)?;
     } else {
         px.emit_site(None)?;
         for d in 0..par {
@@ -1085,27 +1413,12 @@ fn emit_kernel(
         }
     }
     px.body.push_str(&format!("{done}:\n\tret;\n"));
-    let mut text = format!(
-        "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{{\n",
-        k.describe, k.name
-    );
-    let mut classes: Vec<(&&str, &u32)> = px.counts.iter().collect();
-    classes.sort();
-    for (p, n) in classes {
-        let t = match *p {
-            "f" => ".f32",
-            "r" => ".b32",
-            "rd" => ".b64",
-            "h" => ".b16",
-            _ => ".pred",
-        };
-        let _ = writeln!(text, "\t.reg {t} %{p}<{n}>;");
-    }
-    if block_mode {
-        let _ = writeln!(text, "\t.shared .align 4 .b8 red_smem[{}];", BLOCK / 32 * 4);
-    }
-    text.push_str(&px.body);
-    text.push_str("}\n");
+    let shared = if block_mode {
+        format!("\t.shared .align 4 .b8 red_smem[{}];\n", BLOCK / 32 * 4)
+    } else {
+        String::new()
+    };
+    let text = px.finish(&shared);
     let grid = threads.div_ceil(BLOCK as u64);
     let grid = u32::try_from(grid).map_err(|_| PtxError::Unsupported {
         kernel: k.name.clone(),
