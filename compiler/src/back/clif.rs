@@ -19,8 +19,8 @@ use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
 use cranelift_codegen::ir::{
-    AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, StackSlotData, StackSlotKind,
-    Type, UserFuncName, Value,
+    AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, StackSlot, StackSlotData,
+    StackSlotKind, Type, UserFuncName, Value,
 };
 use cranelift_codegen::isa::CallConv;
 use cranelift_codegen::settings;
@@ -1136,23 +1136,157 @@ impl<'a, 'b> Cg<'a, 'b> {
     fn matmul(&mut self, mm: &Matmul) -> Res<()> {
         const MR: i64 = 4;
         const NR: i64 = 8;
+        // Column tiles per panel (at most): the row tiles of this thread sweep one panel of
+        // B at a time, so that it stays in cache.
+        const PT_MAX: i64 = 8;
+        // Bytes of the stack copy of a panel of B.
+        const PACK_BYTES: i64 = 32 * 1024;
         if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
             return Err(self.unsupported("matmul operands must be f32"));
         }
         let (m, n, kk) = (mm.m as i64, mm.n as i64, mm.k as i64);
         let mtiles = (m + MR - 1) / MR;
         let nb = mm.batch.len();
-        let slot = self.b.create_sized_stack_slot(StackSlotData::new(
-            StackSlotKind::ExplicitSlot,
-            (MR * NR * 4) as u32,
-            4,
-        ));
-        let outer = self.open_loop(self.lo, self.hi);
-        // x -> (batch index, row tile)
-        let bflat = self.b.ins().sdiv_imm_s(outer.iv, mtiles.max(1));
-        let it = self.b.ins().srem_imm_s(outer.iv, mtiles.max(1));
-        let i0 = self.b.ins().imul_imm_s(it, MR);
-        // Batch multi-index.
+        let n8 = n - n % NR;
+        let vector = n8 > 0 && mm.b.cs == 1;
+
+        // Pass 1: full row tiles, vector columns [0, n8), panel by panel. When B is the
+        // same for every batch index and a panel of it fits `PACK_BYTES`, the panel is first
+        // copied to the stack, column tile by column tile, each `k` rows of `NR` contiguous
+        // floats: B's rows are often 4 KiB apart, which maps them all to a few cache sets.
+        if vector {
+            let slot = self.b.create_sized_stack_slot(StackSlotData::new(
+                StackSlotKind::ExplicitSlot,
+                (MR * NR * 4) as u32,
+                4,
+            ));
+            let ntiles = n8 / NR;
+            let tile_bytes = kk * NR * 4;
+            let shared_b = mm.b.batch_strides.iter().all(|&s| s == 0);
+            let pack = shared_b && kk > 0 && tile_bytes <= PACK_BYTES;
+            let pt = if pack {
+                (PACK_BYTES / tile_bytes).min(PT_MAX)
+            } else {
+                PT_MAX
+            };
+            let pslot = pack.then(|| {
+                self.b.create_sized_stack_slot(StackSlotData::new(
+                    StackSlotKind::ExplicitSlot,
+                    (pt * tile_bytes) as u32,
+                    4,
+                ))
+            });
+            let npan = (ntiles + pt - 1) / pt;
+            let z = self.iconst(0);
+            let pend = self.iconst(npan);
+            let pl = self.open_loop(z, pend);
+            let jt_lo = self.b.ins().imul_imm_s(pl.iv, pt);
+            let jt_hi = self.b.ins().iadd_imm_s(jt_lo, pt);
+            let ntc = self.iconst(ntiles);
+            let lt = self.b.ins().icmp(IntCC::SignedLessThan, jt_hi, ntc);
+            let jt_hi = self.b.ins().select(lt, jt_hi, ntc);
+            if let Some(ps) = pslot {
+                let bb = self.operand_base(&mm.b, &[])?;
+                let pk = self.b.ins().stack_addr(I64, ps, 0);
+                let jl = self.open_loop(jt_lo, jt_hi);
+                let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
+                let bi = self.b.ins().iadd(bb, j0);
+                let src0 = self.elem_addr(mm.b.buf, bi, 4)?;
+                let rel = self.b.ins().isub(jl.iv, jt_lo);
+                let doff = self.b.ins().imul_imm_s(rel, tile_bytes);
+                let dst0 = self.b.ins().iadd(pk, doff);
+                let z = self.iconst(0);
+                let kend = self.iconst(kk);
+                let kl = self.open_loop(z, kend);
+                let soff = self.b.ins().imul_imm_s(kl.iv, mm.b.rs * 4);
+                let src = self.b.ins().iadd(src0, soff);
+                let doff = self.b.ins().imul_imm_s(kl.iv, NR * 4);
+                let dst = self.b.ins().iadd(dst0, doff);
+                for c in 0..(NR / LANES) {
+                    let o = (c * LANES * 4) as i32;
+                    let v = self.b.ins().load(F32X4, vflags(), src, o);
+                    self.b.ins().store(vflags(), v, dst, o);
+                }
+                self.close_loop(kl);
+                self.close_loop(jl);
+            }
+            let xl = self.open_loop(self.lo, self.hi);
+            let (i0, abase, bbase) = self.mm_tile(mm, xl.iv, mtiles, MR)?;
+            let full_rows = self.b.ins().iadd_imm_s(i0, MR);
+            let mconst = self.iconst(m);
+            let is_full = self
+                .b
+                .ins()
+                .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
+            let full_blk = self.b.create_block();
+            let cont = self.b.create_block();
+            self.b.ins().brif(is_full, full_blk, &[], cont, &[]);
+            self.b.switch_to_block(full_blk);
+            let jl = self.open_loop(jt_lo, jt_hi);
+            let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
+            let (pb0, bstep) = match pslot {
+                Some(ps) => {
+                    let pk = self.b.ins().stack_addr(I64, ps, 0);
+                    let rel = self.b.ins().isub(jl.iv, jt_lo);
+                    let off = self.b.ins().imul_imm_s(rel, tile_bytes);
+                    (self.b.ins().iadd(pk, off), NR * 4)
+                }
+                None => {
+                    let bi = self.b.ins().iadd(bbase, j0);
+                    (self.elem_addr(mm.b.buf, bi, 4)?, mm.b.rs * 4)
+                }
+            };
+            self.vector_tile(mm, slot, abase, pb0, bstep, i0, j0, nb, MR, NR)?;
+            self.close_loop(jl);
+            self.b.ins().jump(cont, &[]);
+            self.b.switch_to_block(cont);
+            self.close_loop(xl);
+            self.close_loop(pl);
+        }
+
+        // Pass 2: the scalar right edge of full row tiles, and partial row tiles.
+        let xl = self.open_loop(self.lo, self.hi);
+        let (i0, abase, bbase) = self.mm_tile(mm, xl.iv, mtiles, MR)?;
+        let full_rows = self.b.ins().iadd_imm_s(i0, MR);
+        let mconst = self.iconst(m);
+        let is_full = self
+            .b
+            .ins()
+            .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
+        let full_blk = self.b.create_block();
+        let part_blk = self.b.create_block();
+        let join = self.b.create_block();
+        self.b.ins().brif(is_full, full_blk, &[], part_blk, &[]);
+        self.b.switch_to_block(full_blk);
+        if !vector || n8 < n {
+            let jstart = self.iconst(if vector { n8 } else { 0 });
+            let iend = self.b.ins().iadd_imm_s(i0, MR);
+            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        }
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(part_blk);
+        let jstart = self.iconst(0);
+        let iend = self.iconst(m);
+        self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        self.b.ins().jump(join, &[]);
+        self.b.switch_to_block(join);
+        self.close_loop(xl);
+        Ok(())
+    }
+
+    /// Decodes outer index `x` into (batch index, row tile): sets the batch variables and
+    /// returns the first row and the operands' batch bases.
+    fn mm_tile(
+        &mut self,
+        mm: &Matmul,
+        x: Value,
+        mtiles: i64,
+        mr: i64,
+    ) -> Res<(Value, Value, Value)> {
+        let nb = mm.batch.len();
+        let bflat = self.b.ins().sdiv_imm_s(x, mtiles.max(1));
+        let it = self.b.ins().srem_imm_s(x, mtiles.max(1));
+        let i0 = self.b.ins().imul_imm_s(it, mr);
         let mut bidx = vec![bflat; nb];
         let mut rest = bflat;
         for d in (0..nb).rev() {
@@ -1165,103 +1299,104 @@ impl<'a, 'b> Cg<'a, 'b> {
         }
         let abase = self.operand_base(&mm.a, &bidx)?;
         let bbase = self.operand_base(&mm.b, &bidx)?;
-        let n8 = n - n % NR;
-        let full_rows = self.b.ins().iadd_imm_s(i0, MR);
-        let mconst = self.iconst(m);
-        let is_full = self
-            .b
-            .ins()
-            .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
-        let full_blk = self.b.create_block();
-        let part_blk = self.b.create_block();
-        let join = self.b.create_block();
-        self.b.ins().brif(is_full, full_blk, &[], part_blk, &[]);
+        Ok((i0, abase, bbase))
+    }
 
-        // Full row tile: vector path over j in [0, n8), scalar for the right edge.
-        self.b.switch_to_block(full_blk);
-        if n8 > 0 && mm.b.cs == 1 {
-            let z = self.iconst(0);
-            let jt_end = self.iconst(n8 / NR);
-            let jl = self.open_loop(z, jt_end);
-            let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
-            let zero = self.b.ins().f32const(0.0);
-            let zv = self.b.ins().splat(F32X4, zero);
-            let accs: Vec<Variable> = (0..(MR * 2))
-                .map(|_| {
-                    let v = self.b.declare_var(F32X4);
-                    self.b.def_var(v, zv);
-                    v
-                })
-                .collect();
-            let z2 = self.iconst(0);
-            let kend = self.iconst(kk);
-            let kl = self.open_loop(z2, kend);
-            // B row k, columns j0..j0+8.
-            let brow = self.b.ins().imul_imm_s(kl.iv, mm.b.rs);
-            let bi = self.b.ins().iadd(bbase, brow);
-            let bi = self.b.ins().iadd(bi, j0);
-            let baddr = self.elem_addr(mm.b.buf, bi, 4)?;
-            let bv0 = self.b.ins().load(F32X4, vflags(), baddr, 0);
-            let bv1 = self.b.ins().load(F32X4, vflags(), baddr, 16);
-            let acol = self.b.ins().imul_imm_s(kl.iv, mm.a.cs);
-            let ak = self.b.ins().iadd(abase, acol);
-            for r in 0..MR {
-                let row = self.b.ins().iadd_imm_s(i0, r);
-                let arow = self.b.ins().imul_imm_s(row, mm.a.rs);
-                let ai = self.b.ins().iadd(ak, arow);
-                let aaddr = self.elem_addr(mm.a.buf, ai, 4)?;
-                let a = self.b.ins().load(F32, flags(), aaddr, 0);
-                let av = self.b.ins().splat(F32X4, a);
-                for (c, bv) in [bv0, bv1].into_iter().enumerate() {
-                    let var = accs[(r * 2) as usize + c];
-                    let old = self.b.use_var(var);
-                    let p = self.b.ins().fmul(av, bv);
-                    let s = self.b.ins().fadd(old, p);
-                    self.b.def_var(var, s);
-                }
+    /// One `mr` x `nr` register tile at rows `i0..`, columns `j0..` over the whole k
+    /// range (pointer increments; B's row `k` of the tile at `pb0 + k * bstep` bytes), then
+    /// the epilogue per element.
+    #[allow(clippy::too_many_arguments)]
+    fn vector_tile(
+        &mut self,
+        mm: &Matmul,
+        slot: StackSlot,
+        abase: Value,
+        pb0: Value,
+        bstep: i64,
+        i0: Value,
+        j0: Value,
+        nb: usize,
+        mr: i64,
+        nr: i64,
+    ) -> Res<()> {
+        let nv = nr / LANES;
+        let zero = self.b.ins().f32const(0.0);
+        let zv = self.b.ins().splat(F32X4, zero);
+        let accs: Vec<Variable> = (0..(mr * nv))
+            .map(|_| {
+                let v = self.b.declare_var(F32X4);
+                self.b.def_var(v, zv);
+                v
+            })
+            .collect();
+        let arow = self.b.ins().imul_imm_s(i0, mm.a.rs);
+        let ai = self.b.ins().iadd(abase, arow);
+        let pa0 = self.elem_addr(mm.a.buf, ai, 4)?;
+        let pa = self.b.declare_var(I64);
+        let pb = self.b.declare_var(I64);
+        self.b.def_var(pa, pa0);
+        self.b.def_var(pb, pb0);
+        let arow_bytes = mm.a.rs * 4;
+        let fits = (mr - 1)
+            .checked_mul(arow_bytes)
+            .is_some_and(|v| i32::try_from(v).is_ok() && i32::try_from(-v).is_ok());
+        let z = self.iconst(0);
+        let kend = self.iconst(mm.k as i64);
+        let kl = self.open_loop(z, kend);
+        let pbv = self.b.use_var(pb);
+        let pav = self.b.use_var(pa);
+        let bvs: Vec<Value> = (0..nv)
+            .map(|c| {
+                self.b
+                    .ins()
+                    .load(F32X4, vflags(), pbv, (c * LANES * 4) as i32)
+            })
+            .collect();
+        for r in 0..mr {
+            let a = if fits {
+                self.b
+                    .ins()
+                    .load(F32, flags(), pav, (r * arow_bytes) as i32)
+            } else {
+                let p = self.b.ins().iadd_imm_s(pav, r * arow_bytes);
+                self.b.ins().load(F32, flags(), p, 0)
+            };
+            let av = self.b.ins().splat(F32X4, a);
+            for (c, &bv) in bvs.iter().enumerate() {
+                let var = accs[(r * nv) as usize + c];
+                let old = self.b.use_var(var);
+                let p = self.b.ins().fmul(av, bv);
+                let s = self.b.ins().fadd(old, p);
+                self.b.def_var(var, s);
             }
-            self.close_loop(kl);
-            for r in 0..MR {
-                for c in 0..2 {
-                    let v = self.b.use_var(accs[(r * 2 + c) as usize]);
-                    self.b
-                        .ins()
-                        .stack_store(I64, v, slot, ((r * NR + c * 4) * 4) as i32);
-                }
-            }
-            // Epilogue over the tile.
-            let z3 = self.iconst(0);
-            let tend = self.iconst(MR * NR);
-            let tl = self.open_loop(z3, tend);
-            let r = self.b.ins().sdiv_imm_s(tl.iv, NR);
-            let c = self.b.ins().srem_imm_s(tl.iv, NR);
-            let i = self.b.ins().iadd(i0, r);
-            let j = self.b.ins().iadd(j0, c);
-            let saddr = self.b.ins().stack_addr(I64, slot, 0);
-            let off = self.b.ins().imul_imm_s(tl.iv, 4);
-            let sa = self.b.ins().iadd(saddr, off);
-            let accv = self.b.ins().load(F32, flags(), sa, 0);
-            self.epilogue(nb, i, j, accv)?;
-            self.close_loop(tl);
-            self.close_loop(jl);
-            let jstart = self.iconst(n8);
-            let iend = self.b.ins().iadd_imm_s(i0, MR);
-            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
-        } else {
-            let jstart = self.iconst(0);
-            let iend = self.b.ins().iadd_imm_s(i0, MR);
-            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
         }
-        self.b.ins().jump(join, &[]);
-
-        // Partial row tile: scalar.
-        self.b.switch_to_block(part_blk);
-        let jstart = self.iconst(0);
-        let iend = self.iconst(m);
-        self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
-        self.b.ins().jump(join, &[]);
-        self.b.switch_to_block(join);
-        self.close_loop(outer);
+        let pbn = self.b.ins().iadd_imm_s(pbv, bstep);
+        let pan = self.b.ins().iadd_imm_s(pav, mm.a.cs * 4);
+        self.b.def_var(pb, pbn);
+        self.b.def_var(pa, pan);
+        self.close_loop(kl);
+        for r in 0..mr {
+            for c in 0..nv {
+                let v = self.b.use_var(accs[(r * nv + c) as usize]);
+                self.b
+                    .ins()
+                    .stack_store(I64, v, slot, ((r * nr + c * LANES) * 4) as i32);
+            }
+        }
+        // Epilogue over the tile.
+        let z3 = self.iconst(0);
+        let tend = self.iconst(mr * nr);
+        let tl = self.open_loop(z3, tend);
+        let r = self.b.ins().sdiv_imm_s(tl.iv, nr);
+        let c = self.b.ins().srem_imm_s(tl.iv, nr);
+        let i = self.b.ins().iadd(i0, r);
+        let j = self.b.ins().iadd(j0, c);
+        let saddr = self.b.ins().stack_addr(I64, slot, 0);
+        let off = self.b.ins().imul_imm_s(tl.iv, 4);
+        let sa = self.b.ins().iadd(saddr, off);
+        let accv = self.b.ins().load(F32, flags(), sa, 0);
+        self.epilogue(nb, i, j, accv)?;
+        self.close_loop(tl);
         Ok(())
     }
 
