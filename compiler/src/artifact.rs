@@ -79,7 +79,7 @@ impl Compiled {
 
 /// Compiles a graph that went through the pass pipeline.
 pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
-    let g = &with_output_copies(g);
+    let g = &crate::passes::split_reductions::split_reductions(&with_output_copies(g));
     let mut timings = Vec::new();
     let t = Instant::now();
     let fused = fuse::fuse(g, o.fuse)?;

@@ -129,3 +129,26 @@ fn runtime_arena_equals_the_verified_plan() {
         assert_eq!(model.arena_bytes() as u64, c.plan.arena_bytes, "{ex}");
     }
 }
+
+/// Large reductions over several axes are split in two (one value per row, then the rows),
+/// with the same numbers as the interpreter.
+#[test]
+fn large_multi_axis_reductions_are_split() {
+    let src = "model m {\n input x: f32[256, 512]\n let s = sum(x * x)\n let a = mean(exp(x), axis: [0, 1], keepdim: true)\n let b = max(x)\n output s, a, b\n}\n";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let c = tcc::artifact::compile(&g, &Default::default()).unwrap();
+    let reductions = |g: &tcc::ir::Graph| {
+        g.node_ids()
+            .filter(|&n| matches!(g.node(n).op, tcc::ir::Op::Reduce { .. }))
+            .count()
+    };
+    assert_eq!(reductions(&g), 3);
+    assert_eq!(reductions(&c.graph), 6, "each large reduction becomes two");
+    let inputs = tcc::eager::random_inputs(&g, 4);
+    let want = eager_steps(&g, &inputs, 1, 0).unwrap();
+    let got = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
+    for (name, t) in &want.outputs {
+        let e = rel_err(&got.outputs[name], t);
+        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
+    }
+}

@@ -533,40 +533,64 @@ impl<'a> Px<'a> {
             "mov.{} {acc}, {init};",
             if t == "f32" { "f32" } else { "s32" }
         ));
-        let n: usize = vars.iter().map(|v| v.1).product();
+        let tid = self.tid.clone();
+        let last = vars.last().map_or(1, |v| v.1);
+        // The block's threads stride over the innermost variable when it is long enough
+        // (the outer ones are serial loops: no division per element); otherwise over the
+        // flattened range, split with 32-bit division.
+        let split = if last >= BLOCK as usize || vars.len() == 1 {
+            vars.len().saturating_sub(1)
+        } else {
+            0
+        };
+        let (serial, strided) = (&vars[..split], vars[split..].to_vec());
+        let mut outer = Vec::new();
+        for &(v, ext) in serial {
+            let l = self.open_loop("0", &ext.to_string());
+            self.vars.insert(v, l.iv.clone());
+            outer.push(l);
+        }
+        let n: usize = strided.iter().map(|v| v.1).product();
+        if n > u32::MAX as usize - BLOCK as usize {
+            return Err(self.unsupported("a block reduction over more than 2^32 points"));
+        }
         // for (lin = tid; lin < n; lin += BLOCK)
-        let lin = self.fresh("rd");
+        let lin = self.fresh("r");
         let head = self.label("bhead");
         let exit = self.label("bexit");
-        let tid = self.tid.clone();
-        self.line(format!("cvt.u64.u32 {lin}, {tid};"));
+        self.line(format!("mov.u32 {lin}, {tid};"));
         self.body.push_str(&format!("{head}:\n"));
         let p = self.fresh("p");
-        self.line(format!("setp.ge.s64 {p}, {lin}, {n};"));
+        self.line(format!("setp.ge.u32 {p}, {lin}, {n};"));
         self.line(format!("@{p} bra {exit};"));
         self.journal.push(Vec::new());
         let mut rest = lin.clone();
-        for (i, &(v, ext)) in vars.iter().enumerate().rev() {
-            let r = self.fresh("rd");
+        for (i, &(v, ext)) in strided.iter().enumerate().rev() {
+            let r = self.fresh("r");
             if i == 0 {
-                self.line(format!("mov.s64 {r}, {rest};"));
+                self.line(format!("mov.u32 {r}, {rest};"));
             } else {
-                self.line(format!("rem.u64 {r}, {rest}, {ext};"));
-                let q = self.fresh("rd");
-                self.line(format!("div.u64 {q}, {rest}, {ext};"));
+                self.line(format!("rem.u32 {r}, {rest}, {ext};"));
+                let q = self.fresh("r");
+                self.line(format!("div.u32 {q}, {rest}, {ext};"));
                 rest = q;
             }
-            self.vars.insert(v, r);
+            let r64 = self.fresh("rd");
+            self.line(format!("cvt.u64.u32 {r64}, {r};"));
+            self.vars.insert(v, r64);
         }
         let x = self.emit(body)?;
         combine(self, &acc, &x);
-        self.line(format!("add.s64 {lin}, {lin}, {BLOCK};"));
+        self.line(format!("add.u32 {lin}, {lin}, {BLOCK};"));
         self.line(format!("bra.uni {head};"));
         self.body.push_str(&format!("{exit}:\n"));
         if let Some(keys) = self.journal.pop() {
             for key in keys {
                 self.cache.remove(&key);
             }
+        }
+        while let Some(l) = outer.pop() {
+            self.close_loop(l);
         }
         // Warp, then block.
         let other = self.reg(ty);
