@@ -1395,12 +1395,30 @@ fn emit_kernel(
         px.line(format!("setp.ge.u64 {pd}, {tid}, {threads};"));
         px.line(format!("@{pd} bra {done};"));
     }
-    // Thread index → the parallel axes (row-major).
+    // Thread index → the parallel axes (row-major), in 32-bit arithmetic when the index
+    // fits (64-bit division is a long subroutine on the GPU).
+    let narrow = points < u32::MAX as u64;
     let mut rest = tid.clone();
+    if narrow {
+        let r = px.fresh("r");
+        px.line(format!("cvt.u32.u64 {r}, {tid};"));
+        rest = r;
+    }
     for d in (0..par).rev() {
         let ext = k.domain[d] as u64;
         let v = px.fresh("rd");
-        if d == 0 {
+        if narrow {
+            let v32 = px.fresh("r");
+            if d == 0 {
+                px.line(format!("mov.u32 {v32}, {rest};"));
+            } else {
+                px.line(format!("rem.u32 {v32}, {rest}, {ext};"));
+                let q = px.fresh("r");
+                px.line(format!("div.u32 {q}, {rest}, {ext};"));
+                rest = q;
+            }
+            px.line(format!("cvt.u64.u32 {v}, {v32};"));
+        } else if d == 0 {
             px.line(format!("mov.u64 {v}, {rest};"));
         } else {
             px.line(format!("rem.u64 {v}, {rest}, {ext};"));
