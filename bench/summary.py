@@ -1,0 +1,55 @@
+"""The short table `scripts/gpu-check.sh device` prints last: tcc against PyTorch eager and
+torch.compile per case (median step ms from CUDA events, peak device memory), with ratios.
+
+    python3 bench/summary.py LOG_DIR    (LOG_DIR holds tcc-<case>.txt and torch.json)
+"""
+import json
+import os
+import re
+import sys
+
+log = sys.argv[1] if len(sys.argv) > 1 else ".gpu/log"
+torch = {}
+ref = {}
+try:
+    with open(os.path.join(log, "torch.json")) as f:
+        data = json.load(f)
+    for r in data.get("runs", []):
+        torch[(r["case"], r["mode"])] = r
+    ref = data.get("reference", {})
+except (OSError, ValueError):
+    pass
+
+
+def tcc(case):
+    try:
+        text = open(os.path.join(log, f"tcc-{case}.txt")).read()
+    except OSError:
+        return None, None
+    ms = re.search(r"device step time .*?median ([0-9.]+) ms", text)
+    arena = re.search(r"arena ([0-9.]+) (KiB|MiB|GiB)", text)
+    mib = None
+    if arena:
+        v = float(arena.group(1))
+        mib = v / 1024 if arena.group(2) == "KiB" else v * 1024 if arena.group(2) == "GiB" else v
+    return (float(ms.group(1)) if ms else None), mib
+
+
+def fmt(x, d=2):
+    return "n/a" if x is None else f"{x:.{d}f}"
+
+
+print("| case | tcc ms | eager ms | compile ms | tcc/eager time | tcc arena MiB | eager peak MiB | tcc/eager memory |")
+print("|---|---|---|---|---|---|---|---|")
+for case in ["mlp", "cnn", "gpt", "gelu"]:
+    ms, mib = tcc(case)
+    e = torch.get((case, "eager"), {})
+    c = torch.get((case, "compile"), {})
+    em, cm, ep = e.get("median_ms"), c.get("median_ms"), e.get("peak_alloc_mib")
+    rt = ms / em if ms and em else None
+    rm = mib / ep if mib and ep else None
+    print(f"| {case} | {fmt(ms, 3)} | {fmt(em, 3)} | {fmt(cm, 3)} | {fmt(rt)} | {fmt(mib, 1)} | {fmt(ep, 1)} | {fmt(rm)} |")
+if "copy_gbps" in ref:
+    ms, _ = tcc("gelu")
+    gbps = 2 * 65536 * 1024 * 4 / (ms * 1e-3) / 1e9 if ms else None
+    print(f"\ngelu(x + b) over 64M f32: {fmt(gbps, 0)} GB/s = {fmt(gbps / ref['copy_gbps'] * 100 if gbps else None, 0)}% of a device-to-device copy ({ref['copy_gbps']:.0f} GB/s)")
