@@ -445,3 +445,46 @@ pub fn builtin_program(expr: &str, wrt: &[&str]) -> Result<String, String> {
     src.push_str("\n}\n");
     Ok(src)
 }
+
+/// `‖a − b‖ / ‖b‖` over all params and optimizer state taken as one vector (by name from
+/// `b`). A param whose gradient is mathematically zero (a norm's shift followed by another
+/// norm, a layer norm of two elements) holds only rounding noise, so its own relative
+/// error means nothing; the whole vector's does. `None` if a name or size differs.
+pub fn params_rel_err(
+    a: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    b: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+) -> Option<f64> {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (name, t) in b {
+        let (x, y) = (a.get(name)?.to_f64(), t.to_f64());
+        if x.len() != y.len() {
+            return None;
+        }
+        for (p, q) in x.iter().zip(&y) {
+            num += (p - q) * (p - q);
+            den += q * q;
+        }
+    }
+    Some(num.sqrt() / den.sqrt().max(1e-30))
+}
+
+/// Half-precision cases over `x, y: D[8, 16]` with their bound: fused kernels keep f32
+/// between ops where the interpreter rounds every op, hence 2e-3 for f16 (10-bit mantissa)
+/// and 1.6e-2 for bf16 (7-bit mantissa).
+pub fn half_cases() -> Vec<(String, String, f64)> {
+    let mut v = Vec::new();
+    for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
+        for e in [
+            "gelu(x * 2 + y)",
+            "sum(x, axis: 1)",
+            "x @ transpose(y)",
+            "softmax(x)",
+        ] {
+            let src = format!(
+                "model m {{\n input x: {d}[8, 16]\n input y: {d}[8, 16]\n let out = {e}\n output out\n}}\n"
+            );
+            v.push((format!("{d}: {e}"), src, tol));
+        }
+    }
+    v
+}

@@ -1,7 +1,9 @@
 //! The CPU back end agrees with the eager interpreter.
 
 use std::collections::BTreeMap;
-use tcc_tests::{compile_pipeline, cpu_steps, eager_steps, options_from_args, rel_err};
+use tcc_tests::{
+    compile_pipeline, cpu_steps, eager_steps, options_from_args, params_rel_err, rel_err,
+};
 
 fn check(src: &str, args: &str, steps: usize, tol: f64) {
     let g = compile_pipeline(src, &options_from_args(args)).unwrap();
@@ -12,20 +14,8 @@ fn check(src: &str, args: &str, steps: usize, tol: f64) {
         let e = rel_err(&got.outputs[name], t);
         assert!(e <= tol, "output `{name}`: relative error {e:e} > {tol:e}");
     }
-    // Params and optimizer state: one relative error over all of them together (a param
-    // whose gradient is mathematically zero, like the shift of a batch norm that another
-    // batch norm follows, holds only rounding noise, so its own relative error means
-    // nothing).
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (name, t) in &want.persistent {
-        let (a, b) = (got.persistent[name].to_f64(), t.to_f64());
-        assert_eq!(a.len(), b.len(), "param `{name}`");
-        for (x, y) in a.iter().zip(&b) {
-            num += (x - y) * (x - y);
-            den += y * y;
-        }
-    }
-    let e = num.sqrt() / den.sqrt().max(1e-30);
+    // Params and optimizer state as one vector (see `params_rel_err`).
+    let e = params_rel_err(&got.persistent, &want.persistent).expect("same params");
     assert!(e <= tol, "params: relative error {e:e} > {tol:e}");
     let _ = BTreeMap::<String, ()>::new();
 }

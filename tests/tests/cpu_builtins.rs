@@ -5,8 +5,8 @@
 
 use tcc::front::Options;
 use tcc_tests::{
-    builtin_program, compile_pipeline, cpu_steps, eager_steps, integer_program, rel_err,
-    BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, cpu_steps, eager_steps, half_cases, integer_program,
+    rel_err, BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn agree(src: &str, what: &str, tol: f64) {
@@ -71,27 +71,12 @@ fn integers_and_bools() {
     }
 }
 
-/// Half precision: loads and stores convert (f16/bf16 rounding on store); fused kernels
-/// keep f32 in between, where the interpreter rounds every op, hence the looser bounds:
-/// 2e-3 for f16 (10-bit mantissa), 1.6e-2 for bf16 (7-bit mantissa).
+/// Half precision: loads and stores convert (f16/bf16 rounding on store); bounds in
+/// `half_cases`.
 #[test]
 fn half_precision() {
-    for d in ["f16", "bf16"] {
-        for e in [
-            "gelu(x * 2 + y)",
-            "sum(x, axis: 1)",
-            "x @ transpose(y)",
-            "softmax(x)",
-        ] {
-            let src = format!(
-                "model m {{\n input x: {d}[8, 16]\n input y: {d}[8, 16]\n let out = {e}\n output out\n}}\n"
-            );
-            agree(
-                &src,
-                &format!("{d}: {e}"),
-                if d == "f16" { 2e-3 } else { 1.6e-2 },
-            );
-        }
+    for (what, src, tol) in half_cases() {
+        agree(&src, &what, tol);
     }
 }
 

@@ -3,7 +3,7 @@
 
 use proptest::prelude::*;
 use tcc::front::Options;
-use tcc_tests::{compile_pipeline, cpu_steps, eager_steps, rel_err};
+use tcc_tests::{compile_pipeline, cpu_steps, eager_steps, params_rel_err, rel_err};
 
 /// A program over values of shape `[r, c]` built from random ops on earlier values.
 fn program(r: usize, c: usize, ops: &[(usize, usize, usize)], train: Option<bool>) -> String {
@@ -65,17 +65,8 @@ proptest! {
             let e = rel_err(&got.outputs[name], t);
             prop_assert!(e <= 1e-5, "output `{}` differs by {:e}\n{}", name, e, src);
         }
-        // Params and optimizer state as one vector (a param whose gradient is zero up to
-        // rounding, e.g. under a layer norm of two elements, is noise on its own).
-        let (mut num, mut den) = (0.0f64, 0.0f64);
-        for (name, t) in &want.persistent {
-            let (a, b) = (got.persistent[name].to_f64(), t.to_f64());
-            for (x, y) in a.iter().zip(&b) {
-                num += (x - y) * (x - y);
-                den += y * y;
-            }
-        }
-        let e = num.sqrt() / den.sqrt().max(1e-30);
+        // Params and optimizer state as one vector (see `params_rel_err`).
+        let e = params_rel_err(&got.persistent, &want.persistent).unwrap_or(f64::INFINITY);
         prop_assert!(e <= 1e-5, "params differ by {:e}\n{}", e, src);
     }
 }

@@ -10,8 +10,8 @@
 use tcc::front::Options;
 use tcc_runtime::Device;
 use tcc_tests::{
-    builtin_program, compile_pipeline, device_steps, eager_steps, integer_program,
-    options_from_args, rel_err, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, device_steps, eager_steps, half_cases, integer_program,
+    options_from_args, params_rel_err, rel_err, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
 /// Whether a GPU is usable; panics if one is required and missing.
@@ -42,15 +42,7 @@ fn agree(src: &str, opts: &Options, what: &str, steps: usize, tol: f64) {
         let e = rel_err(&got.outputs[name], t);
         assert!(e <= tol, "{what}: output `{name}` differs by {e:e}");
     }
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (name, t) in &want.persistent {
-        let (a, b) = (got.persistent[name].to_f64(), t.to_f64());
-        for (x, y) in a.iter().zip(&b) {
-            num += (x - y) * (x - y);
-            den += y * y;
-        }
-    }
-    let e = num.sqrt() / den.sqrt().max(1e-30);
+    let e = params_rel_err(&got.persistent, &want.persistent).unwrap_or(f64::INFINITY);
     assert!(e <= tol, "{what}: params differ by {e:e}");
 }
 
@@ -68,24 +60,8 @@ fn gpu_builtins_agree_with_eager() {
     for e in INTEGER_CASES {
         agree(&integer_program(e), &Options::default(), e, 1, 0.0);
     }
-    for d in ["f16", "bf16"] {
-        for e in [
-            "gelu(x * 2 + y)",
-            "sum(x, axis: 1)",
-            "x @ transpose(y)",
-            "softmax(x)",
-        ] {
-            let src = format!(
-                "model m {{\n input x: {d}[8, 16]\n input y: {d}[8, 16]\n let out = {e}\n output out\n}}\n"
-            );
-            agree(
-                &src,
-                &Options::default(),
-                e,
-                1,
-                if d == "f16" { 2e-3 } else { 1.6e-2 },
-            );
-        }
+    for (what, src, tol) in half_cases() {
+        agree(&src, &Options::default(), &what, 1, tol);
     }
 }
 

@@ -9,21 +9,7 @@ use tcc::ir::Op;
 use tcc_tests::compile_pipeline;
 
 /// The declarations every case can use (random inputs, seeded).
-const DECLS: &str = "
-    input a: f32[3, 4]
-    input b: f32[4]
-    input c: f32[3, 1]
-    input v: f32[2, 3, 4]
-    input m: f32[4, 5]
-    input img: f32[2, 4, 6, 6]
-    input k: f32[6, 2, 3, 3]
-    input table: f32[7, 3]
-    input ids: i32[2, 5]
-    input labels: i32[3]
-    input g4: f32[4]
-    input q: f32[2, 5, 4]
-    input kv: f32[2, 6, 4]
-";
+use tcc_tests::BUILTIN_DECLS as DECLS;
 
 fn output_type(expr: &str) -> String {
     let src = format!("model m {{ {DECLS}\n let out = {expr}\n output out\n}}\n");

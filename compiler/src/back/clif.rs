@@ -178,8 +178,7 @@ impl<'a, 'b> Cg<'a, 'b> {
         b.append_block_params_for_function_params(entry);
         b.switch_to_block(entry);
         let p = b.block_params(entry).to_vec();
-        let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
-        let live = reachable(&k.pool, &roots);
+        let live = k.live_nodes();
         let site = sites(k);
         Ok(Cg {
             b,
@@ -246,13 +245,7 @@ impl<'a, 'b> Cg<'a, 'b> {
 
     /// Emits every live node computed in the loop of `v` (or the entry block).
     fn emit_site(&mut self, v: Option<Var>) -> Res<()> {
-        let todo: Vec<ExprId> = self
-            .live
-            .iter()
-            .copied()
-            .filter(|e| self.site[e.0 as usize] == v)
-            .collect();
-        for e in todo {
+        for e in Kernel::at_site(&self.live, &self.site, v) {
             self.emit(e)?;
         }
         Ok(())

@@ -284,13 +284,7 @@ impl<'a> Px<'a> {
     }
 
     fn emit_site(&mut self, v: Option<Var>) -> Res<()> {
-        let todo: Vec<ExprId> = self
-            .live
-            .iter()
-            .copied()
-            .filter(|e| self.site[e.0 as usize] == v)
-            .collect();
-        for e in todo {
+        for e in Kernel::at_site(&self.live, &self.site, v) {
             self.emit(e)?;
         }
         Ok(())
@@ -1066,8 +1060,7 @@ fn emit_tiled_matmul(
     grid: [u32; 3],
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
 ) -> Res<(String, LaunchShape)> {
-    let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
-    let live = reachable(&k.pool, &roots);
+    let live = k.live_nodes();
     let mut px = Px::new(k, offset_of, sites(k), live);
     let nb = mm.batch.len();
     let (m, n, kd) = (mm.m, mm.n, mm.k);
@@ -1311,8 +1304,7 @@ fn emit_kernel(
     if let Some(grid) = k.matmul.as_ref().and_then(tiled_grid) {
         return emit_tiled_matmul(k, k.matmul.as_ref().unwrap(), grid, offset_of);
     }
-    let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
-    let live = reachable(&k.pool, &roots);
+    let live = k.live_nodes();
     let site = sites(k);
     let rank = k.domain.len();
     let par = if k.matmul.is_some() {

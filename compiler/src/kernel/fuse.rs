@@ -364,7 +364,6 @@ fn build(
     }
     // In-place updates: the kernel writing a param's new value must follow every other
     // kernel reading its old value, and read it only where it writes.
-    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     for &(target, value) in &g.updates {
         let Some(kv) = kernels
             .iter()
@@ -390,9 +389,8 @@ fn build(
         }
         let k = &kernels[kv];
         let store_index = k.stores[0].index;
-        let bad = k.pool.nodes.iter().enumerate().any(|(i, e)| {
-            matches!(e, E::Load { buf, index, .. } if *buf == target && *index != store_index)
-                && reachable(&k.pool, &[k.stores[0].value]).contains(&super::ExprId(i as u32))
+        let bad = k.live_nodes().into_iter().any(|e| {
+            matches!(k.pool.get(e), E::Load { buf, index, .. } if *buf == target && *index != store_index)
         });
         if bad
             || k.matmul
@@ -405,7 +403,6 @@ fn build(
     if !retry.is_empty() {
         return Err(Retry::Materialize(retry));
     }
-    let _ = pos;
     Ok(kernels)
 }
 

@@ -6,7 +6,7 @@
 //! (concat branches, convolution padding, embedding ids), it is clamped and the value is
 //! masked, so no load ever reads outside its buffer.
 
-use super::{Affine, ExprId, ExprPool, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
+use super::{ExprId, ExprPool, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
 use std::collections::{BTreeSet, HashMap};
 
@@ -464,11 +464,8 @@ impl<'a> Builder<'a> {
                 let grp = self.idiv(idx[1], opg);
                 let gbase = self.pool.imul_c(grp, cpg as i64);
                 let ch = self.pool.iadd(gbase, c);
-                let ih = self.tap(idx[2], stride[0], i, padding[0]);
-                let iw = self.tap(idx[3], stride[1], j, padding[1]);
-                let gh = self.in_range(ih, xd[2]);
-                let gw = self.in_range(iw, xd[3]);
-                let gd = self.pool.and(gh, gw);
+                let (ih, iw, gd) =
+                    self.window([idx[2], idx[3]], *stride, [i, j], *padding, [xd[2], xd[3]]);
                 let xv = self.guarded(x, &[idx[0], ch, ih, iw], gd, 0.0)?;
                 let wv = self.value(w, &[idx[1], c, i, j])?;
                 let body = self.pool.bin(BinaryOp::Mul, xv, wv);
@@ -515,11 +512,13 @@ impl<'a> Builder<'a> {
                 let grp = self.idiv(idx[0], opg);
                 let gbase = self.pool.imul_c(grp, cpg);
                 let ch = self.pool.iadd(gbase, idx[1]);
-                let ih = self.tap(oh, stride[0], idx[2], padding[0]);
-                let iw = self.tap(ow, stride[1], idx[3], padding[1]);
-                let gh = self.in_range(ih, xd[2]);
-                let gw = self.in_range(iw, xd[3]);
-                let gd = self.pool.and(gh, gw);
+                let (ih, iw, gd) = self.window(
+                    [oh, ow],
+                    *stride,
+                    [idx[2], idx[3]],
+                    *padding,
+                    [xd[2], xd[3]],
+                );
                 let xv = self.guarded(x, &[nn, ch, ih, iw], gd, 0.0)?;
                 let gv = self.value(dy, &[nn, idx[0], oh, ow])?;
                 let body = self.pool.bin(BinaryOp::Mul, xv, gv);
@@ -540,11 +539,8 @@ impl<'a> Builder<'a> {
                 let xd = g.ty(x).dims().to_vec();
                 let (vi, i) = self.fresh(kernel[0]);
                 let (vj, j) = self.fresh(kernel[1]);
-                let ih = self.tap(idx[2], stride[0], i, padding[0]);
-                let iw = self.tap(idx[3], stride[1], j, padding[1]);
-                let gh = self.in_range(ih, xd[2]);
-                let gw = self.in_range(iw, xd[3]);
-                let gd = self.pool.and(gh, gw);
+                let (ih, iw, gd) =
+                    self.window([idx[2], idx[3]], *stride, [i, j], *padding, [xd[2], xd[3]]);
                 let vars = vec![(vi, kernel[0]), (vj, kernel[1])];
                 match kind {
                     PoolKind::Max => {
@@ -587,6 +583,23 @@ impl<'a> Builder<'a> {
                 node.op.name()
             ))),
         }
+    }
+
+    /// The input position of a 2-D window tap and whether it lies inside the `hw` image:
+    /// `(o * stride + tap - pad)` per axis.
+    fn window(
+        &mut self,
+        o: [ExprId; 2],
+        stride: [usize; 2],
+        tap: [ExprId; 2],
+        pad: [usize; 2],
+        hw: [usize; 2],
+    ) -> (ExprId, ExprId, ExprId) {
+        let ih = self.tap(o[0], stride[0], tap[0], pad[0]);
+        let iw = self.tap(o[1], stride[1], tap[1], pad[1]);
+        let gh = self.in_range(ih, hw[0]);
+        let gw = self.in_range(iw, hw[1]);
+        (ih, iw, self.pool.and(gh, gw))
     }
 
     /// `o * stride + tap - pad`.
@@ -771,11 +784,6 @@ impl<'a> Builder<'a> {
             describe,
         }
     }
-
-    /// Extent of a variable.
-    pub fn extent(&self, v: Var) -> Option<usize> {
-        self.ext.get(&v).copied()
-    }
 }
 
 /// Free variables of every node of a pool (variables not bound by a reduction inside).
@@ -845,11 +853,6 @@ pub fn children(e: &E) -> Vec<ExprId> {
     }
 }
 
-/// The affine form, if any, re-exported for back ends.
-pub fn affine_of(pool: &ExprPool, e: ExprId) -> Option<Affine> {
-    pool.affine(e)
-}
-
 /// Scatter kernels: `embedding_grad` and `max_pool2d_grad` accumulate into a zeroed
 /// buffer; this builds the accumulating kernel (the zero fill is a separate kernel).
 pub fn scatter_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Res<Kernel> {
@@ -889,11 +892,8 @@ pub fn scatter_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Res<Kernel>
             let idx = b.domain_vars();
             let (vi, i) = b.fresh(kernel[0]);
             let (vj, j) = b.fresh(kernel[1]);
-            let ih = b.tap(idx[2], stride[0], i, padding[0]);
-            let iw = b.tap(idx[3], stride[1], j, padding[1]);
-            let gh = b.in_range(ih, xd[2]);
-            let gw = b.in_range(iw, xd[3]);
-            let gd = b.pool.and(gh, gw);
+            let (ih, iw, gd) =
+                b.window([idx[2], idx[3]], *stride, [i, j], *padding, [xd[2], xd[3]]);
             let body = b.guarded(x, &[idx[0], idx[1], ih, iw], gd, f64::NEG_INFINITY)?;
             let am = b.pool.add(
                 E::ArgMax {

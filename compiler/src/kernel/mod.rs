@@ -490,13 +490,23 @@ impl Kernel {
         self.domain.first().copied().unwrap_or(1) as u64
     }
 
+    /// The expression nodes the stores need (pool order, children first). The pool may
+    /// hold nodes interned while lowering that nothing uses.
+    pub fn live_nodes(&self) -> Vec<ExprId> {
+        let roots: Vec<ExprId> = self
+            .stores
+            .iter()
+            .flat_map(|s| [s.index, s.value])
+            .collect();
+        lower::reachable(&self.pool, &roots)
+    }
+
     /// Every buffer the kernel loads from.
     pub fn loads(&self) -> Vec<NodeId> {
         let mut v: Vec<NodeId> = self
-            .pool
-            .nodes
-            .iter()
-            .filter_map(|e| match e {
+            .live_nodes()
+            .into_iter()
+            .filter_map(|e| match self.pool.get(e) {
                 E::Load { buf, .. } => Some(*buf),
                 _ => None,
             })
@@ -508,5 +518,14 @@ impl Kernel {
         v.sort();
         v.dedup();
         v
+    }
+
+    /// The live nodes computed in the loop of variable `v` (`None`: before every loop),
+    /// given each node's loop (see `back::clif::sites`).
+    pub fn at_site(live: &[ExprId], site: &[Option<Var>], v: Option<Var>) -> Vec<ExprId> {
+        live.iter()
+            .copied()
+            .filter(|e| site[e.0 as usize] == v)
+            .collect()
     }
 }
