@@ -133,3 +133,48 @@ fn branch_and_bound_is_optimal_on_small_chains() {
         }
     }
 }
+
+#[test]
+fn chain_dp_is_optimal_on_small_chains() {
+    let mut seed = 0x9e37_79b9u64;
+    let mut next = |m: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        1 + seed % m
+    };
+    let mut feasible = 0;
+    for _ in 0..200 {
+        let l = 2 + next(11) as usize;
+        let mems: Vec<u64> = (0..l).map(|_| next(60)).collect();
+        let costs: Vec<u64> = (0..l).map(|_| next(25)).collect();
+        let g = chain(&mems, &costs);
+        let base = remat::none(&g).eval.peak;
+        let budget = base * (30 + next(70)) / 100;
+        let cands = g.candidates();
+        let mut best: Option<u64> = None;
+        for mask in 0u32..(1 << cands.len()) {
+            let mut evict = vec![false; g.len()];
+            for (k, &c) in cands.iter().enumerate() {
+                evict[c] = mask & (1 << k) != 0;
+            }
+            let e = remat::simulate(&g, &evict);
+            if e.peak <= budget && best.is_none_or(|b| e.added_cost < b) {
+                best = Some(e.added_cost);
+            }
+        }
+        let dp = remat::chain_dp(&g, budget);
+        assert_eq!(
+            dp.as_ref().map(|s| s.eval.added_cost),
+            best,
+            "mems {mems:?} costs {costs:?} budget {budget}"
+        );
+        if let Some(s) = &dp {
+            feasible += 1;
+            assert!(s.eval.peak <= budget);
+            assert_eq!(remat::simulate(&g, &s.evict), s.eval);
+        }
+    }
+    // The budgets span feasible and infeasible cases.
+    assert!(feasible > 20 && feasible < 200, "{feasible}");
+}

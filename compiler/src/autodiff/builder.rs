@@ -29,7 +29,9 @@ impl<'g> Builder<'g> {
     }
 
     pub fn add(&mut self, op: Op, inputs: Vec<NodeId>) -> R {
-        self.g.add(op, inputs, self.span, self.checkpoint)
+        let id = self.g.add(op, inputs, self.span, self.checkpoint)?;
+        self.g.mark_backward(id);
+        Ok(id)
     }
 
     pub fn lit(&mut self, v: f64, dtype: DType) -> R {

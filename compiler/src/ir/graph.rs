@@ -34,6 +34,9 @@ pub struct Node {
     pub span: Span,
     /// The `checkpoint { }` region the node was made in, if any.
     pub checkpoint: Option<u32>,
+    /// Made by autodiff: a gradient, an optimizer update or a recomputed forward value
+    /// (rematerialization tells forward values from the backward pass that reads them).
+    pub backward: bool,
 }
 
 /// Optimizers of `train OPT minimize LOSS`, with every argument resolved.
@@ -149,6 +152,7 @@ impl Graph {
             ty,
             span,
             checkpoint,
+            backward: false,
         }));
         for (pos, src) in inputs.iter().enumerate() {
             self.graph.add_edge(src.0, id.0, pos as u32);
@@ -163,6 +167,20 @@ impl Graph {
             self.states.push(id);
         }
         Ok(id)
+    }
+
+    /// Marks a node as made by autodiff (see [`Node::backward`]).
+    pub fn mark_backward(&mut self, id: NodeId) {
+        if let Some(n) = self.graph.node_weight_mut(id.0) {
+            n.backward = true;
+        }
+    }
+
+    /// Forgets every `checkpoint { }` region (`--remat none`).
+    pub fn clear_checkpoints(&mut self) {
+        for n in self.graph.node_weights_mut() {
+            n.checkpoint = None;
+        }
     }
 
     pub fn node(&self, id: NodeId) -> &Node {
@@ -292,6 +310,7 @@ impl Graph {
                 ty: n.ty.clone(),
                 span: n.span,
                 checkpoint: n.checkpoint,
+                backward: n.backward,
             }));
             for (pos, src) in inputs.iter().enumerate() {
                 out.graph.add_edge(src.0, id.0, pos as u32);

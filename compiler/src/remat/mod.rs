@@ -166,6 +166,18 @@ pub struct Eval {
 
 /// Simulates the order with `evict` (see the module doc).
 pub fn simulate(g: &RematGraph, evict: &[bool]) -> Eval {
+    simulate_steps(g, evict, None)
+}
+
+/// [`simulate`] that also gives, per position of the order, the highest memory reached
+/// while that node ran (its recomputations included).
+pub fn simulate_profile(g: &RematGraph, evict: &[bool]) -> (Eval, Vec<u64>) {
+    let mut profile = vec![0u64; g.len()];
+    let e = simulate_steps(g, evict, Some(&mut profile));
+    (e, profile)
+}
+
+fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u64>>) -> Eval {
     let n = g.len();
     let pos = g.positions();
     // Without backward nodes, an evicted node is dropped after its first consumer.
@@ -232,7 +244,8 @@ pub fn simulate(g: &RematGraph, evict: &[bool]) -> Eval {
             }
         }
     }
-    for &v in &g.order {
+    for (p, &v) in g.order.iter().enumerate() {
+        let mut step = cur;
         for i in 0..g.preds[v].len() {
             let u = g.preds[v][i];
             if !live[u] {
@@ -243,14 +256,18 @@ pub fn simulate(g: &RematGraph, evict: &[bool]) -> Eval {
                     &mut recomputed,
                     &uses_left,
                     &mut cur,
-                    &mut peak,
+                    &mut step,
                     &mut added,
                     0,
                 );
             }
         }
         cur += g.mem[v];
-        peak = peak.max(cur);
+        step = step.max(cur);
+        peak = peak.max(step);
+        if let Some(pr) = profile.as_deref_mut() {
+            pr[p] = step;
+        }
         live[v] = true;
         for i in 0..g.preds[v].len() {
             let u = g.preds[v][i];
@@ -481,4 +498,138 @@ pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
         }),
         finished,
     }
+}
+
+/// Optimal checkpoints for chains, by dynamic programming over segments (the single
+/// recomputation form of revolve: a segment between two kept candidates is recomputed once,
+/// when the backward pass reaches it).
+///
+/// The candidates, in forward order, are the possible checkpoints `c_1..c_k`; a solution
+/// keeps some and evicts the others. The memory in use at any step is then `K(a)`, the
+/// bytes of the kept candidates before the step's segment `(c_a, c_b]`, plus what the
+/// segment itself holds, `Q(a, b)`, which depends only on `a` and `b`: forward steps of the
+/// segment hold what was made since `c_a`; backward steps hold the segment's recomputed
+/// values and gradients. `Q` comes from the simulator: evict the inside of `(c_a, c_b)`,
+/// keep everything else, and take the highest memory over the segment's steps minus
+/// the candidates up to `c_a`. The search then runs over kept sets with Pareto fronts of
+/// `(K, added cost)` per last kept candidate, so it is exact when the decomposition holds,
+/// as it does on chains (checked against brute force in the tests). On other graphs it is a
+/// heuristic; either way the returned score is the simulator's and meets `budget`.
+pub fn chain_dp(g: &RematGraph, budget: u64) -> Option<Solution> {
+    chain_dp_until(g, budget, None)
+}
+
+/// [`chain_dp`] that gives up (returns `None`) at `deadline`.
+pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
+    let cands = g.candidates();
+    let k = cands.len();
+    let first_bwd = g.first_backward()?;
+    let pos = g.positions();
+    let n = g.len();
+    // 1-based candidate index of each node.
+    let mut cidx = vec![0usize; n];
+    for (i, &c) in cands.iter().enumerate() {
+        cidx[c] = i + 1;
+    }
+    // Boundary positions: P(i) for i in 1..=k, P(k+1) = the last forward step.
+    let bpos = |i: usize| -> usize {
+        if i <= k {
+            pos[cands[i - 1]]
+        } else {
+            first_bwd.saturating_sub(1)
+        }
+    };
+    // Segment key of every step: a step belongs to segment (a, b] when a < key <= b.
+    let mut key = vec![k + 1; g.order.len()];
+    let mut j = 1usize;
+    let mut lowest = k + 1;
+    for (p, &v) in g.order.iter().enumerate() {
+        if p < first_bwd {
+            while j <= k && bpos(j) < p {
+                j += 1;
+            }
+            key[p] = j;
+        } else {
+            for &u in &g.preds[v] {
+                if cidx[u] != 0 {
+                    lowest = lowest.min(cidx[u]);
+                }
+            }
+            key[p] = lowest;
+        }
+    }
+    let mut prefix_mem = vec![0u64; k + 1];
+    let mut prefix_cost = vec![0u64; k + 1];
+    for i in 1..=k {
+        prefix_mem[i] = prefix_mem[i - 1] + g.mem[cands[i - 1]];
+        prefix_cost[i] = prefix_cost[i - 1] + g.cost[cands[i - 1]];
+    }
+    let q = |a: usize, b: usize| -> u64 {
+        let mut evict = vec![false; n];
+        for &c in &cands[a..b.saturating_sub(1).max(a)] {
+            evict[c] = true;
+        }
+        let (_, profile) = simulate_profile(g, &evict);
+        let top = (0..g.order.len())
+            .filter(|&p| a < key[p] && key[p] <= b)
+            .map(|p| profile[p])
+            .max()
+            .unwrap_or(0);
+        top.saturating_sub(prefix_mem[a])
+    };
+    // front[b]: Pareto-optimal (kept bytes, added cost, previous boundary, index there).
+    type State = (u64, u64, usize, usize);
+    let mut front: Vec<Vec<State>> = vec![Vec::new(); k + 2];
+    front[0].push((0, 0, usize::MAX, 0));
+    for b in 1..=k + 1 {
+        let mut next: Vec<State> = Vec::new();
+        for a in 0..b {
+            if front[a].is_empty() {
+                continue;
+            }
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return None;
+            }
+            let qab = q(a, b);
+            let inside = prefix_cost[b - 1] - prefix_cost[a];
+            let add = if b <= k { g.mem[cands[b - 1]] } else { 0 };
+            for (i, &(kept, cost, _, _)) in front[a].iter().enumerate() {
+                if kept + qab <= budget {
+                    next.push((kept + add, cost + inside, a, i));
+                }
+            }
+        }
+        next.sort_by_key(|s| (s.0, s.1));
+        let mut pruned: Vec<State> = Vec::new();
+        for s in next {
+            if pruned.last().is_none_or(|l| s.1 < l.1) {
+                pruned.push(s);
+            }
+        }
+        front[b] = pruned;
+    }
+    let (mut i, _) = front[k + 1]
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, s)| (s.1, s.0))?;
+    let mut evict = vec![false; n];
+    for &c in &cands {
+        evict[c] = true;
+    }
+    let mut b = k + 1;
+    while b != 0 {
+        if b <= k {
+            evict[cands[b - 1]] = false;
+        }
+        let (_, _, a, ai) = front[b][i];
+        b = a;
+        i = ai;
+    }
+    let eval = simulate(g, &evict);
+    (eval.peak <= budget).then_some(Solution {
+        evict,
+        eval,
+        method: "chain DP",
+        optimal: false,
+    })
 }
