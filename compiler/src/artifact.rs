@@ -77,16 +77,17 @@ impl Compiled {
     }
 }
 
-/// Compiles a graph that went through the pass pipeline.
-pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
-    let g = &crate::passes::split_reductions::split_reductions(&with_output_copies(g));
+/// What [`compile`] does before code generation: the graph the kernels compute (output
+/// copies added, large reductions split), its fused kernels and their verified plan.
+pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
+    let g = crate::passes::split_reductions::split_reductions(&with_output_copies(g));
     let mut timings = Vec::new();
     let t = Instant::now();
-    let fused = fuse::fuse(g, o.fuse)?;
+    let fused = fuse::fuse(&g, o.fuse)?;
     timings.push(("fuse", t.elapsed()));
     let t = Instant::now();
-    let plan = plan::plan_kernels(g, &fused, o.plan_budget);
-    plan::verify(g, &plan).map_err(|errs| {
+    let plan = plan::plan_kernels(&g, &fused, o.plan_budget);
+    plan::verify(&g, &plan).map_err(|errs| {
         BuildError::Plan(
             errs.iter()
                 .map(|e| e.to_string())
@@ -95,6 +96,31 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         )
     })?;
     timings.push(("plan", t.elapsed()));
+    Ok(Planned {
+        graph: g,
+        fused,
+        plan,
+        timings,
+    })
+}
+
+/// The result of [`plan_step`].
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub graph: Graph,
+    pub fused: Fused,
+    pub plan: Plan,
+    pub timings: Vec<(&'static str, Duration)>,
+}
+
+/// Compiles a graph that went through the pass pipeline.
+pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
+    let Planned {
+        graph,
+        fused,
+        plan,
+        mut timings,
+    } = plan_step(g, o)?;
     let t = Instant::now();
     let (code, launches) = match o.target {
         Target::Cpu => (
@@ -105,7 +131,7 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
     };
     timings.push(("codegen", t.elapsed()));
     Ok(Compiled {
-        graph: g.clone(),
+        graph,
         fused,
         plan,
         code,

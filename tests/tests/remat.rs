@@ -73,6 +73,7 @@ fn chain(mems: &[u64], costs: &[u64]) -> RematGraph {
         preds: vec![Vec::new(); n],
         order: (0..n).collect(),
         backward: (0..n).map(|i| i > l).collect(),
+        fixed: Vec::new(),
     };
     for i in 0..l {
         g.mem[i] = mems[i];

@@ -18,6 +18,22 @@ pub fn target(t: Target) -> artifact::Target {
     }
 }
 
+/// Compile options of the CLI flags.
+pub fn compile_options(t: Target, no_fuse: bool, layout: Layout) -> CompileOptions {
+    CompileOptions {
+        target: target(t),
+        fuse: FuseOptions {
+            fuse: !no_fuse,
+            channels_last: match layout {
+                Layout::Nhwc => true,
+                Layout::Nchw => false,
+                Layout::Auto => t == Target::Cuda,
+            },
+        },
+        ..CompileOptions::default()
+    }
+}
+
 /// Compiles `g` and returns the bytes `emit` asks for; errors are printed.
 #[allow(clippy::too_many_arguments)]
 pub fn build(
@@ -30,18 +46,7 @@ pub fn build(
     front_ms: f64,
     stderr: &mut StandardStream,
 ) -> Option<Vec<u8>> {
-    let opts = CompileOptions {
-        target: target(t),
-        fuse: FuseOptions {
-            fuse: !no_fuse,
-            channels_last: match layout {
-                Layout::Nhwc => true,
-                Layout::Nchw => false,
-                Layout::Auto => t == Target::Cuda,
-            },
-        },
-        ..CompileOptions::default()
-    };
+    let opts = compile_options(t, no_fuse, layout);
     let target_of_emit = match emit {
         Emit::Clif => Some(Target::Cpu),
         Emit::Ptx => Some(Target::Cuda),

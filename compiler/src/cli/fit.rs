@@ -1,7 +1,9 @@
 //! `tcc fit`: the largest value of a constant (the batch, usually) whose planned arena fits
 //! a memory budget, found before anything runs.
 
-use crate::front::{self, ModelSelection, Options, Sources};
+use super::remat_cmd::{step_graph, RematMode};
+use crate::artifact::CompileOptions;
+use crate::remat::step;
 use std::time::Duration;
 
 /// Parses `16GiB`, `512 MiB`, `1.5GB`, `4096` (bytes).
@@ -37,40 +39,66 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((v * mult) as u64)
 }
 
-/// Compiles with `name = value` and returns the planned arena size.
-fn arena_for(
+/// What one value gives: the arena without recomputation and, when remat is allowed and
+/// needed, the arena and added FLOPs of the decision that fits.
+struct Try {
+    arena: u64,
+    remat: Option<(u64, u64, u64)>,
+}
+
+impl Try {
+    fn fits(&self, budget: u64) -> bool {
+        self.arena <= budget || self.remat.is_some_and(|r| r.0 <= budget)
+    }
+}
+
+/// Compiles with `name = value` up to the verified plan (and, with `auto`, decides what to
+/// recompute when the plain arena is over the budget).
+#[allow(clippy::too_many_arguments)]
+fn try_value(
     name: &str,
     bytes: &[u8],
-    file: &str,
+    file: &std::path::Path,
     sets: &[(String, String)],
     model: &Option<String>,
     value: u64,
-) -> Result<u64, String> {
+    budget: u64,
+    remat: RematMode,
+    time_ms: u64,
+) -> Result<Try, String> {
     let mut sets = sets.to_vec();
     sets.retain(|(n, _)| n != name);
     sets.push((name.to_string(), value.to_string()));
-    let mut sources = Sources::new(file, bytes);
-    let opts = Options {
-        sets,
-        models: ModelSelection::One(model.clone()),
-    };
-    let mut lowered = front::compile(&mut sources, &opts)
-        .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
-    if lowered.graphs.is_empty() {
-        return Err("no model to compile".into());
+    let g = step_graph(file, bytes, &sets, model, remat != RematMode::Manual)?;
+    let copts = CompileOptions::default();
+    let base = step::measure(&g, &Default::default(), &copts).map_err(|e| e.to_string())?;
+    if base.arena <= budget || remat != RematMode::Auto {
+        return Ok(Try {
+            arena: base.arena,
+            remat: None,
+        });
     }
-    let mut g = lowered.graphs.remove(0);
-    crate::passes::run(
-        &mut g,
-        &crate::passes::PipelineOptions::default(),
-        |_, _| {},
-    )
-    .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
-    let p = crate::plan::plan(&g, Duration::from_millis(200));
-    Ok(p.arena_bytes)
+    let o = step::AutoOptions {
+        budget,
+        compile: copts,
+        time_limit: Duration::from_millis(time_ms.max(1)),
+        rounds: 6,
+    };
+    match step::auto(&g, &o) {
+        Ok(d) => Ok(Try {
+            arena: base.arena,
+            remat: Some((d.chosen.arena, d.chosen.added_flops, d.step_flops)),
+        }),
+        Err(step::RematError::Infeasible { .. }) => Ok(Try {
+            arena: base.arena,
+            remat: None,
+        }),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
-/// Runs the search and prints each try and the answer.
+/// Runs the search and prints each try and the answer (also returned).
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     file: &std::path::Path,
     sets: &[(String, String)],
@@ -78,31 +106,51 @@ pub fn run(
     budget: u64,
     name: &str,
     max: u64,
-) -> Result<(), String> {
+    remat: RematMode,
+    time_ms: u64,
+) -> Result<u64, String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    let fname = file.display().to_string();
-    let mut tried = std::collections::BTreeMap::new();
-    let mut eval = |v: u64| -> Result<u64, String> {
+    let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
+    let mut last_fit: Option<(u64, String)> = None;
+    let mut eval = |v: u64| -> Result<bool, String> {
         if let Some(&a) = tried.get(&v) {
             return Ok(a);
         }
-        let a = arena_for(name, &bytes, &fname, sets, model, v)?;
-        println!("  {name} = {v:>8}: arena {}", super::run::bytes(a));
-        tried.insert(v, a);
-        Ok(a)
+        let t = try_value(name, &bytes, file, sets, model, v, budget, remat, time_ms)?;
+        let what = match t.remat {
+            Some((a, f, total)) => format!(
+                "arena {} -> {} with remat (+{:.2}% FLOPs)",
+                super::run::bytes(t.arena),
+                super::run::bytes(a),
+                f as f64 / total.max(1) as f64 * 100.0
+            ),
+            None => format!("arena {}", super::run::bytes(t.arena)),
+        };
+        let fits = t.fits(budget);
+        println!(
+            "  {name} = {v:>8}: {what}{}",
+            if fits { "" } else { "  (over)" }
+        );
+        if fits && last_fit.as_ref().is_none_or(|l| l.0 < v) {
+            last_fit = Some((v, what));
+        }
+        tried.insert(v, fits);
+        Ok(fits)
     };
-    let first = eval(1)?;
-    if first > budget {
+    if !eval(1)? {
         return Err(format!(
-            "even {name} = 1 needs an arena of {} ({} bytes), over the budget of {}",
-            super::run::bytes(first),
-            first,
-            super::run::bytes(budget)
+            "even {name} = 1 does not fit the budget of {}{}",
+            super::run::bytes(budget),
+            if remat == RematMode::Auto {
+                ", with recomputation"
+            } else {
+                " (try --remat auto)"
+            }
         ));
     }
     // Double until the arena no longer fits, then bisect.
     let (mut lo, mut hi) = (1u64, 2u64);
-    while hi <= max && eval(hi)? <= budget {
+    while hi <= max && eval(hi)? {
         lo = hi;
         hi = hi.saturating_mul(2);
     }
@@ -110,22 +158,27 @@ pub fn run(
     let (mut lo, mut hi) = (lo, hi);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if eval(mid)? <= budget {
+        if eval(mid)? {
             lo = mid;
         } else {
             hi = mid;
         }
     }
-    let a = eval(lo)?;
+    eval(lo)?;
+    let what = last_fit.map(|l| l.1).unwrap_or_default();
     println!(
-        "largest {name} that fits {}: {lo} (arena {}){}",
+        "largest {name} that fits {}{}: {lo} ({what}){}",
         super::run::bytes(budget),
-        super::run::bytes(a),
+        match remat {
+            RematMode::Auto => " with rematerialization",
+            RematMode::None => " without rematerialization",
+            RematMode::Manual => " with its checkpoint blocks",
+        },
         if lo == max {
             " — the --max limit"
         } else {
             ""
         }
     );
-    Ok(())
+    Ok(lo)
 }

@@ -113,11 +113,16 @@ pub fn report(
             }
         })
         .collect();
-    let fused = crate::kernel::fuse::fuse(scheduled, Default::default())
-        .map_err(|e| format!("fusion: {e}"))?;
-    let fp = plan::plan_kernels(scheduled, &fused, budget);
-    plan::verify(scheduled, &fp)
-        .map_err(|e| format!("internal error: the fused plan does not verify: {e:?}"))?;
+    // What runs: the compiled program's own plan (fusion, output copies, split reductions).
+    let planned = crate::artifact::plan_step(
+        scheduled,
+        &crate::artifact::CompileOptions {
+            plan_budget: budget,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let (fused, fp) = (planned.fused, planned.plan);
     let r = MemReport {
         model: scheduled.name.clone(),
         nodes: scheduled.node_count(),

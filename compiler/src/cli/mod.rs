@@ -4,13 +4,14 @@ mod arena_cmd;
 mod build;
 pub mod fit;
 pub mod mem;
-mod remat_cmd;
+pub mod remat_cmd;
 pub mod run;
 
 use crate::front::{self, ModelSelection, Options, Sources};
 use crate::ir::printer;
 use clap::{Parser, Subcommand, ValueEnum};
 use codespan_reporting::term::termcolor::{ColorChoice, StandardStream};
+pub use remat_cmd::{RematArgs, RematMode};
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -83,6 +84,8 @@ pub enum Command {
         locations: bool,
         #[command(flatten)]
         pipeline: PipelineArgs,
+        #[command(flatten)]
+        remat: RematArgs,
     },
     /// Show the memory plan: eager peak, lower bound, arena, fragmentation, what is live at
     /// the peak.
@@ -98,14 +101,23 @@ pub enum Command {
         /// Time budget of the offset search, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         budget_ms: u64,
+        #[command(flatten)]
+        remat: RematArgs,
     },
-    /// Rematerialization on external graphs (Checkmate / Moccasin node-link JSON): added
-    /// cost at memory budgets, against √n checkpointing.
+    /// Rematerialization at memory budgets: on TDSL programs (no remat, per-block, √n and
+    /// the automatic choice, as real plans) and on external graphs (Checkmate / Moccasin
+    /// node-link JSON: added cost against √n checkpointing).
     Remat {
-        /// Graph files.
+        /// `.tdsl` programs or `.json` graphs.
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        /// Budgets as fractions of the no-remat peak.
+        /// Override a constant of the programs: `--set B=64` (repeatable).
+        #[arg(long = "set", value_name = "NAME=VALUE", value_parser = parse_set)]
+        sets: Vec<(String, String)>,
+        /// The model to compile, when a file has several.
+        #[arg(long, value_name = "NAME")]
+        model: Option<String>,
+        /// Budgets as fractions of the no-remat peak (of the transient arena, for programs).
         #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.7, 0.5])]
         budgets: Vec<f64>,
         /// Time limit of the exact search per graph and budget, in milliseconds.
@@ -113,7 +125,7 @@ pub enum Command {
         time_ms: u64,
     },
     /// The largest value of a constant (e.g. the batch `B`) whose planned arena fits a
-    /// memory budget (no rematerialization yet).
+    /// memory budget, with or without rematerialization.
     Fit {
         #[command(flatten)]
         program: ProgramArgs,
@@ -126,6 +138,13 @@ pub enum Command {
         /// Largest value to try.
         #[arg(long, default_value_t = 1 << 20)]
         max: u64,
+        /// `auto`: a value fits when recomputation can bring its arena within the budget;
+        /// `none`: only as it is; `manual`: with its `checkpoint { }` blocks.
+        #[arg(long, value_enum, default_value_t = RematMode::None)]
+        remat: RematMode,
+        /// Time for each round of the remat search, in milliseconds.
+        #[arg(long, default_value_t = 1000, value_name = "MS")]
+        remat_time_ms: u64,
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
@@ -161,6 +180,8 @@ pub enum Command {
         /// Save params (and optimizer state) after the last step to a .safetensors file.
         #[arg(long, value_name = "FILE")]
         save_params: Option<PathBuf>,
+        #[command(flatten)]
+        remat: RematArgs,
     },
 }
 
@@ -300,15 +321,35 @@ pub fn run(cli: Cli) -> ExitCode {
             no_fuse,
             layout,
             seed,
+            remat,
         } => {
             // An artifact goes to a file; `-o` defaults to the program's name.
             let output = match (emit, output) {
                 (Emit::Artifact, None) => Some(program.file.with_extension("tcc")),
                 (_, o) => o,
             };
-            let Some((sources, graph, ms)) = load_one(&program, &pipeline, locations, &mut stderr)
+            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+                return ExitCode::from(1);
+            };
+            let Some((sources, graph, ms)) =
+                load_one(&program, &pipeline, locations, clear, &mut stderr)
             else {
                 return ExitCode::from(1);
+            };
+            let graph = if pipeline.stop_after.is_none() {
+                match remat_cmd::decide(
+                    &graph,
+                    &remat,
+                    build::compile_options(target, no_fuse, layout),
+                ) {
+                    Ok((g, _)) => g,
+                    Err(e) => {
+                        let _ = writeln!(stderr, "error: {e}");
+                        return ExitCode::from(1);
+                    }
+                }
+            } else {
+                graph
             };
             let graph = &graph;
             let bytes: Vec<u8> = match emit {
@@ -349,12 +390,17 @@ pub fn run(cli: Cli) -> ExitCode {
             svg,
             json,
             budget_ms,
+            remat,
         } => {
             let upto = PipelineArgs {
                 stop_after: Some("autodiff".into()),
                 ..PipelineArgs::default()
             };
-            let Some((sources, program_graph, _)) = load_one(&program, &upto, false, &mut stderr)
+            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+                return ExitCode::from(1);
+            };
+            let Some((sources, program_graph, _)) =
+                load_one(&program, &upto, false, clear, &mut stderr)
             else {
                 return ExitCode::from(1);
             };
@@ -363,6 +409,17 @@ pub fn run(cli: Cli) -> ExitCode {
                 emit_all(&diags, &sources, &mut stderr);
                 return ExitCode::from(1);
             }
+            let (scheduled, decision) = match remat_cmd::decide(
+                &scheduled,
+                &remat,
+                crate::artifact::CompileOptions::default(),
+            ) {
+                Ok((g, d)) => (g, d.map(|d| (d, scheduled))),
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    return ExitCode::from(1);
+                }
+            };
             match mem::report(
                 &program_graph,
                 &scheduled,
@@ -380,6 +437,9 @@ pub fn run(cli: Cli) -> ExitCode {
                         }
                     } else {
                         print!("{}", mem::text(&r, true));
+                        if let (Some((d, before)), Some(b)) = (&decision, remat.mem_budget) {
+                            print!("{}", remat_cmd::report(before, d, b, &sources));
+                        }
                     }
                     if let Some(path) = svg {
                         let doc = crate::plan::svg::render(&scheduled, &plan, &eager, &sources.map);
@@ -399,9 +459,11 @@ pub fn run(cli: Cli) -> ExitCode {
         }
         Command::Remat {
             files,
+            sets,
+            model,
             budgets,
             time_ms,
-        } => match remat_cmd::run(&files, &budgets, time_ms) {
+        } => match remat_cmd::run(&files, &sets, &model, &budgets, time_ms) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 let _ = writeln!(stderr, "error: {e}");
@@ -413,6 +475,8 @@ pub fn run(cli: Cli) -> ExitCode {
             mem_budget,
             grow,
             max,
+            remat,
+            remat_time_ms,
         } => match fit::run(
             &program.file,
             &program.sets,
@@ -420,8 +484,10 @@ pub fn run(cli: Cli) -> ExitCode {
             mem_budget,
             &grow,
             max.max(1),
+            remat,
+            remat_time_ms,
         ) {
-            Ok(()) => ExitCode::SUCCESS,
+            Ok(_) => ExitCode::SUCCESS,
             Err(e) => {
                 let _ = writeln!(stderr, "error: {e}");
                 ExitCode::from(1)
@@ -445,7 +511,11 @@ pub fn run(cli: Cli) -> ExitCode {
             inputs,
             param_file,
             save_params,
+            remat,
         } => {
+            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+                return ExitCode::from(1);
+            };
             let opts = run::RunOptions {
                 steps,
                 every: every.max(1),
@@ -456,14 +526,15 @@ pub fn run(cli: Cli) -> ExitCode {
                 threads,
             };
             if !eager {
-                return run_compiled(&program, target, &opts, &mut stderr);
+                return run_compiled(&program, target, &opts, &remat, clear, &mut stderr);
             }
             // The interpreter runs the step in program order (eager semantics).
             let upto = PipelineArgs {
                 stop_after: Some("autodiff".into()),
                 ..PipelineArgs::default()
             };
-            let Some((sources, graph, ms)) = load_one(&program, &upto, false, &mut stderr) else {
+            let Some((sources, graph, ms)) = load_one(&program, &upto, false, clear, &mut stderr)
+            else {
                 return ExitCode::from(1);
             };
             match run::run_eager(&graph, &sources, &opts, ms) {
@@ -482,6 +553,8 @@ fn run_compiled(
     program: &ProgramArgs,
     target: Target,
     opts: &run::RunOptions,
+    remat: &RematArgs,
+    clear: bool,
     stderr: &mut StandardStream,
 ) -> ExitCode {
     let is_artifact = program.file.extension().is_some_and(|e| e == "tcc");
@@ -495,11 +568,22 @@ fn run_compiled(
         }
     } else {
         let Some((_sources, graph, ms)) =
-            load_one(program, &PipelineArgs::default(), false, stderr)
+            load_one(program, &PipelineArgs::default(), false, clear, stderr)
         else {
             return ExitCode::from(1);
         };
         let t = Instant::now();
+        let graph = match remat_cmd::decide(
+            &graph,
+            remat,
+            build::compile_options(target, false, Layout::Auto),
+        ) {
+            Ok((g, _)) => g,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                return ExitCode::from(1);
+            }
+        };
         let Some(bytes) = build::build(
             &graph,
             Emit::Artifact,
@@ -535,6 +619,7 @@ fn load_one(
     program: &ProgramArgs,
     pipeline: &PipelineArgs,
     locations: bool,
+    clear_checkpoints: bool,
     stderr: &mut StandardStream,
 ) -> Option<(Sources, crate::ir::Graph, f64)> {
     let (sources, mut lowered, ms) = load(
@@ -547,6 +632,9 @@ fn load_one(
         return None;
     }
     let mut graph = lowered.graphs.remove(0);
+    if clear_checkpoints {
+        graph.clear_checkpoints();
+    }
     let opts = crate::passes::PipelineOptions {
         print_after: pipeline.print_after.clone(),
         stop_after: pipeline.stop_after.clone(),
@@ -564,6 +652,18 @@ fn load_one(
         }
         Err(diags) => {
             emit_all(&diags, &sources, stderr);
+            None
+        }
+    }
+}
+
+/// Whether the flags drop `checkpoint { }` blocks (`none`, and `auto`, which decides
+/// everything itself); `None` after printing a flag error.
+fn clear_checkpoints(remat: &RematArgs, stderr: &mut StandardStream) -> Option<bool> {
+    match remat.mode() {
+        Ok(m) => Some(m != crate::remat::step::Mode::Manual),
+        Err(e) => {
+            let _ = writeln!(stderr, "error: {e}");
             None
         }
     }

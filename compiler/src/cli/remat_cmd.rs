@@ -1,14 +1,302 @@
-//! `tcc remat`: the rematerialization solvers on external graphs.
+//! `tcc remat`: the rematerialization solvers on external graphs (Checkmate / Moccasin
+//! node-link JSON) and on TDSL programs; and the `--mem-budget`/`--remat` flags that
+//! `build`, `run`, `mem` and `fit` share.
 
+use crate::artifact::CompileOptions;
+use crate::front::{self, ModelSelection, Options, Sources};
+use crate::ir::Graph;
+use crate::plan::human_bytes;
+use crate::remat::step::{self, AutoOptions, Decision, Mode};
 use crate::remat::{self, RematGraph};
-use std::path::PathBuf;
+use clap::ValueEnum;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+/// `--remat`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RematMode {
+    /// Recompute what the compiler chooses so the arena fits `--mem-budget`.
+    Auto,
+    /// Recompute what `checkpoint { }` blocks say.
+    Manual,
+    /// Recompute nothing (`checkpoint { }` blocks are ignored).
+    None,
+}
+
+/// Rematerialization flags of `build`, `run` and `mem`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RematArgs {
+    /// Fit the step's arena in this much memory (`2GiB`, `512MiB`, `1.5GB`, bytes),
+    /// recomputing forward values in the backward pass where needed (`--remat auto`).
+    #[arg(long, value_name = "SIZE", value_parser = super::fit::parse_bytes)]
+    pub mem_budget: Option<u64>,
+    /// What to recompute [default: `auto` with `--mem-budget`, else `manual`].
+    #[arg(long, value_enum)]
+    pub remat: Option<RematMode>,
+    /// Time for each round of the remat search, in milliseconds.
+    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    pub remat_time_ms: u64,
+}
+
+impl RematArgs {
+    /// The mode the flags ask for.
+    pub fn mode(&self) -> Result<Mode, String> {
+        match (self.remat, self.mem_budget) {
+            (Some(RematMode::Auto), None) => {
+                Err("`--remat auto` needs a budget: add `--mem-budget SIZE`".into())
+            }
+            (Some(RematMode::Auto), Some(_)) | (None, Some(_)) => Ok(Mode::Auto),
+            (Some(RematMode::Manual), _) | (None, None) => Ok(Mode::Manual),
+            (Some(RematMode::None), _) => Ok(Mode::None),
+        }
+    }
+}
+
+/// Applies the flags to a scheduled step: the step to compile and, with `auto`, the
+/// decision. A summary goes to standard error. Without `auto`, a budget is checked.
+pub fn decide(
+    g: &Graph,
+    args: &RematArgs,
+    compile: CompileOptions,
+) -> Result<(Graph, Option<Decision>), String> {
+    let mode = args.mode()?;
+    let Some(budget) = args.mem_budget else {
+        return Ok((g.clone(), None));
+    };
+    if mode != Mode::Auto {
+        let m = step::measure(g, &BTreeSet::new(), &compile).map_err(|e| e.to_string())?;
+        if m.arena > budget {
+            return Err(format!(
+                "the arena is {}, over --mem-budget {}; `--remat auto` recomputes activations to fit",
+                human_bytes(m.arena),
+                human_bytes(budget)
+            ));
+        }
+        return Ok((g.clone(), None));
+    }
+    let d = step::auto(g, &auto_options(args, budget, compile)).map_err(|e| e.to_string())?;
+    eprintln!("{}", summary(&d, budget));
+    Ok((d.chosen.graph.clone(), Some(d)))
+}
+
+fn auto_options(args: &RematArgs, budget: u64, compile: CompileOptions) -> AutoOptions {
+    AutoOptions {
+        budget,
+        compile,
+        time_limit: Duration::from_millis(args.remat_time_ms.max(1)),
+        rounds: 6,
+    }
+}
+
+/// One line: what the decision costs and saves.
+pub fn summary(d: &Decision, budget: u64) -> String {
+    format!(
+        "remat: arena {} -> {} (budget {}): {} values recomputed, +{} FLOP ({:.2}% of the step), by {}; {} plans compiled in {:.2} s",
+        human_bytes(d.base_arena),
+        human_bytes(d.chosen.arena),
+        human_bytes(budget),
+        d.chosen.evict.len(),
+        flop(d.chosen.added_flops),
+        pct(d.chosen.added_flops, d.step_flops),
+        d.method,
+        d.tries,
+        d.elapsed.as_secs_f64()
+    )
+}
+
+/// What `tcc mem` prints about a decision: the summary and the largest recomputed values.
+pub fn report(g: &Graph, d: &Decision, budget: u64, sources: &Sources) -> String {
+    let mut s = format!("  {}\n", summary(d, budget));
+    let mut vals: Vec<_> = d
+        .chosen
+        .evict
+        .iter()
+        .map(|&n| {
+            let node = g.node(n);
+            (
+                node.ty.size_bytes() as u64,
+                n,
+                node.op.name(),
+                node.ty.to_string(),
+                sources.map.location(node.span).to_string(),
+            )
+        })
+        .collect();
+    vals.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    s.push_str("  largest recomputed values:\n");
+    for (bytes, _, op, ty, at) in vals.iter().take(12) {
+        s.push_str(&format!(
+            "    {:>12}  {:<24} {:<18} {}\n",
+            human_bytes(*bytes),
+            ty,
+            op,
+            at
+        ));
+    }
+    if vals.len() > 12 {
+        s.push_str(&format!("    ... and {} more\n", vals.len() - 12));
+    }
+    s
+}
+
+fn flop(f: u64) -> String {
+    let v = f as f64;
+    if v >= 1e12 {
+        format!("{:.2} T", v / 1e12)
+    } else if v >= 1e9 {
+        format!("{:.2} G", v / 1e9)
+    } else if v >= 1e6 {
+        format!("{:.2} M", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.2} K", v / 1e3)
+    } else {
+        format!("{f} ")
+    }
+}
+
+fn pct(a: u64, total: u64) -> f64 {
+    a as f64 / total.max(1) as f64 * 100.0
+}
+
+/// Lowers `file` with `sets` and runs the pass pipeline (`clear`: forget `checkpoint { }`).
+pub fn step_graph(
+    file: &Path,
+    bytes: &[u8],
+    sets: &[(String, String)],
+    model: &Option<String>,
+    clear: bool,
+) -> Result<Graph, String> {
+    let name = file.display().to_string();
+    let mut sources = Sources::new(&name, bytes);
+    let opts = Options {
+        sets: sets.to_vec(),
+        models: ModelSelection::One(model.clone()),
+    };
+    let mut lowered = front::compile(&mut sources, &opts)
+        .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
+    if lowered.graphs.is_empty() {
+        return Err("no model to compile".into());
+    }
+    let mut g = lowered.graphs.remove(0);
+    if clear {
+        g.clear_checkpoints();
+    }
+    crate::passes::run(
+        &mut g,
+        &crate::passes::PipelineOptions::default(),
+        |_, _| {},
+    )
+    .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
+    Ok(g)
+}
+
+/// `tcc remat FILE...`: external graphs (`.json`) or TDSL programs.
+pub fn run(
+    files: &[PathBuf],
+    sets: &[(String, String)],
+    model: &Option<String>,
+    budgets: &[f64],
+    time_ms: u64,
+) -> Result<(), String> {
+    let (tdsl, json): (Vec<&PathBuf>, Vec<&PathBuf>) = files
+        .iter()
+        .partition(|f| f.extension().is_some_and(|e| e == "tdsl"));
+    for f in tdsl {
+        run_tdsl(f, sets, model, budgets, time_ms)?;
+    }
+    if !json.is_empty() {
+        run_graphs(&json, budgets, time_ms)?;
+    }
+    Ok(())
+}
+
+/// A TDSL program: no remat, per-block, √n and `auto` at each budget (a fraction of the
+/// no-remat transient arena, on top of params and optimizer state), all as real plans.
+fn run_tdsl(
+    file: &Path,
+    sets: &[(String, String)],
+    model: &Option<String>,
+    budgets: &[f64],
+    time_ms: u64,
+) -> Result<(), String> {
+    let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let t = Instant::now();
+    let g = step_graph(file, &bytes, sets, model, true)?;
+    let copts = CompileOptions::default();
+    let err = |e: crate::artifact::BuildError| e.to_string();
+    let base = step::measure(&g, &BTreeSet::new(), &copts).map_err(err)?;
+    let total = step::step_flops(&g);
+    let transient = base.arena.saturating_sub(base.persistent);
+    println!(
+        "model `{}` ({}): arena without remat {} = persistent {} + transient {}; step {} FLOP (compiled in {:.0} ms)",
+        g.name,
+        file.display(),
+        human_bytes(base.arena),
+        human_bytes(base.persistent),
+        human_bytes(transient),
+        flop(total),
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    let fused = crate::kernel::fuse::fuse(&g, copts.fuse).map_err(|e| e.to_string())?;
+    let m = step::Model::new(&g, &fused.materialized);
+    println!(
+        "{:<34} {:>12} {:>10} {:>9} {:>14} {:>8}",
+        "strategy", "arena", "transient", "recomp.", "+FLOP", "+FLOP %"
+    );
+    let row = |name: &str, r: &step::Measured| {
+        println!(
+            "{:<34} {:>12} {:>9.1}% {:>9} {:>14} {:>7.2}%",
+            name,
+            human_bytes(r.arena),
+            r.arena.saturating_sub(r.persistent) as f64 / transient.max(1) as f64 * 100.0,
+            r.evict.len(),
+            flop(r.added_flops),
+            pct(r.added_flops, total)
+        );
+    };
+    row("none", &base);
+    let pb = step::per_block(&g, &m);
+    let pb = step::measure(&g, &pb, &copts).map_err(err)?;
+    row("per-block", &pb);
+    let sq = step::sqrt_n(&m);
+    let sq = step::measure(&g, &sq, &copts).map_err(err)?;
+    row("sqrt(n)", &sq);
+    for &frac in budgets {
+        let budget = base.persistent + (transient as f64 * frac) as u64;
+        let t = Instant::now();
+        let o = AutoOptions {
+            budget,
+            compile: copts,
+            time_limit: Duration::from_millis(time_ms.max(1)),
+            rounds: 6,
+        };
+        match step::auto(&g, &o) {
+            Ok(d) => row(
+                &format!(
+                    "auto {:>3.0}% ({:.1} s, {})",
+                    frac * 100.0,
+                    t.elapsed().as_secs_f64(),
+                    short(&d.method)
+                ),
+                &d.chosen,
+            ),
+            Err(e) => println!("auto {:>3.0}%: {e}", frac * 100.0),
+        }
+    }
+    println!("transient: arena above params and optimizer state, % of no remat; recomp.: values recomputed; auto N%: budget = persistent + N% of the transient arena");
+    Ok(())
+}
+
+fn short(method: &str) -> &str {
+    method.strip_prefix("search: ").unwrap_or(method)
+}
 
 fn gib(b: u64) -> String {
     format!("{:.2}", b as f64 / (1u64 << 30) as f64)
 }
 
-pub fn run(files: &[PathBuf], budgets: &[f64], time_ms: u64) -> Result<(), String> {
+fn run_graphs(files: &[&PathBuf], budgets: &[f64], time_ms: u64) -> Result<(), String> {
     println!(
         "{:<40} {:>6} {:>10} {:>10} | {:>10} {:>9} | {:>10} {:>9} {:>8} {:>9}",
         "graph",

@@ -21,18 +21,7 @@ pub struct RunOptions {
 
 /// Formats a byte count with a binary unit.
 pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
+    crate::plan::human_bytes(n)
 }
 
 /// One line describing a tensor: type, mean and the first values.

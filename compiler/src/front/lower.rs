@@ -88,6 +88,9 @@ pub(crate) struct Lowerer<'a, 'd> {
     anchor: Option<Span>,
     checkpoint: Option<u32>,
     next_checkpoint: u32,
+    /// The outermost user-function call being inlined (see `Node::block`).
+    block: Option<u32>,
+    next_block: u32,
     next_seed: u64,
     unrolled: usize,
     prelude_file: FileId,
@@ -118,6 +121,8 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             anchor: None,
             checkpoint: None,
             next_checkpoint: 0,
+            block: None,
+            next_block: 0,
             next_seed: 0,
             unrolled: 0,
             prelude_file,
@@ -173,7 +178,12 @@ impl<'a, 'd> Lowerer<'a, 'd> {
     pub fn add(&mut self, op: Op, inputs: Vec<NodeId>, span: Span) -> Value {
         let at = self.node_span(span);
         match self.graph.add(op, inputs, at, self.checkpoint) {
-            Ok(id) => Value::Tensor(id),
+            Ok(id) => {
+                if let Some(b) = self.block {
+                    self.graph.set_block(id, b);
+                }
+                Value::Tensor(id)
+            }
             Err(e) => {
                 self.error(e.code, e.message, span, e.detail);
                 Value::Poison
@@ -1524,6 +1534,11 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         if info.prelude && self.anchor.is_none() {
             self.anchor = Some(span);
         }
+        let outer_block = self.block;
+        if !info.prelude && self.block.is_none() {
+            self.block = Some(self.next_block);
+            self.next_block += 1;
+        }
         self.frames
             .push(Frame::new(!info.prelude, Some((f.name.name.clone(), span))));
         let ok = self.bind_fn_params(f, vals, span);
@@ -1545,6 +1560,7 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         };
         self.frames.pop();
         self.anchor = outer_anchor;
+        self.block = outer_block;
         result
     }
 

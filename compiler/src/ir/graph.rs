@@ -37,6 +37,9 @@ pub struct Node {
     /// Made by autodiff: a gradient, an optimizer update or a recomputed forward value
     /// (rematerialization tells forward values from the backward pass that reads them).
     pub backward: bool,
+    /// The outermost call of a user function the node was made in (one per call: a
+    /// model's blocks, for per-block checkpointing).
+    pub block: Option<u32>,
 }
 
 /// Optimizers of `train OPT minimize LOSS`, with every argument resolved.
@@ -153,6 +156,7 @@ impl Graph {
             span,
             checkpoint,
             backward: false,
+            block: None,
         }));
         for (pos, src) in inputs.iter().enumerate() {
             self.graph.add_edge(src.0, id.0, pos as u32);
@@ -173,6 +177,13 @@ impl Graph {
     pub fn mark_backward(&mut self, id: NodeId) {
         if let Some(n) = self.graph.node_weight_mut(id.0) {
             n.backward = true;
+        }
+    }
+
+    /// Records the user-function call a node was made in (see [`Node::block`]).
+    pub fn set_block(&mut self, id: NodeId, block: u32) {
+        if let Some(n) = self.graph.node_weight_mut(id.0) {
+            n.block = Some(block);
         }
     }
 
@@ -234,6 +245,26 @@ impl Graph {
             return false;
         }
         self.graph.remove_node(id.0).is_some()
+    }
+
+    /// Makes `user` read `new` wherever it reads `old` (other readers are left alone).
+    pub fn replace_use_in(&mut self, user: NodeId, old: NodeId, new: NodeId) {
+        let edges: Vec<_> = self
+            .graph
+            .edges_directed(user.0, Direction::Incoming)
+            .filter(|e| e.source() == old.0)
+            .map(|e| e.id())
+            .collect();
+        for e in edges {
+            if let Some(pos) = self.graph.remove_edge(e) {
+                self.graph.add_edge(new.0, user.0, pos);
+                if let Some(n) = self.graph.node_weight_mut(user.0) {
+                    if let Some(slot) = n.inputs.get_mut(pos as usize) {
+                        *slot = new;
+                    }
+                }
+            }
+        }
     }
 
     /// Makes every reader of `old` (operands, outputs, train loss, updates) read `new`
@@ -311,6 +342,7 @@ impl Graph {
                 span: n.span,
                 checkpoint: n.checkpoint,
                 backward: n.backward,
+                block: n.block,
             }));
             for (pos, src) in inputs.iter().enumerate() {
                 out.graph.add_edge(src.0, id.0, pos as u32);

@@ -200,3 +200,19 @@ pub fn verify(g: &Graph, p: &Plan) -> Result<(), Vec<PlanError>> {
         Err(errs)
     }
 }
+
+/// Sizes as people read them: `512 B`, `1.50 KiB`, `6.08 GiB`.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}

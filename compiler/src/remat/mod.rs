@@ -14,6 +14,8 @@
 //! per added cost followed by a removal pass; and an exact depth-first branch and bound over
 //! evict/keep decisions, warm-started by the greedy, within a time limit.
 
+pub mod step;
+
 use std::time::{Duration, Instant};
 
 /// A compute graph with a memory and a compute cost per node.
@@ -30,6 +32,8 @@ pub struct RematGraph {
     pub order: Vec<usize>,
     /// Backward (gradient) nodes; they are never evicted.
     pub backward: Vec<bool>,
+    /// Nodes that may not be evicted besides those (empty: none).
+    pub fixed: Vec<bool>,
 }
 
 impl RematGraph {
@@ -41,27 +45,40 @@ impl RematGraph {
         self.mem.is_empty()
     }
 
-    /// Nodes that may be evicted, in order: forward nodes read after the first backward
-    /// node; in a graph without backward nodes, nodes read again after their first
-    /// consumer. Only these can save memory, and each is recomputed at least once if evicted.
+    /// Nodes that may be evicted, in order: forward nodes that a backward node reads after
+    /// the last forward node that reads them (backward nodes may be interleaved with the
+    /// forward pass, as a memory-aware schedule places them); in a graph without backward
+    /// nodes, nodes read again after their first consumer. Only these can save memory, and
+    /// each is recomputed at least once if evicted.
     pub fn candidates(&self) -> Vec<usize> {
         let pos = self.positions();
-        let first_bwd = self.first_backward();
+        let generic = self.first_backward().is_none();
         let mut first_use = vec![usize::MAX; self.len()];
+        let mut last_fwd_use: Vec<Option<usize>> = vec![None; self.len()];
+        let mut last_bwd_use: Vec<Option<usize>> = vec![None; self.len()];
         let mut last_use = vec![0usize; self.len()];
         for &v in &self.order {
             for &u in &self.preds[v] {
                 last_use[u] = last_use[u].max(pos[v]);
                 first_use[u] = first_use[u].min(pos[v]);
+                let slot = if self.backward[v] {
+                    &mut last_bwd_use[u]
+                } else {
+                    &mut last_fwd_use[u]
+                };
+                *slot = Some(slot.map_or(pos[v], |p| p.max(pos[v])));
             }
         }
         self.order
             .iter()
             .copied()
-            .filter(|&v| !self.backward[v])
-            .filter(|&v| match first_bwd {
-                Some(b) => last_use[v] > b && first_use[v] < b,
-                None => first_use[v] != usize::MAX && last_use[v] > first_use[v],
+            .filter(|&v| !self.backward[v] && !self.fixed.get(v).copied().unwrap_or(false))
+            .filter(|&v| {
+                if generic {
+                    first_use[v] != usize::MAX && last_use[v] > first_use[v]
+                } else {
+                    matches!((last_fwd_use[v], last_bwd_use[v]), (Some(f), Some(b)) if b > f)
+                }
             })
             .collect()
     }
@@ -102,6 +119,7 @@ pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
         preds: vec![Vec::new(); n],
         order: Vec::new(),
         backward: vec![false; n],
+        fixed: Vec::new(),
     };
     let num = |x: &serde_json::Value, keys: &[&str]| {
         keys.iter().find_map(|k| x.get(*k).and_then(|v| v.as_u64()))
@@ -179,21 +197,21 @@ pub fn simulate_profile(g: &RematGraph, evict: &[bool]) -> (Eval, Vec<u64>) {
 
 fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u64>>) -> Eval {
     let n = g.len();
-    let pos = g.positions();
     // Without backward nodes, an evicted node is dropped after its first consumer.
-    let first_bwd = g.first_backward().unwrap_or(usize::MAX);
-    let generic = first_bwd == usize::MAX;
-    // Remaining consumers of each node, in order.
+    let generic = g.first_backward().is_none();
+    // Remaining consumers of each node, in order; forward consumers apart.
     let mut uses_left = vec![0usize; n];
     let mut fwd_uses_left = vec![0usize; n];
     for &v in &g.order {
         for &u in &g.preds[v] {
             uses_left[u] += 1;
-            if pos[v] < first_bwd {
+            if !g.backward[v] {
                 fwd_uses_left[u] += 1;
             }
         }
     }
+    // An evicted node is dropped once its last forward consumer has run.
+    let has_fwd_use: Vec<bool> = fwd_uses_left.iter().map(|&k| k > 0).collect();
     let mut live = vec![false; n];
     let mut recomputed = vec![false; n];
     let mut cur = 0u64;
@@ -272,12 +290,12 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
         for i in 0..g.preds[v].len() {
             let u = g.preds[v][i];
             uses_left[u] -= 1;
-            if pos[v] < first_bwd {
+            if !g.backward[v] {
                 fwd_uses_left[u] -= 1;
             }
             let evicted_now = evict[u]
                 && !recomputed[u]
-                && (generic || (fwd_uses_left[u] == 0 && pos[v] < first_bwd));
+                && (generic || (has_fwd_use[u] && fwd_uses_left[u] == 0 && !g.backward[v]));
             if live[u] && (uses_left[u] == 0 || evicted_now) {
                 live[u] = false;
                 cur -= g.mem[u];
@@ -475,13 +493,21 @@ pub fn branch_and_bound(g: &RematGraph, budget: u64, limit: Duration) -> Option<
 /// [`branch_and_bound`] with the search status.
 pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
     let start = Instant::now();
+    let warm = greedy_until(g, budget, Some(start + limit / 2));
+    solve_from(g, budget, limit.saturating_sub(start.elapsed()), warm)
+}
+
+/// The pruned search, then the exact branch and bound, warm-started by `warm`, within
+/// `limit` in all.
+pub fn solve_from(g: &RematGraph, budget: u64, limit: Duration, warm: Option<Solution>) -> Outcome {
+    let start = Instant::now();
     let mut dfs = Dfs {
         g,
         cands: g.candidates(),
         budget,
         prune_unfit: true,
         evict: vec![false; g.len()],
-        best: greedy_until(g, budget, Some(start + limit / 2)),
+        best: warm,
         deadline: start + limit / 2,
         timed_out: false,
     };
@@ -523,8 +549,10 @@ pub fn chain_dp(g: &RematGraph, budget: u64) -> Option<Solution> {
 pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
     let cands = g.candidates();
     let k = cands.len();
-    let first_bwd = g.first_backward()?;
+    g.first_backward()?;
     let pos = g.positions();
+    // The forward phase ends at the last forward node (backward nodes may be interleaved).
+    let fwd_end = g.order.iter().rposition(|&v| !g.backward[v])?;
     let n = g.len();
     // 1-based candidate index of each node.
     let mut cidx = vec![0usize; n];
@@ -536,7 +564,7 @@ pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) ->
         if i <= k {
             pos[cands[i - 1]]
         } else {
-            first_bwd.saturating_sub(1)
+            fwd_end
         }
     };
     // Segment key of every step: a step belongs to segment (a, b] when a < key <= b.
@@ -544,7 +572,7 @@ pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) ->
     let mut j = 1usize;
     let mut lowest = k + 1;
     for (p, &v) in g.order.iter().enumerate() {
-        if p < first_bwd {
+        if p <= fwd_end {
             while j <= k && bpos(j) < p {
                 j += 1;
             }

@@ -1,0 +1,506 @@
+//! Rematerialization of a compiled training step (a TDSL program): which forward values the
+//! backward pass recomputes so that the step's arena fits a memory budget, with the fewest
+//! added FLOPs.
+//!
+//! A decision is a set of *evicted* forward values of the scheduled graph (after autodiff
+//! and scheduling). [`apply`] gives every backward reader of an evicted value a clone made
+//! right before the first of them (recursively cloning evicted inputs it needs, and views of
+//! evicted values), so the original is dead once the forward pass has used it. Fusion then
+//! often folds a recomputed pointwise value into its reader: it costs FLOPs but no buffer.
+//!
+//! Memory is the real plan: every decision is compiled up to its verified arena
+//! (`artifact::plan_step`, the plan that runs), and a budget counts as met only when that
+//! arena is within it. The search runs on the parent module's simulator over a model of the
+//! step (a node's bytes: its buffer in the fused plan; its cost: its FLOPs; views read
+//! through to their root): [`auto`] calibrates the simulated peak against the real plan,
+//! solves for the model target with a portfolio (chain DP over the candidates, greedy,
+//! then branch and bound within the time limit), compiles the best decision, and tightens
+//! the target by the real overshoot until the plan fits. The baselines — √n segments and
+//! per-block checkpointing — are measured the same way, and `auto` takes the cheapest
+//! decision that fits among everything it compiled.
+
+use super::{RematGraph, Solution};
+use crate::artifact::{self, BuildError, CompileOptions};
+use crate::ir::{Graph, NodeId, Op};
+use crate::plan::human_bytes as human;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// `--remat`: what to recompute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Nothing, not even `checkpoint { }` blocks.
+    None,
+    /// What `checkpoint { }` blocks say (the default without a budget).
+    #[default]
+    Manual,
+    /// Chosen by the compiler to fit `--mem-budget` (the default with one).
+    Auto,
+}
+
+/// FLOPs of one node (multiply-adds count 2; pointwise ops 1 per element; views, leaves and
+/// fills 0).
+pub fn flops(g: &Graph, n: NodeId) -> u64 {
+    let node = g.node(n);
+    let out = node.ty.shape.numel() as u64;
+    let numel = |i: usize| {
+        node.inputs
+            .get(i)
+            .map(|&x| g.ty(x).shape.numel() as u64)
+            .unwrap_or(0)
+    };
+    let dims = |i: usize| -> Vec<usize> {
+        node.inputs
+            .get(i)
+            .map(|&x| g.ty(x).dims().to_vec())
+            .unwrap_or_default()
+    };
+    // Taps per output element of a convolution with weight dims [O, I/groups, KH, KW].
+    let taps = |w: &[usize]| -> u64 { w.iter().skip(1).product::<usize>() as u64 };
+    match &node.op {
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::State { .. }
+        | Op::Literal { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::Grad => 0,
+        op if op.is_view_candidate() => 0,
+        Op::MatMul => {
+            let k = dims(0).last().copied().unwrap_or(1) as u64;
+            2 * out * k
+        }
+        Op::Conv2d { .. } => 2 * out * taps(&dims(1)),
+        Op::Conv2dGradInput { .. } => 2 * numel(0) * taps(&dims(1)),
+        Op::Conv2dGradWeight { .. } => 2 * numel(1) * taps(node.ty.dims()),
+        Op::Pool2d { kernel, .. } => out * (kernel[0] * kernel[1]) as u64,
+        Op::Pool2dGrad { kernel, .. } => numel(1) * (kernel[0] * kernel[1]) as u64,
+        Op::Reduce { .. } | Op::ArgMax { .. } => numel(0),
+        Op::EmbeddingGrad { .. } => numel(1),
+        _ => out,
+    }
+}
+
+/// FLOPs of a whole step.
+pub fn step_flops(g: &Graph) -> u64 {
+    g.node_ids().map(|n| flops(g, n)).sum()
+}
+
+/// May the backward pass recompute this forward value? Leaves, constants, random ops,
+/// outputs and the loss stay; views are recomputed with their root.
+fn evictable(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    !node.backward
+        && !node.op.is_view_candidate()
+        && !matches!(
+            node.op,
+            Op::Input { .. }
+                | Op::Param { .. }
+                | Op::State { .. }
+                | Op::Literal { .. }
+                | Op::Full { .. }
+                | Op::Arange { .. }
+                | Op::Dropout { .. }
+                | Op::Grad
+        )
+        && !g.outputs.iter().any(|(_, o)| *o == n)
+        && g.train.as_ref().is_none_or(|t| t.loss != n)
+        && !g.updates.iter().any(|(t, v)| *t == n || *v == n)
+}
+
+/// The storage root of a view chain.
+fn root(g: &Graph, mut n: NodeId) -> NodeId {
+    while g.node(n).op.is_view_candidate() {
+        match g.node(n).inputs.first() {
+            Some(&i) => n = i,
+            None => break,
+        }
+    }
+    n
+}
+
+/// The simulator's model of a scheduled step.
+pub struct Model {
+    pub graph: RematGraph,
+    /// Graph node of each model node.
+    pub nodes: Vec<NodeId>,
+    index: BTreeMap<NodeId, usize>,
+}
+
+impl Model {
+    /// Builds the model; `materialized` are the nodes with a buffer in the fused plan.
+    pub fn new(g: &Graph, materialized: &BTreeSet<NodeId>) -> Model {
+        let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+        let index: BTreeMap<NodeId, usize> =
+            order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let n = order.len();
+        let mut rg = RematGraph {
+            names: Vec::with_capacity(n),
+            mem: vec![0; n],
+            cost: vec![0; n],
+            preds: vec![Vec::new(); n],
+            order: (0..n).collect(),
+            backward: vec![false; n],
+            fixed: vec![false; n],
+        };
+        for (i, &id) in order.iter().enumerate() {
+            let node = g.node(id);
+            rg.names.push(format!("{} {}", node.op.name(), node.ty));
+            let persistent = matches!(node.op, Op::Param { .. } | Op::State { .. });
+            if materialized.contains(&id) && !persistent && !node.op.is_view_candidate() {
+                rg.mem[i] = node.ty.size_bytes() as u64;
+            }
+            rg.cost[i] = flops(g, id);
+            let mut preds: Vec<usize> = node
+                .inputs
+                .iter()
+                .filter_map(|&x| index.get(&root(g, x)).copied())
+                .collect();
+            preds.sort_unstable();
+            preds.dedup();
+            rg.preds[i] = preds;
+            rg.backward[i] = node.backward;
+            rg.fixed[i] = !evictable(g, id);
+        }
+        Model {
+            graph: rg,
+            nodes: order,
+            index,
+        }
+    }
+
+    /// The graph nodes of a model eviction.
+    pub fn evicted(&self, evict: &[bool]) -> BTreeSet<NodeId> {
+        evict
+            .iter()
+            .enumerate()
+            .filter(|(_, &e)| e)
+            .map(|(i, _)| self.nodes[i])
+            .collect()
+    }
+
+    /// The model eviction of a set of graph nodes.
+    pub fn mask(&self, set: &BTreeSet<NodeId>) -> Vec<bool> {
+        let mut m = vec![false; self.nodes.len()];
+        for n in set {
+            if let Some(&i) = self.index.get(n) {
+                m[i] = true;
+            }
+        }
+        m
+    }
+}
+
+/// The step with `evict` recomputed (see the module doc). Values in `evict` that no
+/// backward node reads are left as they are.
+pub fn apply(g: &Graph, evict: &BTreeSet<NodeId>) -> Graph {
+    if evict.is_empty() {
+        return g.clone();
+    }
+    let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+    let mut h = g.clone();
+    let mut clones: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut new_order: Vec<NodeId> = Vec::with_capacity(order.len());
+    // Needs a clone: evicted, or a view of something that does.
+    fn needs(g: &Graph, evict: &BTreeSet<NodeId>, n: NodeId) -> bool {
+        evict.contains(&n)
+            || (g.node(n).op.is_view_candidate()
+                && g.node(n)
+                    .inputs
+                    .first()
+                    .is_some_and(|&i| needs(g, evict, i)))
+    }
+    // The clone of `n`, made (with its evicted inputs) and scheduled now if not yet.
+    fn clone_of(
+        g: &Graph,
+        h: &mut Graph,
+        evict: &BTreeSet<NodeId>,
+        clones: &mut BTreeMap<NodeId, NodeId>,
+        new_order: &mut Vec<NodeId>,
+        n: NodeId,
+    ) -> Option<NodeId> {
+        if let Some(&c) = clones.get(&n) {
+            return Some(c);
+        }
+        let node = g.node(n).clone();
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &i in &node.inputs {
+            inputs.push(if needs(g, evict, i) {
+                clone_of(g, h, evict, clones, new_order, i)?
+            } else {
+                i
+            });
+        }
+        let c = h.add(node.op.clone(), inputs, node.span, None).ok()?;
+        h.mark_backward(c);
+        clones.insert(n, c);
+        new_order.push(c);
+        Some(c)
+    }
+    // Last forward reader of each value, its views' readers included: backward readers
+    // that run before it (a schedule may interleave them) still read the original.
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let mut last_fwd: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for &n in order.iter().rev() {
+        let node = g.node(n);
+        if !node.backward {
+            for &i in &node.inputs {
+                let e = last_fwd.entry(i).or_insert(0);
+                *e = (*e).max(pos[&n]);
+            }
+        }
+        if node.op.is_view_candidate() {
+            if let (Some(&i), Some(&l)) = (node.inputs.first(), last_fwd.get(&n)) {
+                let e = last_fwd.entry(i).or_insert(0);
+                *e = (*e).max(l);
+            }
+        }
+    }
+    for &n in &order {
+        if g.node(n).backward {
+            let inputs = g.node(n).inputs.clone();
+            for i in inputs {
+                let after = last_fwd.get(&root(g, i)).is_none_or(|&l| pos[&n] > l);
+                if after && needs(g, evict, i) {
+                    match clone_of(g, &mut h, evict, &mut clones, &mut new_order, i) {
+                        Some(c) => h.replace_use_in(n, i, c),
+                        // A clone that does not type-check cannot happen (same op, same
+                        // operand types); if it did, the original is simply kept.
+                        None => continue,
+                    }
+                }
+            }
+        }
+        new_order.push(n);
+    }
+    h.reordered(&new_order)
+}
+
+/// A decision compiled to its real plan.
+#[derive(Clone, Debug)]
+pub struct Measured {
+    pub evict: BTreeSet<NodeId>,
+    /// The step with the recomputations.
+    pub graph: Graph,
+    pub arena: u64,
+    pub persistent: u64,
+    pub added_flops: u64,
+}
+
+/// Compiles `g` with `evict` recomputed up to its verified plan.
+pub fn measure(
+    g: &Graph,
+    evict: &BTreeSet<NodeId>,
+    opts: &CompileOptions,
+) -> Result<Measured, BuildError> {
+    let h = apply(g, evict);
+    let p = artifact::plan_step(&h, opts)?;
+    let added = step_flops(&h).saturating_sub(step_flops(g));
+    Ok(Measured {
+        evict: evict.clone(),
+        arena: p.plan.arena_bytes,
+        persistent: p.plan.persistent_bytes,
+        added_flops: added,
+        graph: h,
+    })
+}
+
+/// √n checkpointing (Chen et al.): keep every ⌈√k⌉-th of the k candidates, recompute the
+/// rest.
+pub fn sqrt_n(m: &Model) -> BTreeSet<NodeId> {
+    m.evicted(&super::sqrt_n(&m.graph).evict)
+}
+
+/// Per-block checkpointing (as `torch.utils.checkpoint` around each block): every
+/// candidate made inside a top-level call of a user function is recomputed, unless a
+/// forward node outside that call (or an output) reads it — the block's result stays.
+pub fn per_block(g: &Graph, m: &Model) -> BTreeSet<NodeId> {
+    m.graph
+        .candidates()
+        .into_iter()
+        .map(|i| m.nodes[i])
+        .filter(|&n| {
+            let b = g.node(n).block;
+            b.is_some()
+                && g.users(n)
+                    .iter()
+                    .all(|&u| g.node(u).backward || g.node(u).block == b)
+        })
+        .collect()
+}
+
+/// Options of [`auto`].
+#[derive(Clone, Copy, Debug)]
+pub struct AutoOptions {
+    /// The arena must be at most this many bytes.
+    pub budget: u64,
+    pub compile: CompileOptions,
+    /// Time for the model search (per round).
+    pub time_limit: Duration,
+    /// Compile-and-tighten rounds.
+    pub rounds: usize,
+}
+
+/// What [`auto`] chose.
+#[derive(Clone, Debug)]
+pub struct Decision {
+    pub chosen: Measured,
+    /// Which search found it.
+    pub method: String,
+    /// The plan without recomputation.
+    pub base_arena: u64,
+    pub step_flops: u64,
+    /// Decisions compiled on the way.
+    pub tries: usize,
+    pub elapsed: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RematError {
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error(
+        "the memory budget of {} cannot be met: the smallest arena found is {} ({how}); \
+         the params and optimizer state alone take {}",
+        human(*budget),
+        human(*smallest),
+        human(*persistent)
+    )]
+    Infeasible {
+        budget: u64,
+        smallest: u64,
+        how: String,
+        persistent: u64,
+    },
+}
+
+/// Chooses what to recompute so the arena fits `o.budget` (see the module doc).
+pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
+    let start = Instant::now();
+    let total = step_flops(g);
+    let base = measure(g, &BTreeSet::new(), &o.compile)?;
+    let base_arena = base.arena;
+    let done = |chosen: Measured, method: &str, tries: usize| Decision {
+        chosen,
+        method: method.to_string(),
+        base_arena,
+        step_flops: total,
+        tries,
+        elapsed: start.elapsed(),
+    };
+    if base.arena <= o.budget {
+        return Ok(done(base, "none needed", 1));
+    }
+    let persistent = base.persistent;
+    let fused = crate::kernel::fuse::fuse(g, o.compile.fuse).map_err(BuildError::from)?;
+    let m = Model::new(g, &fused.materialized);
+    let model_peak = super::none(&m.graph).eval.peak.max(1);
+    let real_transient = base.arena.saturating_sub(persistent).max(1);
+    let want = o.budget.saturating_sub(persistent);
+    let mut tries = 1usize;
+    let mut fits: Vec<(Measured, String)> = Vec::new();
+    let mut smallest = (base.arena, "no recomputation".to_string());
+    let mut consider = |r: Measured, how: String, fits: &mut Vec<(Measured, String)>| {
+        if r.arena < smallest.0 {
+            smallest = (r.arena, how.clone());
+        }
+        if r.arena <= o.budget {
+            fits.push((r, how));
+        }
+    };
+    // Baselines first: they bound what the search must beat.
+    for (name, set) in [("per-block", per_block(g, &m)), ("sqrt(n)", sqrt_n(&m))] {
+        if !set.is_empty() {
+            let r = measure(g, &set, &o.compile)?;
+            tries += 1;
+            consider(r, name.to_string(), &mut fits);
+        }
+    }
+    // The model target: the real transient budget in model units to start with; then,
+    // after an overshoot, the target shrunk by the real ratio, and once one target fits and
+    // one does not, bisection between them for the largest target that fits (the cheapest
+    // decision; the real arena grows with the target, if not strictly, so the best fitting
+    // decision seen is kept).
+    let mut target = (want as f64 * model_peak as f64 / real_transient as f64) as u64;
+    let (mut good, mut bad): (Option<u64>, Option<u64>) = (None, None);
+    for _ in 0..o.rounds.max(1) {
+        let real = match solve_model(&m.graph, target, o.time_limit) {
+            Some(sol) => {
+                let set = m.evicted(&sol.evict);
+                let r = measure(g, &set, &o.compile)?;
+                tries += 1;
+                let arena = r.arena;
+                consider(r, format!("search: {}", sol.method), &mut fits);
+                Some(arena)
+            }
+            None => None,
+        };
+        let fit = real.is_some_and(|a| a <= o.budget);
+        if std::env::var_os("TCC_REMAT_DEBUG").is_some() {
+            eprintln!("remat probe: model target {target} (no remat {model_peak}): real {real:?}");
+        }
+        if fit {
+            good = Some(good.map_or(target, |x| x.max(target)));
+        } else {
+            bad = Some(bad.map_or(target, |x| x.min(target)));
+        }
+        target = match (good, bad, real) {
+            (Some(a), Some(b), _) if b > a + b / 100 => a + (b - a) / 2,
+            (Some(_), Some(_), _) => break,
+            (Some(a), None, _) => (a + a / 8).min(model_peak),
+            // An overshoot: shrink by the real ratio, a little more so the target moves.
+            (None, _, Some(arena)) => {
+                let got = arena.saturating_sub(persistent).max(1) as f64;
+                (target as f64 * (want as f64 / got).min(0.98)) as u64
+            }
+            // No model solution below this target.
+            (None, _, None) => break,
+        };
+        if good == Some(model_peak) {
+            break;
+        }
+    }
+    if fits.is_empty() {
+        // The floor: recompute every candidate.
+        let all: BTreeSet<NodeId> = m
+            .graph
+            .candidates()
+            .into_iter()
+            .map(|i| m.nodes[i])
+            .collect();
+        let r = measure(g, &all, &o.compile)?;
+        tries += 1;
+        consider(r, "every candidate recomputed".into(), &mut fits);
+    }
+    let best = fits
+        .into_iter()
+        .min_by_key(|(r, how)| (r.added_flops, r.arena, how.clone()));
+    match best {
+        Some((r, how)) => Ok(done(r, &how, tries)),
+        None => Err(RematError::Infeasible {
+            budget: o.budget,
+            smallest: smallest.0,
+            how: smallest.1,
+            persistent,
+        }),
+    }
+}
+
+/// The cheapest model eviction under `target`: chain DP and greedy as starts, then branch
+/// and bound within `limit`.
+fn solve_model(g: &RematGraph, target: u64, limit: Duration) -> Option<Solution> {
+    let t0 = Instant::now();
+    let dp = super::chain_dp_until(g, target, Some(t0 + limit / 3));
+    let greedy = super::greedy_until(g, target, Some(t0 + limit * 2 / 3));
+    let warm = match (dp, greedy) {
+        (Some(a), Some(b)) => Some(if b.eval.added_cost < a.eval.added_cost {
+            b
+        } else {
+            a
+        }),
+        (a, b) => a.or(b),
+    };
+    let rest = limit.saturating_sub(t0.elapsed());
+    let bb = super::solve_from(g, target, rest, warm.clone());
+    bb.best.or(warm)
+}

@@ -1,0 +1,233 @@
+//! Rematerialization of TDSL training steps: decisions are compiled to verified plans that
+//! meet the budget, and the recomputing step trains exactly like the plain one.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+use tcc::artifact::{self, CompileOptions};
+use tcc::cli::remat_cmd::step_graph;
+use tcc::remat::step::{self, AutoOptions, RematError};
+use tcc_tests::{cpu_steps, params_rel_err, rel_err};
+
+fn graph(file: &str, sets: &[(&str, &str)]) -> tcc::ir::Graph {
+    let p = tcc_tests::root().join(file);
+    let bytes = std::fs::read(&p).unwrap();
+    let sets: Vec<(String, String)> = sets
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    step_graph(&p, &bytes, &sets, &None, true).unwrap()
+}
+
+const GPT: &[(&str, &str)] = &[
+    ("L", "4"),
+    ("D", "16"),
+    ("H", "2"),
+    ("T", "32"),
+    ("B", "2"),
+    ("V", "16"),
+];
+
+const CNN: &[(&str, &str)] = &[("B", "8"), ("C", "8"), ("S", "16")];
+
+/// Both steps train 3 steps from the same params and inputs; outputs and params agree to
+/// f32 rounding (recomputation runs the same ops; fusion may group them differently).
+fn same_training(a: &tcc::ir::Graph, b: &tcc::ir::Graph) {
+    let inputs = tcc::eager::random_inputs(a, 3);
+    let x = cpu_steps(a, &inputs, 3, 0, true).unwrap();
+    let y = cpu_steps(b, &inputs, 3, 0, true).unwrap();
+    for (name, t) in &x.outputs {
+        let e = rel_err(&y.outputs[name], t);
+        assert!(e <= 1e-6, "output `{name}`: relative error {e:e}");
+    }
+    let e = params_rel_err(&y.persistent, &x.persistent).unwrap();
+    assert!(e <= 1e-6, "params: relative error {e:e}");
+}
+
+fn auto(g: &tcc::ir::Graph, budget: u64) -> Result<step::Decision, RematError> {
+    step::auto(
+        g,
+        &AutoOptions {
+            budget,
+            compile: CompileOptions::default(),
+            time_limit: Duration::from_millis(300),
+            rounds: 6,
+        },
+    )
+}
+
+#[test]
+fn auto_meets_the_budget_in_the_verified_plan_and_trains_like_no_remat() {
+    for (file, sets, percent) in [
+        ("examples/gpt.tdsl", GPT, 70),
+        ("examples/gpt.tdsl", GPT, 50),
+        ("examples/cnn.tdsl", CNN, 75),
+    ] {
+        let g = graph(file, sets);
+        let base = step::measure(&g, &BTreeSet::new(), &CompileOptions::default()).unwrap();
+        let transient = base.arena - base.persistent;
+        let budget = base.persistent + transient * percent / 100;
+        let d = auto(&g, budget).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(d.chosen.arena <= budget, "{file}");
+        assert!(
+            !d.chosen.evict.is_empty(),
+            "{file}: something is recomputed"
+        );
+        assert!(d.chosen.added_flops > 0, "{file}");
+        assert_eq!(d.base_arena, base.arena);
+        // The compiled artifact's plan is the one measured, and the runtime allocates it.
+        let c = artifact::compile(&d.chosen.graph, &CompileOptions::default()).unwrap();
+        assert_eq!(c.plan.arena_bytes, d.chosen.arena, "{file}");
+        let inputs = tcc::eager::random_inputs(&g, 1);
+        let run = cpu_steps(&d.chosen.graph, &inputs, 1, 0, true).unwrap();
+        assert_eq!(run.arena_bytes as u64, d.chosen.arena, "{file}");
+        same_training(&g, &d.chosen.graph);
+    }
+}
+
+#[test]
+fn baselines_recompute_and_train_like_no_remat() {
+    let g = graph("examples/gpt.tdsl", GPT);
+    let fused = tcc::kernel::fuse::fuse(&g, Default::default()).unwrap();
+    let m = step::Model::new(&g, &fused.materialized);
+    let opts = CompileOptions::default();
+    let base = step::measure(&g, &BTreeSet::new(), &opts).unwrap();
+    for (name, set) in [
+        ("per-block", step::per_block(&g, &m)),
+        ("sqrt(n)", step::sqrt_n(&m)),
+    ] {
+        assert!(!set.is_empty(), "{name}");
+        let r = step::measure(&g, &set, &opts).unwrap();
+        assert!(
+            r.arena < base.arena,
+            "{name}: {} vs {}",
+            r.arena,
+            base.arena
+        );
+        assert!(r.added_flops > 0, "{name}");
+        same_training(&g, &r.graph);
+    }
+}
+
+#[test]
+fn an_unreachable_budget_is_an_error_naming_the_smallest_arena() {
+    let g = graph("examples/gpt.tdsl", GPT);
+    let base = step::measure(&g, &BTreeSet::new(), &CompileOptions::default()).unwrap();
+    let budget = base.persistent / 2;
+    match auto(&g, budget) {
+        Err(RematError::Infeasible {
+            budget: b,
+            smallest,
+            persistent,
+            ..
+        }) => {
+            assert_eq!(b, budget);
+            assert!(smallest > budget && smallest < base.arena);
+            assert_eq!(persistent, base.persistent);
+        }
+        other => panic!("expected an infeasible budget, got {other:?}"),
+    }
+    let msg = auto(&g, budget).unwrap_err().to_string();
+    assert!(
+        msg.contains("cannot be met") && msg.contains("smallest arena"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_budget_already_met_recomputes_nothing() {
+    let g = graph("examples/mlp.tdsl", &[("B", "8"), ("D", "32")]);
+    let d = auto(&g, u64::MAX / 2).unwrap();
+    assert!(d.chosen.evict.is_empty());
+    assert_eq!(d.chosen.arena, d.base_arena);
+    assert_eq!(d.method, "none needed");
+}
+
+#[test]
+fn flops_count_matmuls_and_convolutions() {
+    let g = graph("examples/mlp.tdsl", &[("B", "8"), ("D", "32")]);
+    let mm: Vec<u64> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, tcc::ir::Op::MatMul) && !g.node(n).backward)
+        .map(|n| step::flops(&g, n))
+        .collect();
+    // 784 -> 32: 2 * 8 * 32 * 784 multiply-adds.
+    assert_eq!(mm[0], 2 * 8 * 32 * 784);
+    assert!(step::step_flops(&g) > mm.iter().sum::<u64>());
+}
+
+fn cli(args: &[&str]) -> std::process::ExitCode {
+    use clap::Parser;
+    let mut all = vec!["tcc"];
+    all.extend_from_slice(args);
+    tcc::cli::run(tcc::cli::Cli::parse_from(all))
+}
+
+#[test]
+fn build_with_a_budget_writes_an_artifact_whose_arena_fits() {
+    let dir = std::env::temp_dir().join(format!("tcc-remat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("gpt.tcc");
+    let file = tcc_tests::root().join("examples/gpt.tdsl");
+    let mut args: Vec<String> = vec!["build".into(), file.display().to_string()];
+    for (k, v) in GPT {
+        args.push("--set".into());
+        args.push(format!("{k}={v}"));
+    }
+    let g = graph("examples/gpt.tdsl", GPT);
+    let base = step::measure(&g, &BTreeSet::new(), &CompileOptions::default()).unwrap();
+    let budget = base.persistent + (base.arena - base.persistent) * 6 / 10;
+    args.extend(
+        [
+            "--emit",
+            "artifact",
+            "--remat-time-ms",
+            "300",
+            "--mem-budget",
+            &budget.to_string(),
+            "-o",
+            &out.display().to_string(),
+        ]
+        .map(String::from),
+    );
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_eq!(cli(&refs), std::process::ExitCode::SUCCESS);
+    let m = tcc_runtime::Model::load(&out).unwrap();
+    assert!(m.arena_bytes() as u64 <= budget);
+    assert!((m.arena_bytes() as u64) < base.arena);
+    // The same budget without recomputation is refused, and `auto` needs a budget.
+    let mut plain = refs.clone();
+    plain.extend(["--remat", "none"]);
+    assert_eq!(cli(&plain), std::process::ExitCode::from(1));
+    let no_budget = [
+        "build",
+        refs[1],
+        "--remat",
+        "auto",
+        "--emit",
+        "kernels",
+        "-o",
+        refs[refs.len() - 1],
+    ];
+    assert_eq!(cli(&no_budget), std::process::ExitCode::from(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fit_finds_a_larger_batch_with_remat() {
+    use tcc::cli::RematMode;
+    let file = tcc_tests::root().join("examples/gpt.tdsl");
+    let sets: Vec<(String, String)> = GPT
+        .iter()
+        .filter(|(k, _)| *k != "B")
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    let g = graph("examples/gpt.tdsl", GPT);
+    let base = step::measure(&g, &BTreeSet::new(), &CompileOptions::default()).unwrap();
+    // The B=2 arena: without remat B=2 is the answer; recomputation fits more.
+    let budget = base.arena;
+    let fit = |remat| tcc::cli::fit::run(&file, &sets, &None, budget, "B", 64, remat, 200).unwrap();
+    let plain = fit(RematMode::None);
+    let with = fit(RematMode::Auto);
+    assert_eq!(plain, 2);
+    assert!(with > plain, "{with} vs {plain}");
+}
