@@ -88,7 +88,7 @@ fn auto_meets_the_budget_in_the_verified_plan_and_trains_like_no_remat() {
 fn baselines_recompute_and_train_like_no_remat() {
     let g = graph("examples/gpt.tdsl", GPT);
     let fused = tcc::kernel::fuse::fuse(&g, Default::default()).unwrap();
-    let m = step::Model::new(&g, &fused.materialized);
+    let m = step::Model::new(&g, &fused);
     let opts = CompileOptions::default();
     let base = step::measure(&g, &BTreeSet::new(), &opts).unwrap();
     for (name, set) in [

@@ -238,8 +238,9 @@ fn run_tdsl(
         flop(total),
         t.elapsed().as_secs_f64() * 1e3
     );
-    let fused = crate::kernel::fuse::fuse(&g, copts.fuse).map_err(|e| e.to_string())?;
-    let m = step::Model::new(&g, &fused.materialized);
+    let prepared = step::prepare(&g);
+    let fused = crate::kernel::fuse::fuse(&prepared, copts.fuse).map_err(|e| e.to_string())?;
+    let m = step::Model::new(&prepared, &fused);
     println!(
         "{:<34} {:>12} {:>10} {:>9} {:>14} {:>8}",
         "strategy", "arena", "transient", "recomp.", "+FLOP", "+FLOP %"
@@ -256,11 +257,11 @@ fn run_tdsl(
         );
     };
     row("none", &base);
-    let pb = step::per_block(&g, &m);
-    let pb = step::measure(&g, &pb, &copts).map_err(err)?;
+    let pb = step::per_block(&prepared, &m);
+    let pb = step::measure(&prepared, &pb, &copts).map_err(err)?;
     row("per-block", &pb);
     let sq = step::sqrt_n(&m);
-    let sq = step::measure(&g, &sq, &copts).map_err(err)?;
+    let sq = step::measure(&prepared, &sq, &copts).map_err(err)?;
     row("sqrt(n)", &sq);
     for &frac in budgets {
         let budget = base.persistent + (transient as f64 * frac) as u64;

@@ -360,11 +360,23 @@ pub fn greedy(g: &RematGraph, budget: u64) -> Option<Solution> {
 
 /// [`greedy`] that gives up (returns `None`) at `deadline`.
 pub fn greedy_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
+    greedy_batched(g, budget, deadline, 1)
+}
+
+/// [`greedy_until`] that evicts the `batch` best-scoring candidates per round instead of
+/// one (for graphs with hundreds of candidates, where one simulation per candidate per
+/// eviction is too slow).
+pub fn greedy_batched(
+    g: &RematGraph,
+    budget: u64,
+    deadline: Option<Instant>,
+    batch: usize,
+) -> Option<Solution> {
     let cands = g.candidates();
     let mut evict = vec![false; g.len()];
     let mut cur = simulate(g, &evict);
     while cur.peak > budget {
-        let mut best: Option<(f64, usize, Eval)> = None;
+        let mut scored: Vec<(f64, usize, Eval)> = Vec::new();
         for &c in &cands {
             if evict[c] {
                 continue;
@@ -383,13 +395,22 @@ pub fn greedy_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> O
             } else {
                 g.mem[c] as f64 * 1e-12 / extra
             };
-            if best.as_ref().is_none_or(|b| score > b.0) {
-                best = Some((score, c, e));
-            }
+            scored.push((score, c, e));
         }
-        let (_, c, e) = best?;
-        evict[c] = true;
-        cur = e;
+        if scored.is_empty() {
+            return None;
+        }
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        if batch <= 1 {
+            let (_, c, e) = scored[0];
+            evict[c] = true;
+            cur = e;
+        } else {
+            for &(_, c, _) in scored.iter().take(batch) {
+                evict[c] = true;
+            }
+            cur = simulate(g, &evict);
+        }
     }
     // Removal pass: keep again what the budget allows, most expensive recomputation first.
     let mut evicted: Vec<usize> = cands.iter().copied().filter(|&c| evict[c]).collect();

@@ -86,12 +86,13 @@ pub fn step_flops(g: &Graph) -> u64 {
     g.node_ids().map(|n| flops(g, n)).sum()
 }
 
-/// May the backward pass recompute this forward value? Leaves, constants, random ops,
-/// outputs and the loss stay; views are recomputed with their root.
-fn evictable(g: &Graph, n: NodeId) -> bool {
+/// May the backward pass recompute this forward value? Leaves, constants, outputs and the
+/// loss stay (dropout recomputes its mask from its seed and the element index); views that alias their operand's bytes are recomputed with it
+/// (a view that is a copy in the plan is a value of its own).
+fn evictable(g: &Graph, n: NodeId, alias: bool) -> bool {
     let node = g.node(n);
     !node.backward
-        && !node.op.is_view_candidate()
+        && !alias
         && !matches!(
             node.op,
             Op::Input { .. }
@@ -100,7 +101,6 @@ fn evictable(g: &Graph, n: NodeId) -> bool {
                 | Op::Literal { .. }
                 | Op::Full { .. }
                 | Op::Arange { .. }
-                | Op::Dropout { .. }
                 | Op::Grad
         )
         && !g.outputs.iter().any(|(_, o)| *o == n)
@@ -108,9 +108,9 @@ fn evictable(g: &Graph, n: NodeId) -> bool {
         && !g.updates.iter().any(|(t, v)| *t == n || *v == n)
 }
 
-/// The storage root of a view chain.
-fn root(g: &Graph, mut n: NodeId) -> NodeId {
-    while g.node(n).op.is_view_candidate() {
+/// The storage root of a chain of views among `views`.
+fn root_in(g: &Graph, views: &BTreeSet<NodeId>, mut n: NodeId) -> NodeId {
+    while views.contains(&n) {
         match g.node(n).inputs.first() {
             Some(&i) => n = i,
             None => break,
@@ -125,14 +125,44 @@ pub struct Model {
     /// Graph node of each model node.
     pub nodes: Vec<NodeId>,
     index: BTreeMap<NodeId, usize>,
+    /// Views that alias their operand's buffer in the plan, by operand.
+    aliases: BTreeMap<NodeId, Vec<NodeId>>,
 }
 
 impl Model {
-    /// Builds the model; `materialized` are the nodes with a buffer in the fused plan.
-    pub fn new(g: &Graph, materialized: &BTreeSet<NodeId>) -> Model {
+    /// Builds the model from the step and its fused kernels. Every value but aliasing views,
+    /// params, optimizer state and scalars counts its bytes, fused or not: fusion folds many
+    /// values into their readers' kernels, but once a reader is recomputed in the backward
+    /// pass, its inputs must be kept (or recomputed too).
+    pub fn new(g: &Graph, fused: &crate::kernel::fuse::Fused) -> Model {
+        let lv = crate::analysis::liveness::kernel_liveness(g, fused);
         let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
         let index: BTreeMap<NodeId, usize> =
             order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let mut alias_set = BTreeSet::new();
+        let mut aliases: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+        for &id in &order {
+            let node = g.node(id);
+            if !node.op.is_view_candidate() {
+                continue;
+            }
+            let Some(&x) = node.inputs.first() else {
+                continue;
+            };
+            let same = matches!(
+                (lv.buffer_of.get(&id), lv.buffer_of.get(&x)),
+                (Some(a), Some(b)) if a == b
+            );
+            // A view no kernel stores is an alias too.
+            let owns = lv
+                .buffer_of
+                .get(&id)
+                .is_some_and(|&b| lv.buffers[b].owner == id);
+            if same || !owns {
+                alias_set.insert(id);
+                aliases.entry(x).or_default().push(id);
+            }
+        }
         let n = order.len();
         let mut rg = RematGraph {
             names: Vec::with_capacity(n),
@@ -147,36 +177,48 @@ impl Model {
             let node = g.node(id);
             rg.names.push(format!("{} {}", node.op.name(), node.ty));
             let persistent = matches!(node.op, Op::Param { .. } | Op::State { .. });
-            if materialized.contains(&id) && !persistent && !node.op.is_view_candidate() {
+            let alias = alias_set.contains(&id);
+            let scalar = matches!(node.op, Op::Literal { .. });
+            if !persistent && !alias && !scalar {
                 rg.mem[i] = node.ty.size_bytes() as u64;
             }
             rg.cost[i] = flops(g, id);
             let mut preds: Vec<usize> = node
                 .inputs
                 .iter()
-                .filter_map(|&x| index.get(&root(g, x)).copied())
+                .filter_map(|&x| index.get(&root_in(g, &alias_set, x)).copied())
                 .collect();
             preds.sort_unstable();
             preds.dedup();
             rg.preds[i] = preds;
             rg.backward[i] = node.backward;
-            rg.fixed[i] = !evictable(g, id);
+            rg.fixed[i] = !evictable(g, id, alias);
         }
         Model {
             graph: rg,
             nodes: order,
             index,
+            aliases,
         }
     }
 
-    /// The graph nodes of a model eviction.
+    /// The graph nodes of a model eviction, with the views that alias them.
     pub fn evicted(&self, evict: &[bool]) -> BTreeSet<NodeId> {
-        evict
+        let mut out = BTreeSet::new();
+        let mut stack: Vec<NodeId> = evict
             .iter()
             .enumerate()
             .filter(|(_, &e)| e)
             .map(|(i, _)| self.nodes[i])
-            .collect()
+            .collect();
+        while let Some(n) = stack.pop() {
+            if out.insert(n) {
+                if let Some(vs) = self.aliases.get(&n) {
+                    stack.extend(vs.iter().copied());
+                }
+            }
+        }
+        out
     }
 
     /// The model eviction of a set of graph nodes.
@@ -191,89 +233,203 @@ impl Model {
     }
 }
 
-/// The step with `evict` recomputed (see the module doc). Values in `evict` that no
-/// backward node reads are left as they are.
+/// The step with `evict` recomputed (see the module doc). A clone's input is the original
+/// value when that is still alive (kept, or read later anyway); a forward value whose
+/// readers have all run is recomputed too, back to values that are alive — as the
+/// simulator counts it. Values in `evict` that no later backward node reads stay as they
+/// are.
 pub fn apply(g: &Graph, evict: &BTreeSet<NodeId>) -> Graph {
     if evict.is_empty() {
         return g.clone();
     }
     let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
-    let mut h = g.clone();
-    let mut clones: BTreeMap<NodeId, NodeId> = BTreeMap::new();
-    let mut new_order: Vec<NodeId> = Vec::with_capacity(order.len());
-    // Needs a clone: evicted, or a view of something that does.
-    fn needs(g: &Graph, evict: &BTreeSet<NodeId>, n: NodeId) -> bool {
-        evict.contains(&n)
-            || (g.node(n).op.is_view_candidate()
-                && g.node(n)
-                    .inputs
-                    .first()
-                    .is_some_and(|&i| needs(g, evict, i)))
-    }
-    // The clone of `n`, made (with its evicted inputs) and scheduled now if not yet.
-    fn clone_of(
-        g: &Graph,
-        h: &mut Graph,
-        evict: &BTreeSet<NodeId>,
-        clones: &mut BTreeMap<NodeId, NodeId>,
-        new_order: &mut Vec<NodeId>,
-        n: NodeId,
-    ) -> Option<NodeId> {
-        if let Some(&c) = clones.get(&n) {
-            return Some(c);
-        }
-        let node = g.node(n).clone();
-        let mut inputs = Vec::with_capacity(node.inputs.len());
-        for &i in &node.inputs {
-            inputs.push(if needs(g, evict, i) {
-                clone_of(g, h, evict, clones, new_order, i)?
-            } else {
-                i
-            });
-        }
-        let c = h.add(node.op.clone(), inputs, node.span, None).ok()?;
-        h.mark_backward(c);
-        clones.insert(n, c);
-        new_order.push(c);
-        Some(c)
-    }
-    // Last forward reader of each value, its views' readers included: backward readers
-    // that run before it (a schedule may interleave them) still read the original.
     let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    // Last reader of each value (any reader; a view's readers extend its operand), and last
+    // forward reader (views in `evict` extend their operand: they go with it).
+    let mut last_any: BTreeMap<NodeId, usize> = BTreeMap::new();
     let mut last_fwd: BTreeMap<NodeId, usize> = BTreeMap::new();
     for &n in order.iter().rev() {
         let node = g.node(n);
-        if !node.backward {
-            for &i in &node.inputs {
+        for &i in &node.inputs {
+            let e = last_any.entry(i).or_insert(0);
+            *e = (*e).max(pos[&n]);
+            if !node.backward {
                 let e = last_fwd.entry(i).or_insert(0);
                 *e = (*e).max(pos[&n]);
             }
         }
-        if node.op.is_view_candidate() {
-            if let (Some(&i), Some(&l)) = (node.inputs.first(), last_fwd.get(&n)) {
+        if let Some(&i) = node.inputs.first().filter(|_| node.op.is_view_candidate()) {
+            if let Some(&l) = last_any.get(&n) {
+                let e = last_any.entry(i).or_insert(0);
+                *e = (*e).max(l);
+            }
+            if let Some(&l) = last_fwd.get(&n).filter(|_| evict.contains(&n)) {
                 let e = last_fwd.entry(i).or_insert(0);
                 *e = (*e).max(l);
             }
         }
     }
+    struct Cloner<'a> {
+        g: &'a Graph,
+        h: Graph,
+        evict: &'a BTreeSet<NodeId>,
+        last_any: BTreeMap<NodeId, usize>,
+        clones: BTreeMap<NodeId, NodeId>,
+        order: Vec<NodeId>,
+    }
+    impl Cloner<'_> {
+        /// Whether a reader at position `at` needs `n` recomputed.
+        fn needs(&self, n: NodeId, at: usize) -> bool {
+            let leaf = matches!(
+                self.g.node(n).op,
+                Op::Input { .. } | Op::Param { .. } | Op::State { .. }
+            );
+            self.evict.contains(&n)
+                || (!leaf
+                    && !self.g.node(n).backward
+                    && self.last_any.get(&n).is_none_or(|&l| l < at))
+        }
+
+        /// The clone of `n` (made, with the inputs it needs, and scheduled now if not yet).
+        fn clone_of(&mut self, n: NodeId, at: usize) -> Option<NodeId> {
+            if let Some(&c) = self.clones.get(&n) {
+                return Some(c);
+            }
+            let node = self.g.node(n).clone();
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for &i in &node.inputs {
+                inputs.push(if self.needs(i, at) {
+                    self.clone_of(i, at)?
+                } else {
+                    i
+                });
+            }
+            let c = self.h.add(node.op.clone(), inputs, node.span, None).ok()?;
+            self.h.mark_backward(c);
+            self.clones.insert(n, c);
+            self.order.push(c);
+            Some(c)
+        }
+    }
+    let mut cl = Cloner {
+        g,
+        h: g.clone(),
+        evict,
+        last_any,
+        clones: BTreeMap::new(),
+        order: Vec::with_capacity(order.len()),
+    };
     for &n in &order {
         if g.node(n).backward {
-            let inputs = g.node(n).inputs.clone();
-            for i in inputs {
-                let after = last_fwd.get(&root(g, i)).is_none_or(|&l| pos[&n] > l);
-                if after && needs(g, evict, i) {
-                    match clone_of(g, &mut h, evict, &mut clones, &mut new_order, i) {
-                        Some(c) => h.replace_use_in(n, i, c),
-                        // A clone that does not type-check cannot happen (same op, same
-                        // operand types); if it did, the original is simply kept.
-                        None => continue,
+            let at = pos[&n];
+            for i in g.node(n).inputs.clone() {
+                // Backward readers that run before the last forward reader (a schedule may
+                // interleave them) still read the original.
+                let after = last_fwd.get(&root_in(g, evict, i)).is_none_or(|&l| at > l);
+                if after && evict.contains(&i) {
+                    // A clone that does not type-check cannot happen (same op, same operand
+                    // types); if it did, the original would simply be kept.
+                    if let Some(c) = cl.clone_of(i, at) {
+                        cl.h.replace_use_in(n, i, c);
                     }
                 }
             }
         }
-        new_order.push(n);
+        cl.order.push(n);
     }
-    h.reordered(&new_order)
+    let order = updates_last(&cl.h, cl.order);
+    cl.h.reordered(&order)
+}
+
+/// Moves each optimizer update (with everything computed from it) after the last other
+/// reader of its param, so a recomputation that reads a param reads the value the step
+/// started with (the schedule had put updates as early as their gradients allowed).
+fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
+    for &(target, value) in &h.updates {
+        let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        // The update and what reads it, transitively.
+        let mut moved: BTreeSet<NodeId> = BTreeSet::from([value]);
+        for &n in &order[pos.get(&value).copied().unwrap_or(0)..] {
+            if h.node(n).inputs.iter().any(|i| moved.contains(i)) {
+                moved.insert(n);
+            }
+        }
+        // Readers of the param (through views) that are not part of it.
+        let reads = |n: NodeId| {
+            h.node(n).inputs.iter().any(|&i| {
+                let mut i = i;
+                while i != target && h.node(i).op.is_view_candidate() {
+                    match h.node(i).inputs.first() {
+                        Some(&j) => i = j,
+                        None => break,
+                    }
+                }
+                i == target
+            })
+        };
+        let last = order
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| !moved.contains(&n) && reads(n))
+            .map(|(i, _)| i)
+            .max();
+        let (Some(last), Some(&first)) = (last, pos.get(&value)) else {
+            continue;
+        };
+        if first > last {
+            continue;
+        }
+        let (early, rest): (Vec<NodeId>, Vec<NodeId>) =
+            order[..=last].iter().partition(|n| !moved.contains(n));
+        let mut next = early;
+        next.extend(rest);
+        next.extend_from_slice(&order[last + 1..]);
+        order = next;
+    }
+    order
+}
+
+/// The step reordered for recomputation: backward nodes that the schedule placed inside the
+/// forward pass and that read only forward values (masks and statistics a gradient will
+/// need) move to just before their first reader. Placed early, they would make every
+/// evicted value they read be recomputed during the forward pass.
+pub fn prepare(g: &Graph) -> Graph {
+    let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+    let Some(fwd_end) = order.iter().rposition(|&n| !g.node(n).backward) else {
+        return g.clone();
+    };
+    let update_values: BTreeSet<NodeId> = g.updates.iter().map(|u| u.1).collect();
+    let mut early: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in &order[..fwd_end] {
+        let node = g.node(n);
+        if node.backward
+            && !update_values.contains(&n)
+            && node
+                .inputs
+                .iter()
+                .all(|i| !g.node(*i).backward || early.contains(i))
+        {
+            early.insert(n);
+        }
+    }
+    if early.is_empty() {
+        return g.clone();
+    }
+    let mut rest: Vec<NodeId> = order
+        .iter()
+        .copied()
+        .filter(|n| !early.contains(n))
+        .collect();
+    for &n in order.iter().rev().filter(|n| early.contains(n)) {
+        let users = g.users(n);
+        let at = rest
+            .iter()
+            .position(|x| users.contains(x))
+            .unwrap_or(rest.len());
+        rest.insert(at, n);
+    }
+    let rest = updates_last(g, rest);
+    g.reordered(&rest)
 }
 
 /// A decision compiled to its real plan.
@@ -315,18 +471,16 @@ pub fn sqrt_n(m: &Model) -> BTreeSet<NodeId> {
 /// candidate made inside a top-level call of a user function is recomputed, unless a
 /// forward node outside that call (or an output) reads it — the block's result stays.
 pub fn per_block(g: &Graph, m: &Model) -> BTreeSet<NodeId> {
-    m.graph
-        .candidates()
-        .into_iter()
-        .map(|i| m.nodes[i])
-        .filter(|&n| {
-            let b = g.node(n).block;
-            b.is_some()
-                && g.users(n)
-                    .iter()
-                    .all(|&u| g.node(u).backward || g.node(u).block == b)
-        })
-        .collect()
+    let mut mask = vec![false; m.nodes.len()];
+    for i in m.graph.candidates() {
+        let n = m.nodes[i];
+        let b = g.node(n).block;
+        mask[i] = b.is_some()
+            && g.users(n)
+                .iter()
+                .all(|&u| g.node(u).backward || g.node(u).block == b);
+    }
+    m.evicted(&mask)
 }
 
 /// Options of [`auto`].
@@ -392,8 +546,10 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
         return Ok(done(base, "none needed", 1));
     }
     let persistent = base.persistent;
+    let prepared = prepare(g);
+    let g = &prepared;
     let fused = crate::kernel::fuse::fuse(g, o.compile.fuse).map_err(BuildError::from)?;
-    let m = Model::new(g, &fused.materialized);
+    let m = Model::new(g, &fused);
     let model_peak = super::none(&m.graph).eval.peak.max(1);
     let real_transient = base.arena.saturating_sub(persistent).max(1);
     let want = o.budget.saturating_sub(persistent);
@@ -490,8 +646,14 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
 /// and bound within `limit`.
 fn solve_model(g: &RematGraph, target: u64, limit: Duration) -> Option<Solution> {
     let t0 = Instant::now();
-    let dp = super::chain_dp_until(g, target, Some(t0 + limit / 3));
-    let greedy = super::greedy_until(g, target, Some(t0 + limit * 2 / 3));
+    let k = g.candidates().len();
+    // The DP simulates every pair of candidates: only for modest counts.
+    let dp = if k <= 160 {
+        super::chain_dp_until(g, target, Some(t0 + limit / 3))
+    } else {
+        None
+    };
+    let greedy = super::greedy_batched(g, target, Some(t0 + limit * 2 / 3), (k / 48).max(1));
     let warm = match (dp, greedy) {
         (Some(a), Some(b)) => Some(if b.eval.added_cost < a.eval.added_cost {
             b
