@@ -112,6 +112,7 @@ pub fn run(
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut last_fit: Option<(u64, String)> = None;
+    let mut smallest: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     let mut eval = |v: u64| -> Result<bool, String> {
         if let Some(&a) = tried.get(&v) {
             return Ok(a);
@@ -127,6 +128,7 @@ pub fn run(
             None => format!("arena {}", super::run::bytes(t.arena)),
         };
         let fits = t.fits(budget);
+        smallest.insert(v, t.remat.map_or(t.arena, |r| r.0.min(t.arena)));
         println!(
             "  {name} = {v:>8}: {what}{}",
             if fits { "" } else { "  (over)" }
@@ -138,8 +140,10 @@ pub fn run(
         Ok(fits)
     };
     if !eval(1)? {
+        let a = smallest.get(&1).copied().unwrap_or(0);
         return Err(format!(
-            "even {name} = 1 does not fit the budget of {}{}",
+            "even {name} = 1 needs an arena of {} ({a} bytes), over the budget of {}{}",
+            super::run::bytes(a),
             super::run::bytes(budget),
             if remat == RematMode::Auto {
                 ", with recomputation"
@@ -167,12 +171,12 @@ pub fn run(
     eval(lo)?;
     let what = last_fit.map(|l| l.1).unwrap_or_default();
     println!(
-        "largest {name} that fits {}{}: {lo} ({what}){}",
+        "largest {name} that fits {}: {lo} ({what}; {}){}",
         super::run::bytes(budget),
         match remat {
-            RematMode::Auto => " with rematerialization",
-            RematMode::None => " without rematerialization",
-            RematMode::Manual => " with its checkpoint blocks",
+            RematMode::Auto => "recomputation allowed",
+            RematMode::None => "no recomputation",
+            RematMode::Manual => "checkpoint blocks only",
         },
         if lo == max {
             " — the --max limit"

@@ -504,8 +504,8 @@ pub struct Outcome {
     pub finished: bool,
 }
 
-/// The best eviction within `limit`: greedy, then the pruned (heuristic) search, then the
-/// exact branch and bound warm-started by both. `optimal` is set when the exact search
+/// The best eviction within `limit`: greedy and the chain DP, then the pruned (heuristic)
+/// search, then the exact branch and bound warm-started by them. `optimal` is set when the exact search
 /// finished: no eviction set meets the budget with less added cost (in this remat model).
 pub fn branch_and_bound(g: &RematGraph, budget: u64, limit: Duration) -> Option<Solution> {
     solve(g, budget, limit).best
@@ -514,7 +514,21 @@ pub fn branch_and_bound(g: &RematGraph, budget: u64, limit: Duration) -> Option<
 /// [`branch_and_bound`] with the search status.
 pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
     let start = Instant::now();
-    let warm = greedy_until(g, budget, Some(start + limit / 2));
+    let greedy = greedy_until(g, budget, Some(start + limit / 3));
+    // The chain DP simulates every pair of candidates: only for modest counts.
+    let dp = if g.candidates().len() <= 160 {
+        chain_dp_until(g, budget, Some(start + limit / 2))
+    } else {
+        None
+    };
+    let warm = match (greedy, dp) {
+        (Some(a), Some(b)) => Some(if b.eval.added_cost < a.eval.added_cost {
+            b
+        } else {
+            a
+        }),
+        (a, b) => a.or(b),
+    };
     solve_from(g, budget, limit.saturating_sub(start.elapsed()), warm)
 }
 
