@@ -548,7 +548,19 @@ fn matmul(
         let t = ad.b.sum_to(t, &a2_shape)?;
         ga = Some(ad.b.reshape(t, at.shape.clone())?);
     }
-    if wb {
+    if wb && bt.rank() == 2 && a2_shape.rank() > 2 {
+        // A 2-D right operand shared by a batch (`x @ w` with x [B, T, D]): one GEMM over
+        // the flattened batch, x^T [D, B*T] @ g [B*T, N], rather than a batched product
+        // [B, D, N] summed over B afterwards.
+        let k = a2_shape.dims()[a2_shape.rank() - 1];
+        let rows = a2_shape.numel() / k.max(1);
+        let n = bt.dims()[1];
+        let av = ad.fwd(a)?;
+        let a_flat = ad.b.reshape(av, Shape(vec![rows, k]))?;
+        let g_flat = ad.b.reshape(g2, Shape(vec![rows, n]))?;
+        let at2 = ad.b.transpose(a_flat)?;
+        gb = Some(ad.b.add(Op::MatMul, vec![at2, g_flat])?);
+    } else if wb {
         let av = ad.fwd(a)?;
         let a2 = ad.b.reshape(av, a2_shape)?;
         let at2 = ad.b.transpose(a2)?;
