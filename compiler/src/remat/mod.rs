@@ -217,14 +217,15 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
     let mut cur = 0u64;
     let mut peak = 0u64;
     let mut added = 0u64;
-    // Recomputes `u` (and evicted inputs that are gone), keeping it live afterwards.
+    // Recomputes `u` (and inputs that are gone), keeping it live afterwards. Inputs that
+    // were gone are recomputed once per step and freed when the step is over (`temps`).
     #[allow(clippy::too_many_arguments)]
     fn recompute(
         g: &RematGraph,
         u: usize,
         live: &mut [bool],
         recomputed: &mut [bool],
-        uses_left: &[usize],
+        temps: &mut Vec<usize>,
         cur: &mut u64,
         peak: &mut u64,
         added: &mut u64,
@@ -233,20 +234,9 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
         if depth > g.len() {
             return;
         }
-        let mut temps = Vec::new();
         for &w in &g.preds[u] {
             if !live[w] {
-                recompute(
-                    g,
-                    w,
-                    live,
-                    recomputed,
-                    uses_left,
-                    cur,
-                    peak,
-                    added,
-                    depth + 1,
-                );
+                recompute(g, w, live, recomputed, temps, cur, peak, added, depth + 1);
                 temps.push(w);
             }
         }
@@ -255,13 +245,8 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
         *added += g.cost[u];
         live[u] = true;
         recomputed[u] = true;
-        for w in temps {
-            if uses_left[w] == 0 && live[w] {
-                live[w] = false;
-                *cur -= g.mem[w];
-            }
-        }
     }
+    let mut temps: Vec<usize> = Vec::new();
     for (p, &v) in g.order.iter().enumerate() {
         let mut step = cur;
         for i in 0..g.preds[v].len() {
@@ -272,7 +257,7 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
                     u,
                     &mut live,
                     &mut recomputed,
-                    &uses_left,
+                    &mut temps,
                     &mut cur,
                     &mut step,
                     &mut added,
@@ -304,6 +289,12 @@ fn simulate_steps(g: &RematGraph, evict: &[bool], mut profile: Option<&mut Vec<u
         if uses_left[v] == 0 {
             live[v] = false;
             cur -= g.mem[v];
+        }
+        for w in temps.drain(..) {
+            if uses_left[w] == 0 && live[w] {
+                live[w] = false;
+                cur -= g.mem[w];
+            }
         }
     }
     Eval {
