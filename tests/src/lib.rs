@@ -488,3 +488,84 @@ pub fn half_cases() -> Vec<(String, String, f64)> {
     }
     v
 }
+
+/// Programs that exercise the CUDA back end's special paths, with the bound on their
+/// relative error against the interpreter: vectorized pointwise kernels (vector loads of
+/// f32, i32 and halves, scalar broadcasts, and shapes that fall back to the scalar path),
+/// the tiled f32 matmul and the tensor-core f16/bf16 matmul with fused epilogues (edges
+/// that are not multiples of the tiles, a transposed A, a batch).
+pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
+    let mut v = Vec::new();
+    let mut add = |what: &str, decls: &str, e: &str, tol: f64| {
+        v.push((
+            what.to_string(),
+            format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n"),
+            tol,
+        ));
+    };
+    add(
+        "vector f32 with row and column broadcasts",
+        " input x: f32[64, 96]\n input b: f32[96]\n input c: f32[64, 1]",
+        "gelu(x + b) * c",
+        1e-5,
+    );
+    add(
+        "vector i32",
+        " input x: i32[16, 32]\n input y: i32[32]",
+        "x * 3 + y",
+        0.0,
+    );
+    add(
+        "scalar fallback: odd extent",
+        " input x: f32[33, 7]\n input y: f32[7]",
+        "tanh(x) - y",
+        1e-5,
+    );
+    add(
+        "scalar fallback: transposed load",
+        " input x: f32[64, 96]\n input y: f32[96, 64]",
+        "x + transpose(y)",
+        1e-5,
+    );
+    for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
+        add(
+            &format!("vector {d} with a broadcast"),
+            &format!(" input x: {d}[32, 64]\n input b: {d}[64]"),
+            "silu(x) + b",
+            tol,
+        );
+    }
+    add(
+        "tiled f32 matmul, epilogue",
+        " input x: f32[128, 96]\n input w: f32[96, 80]\n input b: f32[80]",
+        "relu(x @ w + b)",
+        1e-5,
+    );
+    for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
+        add(
+            &format!("{d} matmul, epilogue"),
+            &format!(" input x: {d}[128, 64]\n input w: {d}[64, 96]\n input b: {d}[96]"),
+            "gelu(x @ w + b)",
+            tol,
+        );
+        add(
+            &format!("{d} matmul, ragged edges"),
+            &format!(" input x: {d}[70, 40]\n input w: {d}[40, 50]"),
+            "x @ w",
+            tol,
+        );
+        add(
+            &format!("{d} matmul, transposed A"),
+            &format!(" input x: {d}[48, 128]\n input w: {d}[48, 64]"),
+            "transpose(x) @ w",
+            tol,
+        );
+        add(
+            &format!("{d} batched matmul"),
+            &format!(" input x: {d}[3, 64, 32]\n input w: {d}[3, 32, 72]"),
+            "x @ w",
+            tol,
+        );
+    }
+    v
+}

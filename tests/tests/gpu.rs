@@ -10,8 +10,9 @@
 use tcc::front::Options;
 use tcc_runtime::Device;
 use tcc_tests::{
-    builtin_program, compile_pipeline, device_steps, eager_steps, half_cases, integer_program,
-    options_from_args, params_rel_err, rel_err, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, device_steps, eager_steps, gpu_path_cases, half_cases,
+    integer_program, options_from_args, params_rel_err, rel_err, root, tdsl_files, BUILTIN_CASES,
+    INTEGER_CASES,
 };
 
 /// Whether a GPU is usable; panics if one is required and missing.
@@ -95,5 +96,15 @@ fn gpu_examples_train_like_eager() {
     ] {
         let src = std::fs::read_to_string(root().join(format!("examples/{ex}.tdsl"))).unwrap();
         agree(&src, &options_from_args(set), ex, steps, 1e-5);
+    }
+}
+
+#[test]
+fn gpu_vector_and_matmul_paths_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    for (what, src, tol) in gpu_path_cases() {
+        agree(&src, &Options::default(), &what, 1, tol);
     }
 }

@@ -6,8 +6,8 @@ use tcc::artifact::{compile, CompileOptions, Target};
 use tcc::front::Options;
 use tcc::kernel::fuse::FuseOptions;
 use tcc_tests::{
-    builtin_program, compile_pipeline, integer_program, options_from_args, ptxas, root, tdsl_files,
-    BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, gpu_path_cases, integer_program, options_from_args, ptxas,
+    root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn programs() -> Vec<(String, String, Options)> {
@@ -42,6 +42,9 @@ fn programs() -> Vec<(String, String, Options)> {
     }
     for e in INTEGER_CASES {
         v.push((e.to_string(), integer_program(e), Options::default()));
+    }
+    for (what, src, _) in gpu_path_cases() {
+        v.push((what, src, Options::default()));
     }
     for d in ["f16", "bf16"] {
         v.push((

@@ -1360,6 +1360,11 @@ fn emit_kernel(
     } else {
         points
     };
+    if !block_mode && k.matmul.is_none() && par == rank {
+        if let Some(plan) = vector_plan(k, &site, &live, offset_of) {
+            return emit_vector_pointwise(k, offset_of, site, live, &plan);
+        }
+    }
     let mut px = Px::new(k, offset_of, site, live);
     if block_mode {
         px.block_reductions = top;
@@ -1458,6 +1463,312 @@ fn emit_kernel(
         kernel: k.name.clone(),
         message: format!("{threads} threads do not fit one grid"),
     })?;
+    Ok((
+        text,
+        LaunchShape {
+            grid: [grid.max(1), 1, 1],
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+        },
+    ))
+}
+
+/// Elements per vector access of the vectorized pointwise path (16 bytes of f32 or i32,
+/// 8 bytes of f16/bf16).
+const VEC: usize = 4;
+/// Vectors per thread of the vectorized pointwise path when there are many: their loads
+/// are all issued before any math, so more bytes are in flight per thread.
+const VEC_UNITS: usize = 2;
+
+/// The vectorized form of a pointwise kernel: which loads become vector loads, how many
+/// vectors each thread handles and how many threads there are.
+struct VecPlan {
+    /// The live loads that vary along the innermost axis, in pool order.
+    loads: Vec<ExprId>,
+    units: usize,
+    threads: u32,
+}
+
+/// Decides whether a kernel whose axes are all spread over threads can move `VEC`
+/// consecutive points of its innermost axis per vector: every store, and every load that
+/// varies along that axis, must have an affine index with coefficient 1 on it whose other
+/// part is a multiple of `VEC`, a dtype with a vector form (not bool) and a buffer at an
+/// arena offset aligned to the vector's bytes; the innermost extent must be a multiple of
+/// `VEC`; no reductions, no accumulating stores. Loads that do not vary along the innermost
+/// axis (broadcasts) stay scalar and are loaded once per vector.
+fn vector_plan(
+    k: &Kernel,
+    site: &[Option<Var>],
+    live: &[ExprId],
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+) -> Option<VecPlan> {
+    let rank = k.domain.len();
+    let last = rank.checked_sub(1)? as Var;
+    let inner = *k.domain.last()?;
+    if inner < VEC || inner % VEC != 0 || k.stores.is_empty() || k.matmul.is_some() {
+        return None;
+    }
+    let aligned = |buf: NodeId, dtype: DType, index: ExprId| -> bool {
+        if !matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16) {
+            return false;
+        }
+        let Some(off) = offset_of(buf) else {
+            return false;
+        };
+        if off % (VEC * dtype.size_bytes()) as u64 != 0 {
+            return false;
+        }
+        let Some(af) = k.pool.affine(index) else {
+            return false;
+        };
+        let v = VEC as i64;
+        af.coef(last) == 1
+            && af.c0 % v == 0
+            && af
+                .terms
+                .iter()
+                .all(|&(x, c)| x == last || ((x as usize) < rank && c % v == 0))
+    };
+    for s in &k.stores {
+        if s.accumulate || !aligned(s.buf, s.dtype, s.index) {
+            return None;
+        }
+    }
+    let mut loads = Vec::new();
+    for &e in live {
+        match k.pool.get(e) {
+            E::Reduce { .. } | E::ArgMax { .. } | E::Acc => return None,
+            E::Load { buf, dtype, index } if site[e.0 as usize] == Some(last) => {
+                if !aligned(*buf, *dtype, *index) {
+                    return None;
+                }
+                loads.push(e);
+            }
+            _ => {}
+        }
+    }
+    let points: u64 = k.domain.iter().map(|&d| d as u64).product();
+    let vectors = points / VEC as u64;
+    if vectors == 0 || vectors > i32::MAX as u64 {
+        return None;
+    }
+    let units = if vectors % VEC_UNITS as u64 == 0 && vectors >= 1 << 18 {
+        VEC_UNITS
+    } else {
+        1
+    };
+    Some(VecPlan {
+        loads,
+        units,
+        threads: (vectors / units as u64) as u32,
+    })
+}
+
+/// One vector of the vectorized pointwise path, between its loads and its math.
+struct VecUnit {
+    /// Registers of the domain variables (the innermost one at lane 0).
+    vars: Vec<String>,
+    /// Nodes computed for this vector that do not vary along the innermost axis.
+    hoisted: Vec<(ExprId, String)>,
+    /// Each vector load's lane registers (f32 or i32 compute registers).
+    loads: Vec<(ExprId, Vec<String>)>,
+    /// Byte address of each store at lane 0.
+    stores: Vec<String>,
+}
+
+impl Px<'_> {
+    /// Pops the innermost cache scope: its nodes leave the cache and are returned.
+    fn pop_scope(&mut self) -> Vec<(ExprId, String)> {
+        let keys = self.journal.pop().unwrap_or_default();
+        keys.into_iter()
+            .filter_map(|key| self.cache.remove(&key).map(|r| (key, r)))
+            .collect()
+    }
+
+    /// `VEC` consecutive elements at `addr`, converted to their compute type.
+    fn vector_load(&mut self, addr: &str, dtype: DType) -> Vec<String> {
+        match dtype {
+            DType::F16 | DType::BF16 => {
+                let hs: Vec<String> = (0..VEC).map(|_| self.fresh("h")).collect();
+                self.line(format!("ld.global.v4.b16 {{{}}}, [{addr}];", hs.join(", ")));
+                let t = if dtype == DType::F16 { "f16" } else { "bf16" };
+                hs.iter()
+                    .map(|h| {
+                        let r = self.fresh("f");
+                        self.line(format!("cvt.f32.{t} {r}, {h};"));
+                        r
+                    })
+                    .collect()
+            }
+            _ => {
+                let (p, t) = if dtype == DType::I32 {
+                    ("r", "b32")
+                } else {
+                    ("f", "f32")
+                };
+                let rs: Vec<String> = (0..VEC).map(|_| self.fresh(p)).collect();
+                self.line(format!("ld.global.v4.{t} {{{}}}, [{addr}];", rs.join(", ")));
+                rs
+            }
+        }
+    }
+
+    /// Stores `VEC` compute values to consecutive elements at `addr`.
+    fn vector_store(&mut self, addr: &str, dtype: DType, vals: &[String]) {
+        match dtype {
+            DType::F16 | DType::BF16 => {
+                let t = if dtype == DType::F16 { "f16" } else { "bf16" };
+                let hs: Vec<String> = vals
+                    .iter()
+                    .map(|v| {
+                        let h = self.fresh("h");
+                        self.line(format!("cvt.rn.{t}.f32 {h}, {v};"));
+                        h
+                    })
+                    .collect();
+                self.line(format!("st.global.v4.b16 [{addr}], {{{}}};", hs.join(", ")));
+            }
+            _ => {
+                let t = if dtype == DType::I32 { "b32" } else { "f32" };
+                self.line(format!(
+                    "st.global.v4.{t} [{addr}], {{{}}};",
+                    vals.join(", ")
+                ));
+            }
+        }
+    }
+}
+
+/// The vectorized pointwise kernel (see [`vector_plan`]): thread `t` handles vectors
+/// `t + u * threads` for `u < units`, so that a warp's accesses stay contiguous. Each vector
+/// is decoded into the domain variables, its vector loads are issued (all units' loads before
+/// any math), then every lane computes the stored values exactly as the scalar path does, one
+/// point at a time, and each store writes one vector.
+fn emit_vector_pointwise(
+    k: &Kernel,
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    site: Vec<Option<Var>>,
+    live: Vec<ExprId>,
+    plan: &VecPlan,
+) -> Res<(String, LaunchShape)> {
+    let rank = k.domain.len();
+    let last = rank - 1;
+    let mut px = Px::new(k, offset_of, site, live);
+    let arena = px.fresh("rd");
+    px.arena = arena.clone();
+    px.line(format!("ld.param.u64 {arena}, [arena];"));
+    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    let (a, b, c) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {a}, %ctaid.x;"));
+    px.line(format!("mov.u32 {b}, %ntid.x;"));
+    px.line(format!("mov.u32 {c}, %tid.x;"));
+    px.tid = c.clone();
+    let tid = px.fresh("r");
+    px.line(format!("mad.lo.u32 {tid}, {a}, {b}, {c};"));
+    let done = px.label("done");
+    let pd = px.fresh("p");
+    px.line(format!("setp.ge.u32 {pd}, {tid}, {};", plan.threads));
+    px.line(format!("@{pd} bra {done};"));
+    px.emit_site(None)?;
+    let mut units = Vec::new();
+    for u in 0..plan.units {
+        let q = px.fresh("r");
+        px.line(format!(
+            "add.u32 {q}, {tid}, {};",
+            u as u64 * plan.threads as u64
+        ));
+        px.journal.push(Vec::new());
+        // Vector index → domain variables (the innermost counts vectors).
+        let mut rest = q;
+        let mut vars = vec![String::new(); rank];
+        for d in (0..rank).rev() {
+            let ext = if d == last {
+                k.domain[d] / VEC
+            } else {
+                k.domain[d]
+            };
+            let v32 = px.fresh("r");
+            if d == 0 {
+                px.line(format!("mov.u32 {v32}, {rest};"));
+            } else {
+                px.line(format!("rem.u32 {v32}, {rest}, {ext};"));
+                let nq = px.fresh("r");
+                px.line(format!("div.u32 {nq}, {rest}, {ext};"));
+                rest = nq;
+            }
+            let v = px.fresh("rd");
+            if d == last {
+                px.line(format!("mul.wide.u32 {v}, {v32}, {VEC};"));
+            } else {
+                px.line(format!("cvt.u64.u32 {v}, {v32};"));
+            }
+            px.vars.insert(d as Var, v.clone());
+            vars[d] = v;
+        }
+        for d in 0..last {
+            px.emit_site(Some(d as Var))?;
+        }
+        // Addresses at lane 0 and the vector loads.
+        px.journal.push(Vec::new());
+        let mut loads = Vec::new();
+        for &e in &plan.loads {
+            if let E::Load { buf, dtype, index } = *k.pool.get(e) {
+                let i = px.emit(index)?;
+                let addr = px.address(buf, dtype, &i)?;
+                loads.push((e, px.vector_load(&addr, dtype)));
+            }
+        }
+        let mut stores = Vec::new();
+        for s in &k.stores {
+            let i = px.emit(s.index)?;
+            stores.push(px.address(s.buf, s.dtype, &i)?);
+        }
+        px.pop_scope();
+        let hoisted = px.pop_scope();
+        units.push(VecUnit {
+            vars,
+            hoisted,
+            loads,
+            stores,
+        });
+    }
+    for unit in units {
+        for (e, r) in &unit.hoisted {
+            px.cache.insert(*e, r.clone());
+        }
+        for (d, v) in unit.vars.iter().enumerate() {
+            px.vars.insert(d as Var, v.clone());
+        }
+        let mut vals: Vec<Vec<String>> = vec![Vec::new(); k.stores.len()];
+        for l in 0..VEC {
+            let lane = if l == 0 {
+                unit.vars[last].clone()
+            } else {
+                let r = px.fresh("rd");
+                px.line(format!("add.s64 {r}, {}, {l};", unit.vars[last]));
+                r
+            };
+            px.vars.insert(last as Var, lane);
+            px.journal.push(Vec::new());
+            for (e, regs) in &unit.loads {
+                px.remember(*e, regs[l].clone());
+            }
+            for (si, s) in k.stores.iter().enumerate() {
+                let v = px.emit(s.value)?;
+                vals[si].push(v);
+            }
+            px.pop_scope();
+        }
+        for ((s, addr), v) in k.stores.iter().zip(&unit.stores).zip(&vals) {
+            px.vector_store(addr, s.dtype, v);
+        }
+        for (e, _) in &unit.hoisted {
+            px.cache.remove(e);
+        }
+    }
+    px.body.push_str(&format!("{done}:\n\tret;\n"));
+    let text = px.finish("");
+    let grid = plan.threads.div_ceil(BLOCK);
     Ok((
         text,
         LaunchShape {
