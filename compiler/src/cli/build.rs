@@ -26,6 +26,7 @@ pub fn build(
     t: Target,
     no_fuse: bool,
     layout: Layout,
+    allow_tf32: bool,
     seed: u64,
     front_ms: f64,
     stderr: &mut StandardStream,
@@ -40,6 +41,7 @@ pub fn build(
                 Layout::Auto => t == Target::Cuda,
             },
         },
+        allow_tf32,
         ..CompileOptions::default()
     };
     let target_of_emit = match emit {
