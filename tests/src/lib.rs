@@ -148,6 +148,19 @@ pub fn device_steps(
     fuse: bool,
     device: tcc_runtime::Device,
 ) -> Result<StepResult, String> {
+    device_steps_with(g, inputs, steps, seed, fuse, device, false)
+}
+
+/// [`device_steps`], where f32 matmuls may use TF32 tensor cores when `allow_tf32`.
+pub fn device_steps_with(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+    fuse: bool,
+    device: tcc_runtime::Device,
+    allow_tf32: bool,
+) -> Result<StepResult, String> {
     use tcc::artifact::{self, CompileOptions, Target};
     let target = match device {
         tcc_runtime::Device::Cpu => Target::Cpu,
@@ -159,6 +172,7 @@ pub fn device_steps(
             fuse,
             channels_last: target == Target::Cuda,
         },
+        allow_tf32,
         ..CompileOptions::default()
     };
     let c = artifact::compile(g, &opts).map_err(|e| e.to_string())?;
