@@ -555,6 +555,24 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "relu(x @ w + b)",
         1e-5,
     );
+    add(
+        "large-tile f32 matmul, ragged columns, epilogue",
+        " input x: f32[256, 72]\n input w: f32[72, 300]\n input b: f32[300]",
+        "tanh(x @ w + b)",
+        1e-5,
+    );
+    add(
+        "large-tile f32 matmul, transposed A, ragged k and columns",
+        " input x: f32[70, 260]\n input w: f32[70, 258]",
+        "transpose(x) @ w",
+        1e-5,
+    );
+    add(
+        "large-tile f32 batched matmul",
+        " input x: f32[2, 256, 64]\n input w: f32[2, 64, 256]",
+        "x @ w",
+        1e-5,
+    );
     for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
         add(
             &format!("{d} matmul, epilogue"),

@@ -185,6 +185,15 @@ fn ptx_paths_are_chosen_where_they_apply() {
         assert!(p.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
         assert!(p.contains("cp.async.cg.shared.global"));
     }
+    // Large f32 matmuls take the 128×128 FFMA tiles (8×8 per thread).
+    let big = ptx(
+        &model(" input a: f32[512, 64]\n input b: f32[64, 512]", "a @ b"),
+        false,
+    );
+    assert!(
+        big.contains("mm_s[16896]") && !big.contains("mma.sync"),
+        "{big}"
+    );
     let f32mm = model(" input a: f32[128, 64]\n input b: f32[64, 96]", "a @ b");
     assert!(!ptx(&f32mm, false).contains("mma.sync"));
     assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));

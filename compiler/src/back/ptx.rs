@@ -1315,6 +1315,9 @@ fn emit_kernel(
         if let Some((kind, grid)) = mma_grid(mm, opts) {
             return emit_mma_matmul(k, mm, kind, grid, offset_of);
         }
+        if let Some(grid) = sgemm_grid(mm) {
+            return emit_sgemm(k, mm, grid, offset_of);
+        }
         if let Some(grid) = tiled_grid(mm) {
             return emit_tiled_matmul(k, mm, grid, offset_of);
         }
@@ -1923,43 +1926,9 @@ fn emit_mma_matmul(
     px.line(format!("shr.u32 {g}, {lane}, 2;"));
     px.line(format!("and.b32 {tg}, {lane}, 3;"));
 
-    // Batch index (%ctaid.z) → the batch variables (row-major), operand bases.
-    let mut rest = px.fresh("rd");
-    px.line(format!("cvt.u64.u32 {rest}, {bz};"));
-    for d in (0..nb).rev() {
-        let v = px.fresh("rd");
-        if d == 0 {
-            px.line(format!("mov.u64 {v}, {rest};"));
-        } else {
-            let ext = mm.batch[d];
-            px.line(format!("rem.u64 {v}, {rest}, {ext};"));
-            let q = px.fresh("rd");
-            px.line(format!("div.u64 {q}, {rest}, {ext};"));
-            rest = q;
-        }
-        px.vars.insert(d as Var, v);
-    }
-    let mut abase = px.imm64(mm.a.base);
-    let mut bbase = px.imm64(mm.b.base);
-    for d in 0..nb {
-        let v = px.vars[&(d as Var)].clone();
-        let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
-        let na = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
-        abase = na;
-        let nb2 = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
-        bbase = nb2;
-    }
-    let buf_addr = |px: &mut Px, buf: NodeId| -> Res<(String, u64)> {
-        let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
-        let r = px.fresh("rd");
-        let arena = px.arena.clone();
-        px.line(format!("add.s64 {r}, {arena}, {off};"));
-        Ok((r, off))
-    };
-    let (abuf, aoff) = buf_addr(&mut px, mm.a.buf)?;
-    let (bbuf, boff) = buf_addr(&mut px, mm.b.buf)?;
+    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
+    let (abuf, aoff) = operand_buffer(&mut px, mm.a.buf)?;
+    let (bbuf, boff) = operand_buffer(&mut px, mm.b.buf)?;
     let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
     px.line(format!("mul.wide.u32 {row0}, {by}, {MMA_BM};"));
     px.line(format!("mul.wide.u32 {col0}, {bx}, {MMA_BN};"));
@@ -2238,40 +2207,12 @@ fn emit_mma_matmul(
     px.line(format!("mad.lo.u32 {t32}, {tg}, 2, {t32};"));
     px.line(format!("cvt.u64.u32 {cb}, {t32};"));
     px.line(format!("add.s64 {cb}, {cb}, {col0};"));
-    let mut rows = Vec::new();
-    for ri in 0..8usize {
-        let (i, ok) = (px.fresh("rd"), px.fresh("p"));
-        px.line(format!(
-            "add.s64 {i}, {rb}, {};",
-            (ri / 2) * 16 + (ri % 2) * 8
-        ));
-        px.line(format!("setp.lt.s64 {ok}, {i}, {m};"));
-        rows.push((i, ok));
-    }
-    let mut cols = Vec::new();
-    for ci in 0..8usize {
-        let (j, ok) = (px.fresh("rd"), px.fresh("p"));
-        px.line(format!("add.s64 {j}, {cb}, {};", (ci / 2) * 8 + ci % 2));
-        px.line(format!("setp.lt.s64 {ok}, {j}, {n};"));
-        cols.push((j, ok));
-    }
-    for (ri, (i, pi)) in rows.iter().enumerate() {
-        let (mi, h) = (ri / 2, ri % 2);
-        for (ci, (j, pj)) in cols.iter().enumerate() {
-            let (nj, c) = (ci / 2, ci % 2);
-            let skip = px.label("skip");
-            let p = px.fresh("p");
-            px.line(format!("and.pred {p}, {pi}, {pj};"));
-            px.line(format!("@!{p} bra {skip};"));
-            px.journal.push(Vec::new());
-            px.vars.insert(nb as Var, i.clone());
-            px.vars.insert(nb as Var + 1, j.clone());
-            px.acc = Some(accs[(mi * 4 + nj) * 4 + h * 2 + c].clone());
-            px.stores()?;
-            px.pop_scope();
-            px.body.push_str(&format!("{skip}:\n"));
-        }
-    }
+    let rows = epilogue_coords(&mut px, &rb, m, &|ri| (ri / 2) * 16 + (ri % 2) * 8);
+    let cols = epilogue_coords(&mut px, &cb, n, &|ci| (ci / 2) * 8 + ci % 2);
+    epilogue(&mut px, nb, &rows, &cols, &|ri, ci| {
+        let (mi, h, nj, c) = (ri / 2, ri % 2, ci / 2, ci % 2);
+        accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
+    })?;
     px.line("ret;");
     let shared = format!("\t.shared .align 128 .b8 mm_s[{}];\n", 2 * stage);
     Ok((
@@ -2295,4 +2236,379 @@ fn chunk_copy(px: &mut Px, dst: &str, buf: &str, idx: &str, p: &str, eb: usize) 
     px.line(format!(
         "cp.async.cg.shared.global [{dst}], [{addr}], 16, {size};"
     ));
+}
+
+/// Large-tile FFMA SGEMM: rows and columns of the block tile.
+const SG_BM: usize = 128;
+const SG_BN: usize = 128;
+/// Depth of one `k` stage.
+const SG_BK: usize = 8;
+/// Floats per shared row (`[k][m]` for A, `[k][n]` for B), padded by 4.
+const SG_STRIDE: usize = 132;
+/// Bytes of one operand tile of one stage.
+const SG_TILE: usize = SG_BK * SG_STRIDE * 4;
+
+/// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
+fn sgemm_grid(mm: &Matmul) -> Option<[u32; 3]> {
+    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
+        return None;
+    }
+    if mm.m < 64 || mm.n < 64 || mm.m * mm.n < 1 << 16 {
+        return None;
+    }
+    let batch: usize = mm.batch.iter().product();
+    let (gx, gy) = (mm.n.div_ceil(SG_BN), mm.m.div_ceil(SG_BM));
+    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+        return None;
+    }
+    Some([gx as u32, gy as u32, batch as u32])
+}
+
+/// FFMA SGEMM with 128×128 block tiles of 256 threads, each thread an 8×8 register tile
+/// (rows `ty*4 + {0..4} + {0, 64}`, columns `tx*4 + {0..4} + {0, 64}`, read from shared
+/// memory as float4s), `k` staged 8 deep through two shared buffers: the next stage is
+/// loaded into registers (float4 loads where the operand is contiguous and aligned) while
+/// the current one is multiplied, then stored to the other buffer; one barrier a stage.
+fn emit_sgemm(
+    k: &Kernel,
+    mm: &Matmul,
+    grid: [u32; 3],
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+) -> Res<(String, LaunchShape)> {
+    let live = k.live_nodes();
+    let mut px = Px::new(k, offset_of, sites(k), live);
+    let nb = mm.batch.len();
+    let (m, n, kd) = (mm.m, mm.n, mm.k);
+    let row_bytes = SG_STRIDE * 4;
+
+    let arena = px.fresh("rd");
+    px.arena = arena.clone();
+    px.line(format!("ld.param.u64 {arena}, [arena];"));
+    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
+    px.line(format!("mov.u32 {by}, %ctaid.y;"));
+    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
+    px.line(format!("mov.u32 {t}, %tid.x;"));
+    px.tid = t.clone();
+    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {tx}, {t}, 15;"));
+    px.line(format!("shr.u32 {ty}, {t}, 4;"));
+    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
+    let (abuf, aoff) = operand_buffer(&mut px, mm.a.buf)?;
+    let (bbuf, boff) = operand_buffer(&mut px, mm.b.buf)?;
+    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {row0}, {by}, {SG_BM};"));
+    px.line(format!("mul.wide.u32 {col0}, {bx}, {SG_BN};"));
+    let sbase = px.fresh("r");
+    px.line(format!("mov.u32 {sbase}, mm_s;"));
+
+    let aligned4 = |o: &crate::kernel::Operand, off: u64| {
+        o.base % 4 == 0 && o.batch_strides.iter().all(|s| s % 4 == 0) && off % 16 == 0
+    };
+    let a_fast = mm.a.cs == 1 && kd % 4 == 0 && mm.a.rs % 4 == 0 && aligned4(&mm.a, aoff);
+    let b_fast = mm.b.cs == 1 && n % 4 == 0 && mm.b.rs % 4 == 0 && aligned4(&mm.b, boff);
+
+    // A slot: row t/2, k (t%2)*4 .. +4; B slot: k t/32, columns (t%32)*4 .. +4.
+    let (arow, akq) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("shr.u32 {arow}, {t}, 1;"));
+    px.line(format!("and.b32 {akq}, {t}, 1;"));
+    px.line(format!("shl.b32 {akq}, {akq}, 2;"));
+    let g_arow = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {g_arow}, {arow};"));
+    px.line(format!("add.s64 {g_arow}, {g_arow}, {row0};"));
+    let a_ok = px.fresh("p");
+    px.line(format!("setp.lt.s64 {a_ok}, {g_arow}, {m};"));
+    let akq64 = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {akq64}, {akq};"));
+    let a_base = px.fresh("rd");
+    px.line(format!(
+        "mad.lo.s64 {a_base}, {g_arow}, {}, {abase};",
+        mm.a.rs
+    ));
+    px.line(format!(
+        "mad.lo.s64 {a_base}, {akq64}, {}, {a_base};",
+        mm.a.cs
+    ));
+    let a_st = px.fresh("r");
+    px.line(format!("mul.lo.u32 {a_st}, {akq}, {row_bytes};"));
+    px.line(format!("mad.lo.u32 {a_st}, {arow}, 4, {a_st};"));
+
+    let (bkr, bcol) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("shr.u32 {bkr}, {t}, 5;"));
+    px.line(format!("and.b32 {bcol}, {t}, 31;"));
+    px.line(format!("shl.b32 {bcol}, {bcol}, 2;"));
+    let g_bcol = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {g_bcol}, {bcol};"));
+    px.line(format!("add.s64 {g_bcol}, {g_bcol}, {col0};"));
+    let b_ok = px.fresh("p");
+    px.line(format!("setp.lt.s64 {b_ok}, {g_bcol}, {n};"));
+    let bkr64 = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {bkr64}, {bkr};"));
+    let b_base = px.fresh("rd");
+    px.line(format!(
+        "mad.lo.s64 {b_base}, {g_bcol}, {}, {bbase};",
+        mm.b.cs
+    ));
+    px.line(format!(
+        "mad.lo.s64 {b_base}, {bkr64}, {}, {b_base};",
+        mm.b.rs
+    ));
+    let b_st = px.fresh("r");
+    px.line(format!("mul.lo.u32 {b_st}, {bkr}, {row_bytes};"));
+    px.line(format!("mad.lo.u32 {b_st}, {bcol}, 4, {b_st};"));
+    px.line(format!("add.u32 {b_st}, {b_st}, {SG_TILE};"));
+
+    let ra: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
+    let rb: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
+    // Loads stage `k0` (i64 register) into ra/rb (zeros out of range).
+    let load_regs = |px: &mut Px, k0: &str| {
+        for r in ra.iter().chain(&rb) {
+            px.line(format!("mov.f32 {r}, {};", f32_lit(0.0)));
+        }
+        let kg = px.fresh("rd");
+        px.line(format!("add.s64 {kg}, {k0}, {akq64};"));
+        let idx = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {idx}, {k0}, {}, {a_base};", mm.a.cs));
+        if a_fast {
+            let p = px.fresh("p");
+            px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {a_ok};"));
+            let addr = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {addr}, {idx}, 4, {abuf};"));
+            px.line(format!(
+                "@{p} ld.global.v4.f32 {{{}}}, [{addr}];",
+                ra.join(", ")
+            ));
+        } else {
+            for (e, r) in ra.iter().enumerate() {
+                let (ke, p) = (px.fresh("rd"), px.fresh("p"));
+                px.line(format!("add.s64 {ke}, {kg}, {e};"));
+                px.line(format!("setp.lt.and.s64 {p}, {ke}, {kd}, {a_ok};"));
+                let addr = px.fresh("rd");
+                px.line(format!("mad.lo.s64 {addr}, {e}, {}, {idx};", mm.a.cs));
+                px.line(format!("mad.lo.s64 {addr}, {addr}, 4, {abuf};"));
+                px.line(format!("@{p} ld.global.f32 {r}, [{addr}];"));
+            }
+        }
+        let kg = px.fresh("rd");
+        px.line(format!("add.s64 {kg}, {k0}, {bkr64};"));
+        let pk = px.fresh("p");
+        px.line(format!("setp.lt.s64 {pk}, {kg}, {kd};"));
+        let idx = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {idx}, {k0}, {}, {b_base};", mm.b.rs));
+        if b_fast {
+            let p = px.fresh("p");
+            px.line(format!("and.pred {p}, {pk}, {b_ok};"));
+            let addr = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {addr}, {idx}, 4, {bbuf};"));
+            px.line(format!(
+                "@{p} ld.global.v4.f32 {{{}}}, [{addr}];",
+                rb.join(", ")
+            ));
+        } else {
+            for (e, r) in rb.iter().enumerate() {
+                let (ce, p) = (px.fresh("rd"), px.fresh("p"));
+                px.line(format!("add.s64 {ce}, {g_bcol}, {e};"));
+                px.line(format!("setp.lt.and.s64 {p}, {ce}, {n}, {pk};"));
+                let addr = px.fresh("rd");
+                px.line(format!("mad.lo.s64 {addr}, {e}, {}, {idx};", mm.b.cs));
+                px.line(format!("mad.lo.s64 {addr}, {addr}, 4, {bbuf};"));
+                px.line(format!("@{p} ld.global.f32 {r}, [{addr}];"));
+            }
+        }
+    };
+    // Stores ra (transposed: A is `[k][m]` in shared memory) and rb to the stage at `st`.
+    let store_regs = |px: &mut Px, st: &str| {
+        let (da, db) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("add.u32 {da}, {st}, {a_st};"));
+        for (e, r) in ra.iter().enumerate() {
+            px.line(format!("st.shared.f32 [{da}+{}], {r};", e * row_bytes));
+        }
+        px.line(format!("add.u32 {db}, {st}, {b_st};"));
+        px.line(format!("st.shared.v4.f32 [{db}], {{{}}};", rb.join(", ")));
+    };
+
+    // Compute read addresses (stage-relative): A rows ty*4, B columns tx*4.
+    let (rda, rdb) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("mad.lo.u32 {rda}, {ty}, 16, {sbase};"));
+    px.line(format!("mad.lo.u32 {rdb}, {tx}, 16, {sbase};"));
+    px.line(format!("add.u32 {rdb}, {rdb}, {SG_TILE};"));
+    let accs: Vec<String> = (0..64).map(|_| px.fresh("f")).collect();
+    for a in &accs {
+        px.line(format!("mov.f32 {a}, {};", f32_lit(0.0)));
+    }
+    let av: Vec<String> = (0..8).map(|_| px.fresh("f")).collect();
+    let bv: Vec<String> = (0..8).map(|_| px.fresh("f")).collect();
+
+    let nk = kd.div_ceil(SG_BK);
+    if nk > 0 {
+        let zero = px.fresh("rd");
+        px.line(format!("mov.s64 {zero}, 0;"));
+        load_regs(&mut px, &zero);
+        store_regs(&mut px, &sbase);
+        px.line("bar.sync 0;");
+        let kt = px.fresh("r");
+        px.line(format!("mov.u32 {kt}, 0;"));
+        let head = px.label("sg_k");
+        px.body.push_str(&format!("{head}:\n"));
+        let ktn = px.fresh("r");
+        px.line(format!("add.u32 {ktn}, {kt}, 1;"));
+        let more = px.fresh("p");
+        px.line(format!("setp.lt.u32 {more}, {ktn}, {nk};"));
+        let skip_load = px.label("sg_noload");
+        px.line(format!("@!{more} bra.uni {skip_load};"));
+        let k0 = px.fresh("rd");
+        px.line(format!("mul.wide.u32 {k0}, {ktn}, {SG_BK};"));
+        load_regs(&mut px, &k0);
+        px.body.push_str(&format!("{skip_load}:\n"));
+        let cur = px.fresh("r");
+        px.line(format!("and.b32 {cur}, {kt}, 1;"));
+        px.line(format!("mul.lo.u32 {cur}, {cur}, {};", 2 * SG_TILE));
+        let (ca, cb) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("add.u32 {ca}, {rda}, {cur};"));
+        px.line(format!("add.u32 {cb}, {rdb}, {cur};"));
+        for kk in 0..SG_BK {
+            let off = kk * row_bytes;
+            for (h, regs) in [(0, &av[..4]), (1, &av[4..])] {
+                px.line(format!(
+                    "ld.shared.v4.f32 {{{}}}, [{ca}+{}];",
+                    regs.join(", "),
+                    off + h * 256
+                ));
+            }
+            for (h, regs) in [(0, &bv[..4]), (1, &bv[4..])] {
+                px.line(format!(
+                    "ld.shared.v4.f32 {{{}}}, [{cb}+{}];",
+                    regs.join(", "),
+                    off + h * 256
+                ));
+            }
+            for r in 0..8 {
+                for c in 0..8 {
+                    let a = &accs[r * 8 + c];
+                    px.line(format!("fma.rn.f32 {a}, {}, {}, {a};", av[r], bv[c]));
+                }
+            }
+        }
+        let skip_store = px.label("sg_nostore");
+        px.line(format!("@!{more} bra.uni {skip_store};"));
+        let nxt = px.fresh("r");
+        px.line(format!("and.b32 {nxt}, {ktn}, 1;"));
+        px.line(format!(
+            "mad.lo.u32 {nxt}, {nxt}, {}, {sbase};",
+            2 * SG_TILE
+        ));
+        store_regs(&mut px, &nxt);
+        px.body.push_str(&format!("{skip_store}:\n"));
+        px.line("bar.sync 0;");
+        px.line(format!("mov.u32 {kt}, {ktn};"));
+        px.line(format!("@{more} bra.uni {head};"));
+    }
+
+    // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
+    let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {rb0}, {ty}, 4;"));
+    px.line(format!("add.s64 {rb0}, {rb0}, {row0};"));
+    px.line(format!("mul.wide.u32 {cb0}, {tx}, 4;"));
+    px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
+    let rows = epilogue_coords(&mut px, &rb0, m, &|r| (r % 4) + 64 * (r / 4));
+    let cols = epilogue_coords(&mut px, &cb0, n, &|c| (c % 4) + 64 * (c / 4));
+    epilogue(&mut px, nb, &rows, &cols, &|r, c| accs[r * 8 + c].clone())?;
+    px.line("ret;");
+    let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * SG_TILE);
+    Ok((
+        px.finish(&shared),
+        LaunchShape {
+            grid,
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+        },
+    ))
+}
+
+/// Decodes the batch index `bz` into the batch variables (row-major) and returns the
+/// operands' element bases for this batch.
+fn batch_bases(px: &mut Px, mm: &Matmul, bz: &str) -> (String, String) {
+    let nb = mm.batch.len();
+    let mut rest = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {rest}, {bz};"));
+    for d in (0..nb).rev() {
+        let v = px.fresh("rd");
+        if d == 0 {
+            px.line(format!("mov.u64 {v}, {rest};"));
+        } else {
+            let ext = mm.batch[d];
+            px.line(format!("rem.u64 {v}, {rest}, {ext};"));
+            let q = px.fresh("rd");
+            px.line(format!("div.u64 {q}, {rest}, {ext};"));
+            rest = q;
+        }
+        px.vars.insert(d as Var, v);
+    }
+    let mut abase = px.imm64(mm.a.base);
+    let mut bbase = px.imm64(mm.b.base);
+    for d in 0..nb {
+        let v = px.vars.get(&(d as Var)).cloned().unwrap_or_default();
+        let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
+        let na = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
+        abase = na;
+        let nb2 = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
+        bbase = nb2;
+    }
+    (abase, bbase)
+}
+
+/// The byte address of an operand's buffer, and its arena offset.
+fn operand_buffer(px: &mut Px, buf: NodeId) -> Res<(String, u64)> {
+    let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
+    let r = px.fresh("rd");
+    let arena = px.arena.clone();
+    px.line(format!("add.s64 {r}, {arena}, {off};"));
+    Ok((r, off))
+}
+
+/// Eight output coordinates `base + at(i)` with their in-range predicates.
+fn epilogue_coords(
+    px: &mut Px,
+    base: &str,
+    extent: usize,
+    at: &dyn Fn(usize) -> usize,
+) -> Vec<(String, String)> {
+    (0..8)
+        .map(|i| {
+            let (x, ok) = (px.fresh("rd"), px.fresh("p"));
+            px.line(format!("add.s64 {x}, {base}, {};", at(i)));
+            px.line(format!("setp.lt.s64 {ok}, {x}, {extent};"));
+            (x, ok)
+        })
+        .collect()
+}
+
+/// The fused epilogue of a register-tiled matmul: the kernel's stores at every in-range
+/// (row, column) pair, with the accumulator `acc(r, c)`.
+fn epilogue(
+    px: &mut Px,
+    nb: usize,
+    rows: &[(String, String)],
+    cols: &[(String, String)],
+    acc: &dyn Fn(usize, usize) -> String,
+) -> Res<()> {
+    for (r, (i, pi)) in rows.iter().enumerate() {
+        for (c, (j, pj)) in cols.iter().enumerate() {
+            let skip = px.label("skip");
+            let p = px.fresh("p");
+            px.line(format!("and.pred {p}, {pi}, {pj};"));
+            px.line(format!("@!{p} bra {skip};"));
+            px.journal.push(Vec::new());
+            px.vars.insert(nb as Var, i.clone());
+            px.vars.insert(nb as Var + 1, j.clone());
+            px.acc = Some(acc(r, c));
+            px.stores()?;
+            px.pop_scope();
+            px.body.push_str(&format!("{skip}:\n"));
+        }
+    }
+    Ok(())
 }
