@@ -1570,7 +1570,7 @@ fn vector_plan(
     if vectors == 0 || vectors > i32::MAX as u64 {
         return None;
     }
-    let units = if vectors % VEC_UNITS as u64 == 0 && vectors >= 1 << 18 {
+    let units = if vectors.is_multiple_of(VEC_UNITS as u64) && vectors >= 1 << 18 {
         VEC_UNITS
     } else {
         1
@@ -1939,7 +1939,7 @@ fn emit_mma_matmul(
     // every chunk starts aligned; otherwise element by element.
     let c = ch as i64;
     let aligned = |o: &crate::kernel::Operand, off: u64| {
-        o.base % c == 0 && o.batch_strides.iter().all(|s| s % c == 0) && off % 16 == 0
+        o.base % c == 0 && o.batch_strides.iter().all(|s| s % c == 0) && off.is_multiple_of(16)
     };
     let a_fast = mm.a.cs == 1 && kd % ch == 0 && mm.a.rs % c == 0 && aligned(&mm.a, aoff);
     let b_fast = mm.b.cs == 1 && n % ch == 0 && mm.b.rs % c == 0 && aligned(&mm.b, boff);
@@ -2304,7 +2304,7 @@ fn emit_sgemm(
     px.line(format!("mov.u32 {sbase}, mm_s;"));
 
     let aligned4 = |o: &crate::kernel::Operand, off: u64| {
-        o.base % 4 == 0 && o.batch_strides.iter().all(|s| s % 4 == 0) && off % 16 == 0
+        o.base % 4 == 0 && o.batch_strides.iter().all(|s| s % 4 == 0) && off.is_multiple_of(16)
     };
     let a_fast = mm.a.cs == 1 && kd % 4 == 0 && mm.a.rs % 4 == 0 && aligned4(&mm.a, aoff);
     let b_fast = mm.b.cs == 1 && n % 4 == 0 && mm.b.rs % 4 == 0 && aligned4(&mm.b, boff);
