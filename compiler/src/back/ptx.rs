@@ -5,11 +5,23 @@
 //! reduction are spread over threads (one thread per point); the remaining axes, and every
 //! reduction, are loops inside the thread, with each expression node computed once in the
 //! loop of its innermost variable (the same rule as the CPU back end, so a row statistic is
-//! computed once per row). Matmul kernels are a shared-memory tiled SGEMM (64×64 block
-//! tiles of 256 threads, 4×4 register micro-tiles, `k` staged 16 deep; grid
-//! `(⌈n/64⌉, ⌈m/64⌉, batch)`), then the fused epilogue per output element; small or thin
-//! matmuls, and batches beyond the grid's `z` limit, give one output element per thread
-//! with an FMA loop over `k` instead.
+//! computed once per row).
+//!
+//! Pointwise kernels whose innermost axis is contiguous and aligned for every store and
+//! every load that varies along it move 4 elements per access (`ld/st.global.v4`, 16 bytes
+//! of f32/i32, 8 of f16/bf16; broadcast loads stay scalar) and each thread handles one or
+//! two such vectors, computing the lanes exactly as the scalar path does
+//! (`vector_plan`); the others keep one point per thread.
+//!
+//! Matmul kernels ([`Matmul`], then the fused epilogue per output element):
+//! - f16/bf16 operands, and f32 operands when [`PtxOptions::allow_tf32`] is set, run on
+//!   tensor cores (`mma.sync` m16n8k16 / m16n8k8 TF32, f32 accumulation): 128×128 block
+//!   tiles, `cp.async` double buffering, `ldmatrix` fragments (`emit_mma_matmul`);
+//! - exact f32 runs on FFMA: 128×128 tiles with 8×8 per thread when the output is large
+//!   (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16 deep; grid
+//!   `(⌈n/64⌉, ⌈m/64⌉, batch)`);
+//! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
+//!   element per thread with an FMA loop over `k`.
 //!
 //! Math: `exp` is `ex2.approx` of `x·log2 e`; `log` is `lg2.approx`; `tanh` is computed
 //! from `exp` (a polynomial near 0) because `tanh.approx` is only good to about 1e-3;
