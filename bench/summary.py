@@ -53,3 +53,17 @@ if "copy_gbps" in ref:
     ms, _ = tcc("gelu")
     gbps = 2 * 65536 * 1024 * 4 / (ms * 1e-3) / 1e9 if ms else None
     print(f"\ngelu(x + b) over 64M f32: {fmt(gbps, 0)} GB/s = {fmt(gbps / ref['copy_gbps'] * 100 if gbps else None, 0)}% of a device-to-device copy ({ref['copy_gbps']:.0f} GB/s)")
+
+# GEMM M=N=K=4096 (bench/gemm_*.tdsl) against cuBLAS at the same precision.
+if any(k.startswith("gemm_") for k in ref):
+    n = ref.get("gemm_mnk", 4096)
+    print(f"\n| GEMM {n}³ | tcc ms | tcc TFLOP/s | cuBLAS TFLOP/s | % of cuBLAS |")
+    print("|---|---|---|---|---|")
+    for case, key, what in [("gemm_f32", "gemm_f32_tflops", "f32 (FFMA, TF32 off)"),
+                            ("gemm_tf32", "gemm_f32_tf32_tflops", "f32 with TF32"),
+                            ("gemm_bf16", "gemm_bf16_tflops", "bf16 (f32 accumulation)")]:
+        ms, _ = tcc(case)
+        tf = 2 * n ** 3 / (ms * 1e-3) / 1e12 if ms else None
+        cb = ref.get(key)
+        pct = tf / cb * 100 if tf and cb else None
+        print(f"| {what} | {fmt(ms, 3)} | {fmt(tf, 1)} | {fmt(cb, 1)} | {fmt(pct, 0)} |")

@@ -379,16 +379,23 @@ def run_gelu(mode, args):
 
 
 def ref_gemm(args):
+    """cuBLAS through torch.matmul at M=N=K: f32 with TF32 off, f32 with TF32 on (the row
+    tcc's `--allow-tf32` build compares with) and bf16 (f32 accumulation)."""
     n = 256 if args.small else 4096
     out = {}
-    for dt in (torch.float32, torch.bfloat16):
-        torch.manual_seed(args.seed)
-        a = torch.randn(n, n, device=args.device, dtype=dt)
-        b = torch.randn(n, n, device=args.device, dtype=dt)
-        c = torch.empty(n, n, device=args.device, dtype=dt)
-        ms, _ = time_steps(lambda: torch.matmul(a, b, out=c), args.device, 5, 20, reps=5)
-        key = ("f32_tf32" if args.tf32 else "f32") if dt == torch.float32 else "bf16"
-        out[f"gemm_{key}_tflops"] = 2 * n ** 3 / (statistics.median(ms) * 1e-3) / 1e12
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for key, dt, tf32 in (("f32", torch.float32, False), ("f32_tf32", torch.float32, True),
+                              ("bf16", torch.bfloat16, False)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.manual_seed(args.seed)
+            a = torch.randn(n, n, device=args.device, dtype=dt)
+            b = torch.randn(n, n, device=args.device, dtype=dt)
+            c = torch.empty(n, n, device=args.device, dtype=dt)
+            ms, _ = time_steps(lambda: torch.matmul(a, b, out=c), args.device, 5, 20, reps=5)
+            out[f"gemm_{key}_tflops"] = 2 * n ** 3 / (statistics.median(ms) * 1e-3) / 1e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
     out["gemm_mnk"] = n
     return out
 

@@ -44,6 +44,11 @@ device() {
     "$T" build examples/cnn.tdsl --target cuda --emit artifact -o "$OUT/cnn.tcc" 2>>"$log/build.txt"
     "$T" build examples/gpt.tdsl --target cuda --emit artifact -o "$OUT/gpt.tcc" 2>>"$log/build.txt"
     "$T" build bench/gelu.tdsl --target cuda --emit artifact -o "$OUT/gelu.tcc" 2>>"$log/build.txt"
+    "$T" build bench/gemm_f32.tdsl --target cuda --emit artifact -o "$OUT/gemm_f32.tcc" 2>>"$log/build.txt"
+    "$T" build bench/gemm_f32.tdsl --allow-tf32 --target cuda --emit artifact -o "$OUT/gemm_tf32.tcc" 2>>"$log/build.txt"
+    "$T" build bench/gemm_bf16.tdsl --target cuda --emit artifact -o "$OUT/gemm_bf16.tcc" 2>>"$log/build.txt"
+    "$T" build bench/matmul_edges.tdsl --target cuda --emit artifact -o "$OUT/matmul-edges.tcc" 2>>"$log/build.txt"
+    "$T" build bench/matmul_edges.tdsl --allow-tf32 --target cuda --emit artifact -o "$OUT/matmul-edges-tf32.tcc" 2>>"$log/build.txt"
     "$T" build examples/tiny.tdsl --target cuda --emit artifact -o "$OUT/tiny-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/mlp.tdsl --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/cnn.tdsl --set B=2 --set C=4 --set S=8 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
@@ -61,7 +66,7 @@ device() {
     done
     echo "== compute-sanitizer memcheck"
     CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    for m in tiny-small mlp-small cnn-small gpt-small; do
+    for m in tiny-small mlp-small cnn-small gpt-small matmul-edges matmul-edges-tf32; do
         if [ -n "$CS" ]; then
             if "$CS" --tool memcheck --error-exitcode 3 "$T" run "$OUT/$m.tcc" --steps 2 >"$log/memcheck-$m.txt" 2>&1; then
                 echo "clean $m: $(grep -E 'ERROR SUMMARY' "$log/memcheck-$m.txt" | tail -1)"
@@ -73,7 +78,7 @@ device() {
         fi
     done
     echo "== tcc benchmarks"
-    for m in mlp cnn gpt gelu; do
+    for m in mlp cnn gpt gelu gemm_f32 gemm_tf32 gemm_bf16; do
         "$T" run "$OUT/$m.tcc" --steps 20 --every 100 >"$log/tcc-$m.txt" 2>&1 || status=1
         echo "$m: $(grep -E 'step time|device memory|arena:' "$log/tcc-$m.txt" | tr '\n' ' ')"
     done

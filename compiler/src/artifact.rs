@@ -28,6 +28,8 @@ pub struct CompileOptions {
     pub fuse: FuseOptions,
     /// Time budget of the arena offset search.
     pub plan_budget: Duration,
+    /// f32 matmuls may use TF32 tensor cores (CUDA only; PyTorch's `allow_tf32`).
+    pub allow_tf32: bool,
 }
 
 impl Default for CompileOptions {
@@ -36,6 +38,7 @@ impl Default for CompileOptions {
             target: Target::Cpu,
             fuse: FuseOptions::default(),
             plan_budget: Duration::from_millis(500),
+            allow_tf32: false,
         }
     }
 }
@@ -127,7 +130,13 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
             clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
             Vec::new(),
         ),
-        Target::Cuda => crate::back::ptx::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
+        Target::Cuda => crate::back::ptx::emit_module(
+            &fused.kernels,
+            &|n| plan.offset_of(n),
+            crate::back::ptx::PtxOptions {
+                allow_tf32: o.allow_tf32,
+            },
+        )?,
     };
     timings.push(("codegen", t.elapsed()));
     Ok(Compiled {

@@ -148,6 +148,19 @@ pub fn device_steps(
     fuse: bool,
     device: tcc_runtime::Device,
 ) -> Result<StepResult, String> {
+    device_steps_with(g, inputs, steps, seed, fuse, device, false)
+}
+
+/// [`device_steps`], where f32 matmuls may use TF32 tensor cores when `allow_tf32`.
+pub fn device_steps_with(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+    fuse: bool,
+    device: tcc_runtime::Device,
+    allow_tf32: bool,
+) -> Result<StepResult, String> {
     use tcc::artifact::{self, CompileOptions, Target};
     let target = match device {
         tcc_runtime::Device::Cpu => Target::Cpu,
@@ -159,6 +172,7 @@ pub fn device_steps(
             fuse,
             channels_last: target == Target::Cuda,
         },
+        allow_tf32,
         ..CompileOptions::default()
     };
     let c = artifact::compile(g, &opts).map_err(|e| e.to_string())?;
@@ -485,6 +499,105 @@ pub fn half_cases() -> Vec<(String, String, f64)> {
             );
             v.push((format!("{d}: {e}"), src, tol));
         }
+    }
+    v
+}
+
+/// Programs that exercise the CUDA back end's special paths, with the bound on their
+/// relative error against the interpreter: vectorized pointwise kernels (vector loads of
+/// f32, i32 and halves, scalar broadcasts, and shapes that fall back to the scalar path),
+/// the tiled f32 matmul and the tensor-core f16/bf16 matmul with fused epilogues (edges
+/// that are not multiples of the tiles, a transposed A, a batch).
+pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
+    let mut v = Vec::new();
+    let mut add = |what: &str, decls: &str, e: &str, tol: f64| {
+        v.push((
+            what.to_string(),
+            format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n"),
+            tol,
+        ));
+    };
+    add(
+        "vector f32 with row and column broadcasts",
+        " input x: f32[64, 96]\n input b: f32[96]\n input c: f32[64, 1]",
+        "gelu(x + b) * c",
+        1e-5,
+    );
+    add(
+        "vector i32",
+        " input x: i32[16, 32]\n input y: i32[32]",
+        "x * 3 + y",
+        0.0,
+    );
+    add(
+        "scalar fallback: odd extent",
+        " input x: f32[33, 7]\n input y: f32[7]",
+        "tanh(x) - y",
+        1e-5,
+    );
+    add(
+        "scalar fallback: transposed load",
+        " input x: f32[64, 96]\n input y: f32[96, 64]",
+        "x + transpose(y)",
+        1e-5,
+    );
+    for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
+        add(
+            &format!("vector {d} with a broadcast"),
+            &format!(" input x: {d}[32, 64]\n input b: {d}[64]"),
+            "silu(x) + b",
+            tol,
+        );
+    }
+    add(
+        "tiled f32 matmul, epilogue",
+        " input x: f32[128, 96]\n input w: f32[96, 80]\n input b: f32[80]",
+        "relu(x @ w + b)",
+        1e-5,
+    );
+    add(
+        "large-tile f32 matmul, ragged columns, epilogue",
+        " input x: f32[256, 72]\n input w: f32[72, 300]\n input b: f32[300]",
+        "tanh(x @ w + b)",
+        1e-5,
+    );
+    add(
+        "large-tile f32 matmul, transposed A, ragged k and columns",
+        " input x: f32[70, 260]\n input w: f32[70, 258]",
+        "transpose(x) @ w",
+        1e-5,
+    );
+    add(
+        "large-tile f32 batched matmul",
+        " input x: f32[2, 256, 64]\n input w: f32[2, 64, 256]",
+        "x @ w",
+        1e-5,
+    );
+    for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
+        add(
+            &format!("{d} matmul, epilogue"),
+            &format!(" input x: {d}[128, 64]\n input w: {d}[64, 96]\n input b: {d}[96]"),
+            "gelu(x @ w + b)",
+            tol,
+        );
+        add(
+            &format!("{d} matmul, ragged edges"),
+            &format!(" input x: {d}[70, 40]\n input w: {d}[40, 50]"),
+            "x @ w",
+            tol,
+        );
+        add(
+            &format!("{d} matmul, transposed A"),
+            &format!(" input x: {d}[48, 128]\n input w: {d}[48, 64]"),
+            "transpose(x) @ w",
+            tol,
+        );
+        add(
+            &format!("{d} batched matmul"),
+            &format!(" input x: {d}[3, 64, 32]\n input w: {d}[3, 32, 72]"),
+            "x @ w",
+            tol,
+        );
     }
     v
 }

@@ -10,8 +10,9 @@
 use tcc::front::Options;
 use tcc_runtime::Device;
 use tcc_tests::{
-    builtin_program, compile_pipeline, device_steps, eager_steps, half_cases, integer_program,
-    options_from_args, params_rel_err, rel_err, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, device_steps, device_steps_with, eager_steps,
+    gpu_path_cases, half_cases, integer_program, options_from_args, params_rel_err, rel_err, root,
+    tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
 /// Whether a GPU is usable; panics if one is required and missing.
@@ -95,5 +96,50 @@ fn gpu_examples_train_like_eager() {
     ] {
         let src = std::fs::read_to_string(root().join(format!("examples/{ex}.tdsl"))).unwrap();
         agree(&src, &options_from_args(set), ex, steps, 1e-5);
+    }
+}
+
+#[test]
+fn gpu_vector_and_matmul_paths_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    for (what, src, tol) in gpu_path_cases() {
+        agree(&src, &Options::default(), &what, 1, tol);
+    }
+}
+
+/// f32 matmuls on TF32 tensor cores (`allow_tf32`): operands keep 10 mantissa bits, so the
+/// bound is 5e-3 instead of 1e-5.
+#[test]
+fn gpu_tf32_matmuls_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    for (decls, e) in [
+        (
+            " input x: f32[128, 96]\n input w: f32[96, 80]\n input b: f32[80]",
+            "relu(x @ w + b)",
+        ),
+        (" input x: f32[70, 36]\n input w: f32[36, 50]", "x @ w"),
+        (
+            " input x: f32[40, 128]\n input w: f32[40, 64]",
+            "transpose(x) @ w",
+        ),
+        (
+            " input x: f32[2, 64, 32]\n input w: f32[2, 32, 72]",
+            "x @ w",
+        ),
+    ] {
+        let src = format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n");
+        let g = compile_pipeline(&src, &Options::default()).unwrap();
+        let inputs = tcc::eager::random_inputs(&g, 5);
+        let want = eager_steps(&g, &inputs, 1, 0).unwrap();
+        let got = device_steps_with(&g, &inputs, 1, 0, true, Device::Cuda(0), true)
+            .unwrap_or_else(|err| panic!("{e}: {err}"));
+        for (name, t) in &want.outputs {
+            let err = rel_err(&got.outputs[name], t);
+            assert!(err <= 5e-3, "{e}: output `{name}` differs by {err:e}");
+        }
     }
 }

@@ -6,8 +6,8 @@ use tcc::artifact::{compile, CompileOptions, Target};
 use tcc::front::Options;
 use tcc::kernel::fuse::FuseOptions;
 use tcc_tests::{
-    builtin_program, compile_pipeline, integer_program, options_from_args, ptxas, root, tdsl_files,
-    BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, gpu_path_cases, integer_program, options_from_args, ptxas,
+    root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn programs() -> Vec<(String, String, Options)> {
@@ -43,6 +43,9 @@ fn programs() -> Vec<(String, String, Options)> {
     for e in INTEGER_CASES {
         v.push((e.to_string(), integer_program(e), Options::default()));
     }
+    for (what, src, _) in gpu_path_cases() {
+        v.push((what, src, Options::default()));
+    }
     for d in ["f16", "bf16"] {
         v.push((
             d.to_string(),
@@ -69,11 +72,13 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
     let progs = programs();
     for (i, (what, src, opts)) in progs.iter().enumerate() {
         let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        // The second build is channels-last and lets f32 matmuls use TF32 tensor cores.
         for channels_last in [false, true] {
             let c = compile(
                 &g,
                 &CompileOptions {
                     target: Target::Cuda,
+                    allow_tf32: channels_last,
                     fuse: FuseOptions {
                         fuse: true,
                         channels_last,
@@ -112,4 +117,84 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
         failures.join("\n")
     );
     eprintln!("ptxas -arch=sm_90 accepted {} modules", 2 * progs.len());
+}
+
+/// The CUDA back end picks its fast paths where they apply, and only there.
+#[test]
+fn ptx_paths_are_chosen_where_they_apply() {
+    let ptx = |src: &str, allow_tf32: bool| -> String {
+        let g = compile_pipeline(src, &Options::default()).unwrap();
+        compile(
+            &g,
+            &CompileOptions {
+                target: Target::Cuda,
+                allow_tf32,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+        .code
+    };
+    let model =
+        |decls: &str, e: &str| format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n");
+    // Vector loads of x and b (contiguous along the innermost axis), a vector store.
+    let gelu = ptx(
+        &model(
+            " input x: f32[64, 1024]\n input b: f32[1024]",
+            "gelu(x + b)",
+        ),
+        false,
+    );
+    let (lds, sts) = (
+        gelu.matches("ld.global.v4.f32").count(),
+        gelu.matches("st.global.v4.f32").count(),
+    );
+    assert!(sts >= 1 && lds == 2 * sts, "{gelu}");
+    assert!(!gelu.contains("ld.global.f32"), "{gelu}");
+    // A row broadcast stays a scalar load; halves move 4 at a time.
+    let half = ptx(
+        &model(" input x: bf16[32, 64]\n input c: bf16[32, 1]", "x * c"),
+        false,
+    );
+    assert!(half.contains("ld.global.v4.b16") && half.contains("st.global.v4.b16"));
+    assert!(half.contains("ld.global.b16"), "{half}");
+    // An odd innermost extent or a transposed load keeps the scalar path.
+    for (decls, e) in [
+        (" input x: f32[33, 7]", "exp(x)"),
+        (
+            " input x: f32[64, 96]\n input y: f32[96, 64]",
+            "x + transpose(y)",
+        ),
+    ] {
+        let p = ptx(&model(decls, e), false);
+        assert!(!p.contains(".v4."), "{e}: {p}");
+    }
+    // bf16 and f16 matmuls run on tensor cores; f32 only with allow_tf32.
+    for d in ["bf16", "f16"] {
+        let p = ptx(
+            &model(
+                &format!(" input a: {d}[128, 64]\n input b: {d}[64, 96]"),
+                "a @ b",
+            ),
+            false,
+        );
+        assert!(
+            p.contains(&format!("m16n8k16.row.col.f32.{d}.{d}.f32")),
+            "{p}"
+        );
+        assert!(p.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
+        assert!(p.contains("cp.async.cg.shared.global"));
+    }
+    // Large f32 matmuls take the 128×128 FFMA tiles (8×8 per thread).
+    let big = ptx(
+        &model(" input a: f32[512, 64]\n input b: f32[64, 512]", "a @ b"),
+        false,
+    );
+    assert!(
+        big.contains("mm_s[16896]") && !big.contains("mma.sync"),
+        "{big}"
+    );
+    let f32mm = model(" input a: f32[128, 64]\n input b: f32[64, 96]", "a @ b");
+    assert!(!ptx(&f32mm, false).contains("mma.sync"));
+    assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));
 }

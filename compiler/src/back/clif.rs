@@ -1134,14 +1134,13 @@ impl<'a, 'b> Cg<'a, 'b> {
         const PT_MAX: i64 = 8;
         // Bytes of the stack copy of a panel of B.
         const PACK_BYTES: i64 = 32 * 1024;
-        if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
-            return Err(self.unsupported("matmul operands must be f32"));
-        }
+        // f16/bf16 operands take the scalar loops (converted on load).
+        let f32_operands = mm.a.dtype == DType::F32 && mm.b.dtype == DType::F32;
         let (m, n, kk) = (mm.m as i64, mm.n as i64, mm.k as i64);
         let mtiles = (m + MR - 1) / MR;
         let nb = mm.batch.len();
         let n8 = n - n % NR;
-        let vector = n8 > 0 && mm.b.cs == 1;
+        let vector = f32_operands && n8 > 0 && mm.b.cs == 1;
 
         // Pass 1: full row tiles, vector columns [0, n8), panel by panel. When B is the
         // same for every batch index and a panel of it fits `PACK_BYTES`, the panel is first
@@ -1440,10 +1439,10 @@ impl<'a, 'b> Cg<'a, 'b> {
         let ai = self.b.ins().iadd(arow, ak);
         let bk = self.b.ins().imul_imm_s(kl.iv, mm.b.rs);
         let bi = self.b.ins().iadd(bcol, bk);
-        let aaddr = self.elem_addr(mm.a.buf, ai, 4)?;
-        let baddr = self.elem_addr(mm.b.buf, bi, 4)?;
-        let a = self.b.ins().load(F32, flags(), aaddr, 0);
-        let bv = self.b.ins().load(F32, flags(), baddr, 0);
+        let aaddr = self.elem_addr(mm.a.buf, ai, mm.a.dtype.size_bytes() as i64)?;
+        let baddr = self.elem_addr(mm.b.buf, bi, mm.b.dtype.size_bytes() as i64)?;
+        let a = self.load_at(aaddr, mm.a.dtype)?;
+        let bv = self.load_at(baddr, mm.b.dtype)?;
         let p = self.b.ins().fmul(a, bv);
         let old = self.b.use_var(acc);
         let s = self.b.ins().fadd(old, p);

@@ -42,11 +42,15 @@ pub fn build(
     t: Target,
     no_fuse: bool,
     layout: Layout,
+    allow_tf32: bool,
     seed: u64,
     front_ms: f64,
     stderr: &mut StandardStream,
 ) -> Option<Vec<u8>> {
-    let opts = compile_options(t, no_fuse, layout);
+    let opts = CompileOptions {
+        allow_tf32,
+        ..compile_options(t, no_fuse, layout)
+    };
     let target_of_emit = match emit {
         Emit::Clif => Some(Target::Cpu),
         Emit::Ptx => Some(Target::Cuda),

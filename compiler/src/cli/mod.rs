@@ -76,6 +76,10 @@ pub enum Command {
         /// CPU, whose scalar convolution loops measured faster in NCHW).
         #[arg(long, value_enum, default_value_t = Layout::Auto)]
         layout: Layout,
+        /// Let f32 matmuls use TF32 tensor cores on CUDA (10-bit mantissa products, f32
+        /// accumulation), as PyTorch's `allow_tf32`; off by default.
+        #[arg(long)]
+        allow_tf32: bool,
         /// Seed of the params' initial values stored in the artifact.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -162,6 +166,10 @@ pub enum Command {
         /// Worker threads for the CPU kernels (default: 1).
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Let f32 matmuls use TF32 tensor cores on CUDA (10-bit mantissa products, f32
+        /// accumulation), as PyTorch's `allow_tf32`; off by default.
+        #[arg(long)]
+        allow_tf32: bool,
         /// How many steps to run (0: only print the memory accounting).
         #[arg(long, default_value_t = 1, value_name = "N")]
         steps: u32,
@@ -320,6 +328,7 @@ pub fn run(cli: Cli) -> ExitCode {
             target,
             no_fuse,
             layout,
+            allow_tf32,
             seed,
             remat,
         } => {
@@ -355,8 +364,17 @@ pub fn run(cli: Cli) -> ExitCode {
             let bytes: Vec<u8> = match emit {
                 Emit::Ir => printer::print(graph, locations.then_some(&sources.map)).into_bytes(),
                 Emit::Kernels | Emit::Clif | Emit::Ptx | Emit::Artifact => {
-                    match build::build(graph, emit, target, no_fuse, layout, seed, ms, &mut stderr)
-                    {
+                    match build::build(
+                        graph,
+                        emit,
+                        target,
+                        no_fuse,
+                        layout,
+                        allow_tf32,
+                        seed,
+                        ms,
+                        &mut stderr,
+                    ) {
                         Some(b) => b,
                         None => return ExitCode::from(1),
                     }
@@ -505,6 +523,7 @@ pub fn run(cli: Cli) -> ExitCode {
             eager,
             target,
             threads,
+            allow_tf32,
             steps,
             every,
             seed,
@@ -524,6 +543,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 param_file,
                 save_params,
                 threads,
+                allow_tf32,
             };
             if !eager {
                 return run_compiled(&program, target, &opts, &remat, clear, &mut stderr);
@@ -590,6 +610,7 @@ fn run_compiled(
             target,
             false,
             Layout::Auto,
+            opts.allow_tf32,
             opts.seed,
             ms,
             stderr,

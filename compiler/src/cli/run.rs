@@ -17,6 +17,8 @@ pub struct RunOptions {
     pub save_params: Option<PathBuf>,
     /// CPU worker threads (compiled runs).
     pub threads: usize,
+    /// f32 matmuls may use TF32 tensor cores (CUDA).
+    pub allow_tf32: bool,
 }
 
 /// Formats a byte count with a binary unit.

@@ -16,8 +16,8 @@
 //!   fuses into it when the consumer evaluates it once per distinct value, i.e. the
 //!   reduction's result varies only along outer loops of the consumer (row statistics of
 //!   softmax and layer norm; a convolution under its bias/activation epilogue);
-//! - an f32 matmul with one elementwise consumer of its own shape becomes that kernel's
-//!   anchor: bias, activation, residual add and scaling run as its epilogue;
+//! - an f32, f16 or bf16 matmul with one elementwise consumer of its own shape becomes that
+//!   kernel's anchor: bias, activation, residual add and scaling run as its epilogue;
 //! - scatter ops (embedding gradient, max-pool gradient) are a zero fill plus an
 //!   accumulating kernel.
 //!

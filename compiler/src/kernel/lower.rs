@@ -44,12 +44,16 @@ impl Decisions<'_> {
     }
 }
 
-/// True for ops lowered as an f32 matmul anchor.
+/// True for ops lowered as a matmul anchor: f32, f16 or bf16 operands of the result's
+/// dtype (accumulation is f32 in every case), both of rank 2 or more.
 pub fn matmul_anchor_ok(g: &Graph, n: NodeId) -> bool {
     let node = g.node(n);
     matches!(node.op, Op::MatMul)
-        && node.ty.dtype == DType::F32
-        && node.inputs.iter().all(|&i| g.ty(i).rank() >= 2)
+        && matches!(node.ty.dtype, DType::F32 | DType::F16 | DType::BF16)
+        && node
+            .inputs
+            .iter()
+            .all(|&i| g.ty(i).rank() >= 2 && g.ty(i).dtype == node.ty.dtype)
 }
 
 /// Builds one kernel.
@@ -649,7 +653,7 @@ impl<'a> Builder<'a> {
         }
     }
 
-    /// A matmul: the kernel's anchor when it can be (f32, ranks ≥ 2, evaluated at the
+    /// A matmul: the kernel's anchor when it can be (float, ranks ≥ 2, evaluated at the
     /// kernel's own domain point), else a sum over `k`.
     fn matmul_value(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
         let g = self.d.g;
