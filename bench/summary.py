@@ -28,27 +28,44 @@ def tcc(case):
         return None, None
     ms = re.search(r"device step time .*?median ([0-9.]+) ms", text)
     arena = re.search(r"arena ([0-9.]+) (KiB|MiB|GiB)", text)
-    mib = None
-    if arena:
-        v = float(arena.group(1))
-        mib = v / 1024 if arena.group(2) == "KiB" else v * 1024 if arena.group(2) == "GiB" else v
-    return (float(ms.group(1)) if ms else None), mib
+    return (float(ms.group(1)) if ms else None), mib_of(arena)
+
+
+def mib_of(m):
+    if not m:
+        return None
+    v = float(m.group(1))
+    return v / 1024 if m.group(2) == "KiB" else v * 1024 if m.group(2) == "GiB" else v
+
+
+def device_mib(case):
+    """Device memory in use while tcc ran (cuMemGetInfo): arena + context + module."""
+    try:
+        text = open(os.path.join(log, f"tcc-{case}.txt")).read()
+    except OSError:
+        return None
+    return mib_of(re.search(r"device memory in use: ([0-9.]+) (KiB|MiB|GiB)", text))
 
 
 def fmt(x, d=2):
     return "n/a" if x is None else f"{x:.{d}f}"
 
 
-print("| case | tcc ms | eager ms | compile ms | tcc/eager time | tcc arena MiB | eager peak MiB | tcc/eager memory |")
-print("|---|---|---|---|---|---|---|---|")
-for case in ["mlp", "cnn", "gpt", "gelu"]:
+print("| case | tcc ms | eager ms | compile ms | tcc/eager time | tcc arena MiB | tcc device MiB | eager peak MiB | tcc/eager memory |")
+print("|---|---|---|---|---|---|---|---|---|")
+for case in ["mlp", "cnn", "cnn-remat", "gpt", "gpt-remat", "gelu"]:
     ms, mib = tcc(case)
-    e = torch.get((case, "eager"), {})
-    c = torch.get((case, "compile"), {})
+    if ms is None and mib is None:
+        continue
+    base = case.replace("-remat", "")
+    e = torch.get((base, "eager"), {})
+    c = torch.get((base, "compile"), {})
     em, cm, ep = e.get("median_ms"), c.get("median_ms"), e.get("peak_alloc_mib")
     rt = ms / em if ms and em else None
     rm = mib / ep if mib and ep else None
-    print(f"| {case} | {fmt(ms, 3)} | {fmt(em, 3)} | {fmt(cm, 3)} | {fmt(rt)} | {fmt(mib, 1)} | {fmt(ep, 1)} | {fmt(rm)} |")
+    print(f"| {case} | {fmt(ms, 3)} | {fmt(em, 3)} | {fmt(cm, 3)} | {fmt(rt)} | {fmt(mib, 1)} | {fmt(device_mib(case), 0)} | {fmt(ep, 1)} | {fmt(rm)} |")
+print("(-remat: built with --mem-budget, recomputing activations; tcc device MiB: cuMemGetInfo "
+      "while running, arena + CUDA context + module; eager peak: torch.cuda.max_memory_allocated)")
 if "copy_gbps" in ref:
     ms, _ = tcc("gelu")
     gbps = 2 * 65536 * 1024 * 4 / (ms * 1e-3) / 1e9 if ms else None

@@ -242,12 +242,12 @@ fn run_tdsl(
     let fused = crate::kernel::fuse::fuse(&prepared, copts.fuse).map_err(|e| e.to_string())?;
     let m = step::Model::new(&prepared, &fused);
     println!(
-        "{:<34} {:>12} {:>10} {:>9} {:>14} {:>8}",
+        "{:<46} {:>12} {:>10} {:>9} {:>14} {:>8}",
         "strategy", "arena", "transient", "recomp.", "+FLOP", "+FLOP %"
     );
     let row = |name: &str, r: &step::Measured| {
         println!(
-            "{:<34} {:>12} {:>9.1}% {:>9} {:>14} {:>7.2}%",
+            "{:<46} {:>12} {:>9.1}% {:>9} {:>14} {:>7.2}%",
             name,
             human_bytes(r.arena),
             r.arena.saturating_sub(r.persistent) as f64 / transient.max(1) as f64 * 100.0,

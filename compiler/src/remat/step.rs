@@ -564,9 +564,11 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
             fits.push((r, how));
         }
     };
-    // Baselines first: they bound what the search must beat.
+    // Baselines first: they bound what the search must beat, and start it.
+    let mut seeds: Vec<Vec<bool>> = Vec::new();
     for (name, set) in [("per-block", per_block(g, &m)), ("sqrt(n)", sqrt_n(&m))] {
         if !set.is_empty() {
+            seeds.push(m.mask(&set));
             let r = measure(g, &set, &o.compile)?;
             tries += 1;
             consider(r, name.to_string(), &mut fits);
@@ -579,13 +581,18 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
     // decision seen is kept).
     let mut target = (want as f64 * model_peak as f64 / real_transient as f64) as u64;
     let (mut good, mut bad): (Option<u64>, Option<u64>) = (None, None);
+    // The search decision whose real arena came closest above the budget.
+    let mut closest: Option<(u64, Vec<bool>)> = None;
     for _ in 0..o.rounds.max(1) {
-        let real = match solve_model(&m.graph, target, o.time_limit) {
+        let real = match solve_model(&m.graph, target, o.time_limit, &seeds) {
             Some(sol) => {
                 let set = m.evicted(&sol.evict);
                 let r = measure(g, &set, &o.compile)?;
                 tries += 1;
                 let arena = r.arena;
+                if arena > o.budget && closest.as_ref().is_none_or(|c| arena < c.0) {
+                    closest = Some((arena, sol.evict.clone()));
+                }
                 consider(r, format!("search: {}", sol.method), &mut fits);
                 Some(arena)
             }
@@ -609,11 +616,57 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
                 let got = arena.saturating_sub(persistent).max(1) as f64;
                 (target as f64 * (want as f64 / got).min(0.98)) as u64
             }
-            // No model solution below this target.
+            // No model solution at this target: nothing found fits yet.
             (None, _, None) => break,
         };
         if good == Some(model_peak) {
             break;
+        }
+    }
+    if !fits.iter().any(|f| f.1.starts_with("search")) {
+        // The model could not reach what the plan needs: add evictions to the closest
+        // search decision, most bytes per FLOP first, as few as make the plan fit.
+        if let Some((_, mask)) = closest {
+            let mut rest: Vec<usize> = m
+                .graph
+                .candidates()
+                .into_iter()
+                .filter(|&c| !mask[c])
+                .collect();
+            rest.sort_by(|&a, &b| {
+                let r = |c: usize| m.graph.mem[c] as f64 / (m.graph.cost[c] as f64 + 1.0);
+                r(b).total_cmp(&r(a)).then(a.cmp(&b))
+            });
+            let with = |k: usize| {
+                let mut mk = mask.clone();
+                for &c in &rest[..k] {
+                    mk[c] = true;
+                }
+                m.evicted(&mk)
+            };
+            // Bisection for the fewest: `lo` does not fit, `hi` does.
+            let mut found: Option<Measured> = None;
+            let all = measure(g, &with(rest.len()), &o.compile)?;
+            tries += 1;
+            if all.arena <= o.budget {
+                found = Some(all);
+                let (mut lo, mut hi) = (0usize, rest.len());
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    let r = measure(g, &with(mid), &o.compile)?;
+                    tries += 1;
+                    if r.arena <= o.budget {
+                        hi = mid;
+                        found = Some(r);
+                    } else {
+                        lo = mid;
+                    }
+                }
+            }
+            if let Some(r) = found {
+                let k = r.evict.len();
+                consider(r, format!("search, extended to {k} values"), &mut fits);
+            }
         }
     }
     if fits.is_empty() {
@@ -632,7 +685,10 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
         .into_iter()
         .min_by_key(|(r, how)| (r.added_flops, r.arena, how.clone()));
     match best {
-        Some((r, how)) => Ok(done(r, &how, tries)),
+        Some((r, how)) => {
+            let (r, how, n) = refine(g, &m, r, how, o)?;
+            Ok(done(r, &how, tries + n))
+        }
         None => Err(RematError::Infeasible {
             budget: o.budget,
             smallest: smallest.0,
@@ -642,9 +698,63 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
     }
 }
 
-/// The cheapest model eviction under `target`: chain DP and greedy as starts, then branch
-/// and bound within `limit`.
-fn solve_model(g: &RematGraph, target: u64, limit: Duration) -> Option<Solution> {
+/// Keeps again the costliest recomputations of a fitting decision while the real plan
+/// still fits: bisection on how many of them, most FLOPs first, to keep. Returns the
+/// decision and the plans compiled.
+fn refine(
+    g: &Graph,
+    m: &Model,
+    fit: Measured,
+    how: String,
+    o: &AutoOptions,
+) -> Result<(Measured, String, usize), BuildError> {
+    let mut order: Vec<NodeId> = fit
+        .evict
+        .iter()
+        .copied()
+        .filter(|&n| flops(g, n) > 0)
+        .collect();
+    order.sort_by_key(|&n| (std::cmp::Reverse(flops(g, n)), n));
+    let all = fit.evict.clone();
+    let without = |k: usize| -> BTreeSet<NodeId> {
+        let mut keep: BTreeSet<NodeId> = BTreeSet::new();
+        for &n in &order[..k] {
+            keep.extend(m.evicted(&m.mask(&BTreeSet::from([n]))));
+        }
+        all.difference(&keep).copied().collect()
+    };
+    let (mut lo, mut hi) = (0usize, order.len() + 1);
+    let mut best = fit;
+    let mut tries = 0;
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        let r = measure(g, &without(mid), &o.compile)?;
+        tries += 1;
+        if r.arena <= o.budget {
+            lo = mid;
+            if r.added_flops < best.added_flops {
+                best = r;
+            }
+        } else {
+            hi = mid;
+        }
+    }
+    let how = if lo > 0 {
+        format!("{how}, {lo} kept again")
+    } else {
+        how
+    };
+    Ok((best, how, tries))
+}
+
+/// The cheapest model eviction under `target`: chain DP, greedy and the `seeds` that meet it
+/// as starts, then branch and bound within `limit`.
+fn solve_model(
+    g: &RematGraph,
+    target: u64,
+    limit: Duration,
+    seeds: &[Vec<bool>],
+) -> Option<Solution> {
     let t0 = Instant::now();
     let k = g.candidates().len();
     // The DP simulates every pair of candidates: only for modest counts.
@@ -662,6 +772,22 @@ fn solve_model(g: &RematGraph, target: u64, limit: Duration) -> Option<Solution>
         }),
         (a, b) => a.or(b),
     };
+    let mut warm = warm;
+    for seed in seeds {
+        let e = super::simulate(g, seed);
+        if e.peak <= target
+            && warm
+                .as_ref()
+                .is_none_or(|w| e.added_cost < w.eval.added_cost)
+        {
+            warm = Some(Solution {
+                evict: seed.clone(),
+                eval: e,
+                method: "baseline",
+                optimal: false,
+            });
+        }
+    }
     let rest = limit.saturating_sub(t0.elapsed());
     let bb = super::solve_from(g, target, rest, warm.clone());
     bb.best.or(warm)
