@@ -557,19 +557,19 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
     );
     add(
         "large-tile f32 matmul, ragged columns, epilogue",
-        " input x: f32[256, 72]\n input w: f32[72, 300]\n input b: f32[300]",
+        " input x: f32[1300, 72]\n input w: f32[72, 1700]\n input b: f32[1700]",
         "tanh(x @ w + b)",
         1e-5,
     );
     add(
         "large-tile f32 matmul, transposed A, ragged k and columns",
-        " input x: f32[70, 260]\n input w: f32[70, 258]",
+        " input x: f32[70, 1700]\n input w: f32[70, 1500]",
         "transpose(x) @ w",
         1e-5,
     );
     add(
         "large-tile f32 batched matmul",
-        " input x: f32[2, 256, 64]\n input w: f32[2, 64, 256]",
+        " input x: f32[34, 256, 64]\n input w: f32[34, 64, 256]",
         "x @ w",
         1e-5,
     );

@@ -185,11 +185,17 @@ fn ptx_paths_are_chosen_where_they_apply() {
         assert!(p.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
         assert!(p.contains("cp.async.cg.shared.global"));
     }
-    // Large f32 matmuls take the 128×128 FFMA tiles (8×8 per thread).
+    // Large f32 matmuls take the 128×128 FFMA tiles (8×8 per thread); ones with too few
+    // such tiles to fill the GPU keep the 64×64 tiles.
     let big = ptx(
-        &model(" input a: f32[512, 64]\n input b: f32[64, 512]", "a @ b"),
+        &model(" input a: f32[2048, 64]\n input b: f32[64, 2048]", "a @ b"),
         false,
     );
+    let few = ptx(
+        &model(" input a: f32[256, 64]\n input b: f32[64, 1024]", "a @ b"),
+        false,
+    );
+    assert!(!few.contains("mm_s[16896]"), "{few}");
     assert!(
         big.contains("mm_s[16896]") && !big.contains("mma.sync"),
         "{big}"
