@@ -94,6 +94,23 @@ fn chain(mems: &[u64], costs: &[u64]) -> RematGraph {
     g
 }
 
+/// The least added cost of any eviction subset of the candidates that meets `budget`.
+fn brute_force(g: &RematGraph, budget: u64) -> Option<u64> {
+    let cands = g.candidates();
+    let mut best: Option<u64> = None;
+    for mask in 0u32..(1 << cands.len()) {
+        let mut evict = vec![false; g.len()];
+        for (k, &c) in cands.iter().enumerate() {
+            evict[c] = mask & (1 << k) != 0;
+        }
+        let e = remat::simulate(g, &evict);
+        if e.peak <= budget && best.is_none_or(|b| e.added_cost < b) {
+            best = Some(e.added_cost);
+        }
+    }
+    best
+}
+
 #[test]
 fn branch_and_bound_is_optimal_on_small_chains() {
     let mut seed = 0x1234_5678u64;
@@ -110,19 +127,7 @@ fn branch_and_bound_is_optimal_on_small_chains() {
         let g = chain(&mems, &costs);
         let base = remat::none(&g).eval.peak;
         let budget = base * (50 + next(45)) / 100;
-        // Brute force over every eviction subset of the candidates.
-        let cands = g.candidates();
-        let mut best: Option<u64> = None;
-        for mask in 0u32..(1 << cands.len()) {
-            let mut evict = vec![false; g.len()];
-            for (k, &c) in cands.iter().enumerate() {
-                evict[c] = mask & (1 << k) != 0;
-            }
-            let e = remat::simulate(&g, &evict);
-            if e.peak <= budget && best.is_none_or(|b| e.added_cost < b) {
-                best = Some(e.added_cost);
-            }
-        }
+        let best = brute_force(&g, budget);
         let bb = remat::branch_and_bound(&g, budget, Duration::from_secs(5));
         assert_eq!(
             bb.as_ref().map(|s| s.eval.added_cost),
@@ -152,18 +157,7 @@ fn chain_dp_is_optimal_on_small_chains() {
         let g = chain(&mems, &costs);
         let base = remat::none(&g).eval.peak;
         let budget = base * (30 + next(70)) / 100;
-        let cands = g.candidates();
-        let mut best: Option<u64> = None;
-        for mask in 0u32..(1 << cands.len()) {
-            let mut evict = vec![false; g.len()];
-            for (k, &c) in cands.iter().enumerate() {
-                evict[c] = mask & (1 << k) != 0;
-            }
-            let e = remat::simulate(&g, &evict);
-            if e.peak <= budget && best.is_none_or(|b| e.added_cost < b) {
-                best = Some(e.added_cost);
-            }
-        }
+        let best = brute_force(&g, budget);
         let dp = remat::chain_dp(&g, budget);
         assert_eq!(
             dp.as_ref().map(|s| s.eval.added_cost),

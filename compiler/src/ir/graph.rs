@@ -270,24 +270,8 @@ impl Graph {
     /// Makes every reader of `old` (operands, outputs, train loss, updates) read `new`
     /// instead. Types must agree; `old` is left without users.
     pub fn replace_all_uses(&mut self, old: NodeId, new: NodeId) {
-        let users = self.users(old);
-        for u in users {
-            let edges: Vec<_> = self
-                .graph
-                .edges_directed(u.0, Direction::Incoming)
-                .filter(|e| e.source() == old.0)
-                .map(|e| e.id())
-                .collect();
-            for e in edges {
-                if let Some(pos) = self.graph.remove_edge(e) {
-                    self.graph.add_edge(new.0, u.0, pos);
-                    if let Some(n) = self.graph.node_weight_mut(u.0) {
-                        if let Some(slot) = n.inputs.get_mut(pos as usize) {
-                            *slot = new;
-                        }
-                    }
-                }
-            }
+        for u in self.users(old) {
+            self.replace_use_in(u, old, new);
         }
         for (_, o) in &mut self.outputs {
             if *o == old {
