@@ -91,6 +91,13 @@ fn auto_options(args: &RematArgs, budget: u64, compile: CompileOptions) -> AutoO
 
 /// One line: what the decision costs and saves.
 pub fn summary(d: &Decision, budget: u64) -> String {
+    if d.chosen.evict.is_empty() {
+        return format!(
+            "remat: the arena of {} fits the budget of {}; nothing is recomputed",
+            human_bytes(d.chosen.arena),
+            human_bytes(budget)
+        );
+    }
     format!(
         "remat: arena {} -> {} (budget {}): {} values recomputed, +{} FLOP ({:.2}% of the step), by {}; {} plans compiled in {:.2} s",
         human_bytes(d.base_arena),
@@ -108,6 +115,9 @@ pub fn summary(d: &Decision, budget: u64) -> String {
 /// What `tcc mem` prints about a decision: the summary and the largest recomputed values.
 pub fn report(g: &Graph, d: &Decision, budget: u64, sources: &Sources) -> String {
     let mut s = format!("  {}\n", summary(d, budget));
+    if d.chosen.evict.is_empty() {
+        return s;
+    }
     let mut vals: Vec<_> = d
         .chosen
         .evict
@@ -151,7 +161,7 @@ fn flop(f: u64) -> String {
     } else if v >= 1e3 {
         format!("{:.2} K", v / 1e3)
     } else {
-        format!("{f} ")
+        format!("{f}")
     }
 }
 

@@ -564,6 +564,10 @@ pub fn auto(g: &Graph, o: &AutoOptions) -> Result<Decision, RematError> {
             fits.push((r, how));
         }
     };
+    // The reordered step alone (nothing recomputed) sometimes fits already.
+    let r = measure(g, &BTreeSet::new(), &o.compile)?;
+    tries += 1;
+    consider(r, "reordered, nothing recomputed".into(), &mut fits);
     // Baselines first: they bound what the search must beat, and start it.
     let mut seeds: Vec<Vec<bool>> = Vec::new();
     for (name, set) in [("per-block", per_block(g, &m)), ("sqrt(n)", sqrt_n(&m))] {
@@ -725,6 +729,7 @@ fn refine(
     };
     let (mut lo, mut hi) = (0usize, order.len() + 1);
     let mut best = fit;
+    let mut kept = 0;
     let mut tries = 0;
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
@@ -734,13 +739,14 @@ fn refine(
             lo = mid;
             if r.added_flops < best.added_flops {
                 best = r;
+                kept = mid;
             }
         } else {
             hi = mid;
         }
     }
-    let how = if lo > 0 {
-        format!("{how}, {lo} kept again")
+    let how = if kept > 0 {
+        format!("{how}, {kept} kept again")
     } else {
         how
     };
