@@ -1087,62 +1087,18 @@ fn emit_tiled_matmul(
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = TILE_STRIDE * 4;
 
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
-    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mov.u32 {by}, %ctaid.y;"));
-    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
-    px.line(format!("mov.u32 {t}, %tid.x;"));
-    px.tid = t.clone();
-    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("and.b32 {tx}, {t}, 15;"));
-    px.line(format!("shr.u32 {ty}, {t}, 4;"));
-
-    // Batch index (%ctaid.z) → the batch variables (row-major).
-    let mut rest = px.fresh("rd");
-    px.line(format!("cvt.u64.u32 {rest}, {bz};"));
-    for d in (0..nb).rev() {
-        let v = px.fresh("rd");
-        if d == 0 {
-            px.line(format!("mov.u64 {v}, {rest};"));
-        } else {
-            let ext = mm.batch[d];
-            px.line(format!("rem.u64 {v}, {rest}, {ext};"));
-            let q = px.fresh("rd");
-            px.line(format!("div.u64 {q}, {rest}, {ext};"));
-            rest = q;
-        }
-        px.vars.insert(d as Var, v);
-    }
-    let mut abase = px.imm64(mm.a.base);
-    let mut bbase = px.imm64(mm.b.base);
-    for d in 0..nb {
-        let v = px.vars[&(d as Var)].clone();
-        let (sa, sb) = (mm.a.batch_strides[d], mm.b.batch_strides[d]);
-        let na = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {na}, {v}, {sa}, {abase};"));
-        abase = na;
-        let nb2 = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
-        bbase = nb2;
-    }
-    // Byte addresses of the operand buffers.
-    let buf_addr = |px: &mut Px, buf: NodeId| -> Res<String> {
-        let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
-        let r = px.fresh("rd");
-        let arena = px.arena.clone();
-        px.line(format!("add.s64 {r}, {arena}, {off};"));
-        Ok(r)
-    };
-    let abuf = buf_addr(&mut px, mm.a.buf)?;
-    let bbuf = buf_addr(&mut px, mm.b.buf)?;
-    // First row and column of the block tile.
-    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {row0}, {by}, {TILE_M};"));
-    px.line(format!("mul.wide.u32 {col0}, {bx}, {TILE_N};"));
+    let FfmaTile {
+        t,
+        tx,
+        ty,
+        abase,
+        bbase,
+        abuf,
+        bbuf,
+        row0,
+        col0,
+        ..
+    } = ffma_tile(&mut px, mm, TILE_M, TILE_N)?;
     let (sa, sb) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {sa}, mm_as;"));
     px.line(format!("mov.u32 {sb}, mm_bs;"));
@@ -1284,25 +1240,7 @@ fn emit_tiled_matmul(
         px.line(format!("setp.lt.s64 {ok}, {j}, {n};"));
         cols.push((j, ok));
     }
-    for (r, (i, pi)) in rows.iter().enumerate() {
-        for (c, (j, pj)) in cols.iter().enumerate() {
-            let skip = px.label("skip");
-            let p = px.fresh("p");
-            px.line(format!("and.pred {p}, {pi}, {pj};"));
-            px.line(format!("@!{p} bra {skip};"));
-            px.journal.push(Vec::new());
-            px.vars.insert(nb as Var, i.clone());
-            px.vars.insert(nb as Var + 1, j.clone());
-            px.acc = Some(accs[r * 4 + c].clone());
-            px.stores()?;
-            if let Some(keys) = px.journal.pop() {
-                for key in keys {
-                    px.cache.remove(&key);
-                }
-            }
-            px.body.push_str(&format!("{skip}:\n"));
-        }
-    }
+    epilogue(&mut px, nb, &rows, &cols, &|r, c| accs[r * 4 + c].clone())?;
     px.line("ret;");
     let tile = TILE_K * TILE_STRIDE;
     let shared = format!(
@@ -1913,16 +1851,7 @@ fn emit_mma_matmul(
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
     let stage = kind.stage_bytes();
 
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
-    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mov.u32 {by}, %ctaid.y;"));
-    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
-    px.line(format!("mov.u32 {t}, %tid.x;"));
-    px.tid = t.clone();
+    let (bx, by, bz, t) = block_prologue(&mut px);
     let (lane, warp, wm, wn, g, tg) = (
         px.fresh("r"),
         px.fresh("r"),
@@ -2301,25 +2230,19 @@ fn emit_sgemm(
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = SG_STRIDE * 4;
 
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
-    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mov.u32 {by}, %ctaid.y;"));
-    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
-    px.line(format!("mov.u32 {t}, %tid.x;"));
-    px.tid = t.clone();
-    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("and.b32 {tx}, {t}, 15;"));
-    px.line(format!("shr.u32 {ty}, {t}, 4;"));
-    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
-    let (abuf, aoff) = operand_buffer(&mut px, mm.a.buf)?;
-    let (bbuf, boff) = operand_buffer(&mut px, mm.b.buf)?;
-    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {row0}, {by}, {SG_BM};"));
-    px.line(format!("mul.wide.u32 {col0}, {bx}, {SG_BN};"));
+    let FfmaTile {
+        t,
+        tx,
+        ty,
+        abase,
+        bbase,
+        abuf,
+        aoff,
+        bbuf,
+        boff,
+        row0,
+        col0,
+    } = ffma_tile(&mut px, mm, SG_BM, SG_BN)?;
     let sbase = px.fresh("r");
     px.line(format!("mov.u32 {sbase}, mm_s;"));
 
@@ -2544,6 +2467,65 @@ fn emit_sgemm(
             shared_bytes: 0,
         },
     ))
+}
+
+/// The start of every block-tiled kernel: the arena base, the block index and the thread
+/// index (`px.tid`).
+fn block_prologue(px: &mut Px) -> (String, String, String, String) {
+    let arena = px.fresh("rd");
+    px.arena = arena.clone();
+    px.line(format!("ld.param.u64 {arena}, [arena];"));
+    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
+    px.line(format!("mov.u32 {by}, %ctaid.y;"));
+    px.line(format!("mov.u32 {bz}, %ctaid.z;"));
+    px.line(format!("mov.u32 {t}, %tid.x;"));
+    px.tid = t.clone();
+    (bx, by, bz, t)
+}
+
+/// What both FFMA tiled matmuls start from: the thread index split 16×16 (`tx`, `ty`), the
+/// operands' element bases for this block's batch, their buffers' byte addresses and arena
+/// offsets, and the first row and column of the `bm`×`bn` block tile.
+struct FfmaTile {
+    t: String,
+    tx: String,
+    ty: String,
+    abase: String,
+    bbase: String,
+    abuf: String,
+    aoff: u64,
+    bbuf: String,
+    boff: u64,
+    row0: String,
+    col0: String,
+}
+
+fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
+    let (bx, by, bz, t) = block_prologue(px);
+    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {tx}, {t}, 15;"));
+    px.line(format!("shr.u32 {ty}, {t}, 4;"));
+    let (abase, bbase) = batch_bases(px, mm, &bz);
+    let (abuf, aoff) = operand_buffer(px, mm.a.buf)?;
+    let (bbuf, boff) = operand_buffer(px, mm.b.buf)?;
+    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {row0}, {by}, {bm};"));
+    px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
+    Ok(FfmaTile {
+        t,
+        tx,
+        ty,
+        abase,
+        bbase,
+        abuf,
+        aoff,
+        bbuf,
+        boff,
+        row0,
+        col0,
+    })
 }
 
 /// Decodes the batch index `bz` into the batch variables (row-major) and returns the

@@ -58,14 +58,7 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
     // Taps per output element of a convolution with weight dims [O, I/groups, KH, KW].
     let taps = |w: &[usize]| -> u64 { w.iter().skip(1).product::<usize>() as u64 };
     match &node.op {
-        Op::Input { .. }
-        | Op::Param { .. }
-        | Op::State { .. }
-        | Op::Literal { .. }
-        | Op::Full { .. }
-        | Op::Arange { .. }
-        | Op::Grad => 0,
-        op if op.is_view_candidate() => 0,
+        op if is_source(op) || op.is_view_candidate() => 0,
         Op::MatMul => {
             let k = dims(0).last().copied().unwrap_or(1) as u64;
             2 * out * k
@@ -81,6 +74,20 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
     }
 }
 
+/// Leaves and constants: no FLOPs, and nothing to recompute.
+fn is_source(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Input { .. }
+            | Op::Param { .. }
+            | Op::State { .. }
+            | Op::Literal { .. }
+            | Op::Full { .. }
+            | Op::Arange { .. }
+            | Op::Grad
+    )
+}
+
 /// FLOPs of a whole step.
 pub fn step_flops(g: &Graph) -> u64 {
     g.node_ids().map(|n| flops(g, n)).sum()
@@ -93,19 +100,22 @@ fn evictable(g: &Graph, n: NodeId, alias: bool) -> bool {
     let node = g.node(n);
     !node.backward
         && !alias
-        && !matches!(
-            node.op,
-            Op::Input { .. }
-                | Op::Param { .. }
-                | Op::State { .. }
-                | Op::Literal { .. }
-                | Op::Full { .. }
-                | Op::Arange { .. }
-                | Op::Grad
-        )
+        && !is_source(&node.op)
         && !g.outputs.iter().any(|(_, o)| *o == n)
         && g.train.as_ref().is_none_or(|t| t.loss != n)
         && !g.updates.iter().any(|(t, v)| *t == n || *v == n)
+}
+
+/// The operand a chain of views reads (a param is never a view, so a param's views lead
+/// to it).
+fn view_root(g: &Graph, mut n: NodeId) -> NodeId {
+    while g.node(n).op.is_view_candidate() {
+        match g.node(n).inputs.first() {
+            Some(&i) => n = i,
+            None => break,
+        }
+    }
+    n
 }
 
 /// The storage root of a chain of views among `views`.
@@ -355,18 +365,7 @@ fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
             }
         }
         // Readers of the param (through views) that are not part of it.
-        let reads = |n: NodeId| {
-            h.node(n).inputs.iter().any(|&i| {
-                let mut i = i;
-                while i != target && h.node(i).op.is_view_candidate() {
-                    match h.node(i).inputs.first() {
-                        Some(&j) => i = j,
-                        None => break,
-                    }
-                }
-                i == target
-            })
-        };
+        let reads = |n: NodeId| h.node(n).inputs.iter().any(|&i| view_root(h, i) == target);
         let last = order
             .iter()
             .enumerate()
