@@ -57,7 +57,7 @@ device() {
     "$T" build examples/tiny.tdsl --target cuda --emit artifact -o "$OUT/tiny-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/mlp.tdsl --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/cnn.tdsl --set B=2 --set C=4 --set S=8 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
-    "$T" build examples/gpt.tdsl --set L=2 --set D=16 --set H=2 --set T=8 --set B=2 --set V=32 --target cuda --emit artifact -o "$OUT/gpt-small.tcc" 2>>"$log/build.txt"
+    "$T" build examples/gpt.tdsl --set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128 --target cuda --emit artifact -o "$OUT/gpt-small.tcc" 2>>"$log/build.txt"
     grep -E "^compiled" "$log/build.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     echo "== GPU tests"

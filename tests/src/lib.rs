@@ -573,6 +573,24 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "x @ w",
         1e-5,
     );
+    add(
+        "row blocks: softmax over long rows",
+        " input x: f32[6, 40, 520]",
+        "softmax(x, axis: -1)",
+        1e-5,
+    );
+    add(
+        "row blocks: layer norm, rows of 200",
+        " input x: f32[300, 200]\n input g: f32[200]\n input b: f32[200]",
+        "layer_norm(x, g, b)",
+        1e-5,
+    );
+    add(
+        "row blocks: a kept reduced axis of extent 1",
+        " input x: f32[100, 300]",
+        "max(x, axis: -1, keepdim: true) + sum(x, axis: -1, keepdim: true)",
+        1e-5,
+    );
     for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
         add(
             &format!("{d} matmul, epilogue"),

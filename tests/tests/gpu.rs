@@ -90,7 +90,7 @@ fn gpu_examples_train_like_eager() {
         ("cnn", "--set B=4 --set C=4 --set S=16", 2),
         (
             "gpt",
-            "--set L=2 --set D=16 --set H=2 --set T=8 --set B=2 --set V=32",
+            "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128",
             3,
         ),
     ] {

@@ -169,6 +169,22 @@ fn ptx_paths_are_chosen_where_they_apply() {
         let p = ptx(&model(decls, e), false);
         assert!(!p.contains(".v4."), "{e}: {p}");
     }
+    // Long rows: a block per row shares the row's reductions, then its threads stride
+    // over the row's elements.
+    let softmax = ptx(
+        &model(" input x: f32[64, 512]", "softmax(x, axis: -1)"),
+        false,
+    );
+    assert!(
+        softmax.contains("shfl.sync.down") && softmax.contains("$L_ihead"),
+        "{softmax}"
+    );
+    // Short rows keep a thread per row.
+    let short = ptx(
+        &model(" input x: f32[64, 8]", "softmax(x, axis: -1)"),
+        false,
+    );
+    assert!(!short.contains("shfl.sync.down"), "{short}");
     // bf16 and f16 matmuls run on tensor cores; f32 only with allow_tf32.
     for d in ["bf16", "f16"] {
         let p = ptx(

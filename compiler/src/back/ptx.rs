@@ -1275,26 +1275,29 @@ fn emit_kernel(
     let live = k.live_nodes();
     let site = sites(k);
     let rank = k.domain.len();
-    let par = if k.matmul.is_some() {
+    // Axes outside every reduction: the points a thread (or a block) computes.
+    let p0 = if k.matmul.is_some() {
         rank
     } else {
         parallel_axes(k, &site, &live)
     };
     // Trailing axes of extent 1 need no loop: they are parallel too.
-    let par = if k.domain[par..].iter().all(|&d| d == 1) {
+    let par = if k.domain[p0..].iter().all(|&d| d == 1) {
         rank
     } else {
-        par
+        p0
     };
-    // Block mode: one block per point when every axis is parallel and the kernel's
-    // outermost reductions are long enough to share among a block's threads.
-    let innermost = rank.checked_sub(1).map(|d| d as Var);
-    let top: Vec<ExprId> = if k.matmul.is_none() && par == rank {
+    // Block mode: one block per point of the first `p0` axes. The reductions computed
+    // once per point (sited at the last of those axes) are shared among the block's
+    // threads; then the threads stride over the point's remaining elements (a row of a
+    // softmax, a layer norm or a loss), so that their loads and stores are coalesced.
+    let boundary = p0.checked_sub(1).map(|d| d as Var);
+    let top: Vec<ExprId> = if k.matmul.is_none() {
         live.iter()
             .copied()
             .filter(|&e| {
                 matches!(k.pool.get(e), E::Reduce { .. })
-                    && site[e.0 as usize] == innermost
+                    && site[e.0 as usize] == boundary
                     && matches!(k.pool.ty(e), VTy::F32 | VTy::I32)
             })
             .collect()
@@ -1311,18 +1314,33 @@ fn emit_kernel(
         .unwrap_or(0);
     let argmax_at_top = live
         .iter()
-        .any(|&e| matches!(k.pool.get(e), E::ArgMax { .. }) && site[e.0 as usize] == innermost);
+        .any(|&e| matches!(k.pool.get(e), E::ArgMax { .. }) && site[e.0 as usize] == boundary);
+    let block_points: u64 = k.domain[..p0]
+        .iter()
+        .map(|&d| d as u64)
+        .product::<u64>()
+        .max(1);
+    let inner: u64 = k.domain[p0..].iter().map(|&d| d as u64).product();
+    // With one element per point, a block per point pays off when there are too few
+    // points to fill the GPU with one thread each; with many points (a convolution's
+    // outputs) one thread per point wins. With whole rows per point, a thread per row
+    // would read its row alone (uncoalesced): a block per row wins once rows are long.
+    let block_mode = !top.is_empty()
+        && !argmax_at_top
+        && k.stores.iter().all(|s| !s.accumulate)
+        && inner <= u32::MAX as u64 - BLOCK as u64
+        && block_points <= u32::MAX as u64
+        && if inner <= 1 {
+            longest >= 64 && block_points <= 16384
+        } else {
+            longest >= 64 || inner >= 64
+        };
+    let par = if block_mode { p0 } else { par };
     let points: u64 = k.domain[..par]
         .iter()
         .map(|&d| d as u64)
         .product::<u64>()
         .max(1);
-    // A block per point pays off when there are too few points to fill the GPU with one
-    // thread each; with many points (a convolution's outputs) one thread per point wins.
-    let block_mode = longest >= 64
-        && points <= 16384
-        && !argmax_at_top
-        && k.stores.iter().all(|s| !s.accumulate);
     let threads: u64 = if block_mode {
         points * BLOCK as u64
     } else {
@@ -1401,22 +1419,55 @@ fn emit_kernel(
             px.emit_site(Some(d as Var))?;
         }
         if block_mode {
-            // Every thread took part in the reductions; thread 0 stores.
-            let pz = px.fresh("p");
+            // for (lin = tid; lin < inner; lin += BLOCK): the point's remaining elements.
+            let lin = px.fresh("r");
+            let head = px.label("ihead");
             let tidr = px.tid.clone();
-            px.line(format!("setp.ne.u32 {pz}, {tidr}, 0;"));
-            px.line(format!("@{pz} bra {done};"));
-        }
-        let mut open = Vec::new();
-        for d in par..rank {
-            let l = px.open_loop("0", &k.domain[d].to_string());
-            px.vars.insert(d as Var, l.iv.clone());
-            px.emit_site(Some(d as Var))?;
-            open.push(l);
-        }
-        px.stores()?;
-        while let Some(l) = open.pop() {
-            px.close_loop(l);
+            px.line(format!("mov.u32 {lin}, {tidr};"));
+            px.body.push_str(&format!("{head}:\n"));
+            let pe = px.fresh("p");
+            px.line(format!("setp.ge.u32 {pe}, {lin}, {inner};"));
+            px.line(format!("@{pe} bra {done};"));
+            px.journal.push(Vec::new());
+            let mut rest = lin.clone();
+            for d in (par..rank).rev() {
+                let ext = k.domain[d];
+                let r = px.fresh("r");
+                if d == par {
+                    px.line(format!("mov.u32 {r}, {rest};"));
+                } else {
+                    px.line(format!("rem.u32 {r}, {rest}, {ext};"));
+                    let q = px.fresh("r");
+                    px.line(format!("div.u32 {q}, {rest}, {ext};"));
+                    rest = q;
+                }
+                let v = px.fresh("rd");
+                px.line(format!("cvt.u64.u32 {v}, {r};"));
+                px.vars.insert(d as Var, v);
+            }
+            for d in par..rank {
+                px.emit_site(Some(d as Var))?;
+            }
+            px.stores()?;
+            if let Some(keys) = px.journal.pop() {
+                for key in keys {
+                    px.cache.remove(&key);
+                }
+            }
+            px.line(format!("add.u32 {lin}, {lin}, {BLOCK};"));
+            px.line(format!("bra.uni {head};"));
+        } else {
+            let mut open = Vec::new();
+            for d in par..rank {
+                let l = px.open_loop("0", &k.domain[d].to_string());
+                px.vars.insert(d as Var, l.iv.clone());
+                px.emit_site(Some(d as Var))?;
+                open.push(l);
+            }
+            px.stores()?;
+            while let Some(l) = open.pop() {
+                px.close_loop(l);
+            }
         }
     }
     px.body.push_str(&format!("{done}:\n\tret;\n"));

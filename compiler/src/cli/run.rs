@@ -300,12 +300,18 @@ pub fn run_compiled(
             bytes(s.arena_bytes() as u64)
         );
     }
-    if std::env::var_os("TCC_PROFILE").is_some() {
+    if let Some(top) = std::env::var_os("TCC_PROFILE") {
+        // `TCC_PROFILE=1` lists the 15 slowest kernels; a larger number lists that many.
+        let top = top
+            .to_str()
+            .and_then(|t| t.parse::<usize>().ok())
+            .filter(|&n| n > 1)
+            .unwrap_or(15);
         let mut prof = s.profile_kernels().map_err(|e| e.to_string())?;
         let total: f32 = prof.iter().map(|p| p.1).sum();
         prof.sort_by(|a, b| b.1.total_cmp(&a.1));
         println!("kernel profile (one step, kernels launched one by one): {total:.3} ms");
-        for (name, ms) in prof.iter().take(15) {
+        for (name, ms) in prof.iter().take(top) {
             let describe = model
                 .manifest()
                 .kernels
