@@ -56,7 +56,7 @@ device() {
     "$T" build bench/matmul_edges.tdsl --allow-tf32 --target cuda --emit artifact -o "$OUT/matmul-edges-tf32.tcc" 2>>"$log/build.txt"
     "$T" build examples/tiny.tdsl --target cuda --emit artifact -o "$OUT/tiny-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/mlp.tdsl --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small.tcc" 2>>"$log/build.txt"
-    "$T" build examples/cnn.tdsl --set B=2 --set C=4 --set S=8 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
+    "$T" build examples/cnn.tdsl --set B=4 --set C=16 --set S=16 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/gpt.tdsl --set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128 --target cuda --emit artifact -o "$OUT/gpt-small.tcc" 2>>"$log/build.txt"
     grep -E "^compiled" "$log/build.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

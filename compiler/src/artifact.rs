@@ -86,7 +86,11 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let g = crate::passes::split_reductions::split_reductions(&with_output_copies(g));
     let mut timings = Vec::new();
     let t = Instant::now();
-    let fused = fuse::fuse(&g, o.fuse)?;
+    let fuse_opts = fuse::FuseOptions {
+        implicit_gemm: o.target == Target::Cuda,
+        ..o.fuse
+    };
+    let fused = fuse::fuse(&g, fuse_opts)?;
     timings.push(("fuse", t.elapsed()));
     let t = Instant::now();
     let plan = plan::plan_kernels(&g, &fused, o.plan_budget);

@@ -171,6 +171,7 @@ pub fn device_steps_with(
         fuse: tcc::kernel::fuse::FuseOptions {
             fuse,
             channels_last: target == Target::Cuda,
+            ..Default::default()
         },
         allow_tf32,
         ..CompileOptions::default()
@@ -571,6 +572,26 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "large-tile f32 batched matmul",
         " input x: f32[34, 256, 64]\n input w: f32[34, 64, 256]",
         "x @ w",
+        1e-5,
+    );
+    // Convolutions as implicit GEMMs: the avg_pool2d of size 1 copies every element of a
+    // channels-last intermediate to the (channels-first) output.
+    add(
+        "implicit GEMM: conv2d 3x3, padding 1",
+        " input x: f32[2, 16, 12, 12]\n input w: f32[24, 16, 3, 3]",
+        "avg_pool2d(conv2d(x, w, padding: 1), 1)",
+        1e-5,
+    );
+    add(
+        "implicit GEMM: conv2d stride 2, odd side, fused relu on the input",
+        " input x: f32[3, 16, 13, 13]\n input w: f32[40, 16, 3, 3]",
+        "avg_pool2d(conv2d(relu(x), w, stride: 2, padding: 1), 1)",
+        1e-5,
+    );
+    add(
+        "implicit GEMM: conv2d 1x1, epilogue",
+        " input x: f32[2, 24, 10, 10]\n input w: f32[32, 24, 1, 1]",
+        "avg_pool2d(tanh(conv2d(x, w)), 1)",
         1e-5,
     );
     add(

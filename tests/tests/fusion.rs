@@ -32,6 +32,7 @@ fn fusion_cases() {
             FuseOptions {
                 fuse: false,
                 channels_last: false,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -60,6 +61,7 @@ fn channels_last_conv_chain() {
         FuseOptions {
             fuse: true,
             channels_last: true,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -86,6 +88,7 @@ fn channels_last_conv_chain() {
             fuse: FuseOptions {
                 fuse: true,
                 channels_last: true,
+                ..Default::default()
             },
             ..Default::default()
         },

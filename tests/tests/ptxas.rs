@@ -82,6 +82,7 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
                     fuse: FuseOptions {
                         fuse: true,
                         channels_last,
+                        ..Default::default()
                     },
                     ..Default::default()
                 },

@@ -1127,6 +1127,11 @@ impl<'a, 'b> Cg<'a, 'b> {
     // ---- matmul ----
 
     fn matmul(&mut self, mm: &Matmul) -> Res<()> {
+        if !mm.is_plain() {
+            return Err(
+                self.unsupported("implicit-GEMM operands (the CPU lowers convolutions as loops)")
+            );
+        }
         const MR: i64 = 4;
         const NR: i64 = 8;
         // Column tiles per panel (at most): the row tiles of this thread sweep one panel of

@@ -31,7 +31,7 @@
 use super::clif::sites;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
-use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
+use crate::kernel::{ExprId, Gather, Kernel, Matmul, Red, VTy, Var, E};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -110,6 +110,95 @@ struct Px<'a> {
     /// range, then warp shuffles and shared memory combine the partial results).
     block_reductions: Vec<ExprId>,
     tid: String,
+    /// Bounds of every integer node, where known (`index_ranges`): an index division or
+    /// remainder by a constant runs in 32 bits when its dividend fits.
+    ranges: Vec<Option<(i64, i64)>>,
+}
+
+/// Interval bounds of the pool's i64 nodes: variables span their loops (domain,
+/// reduction and gather variables), and sums, products, divisions and remainders by
+/// constants, clamps and selects follow. `None` where unknown or beyond 2^62.
+fn index_ranges(k: &Kernel) -> Vec<Option<(i64, i64)>> {
+    let mut ext: HashMap<Var, usize> = HashMap::new();
+    for (i, &d) in k.domain.iter().enumerate() {
+        ext.insert(i as Var, d);
+    }
+    for e in &k.pool.nodes {
+        if let E::Reduce { vars, .. } | E::ArgMax { vars, .. } = e {
+            for &(v, n) in vars {
+                ext.insert(v, n);
+            }
+        }
+    }
+    if let Some(mm) = &k.matmul {
+        for (op, rows, cols) in [(&mm.a, mm.m, mm.k), (&mm.b, mm.k, mm.n)] {
+            if let Some(g) = &op.gather {
+                ext.insert(g.row, rows);
+                ext.insert(g.col, cols);
+            }
+        }
+    }
+    const LIM: i128 = 1 << 62;
+    let fit = |lo: i128, hi: i128| -> Option<(i64, i64)> {
+        (lo >= -LIM && hi <= LIM).then_some((lo as i64, hi as i64))
+    };
+    let mut out: Vec<Option<(i64, i64)>> = Vec::with_capacity(k.pool.nodes.len());
+    for (i, e) in k.pool.nodes.iter().enumerate() {
+        let get = |x: &ExprId| out.get(x.0 as usize).copied().flatten();
+        let r = if k.pool.ty(ExprId(i as u32)) != VTy::I64 {
+            None
+        } else {
+            match e {
+                E::Var(v) => ext.get(v).map(|&n| (0, n.saturating_sub(1) as i64)),
+                E::Int(c) => Some((*c, *c)),
+                E::Bin(op, a, b) => match (get(a), get(b), op) {
+                    (Some((al, ah)), Some((bl, bh)), BinaryOp::Add) => {
+                        fit(al as i128 + bl as i128, ah as i128 + bh as i128)
+                    }
+                    (Some((al, ah)), Some((bl, bh)), BinaryOp::Sub) => {
+                        fit(al as i128 - bh as i128, ah as i128 - bl as i128)
+                    }
+                    (Some((al, ah)), Some((bl, bh)), BinaryOp::Mul) => {
+                        let p = [
+                            al as i128 * bl as i128,
+                            al as i128 * bh as i128,
+                            ah as i128 * bl as i128,
+                            ah as i128 * bh as i128,
+                        ];
+                        let lo = p.iter().copied().min().unwrap_or(0);
+                        let hi = p.iter().copied().max().unwrap_or(0);
+                        fit(lo, hi)
+                    }
+                    (Some((al, ah)), Some((c, c2)), BinaryOp::Div) if c == c2 && c > 0 => {
+                        Some((al / c, ah / c))
+                    }
+                    (Some((al, ah)), Some((c, c2)), BinaryOp::Rem) if c == c2 && c > 0 => {
+                        if al >= 0 {
+                            Some((0, ah.min(c - 1)))
+                        } else {
+                            Some((-(c - 1), c - 1))
+                        }
+                    }
+                    _ => None,
+                },
+                E::IMin(a, b) => match (get(a), get(b)) {
+                    (Some((al, ah)), Some((bl, bh))) => Some((al.min(bl), ah.min(bh))),
+                    _ => None,
+                },
+                E::IMax(a, b) => match (get(a), get(b)) {
+                    (Some((al, ah)), Some((bl, bh))) => Some((al.max(bl), ah.max(bh))),
+                    _ => None,
+                },
+                E::Select(_, a, b) => match (get(a), get(b)) {
+                    (Some((al, ah)), Some((bl, bh))) => Some((al.min(bl), ah.max(bh))),
+                    _ => None,
+                },
+                _ => None,
+            }
+        };
+        out.push(r);
+    }
+    out
 }
 
 /// Register class prefix and declared type of a value type.
@@ -144,6 +233,7 @@ impl<'a> Px<'a> {
             arena: String::new(),
             block_reductions: Vec::new(),
             tid: String::new(),
+            ranges: index_ranges(k),
         }
     }
 
@@ -340,21 +430,54 @@ impl<'a> Px<'a> {
             self.line(format!("mad.lo.s64 {nb2}, {v}, {sb}, {bbase};"));
             bbase = nb2;
         }
-        let i = self.vars.get(&(nb as Var)).cloned().unwrap_or_default();
-        let j = self.vars.get(&(nb as Var + 1)).cloned().unwrap_or_default();
+        // The flattened row and column of this element.
+        let flat = |px: &mut Self, first: usize, dims: &[usize]| -> String {
+            let mut lin = px.vars.get(&(first as Var)).cloned().unwrap_or_default();
+            for (q, &d) in dims.iter().enumerate().skip(1) {
+                let v = px
+                    .vars
+                    .get(&((first + q) as Var))
+                    .cloned()
+                    .unwrap_or_default();
+                let t = px.fresh("rd");
+                px.line(format!("mad.lo.s64 {t}, {lin}, {d}, {v};"));
+                lin = t;
+            }
+            lin
+        };
+        let i = flat(self, nb, &mm.rows);
+        let j = flat(self, nb + mm.rows.len(), &mm.cols);
         let arow = self.fresh("rd");
         self.line(format!("mad.lo.s64 {arow}, {i}, {}, {abase};", mm.a.rs));
         let bcol = self.fresh("rd");
         self.line(format!("mad.lo.s64 {bcol}, {j}, {}, {bbase};", mm.b.cs));
+        let a_fixed = match &mm.a.gather {
+            Some(g) => self.gather_fixed_part(g, g.row, &i)?,
+            None => HashMap::new(),
+        };
+        let b_fixed = match &mm.b.gather {
+            Some(g) => self.gather_fixed_part(g, g.col, &j)?,
+            None => HashMap::new(),
+        };
         let l = self.open_loop("0", &mm.k.to_string());
-        let ai = self.fresh("rd");
-        self.line(format!("mad.lo.s64 {ai}, {}, {}, {arow};", l.iv, mm.a.cs));
-        let bi = self.fresh("rd");
-        self.line(format!("mad.lo.s64 {bi}, {}, {}, {bcol};", l.iv, mm.b.rs));
-        let aa = self.address(mm.a.buf, mm.a.dtype, &ai)?;
-        let ba = self.address(mm.b.buf, mm.b.dtype, &bi)?;
-        let av = self.load(&aa, mm.a.dtype);
-        let bv = self.load(&ba, mm.b.dtype);
+        let av = match &mm.a.gather {
+            Some(g) => self.gather(g, &i, &l.iv, &a_fixed)?,
+            None => {
+                let ai = self.fresh("rd");
+                self.line(format!("mad.lo.s64 {ai}, {}, {}, {arow};", l.iv, mm.a.cs));
+                let aa = self.address(mm.a.buf, mm.a.dtype, &ai)?;
+                self.load(&aa, mm.a.dtype)
+            }
+        };
+        let bv = match &mm.b.gather {
+            Some(g) => self.gather(g, &l.iv, &j, &b_fixed)?,
+            None => {
+                let bi = self.fresh("rd");
+                self.line(format!("mad.lo.s64 {bi}, {}, {}, {bcol};", l.iv, mm.b.rs));
+                let ba = self.address(mm.b.buf, mm.b.dtype, &bi)?;
+                self.load(&ba, mm.b.dtype)
+            }
+        };
         self.line(format!("fma.rn.f32 {acc}, {av}, {bv}, {acc};"));
         self.close_loop(l);
         self.acc = Some(acc);
@@ -405,6 +528,21 @@ impl<'a> Px<'a> {
                 let x = self.emit(a)?;
                 self.unary(op, self.k.pool.ty(a), &x)?
             }
+            E::Bin(op @ (BinaryOp::Div | BinaryOp::Rem), a, b)
+                if self.narrow_divisor(a, b).is_some() =>
+            {
+                // A non-negative index below 2^31 over a positive constant: 32-bit
+                // division (a 64-bit one is a long subroutine).
+                let c = self.narrow_divisor(a, b).unwrap_or(1);
+                let x = self.emit(a)?;
+                let (x32, q) = (self.fresh("r"), self.fresh("r"));
+                self.line(format!("cvt.u32.u64 {x32}, {x};"));
+                let ins = if op == BinaryOp::Div { "div" } else { "rem" };
+                self.line(format!("{ins}.u32 {q}, {x32}, {c};"));
+                let r = self.fresh("rd");
+                self.line(format!("cvt.u64.u32 {r}, {q};"));
+                r
+            }
             E::Bin(op, a, b) => {
                 let x = self.emit(a)?;
                 let y = self.emit(b)?;
@@ -444,6 +582,61 @@ impl<'a> Px<'a> {
         };
         self.remember(e, r.clone());
         Ok(r)
+    }
+
+    /// The constant divisor of `a / b` (or `a % b`) when both fit 32-bit unsigned
+    /// arithmetic: `b` a positive constant, `a` known to lie in `[0, 2^31)`.
+    fn narrow_divisor(&self, a: ExprId, b: ExprId) -> Option<i64> {
+        if self.k.pool.ty(a) != VTy::I64 {
+            return None;
+        }
+        let c = match self.k.pool.get(b) {
+            E::Int(c) if *c > 0 && *c < 1 << 31 => *c,
+            _ => return None,
+        };
+        match self.ranges.get(a.0 as usize).copied().flatten() {
+            Some((lo, hi)) if lo >= 0 && hi < 1 << 31 => Some(c),
+            _ => None,
+        }
+    }
+
+    /// An operand element of an implicit GEMM: the gather's value with its row and column
+    /// bound (`cache`: nodes already computed for this row, kept by the caller).
+    fn gather(
+        &mut self,
+        g: &Gather,
+        row: &str,
+        col: &str,
+        cache: &HashMap<ExprId, String>,
+    ) -> Res<String> {
+        let saved = std::mem::replace(&mut self.cache, cache.clone());
+        self.vars.insert(g.row, row.to_string());
+        self.vars.insert(g.col, col.to_string());
+        let v = self.emit(g.value);
+        self.cache = saved;
+        v
+    }
+
+    /// The nodes of a gather that depend only on its variable `fixed` (its row, or its
+    /// column), computed for `at`: the cache [`Self::gather`] starts from while `fixed`
+    /// keeps that value (a tile row's coordinates, hoisted out of the `k` loop).
+    fn gather_fixed_part(
+        &mut self,
+        g: &Gather,
+        fixed: Var,
+        at: &str,
+    ) -> Res<HashMap<ExprId, String>> {
+        let free = crate::kernel::lower::free_vars(&self.k.pool);
+        let saved = self.cache.clone();
+        self.vars.insert(fixed, at.to_string());
+        for e in reachable(&self.k.pool, &[g.value]) {
+            let f = &free[e.0 as usize];
+            let only = !f.is_empty() && f.iter().all(|&v| v == fixed);
+            if only {
+                self.emit(e)?;
+            }
+        }
+        Ok(std::mem::replace(&mut self.cache, saved))
     }
 
     fn select(&mut self, ty: VTy, c: &str, a: &str, b: &str) -> String {
@@ -1083,7 +1276,6 @@ fn emit_tiled_matmul(
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let mut px = Px::new(k, offset_of, sites(k), live);
-    let nb = mm.batch.len();
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = TILE_STRIDE * 4;
 
@@ -1116,6 +1308,8 @@ fn emit_tiled_matmul(
         ok: String,
         /// k offset inside the step.
         kk: String,
+        /// The row (A) or column (B), clamped into range (gathers).
+        at: String,
     }
     let slots = |px: &mut Px,
                  k_fast: bool,
@@ -1123,7 +1317,8 @@ fn emit_tiled_matmul(
                  stride: i64,
                  first: &str,
                  opbase: &str,
-                 smem0: &str|
+                 smem0: &str,
+                 gathered: bool|
      -> Vec<Slot> {
         let mut out = Vec::new();
         for r in 0..4u32 {
@@ -1150,18 +1345,64 @@ fn emit_tiled_matmul(
             px.line(format!("mad.lo.s64 {base}, {g}, {stride}, {opbase};"));
             let kk64 = px.fresh("rd");
             px.line(format!("cvt.u64.u32 {kk64}, {kk};"));
+            let at = if gathered {
+                let at = px.fresh("rd");
+                px.line(format!("min.s64 {at}, {g}, {};", extent.saturating_sub(1)));
+                at
+            } else {
+                String::new()
+            };
             out.push(Slot {
                 smem,
                 base,
                 ok,
                 kk: kk64,
+                at,
             });
         }
         out
     };
-    let a_slots = slots(&mut px, mm.a.cs == 1, m, mm.a.rs, &row0, &abase, &sa);
-    let b_k_fast = mm.b.rs == 1 && mm.b.cs != 1;
-    let b_slots = slots(&mut px, b_k_fast, n, mm.b.cs, &col0, &bbase, &sb);
+    let a_fast = mm.a.gather.as_ref().map_or(mm.a.cs == 1, |g| g.k_fast);
+    let a_slots = slots(
+        &mut px,
+        a_fast,
+        m,
+        mm.a.rs,
+        &row0,
+        &abase,
+        &sa,
+        mm.a.gather.is_some(),
+    );
+    let b_k_fast =
+        mm.b.gather
+            .as_ref()
+            .map_or(mm.b.rs == 1 && mm.b.cs != 1, |g| g.k_fast);
+    let b_slots = slots(
+        &mut px,
+        b_k_fast,
+        n,
+        mm.b.cs,
+        &col0,
+        &bbase,
+        &sb,
+        mm.b.gather.is_some(),
+    );
+    // Gathers: what depends on a slot's row (A) or column (B) alone, once.
+    let mut fixed: Vec<HashMap<ExprId, String>> = Vec::new();
+    for (slots, g, a_side) in [
+        (&a_slots, &mm.a.gather, true),
+        (&b_slots, &mm.b.gather, false),
+    ] {
+        for s in slots.iter() {
+            fixed.push(match g {
+                Some(g) => {
+                    let var = if a_side { g.row } else { g.col };
+                    px.gather_fixed_part(g, var, &s.at)?
+                }
+                None => HashMap::new(),
+            });
+        }
+    }
 
     // Shared addresses this thread's compute reads at kk = 0.
     let (ra, rb) = (px.fresh("r"), px.fresh("r"));
@@ -1184,12 +1425,32 @@ fn emit_tiled_matmul(
     let pk = px.fresh("p");
     px.line(format!("setp.ge.s64 {pk}, {k0}, {kd};"));
     px.line(format!("@{pk} bra.uni {exit};"));
-    for (slots, buf, kstride) in [(&a_slots, &abuf, mm.a.cs), (&b_slots, &bbuf, mm.b.rs)] {
-        for s in slots {
+    let sides = [
+        (&a_slots, &abuf, mm.a.cs, &mm.a.gather, true),
+        (&b_slots, &bbuf, mm.b.rs, &mm.b.gather, false),
+    ];
+    for (side, (slots, buf, kstride, gather, a_side)) in sides.into_iter().enumerate() {
+        for (si, s) in slots.iter().enumerate() {
             let kg = px.fresh("rd");
             px.line(format!("add.s64 {kg}, {k0}, {};", s.kk));
             let p = px.fresh("p");
             px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {};", s.ok));
+            if let Some(g) = gather {
+                // Clamped coordinates keep every load in bounds; out-of-range slots
+                // store 0.
+                let kc = px.fresh("rd");
+                px.line(format!("min.s64 {kc}, {kg}, {};", kd.saturating_sub(1)));
+                let cache = &fixed[side * slots.len() + si];
+                let v = if a_side {
+                    px.gather(g, &s.at, &kc, cache)?
+                } else {
+                    px.gather(g, &kc, &s.at, cache)?
+                };
+                let z = px.fresh("f");
+                px.line(format!("selp.f32 {z}, {v}, {}, {p};", f32_lit(0.0)));
+                px.line(format!("st.shared.f32 [{}], {z};", s.smem));
+                continue;
+            }
             let idx = px.fresh("rd");
             px.line(format!("mad.lo.s64 {idx}, {kg}, {kstride}, {};", s.base));
             let addr = px.fresh("rd");
@@ -1240,7 +1501,7 @@ fn emit_tiled_matmul(
         px.line(format!("setp.lt.s64 {ok}, {j}, {n};"));
         cols.push((j, ok));
     }
-    epilogue(&mut px, nb, &rows, &cols, &|r, c| accs[r * 4 + c].clone())?;
+    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * 4 + c].clone())?;
     px.line("ret;");
     let tile = TILE_K * TILE_STRIDE;
     let shared = format!(
@@ -1819,6 +2080,9 @@ const MMA_A_BYTES: usize = MMA_BM * MMA_A_ROW;
 
 impl MmaKind {
     fn of(mm: &Matmul, opts: PtxOptions) -> Option<MmaKind> {
+        if !mm.is_plain() {
+            return None;
+        }
         match (mm.a.dtype, mm.b.dtype) {
             (DType::F16, DType::F16) => Some(MmaKind::F16),
             (DType::BF16, DType::BF16) => Some(MmaKind::Bf16),
@@ -1896,7 +2160,6 @@ fn emit_mma_matmul(
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let mut px = Px::new(k, offset_of, sites(k), live);
-    let nb = mm.batch.len();
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let eb = kind.elem_bytes();
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
@@ -2201,7 +2464,7 @@ fn emit_mma_matmul(
     px.line(format!("add.s64 {cb}, {cb}, {col0};"));
     let rows = epilogue_coords(&mut px, &rb, m, &|ri| (ri / 2) * 16 + (ri % 2) * 8);
     let cols = epilogue_coords(&mut px, &cb, n, &|ci| (ci / 2) * 8 + ci % 2);
-    epilogue(&mut px, nb, &rows, &cols, &|ri, ci| {
+    epilogue(&mut px, mm, &rows, &cols, &|ri, ci| {
         let (mi, h, nj, c) = (ri / 2, ri % 2, ci / 2, ci % 2);
         accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
     })?;
@@ -2242,7 +2505,7 @@ const SG_TILE: usize = SG_BK * SG_STRIDE * 4;
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
 fn sgemm_grid(mm: &Matmul) -> Option<[u32; 3]> {
-    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
+    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !mm.is_plain() {
         return None;
     }
     if mm.m < 64 || mm.n < 64 || mm.m * mm.n < 1 << 16 {
@@ -2277,7 +2540,6 @@ fn emit_sgemm(
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let mut px = Px::new(k, offset_of, sites(k), live);
-    let nb = mm.batch.len();
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = SG_STRIDE * 4;
 
@@ -2507,7 +2769,7 @@ fn emit_sgemm(
     px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
     let rows = epilogue_coords(&mut px, &rb0, m, &|r| (r % 4) + 64 * (r / 4));
     let cols = epilogue_coords(&mut px, &cb0, n, &|c| (c % 4) + 64 * (c / 4));
-    epilogue(&mut px, nb, &rows, &cols, &|r, c| accs[r * 8 + c].clone())?;
+    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * 8 + c].clone())?;
     px.line("ret;");
     let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * SG_TILE);
     Ok((
@@ -2559,8 +2821,15 @@ fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
     px.line(format!("and.b32 {tx}, {t}, 15;"));
     px.line(format!("shr.u32 {ty}, {t}, 4;"));
     let (abase, bbase) = batch_bases(px, mm, &bz);
-    let (abuf, aoff) = operand_buffer(px, mm.a.buf)?;
-    let (bbuf, boff) = operand_buffer(px, mm.b.buf)?;
+    // A gathered operand has no single buffer: its loads are in its expression.
+    let (abuf, aoff) = match mm.a.gather {
+        None => operand_buffer(px, mm.a.buf)?,
+        Some(_) => (String::new(), 0),
+    };
+    let (bbuf, boff) = match mm.b.gather {
+        None => operand_buffer(px, mm.b.buf)?,
+        Some(_) => (String::new(), 0),
+    };
     let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
     px.line(format!("mul.wide.u32 {row0}, {by}, {bm};"));
     px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
@@ -2622,6 +2891,49 @@ fn operand_buffer(px: &mut Px, buf: NodeId) -> Res<(String, u64)> {
     Ok((r, off))
 }
 
+/// The coordinates (row-major over `dims`) of the flattened index in register `lin`;
+/// `lin` itself for one axis. 32-bit division when the product fits. Out-of-range
+/// indices give garbage coordinates (callers guard them).
+fn split_index(px: &mut Px, lin: &str, dims: &[usize]) -> Vec<String> {
+    if dims.len() <= 1 {
+        return vec![lin.to_string()];
+    }
+    let total: usize = dims.iter().product();
+    let mut out = vec![String::new(); dims.len()];
+    if total < 1 << 31 {
+        let mut rest = px.fresh("r");
+        px.line(format!("cvt.u32.u64 {rest}, {lin};"));
+        for d in (0..dims.len()).rev() {
+            let v = px.fresh("rd");
+            if d == 0 {
+                px.line(format!("cvt.u64.u32 {v}, {rest};"));
+            } else {
+                let (r, q) = (px.fresh("r"), px.fresh("r"));
+                px.line(format!("rem.u32 {r}, {rest}, {};", dims[d]));
+                px.line(format!("div.u32 {q}, {rest}, {};", dims[d]));
+                px.line(format!("cvt.u64.u32 {v}, {r};"));
+                rest = q;
+            }
+            out[d] = v;
+        }
+    } else {
+        let mut rest = lin.to_string();
+        for d in (0..dims.len()).rev() {
+            let v = px.fresh("rd");
+            if d == 0 {
+                px.line(format!("mov.u64 {v}, {rest};"));
+            } else {
+                let q = px.fresh("rd");
+                px.line(format!("rem.u64 {v}, {rest}, {};", dims[d]));
+                px.line(format!("div.u64 {q}, {rest}, {};", dims[d]));
+                rest = q;
+            }
+            out[d] = v;
+        }
+    }
+    out
+}
+
 /// Eight output coordinates `base + at(i)` with their in-range predicates.
 fn epilogue_coords(
     px: &mut Px,
@@ -2643,20 +2955,32 @@ fn epilogue_coords(
 /// (row, column) pair, with the accumulator `acc(r, c)`.
 fn epilogue(
     px: &mut Px,
-    nb: usize,
+    mm: &Matmul,
     rows: &[(String, String)],
     cols: &[(String, String)],
     acc: &dyn Fn(usize, usize) -> String,
 ) -> Res<()> {
-    for (r, (i, pi)) in rows.iter().enumerate() {
-        for (c, (j, pj)) in cols.iter().enumerate() {
+    let nb = mm.batch.len();
+    // The domain coordinates of each row and column (an implicit GEMM's rows span
+    // several axes).
+    let row_at: Vec<Vec<String>> = rows
+        .iter()
+        .map(|(i, _)| split_index(px, i, &mm.rows))
+        .collect();
+    let col_at: Vec<Vec<String>> = cols
+        .iter()
+        .map(|(j, _)| split_index(px, j, &mm.cols))
+        .collect();
+    for (r, (_, pi)) in rows.iter().enumerate() {
+        for (c, (_, pj)) in cols.iter().enumerate() {
             let skip = px.label("skip");
             let p = px.fresh("p");
             px.line(format!("and.pred {p}, {pi}, {pj};"));
             px.line(format!("@!{p} bra {skip};"));
             px.journal.push(Vec::new());
-            px.vars.insert(nb as Var, i.clone());
-            px.vars.insert(nb as Var + 1, j.clone());
+            for (q, x) in row_at[r].iter().chain(&col_at[c]).enumerate() {
+                px.vars.insert((nb + q) as Var, x.clone());
+            }
             px.acc = Some(acc(r, c));
             px.stores()?;
             px.pop_scope();

@@ -29,6 +29,7 @@ pub fn compile_options(t: Target, no_fuse: bool, layout: Layout) -> CompileOptio
                 Layout::Nchw => false,
                 Layout::Auto => t == Target::Cuda,
             },
+            ..FuseOptions::default()
         },
         ..CompileOptions::default()
     }

@@ -40,6 +40,9 @@ pub struct FuseOptions {
     pub fuse: bool,
     /// Lay out 4-D intermediates of convolution chains channels-last (NHWC).
     pub channels_last: bool,
+    /// Lower f32 convolutions and their gradients as implicit GEMMs ([`super::Gather`]
+    /// operands), which only the CUDA back end runs; set by `artifact::plan_step` for CUDA.
+    pub implicit_gemm: bool,
 }
 
 impl Default for FuseOptions {
@@ -47,6 +50,7 @@ impl Default for FuseOptions {
         FuseOptions {
             fuse: true,
             channels_last: false,
+            implicit_gemm: false,
         }
     }
 }
@@ -144,7 +148,7 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
         } else {
             BTreeMap::new()
         };
-        match build(g, &order, &materialized, &layouts) {
+        match build(g, &order, &materialized, &layouts, opts.implicit_gemm) {
             Ok(kernels) => {
                 return Ok(Fused {
                     kernels,
@@ -231,6 +235,15 @@ fn decide(
                         let (u, _) = us[0];
                         elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
                     }
+                    // An implicit GEMM is an anchor too: only an elementwise epilogue.
+                    Op::Conv2d { .. }
+                    | Op::Conv2dGradInput { .. }
+                    | Op::Conv2dGradWeight { .. }
+                        if opts.implicit_gemm =>
+                    {
+                        let (u, _) = us[0];
+                        elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
+                    }
                     _ => !is_scatter(&g.node(us[0].0).op),
                 };
             if !ok {
@@ -292,11 +305,13 @@ fn build(
     order: &[NodeId],
     m: &BTreeSet<NodeId>,
     layouts: &BTreeMap<NodeId, Vec<usize>>,
+    implicit_gemm: bool,
 ) -> Result<Vec<Kernel>, Retry> {
     let d = Decisions {
         g,
         materialized: m,
         layouts,
+        implicit_gemm,
     };
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();
@@ -393,9 +408,20 @@ fn build(
             matches!(k.pool.get(e), E::Load { buf, index, .. } if *buf == target && *index != store_index)
         });
         if bad
-            || k.matmul
-                .as_ref()
-                .is_some_and(|mm| mm.a.buf == target || mm.b.buf == target)
+            || k.matmul.as_ref().is_some_and(|mm| {
+                [&mm.a, &mm.b]
+                    .iter()
+                    .any(|op| op.gather.is_none() && op.buf == target)
+            })
+            || k.matmul.as_ref().is_some_and(|mm| {
+                [&mm.a, &mm.b].iter().any(|op| {
+                    op.gather.as_ref().is_some_and(|gt| {
+                        reachable(&k.pool, &[gt.value])
+                            .into_iter()
+                            .any(|e| matches!(k.pool.get(e), E::Load { buf, .. } if *buf == target))
+                    })
+                })
+            })
         {
             return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
         }

@@ -6,7 +6,7 @@
 //! (concat branches, convolution padding, embedding ids), it is clamped and the value is
 //! masked, so no load ever reads outside its buffer.
 
-use super::{ExprId, ExprPool, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
+use super::{ExprId, ExprPool, Gather, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
 use std::collections::{BTreeSet, HashMap};
 
@@ -32,6 +32,8 @@ pub struct Decisions<'a> {
     /// logical axis of each physical axis, outermost first (`[0, 2, 3, 1]` is NHWC for a
     /// logical NCHW tensor).
     pub layouts: &'a std::collections::BTreeMap<NodeId, Vec<usize>>,
+    /// Convolutions may become implicit-GEMM anchors (CUDA).
+    pub implicit_gemm: bool,
 }
 
 impl Decisions<'_> {
@@ -54,6 +56,14 @@ pub fn matmul_anchor_ok(g: &Graph, n: NodeId) -> bool {
             .inputs
             .iter()
             .all(|&i| g.ty(i).rank() >= 2 && g.ty(i).dtype == node.ty.dtype)
+}
+
+/// The logical axes of a convolution's result that are its implicit GEMM's rows.
+fn conv_row_axes(op: &Op) -> &'static [usize] {
+    match op {
+        Op::Conv2dGradWeight { .. } => &[0],
+        _ => &[0, 2, 3],
+    }
 }
 
 /// Builds one kernel.
@@ -453,6 +463,11 @@ impl<'a> Builder<'a> {
                 Ok(self.pool.cast(VTy::I32, r))
             }
             Op::MatMul => self.matmul_value(n, idx),
+            Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. }
+                if self.conv_gemm_applies(n, idx) =>
+            {
+                self.conv_gemm(n, idx)
+            }
             Op::Conv2d {
                 stride,
                 padding,
@@ -703,6 +718,252 @@ impl<'a> Builder<'a> {
         Ok(self.reduction(n, Red::Sum, vec![(vk, kdim)], body))
     }
 
+    /// True when convolution `n` at `idx` is lowered as an implicit GEMM: CUDA, f32, one
+    /// group, and evaluated at the kernel's own domain point (every logical axis one
+    /// domain variable of the same extent) with its GEMM rows as the domain's leading axes
+    /// (`[N, H, W]` of a channels-last output; `O` of a weight gradient).
+    fn conv_gemm_applies(&self, n: NodeId, idx: &[ExprId]) -> bool {
+        self.conv_gemm_rows(n, idx).is_some()
+    }
+
+    /// How many leading domain axes are the implicit GEMM's rows, when it applies.
+    fn conv_gemm_rows(&self, n: NodeId, idx: &[ExprId]) -> Option<usize> {
+        let g = self.d.g;
+        let node = g.node(n);
+        let groups = match &node.op {
+            Op::Conv2d { groups, .. }
+            | Op::Conv2dGradInput { groups, .. }
+            | Op::Conv2dGradWeight { groups, .. } => *groups,
+            _ => return None,
+        };
+        if !self.d.implicit_gemm
+            || groups != 1
+            || node.ty.dtype != DType::F32
+            || node.inputs.iter().any(|&i| g.ty(i).dtype != DType::F32)
+            || idx.len() != 4
+            || self.domain.len() != 4
+        {
+            return None;
+        }
+        let dims = node.ty.dims();
+        // The domain position of each logical axis; an axis of extent 1 may be the
+        // constant 0 instead (a broadcast index).
+        let mut pos: [Option<usize>; 4] = [None; 4];
+        let mut seen = [false; 4];
+        for (l, &e) in idx.iter().enumerate() {
+            match self.dvars.iter().position(|&v| v == e) {
+                Some(p) if self.domain[p] == dims[l] && !seen[p] => {
+                    seen[p] = true;
+                    pos[l] = Some(p);
+                }
+                None if dims[l] == 1 && matches!(self.pool.get(e), E::Int(0)) => {}
+                _ => return None,
+            }
+        }
+        // Unmapped domain axes must have extent 1.
+        if (0..4).any(|p| !seen[p] && self.domain[p] != 1) {
+            return None;
+        }
+        let row_axes = conv_row_axes(&node.op);
+        let is_row = |l: usize| row_axes.contains(&l);
+        let r = (0..4)
+            .filter(|&l| is_row(l))
+            .filter_map(|l| pos[l])
+            .max()
+            .map_or(0, |p| p + 1);
+        let cols_after = (0..4)
+            .filter(|&l| !is_row(l))
+            .filter_map(|l| pos[l])
+            .all(|p| p >= r);
+        (cols_after && (1..4).contains(&r)).then_some(r)
+    }
+
+    /// A convolution or one of its gradients as an implicit GEMM: the kernel's anchor, with
+    /// both operands gathered from the inputs' windows (see [`Self::conv_gemm_applies`]).
+    ///
+    /// | op | rows | columns | k (fastest last) | A | B |
+    /// |---|---|---|---|---|---|
+    /// | conv2d | n, oh, ow | o | i, j, c | x window | w |
+    /// | grad input | n, h, w | c | i, j, o | dy (untapped) | w |
+    /// | grad weight | o | c, i, j (domain order) | n, oh, ow | dy | x window |
+    ///
+    /// With channels-last activations, `k`'s fastest axis is the contiguous channel axis of
+    /// the gathered activation (conv2d and grad input).
+    fn conv_gemm(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
+        if self.matmul.is_some() {
+            return Err(LowerError::Materialize(n));
+        }
+        let g = self.d.g;
+        let node = g.node(n).clone();
+        let (i0, i1) = (node.inputs[0], node.inputs[1]);
+        let (d0, d1) = (g.ty(i0).dims().to_vec(), g.ty(i1).dims().to_vec());
+        let Some(r) = self.conv_gemm_rows(n, idx) else {
+            return Err(self.internal("operand layout"));
+        };
+        let rows = self.domain[..r].to_vec();
+        let cols = self.domain[r..].to_vec();
+        let (m, nc) = (
+            rows.iter().product::<usize>(),
+            cols.iter().product::<usize>(),
+        );
+        // Logical coordinates of a flattened row (or column) index.
+        let coords = |b: &mut Self, lin: ExprId, dims: &[usize], first: usize| {
+            let parts = b.unflatten(lin, dims);
+            // Axes of extent 1 outside the domain's mapping are 0.
+            let zero = b.pool.int(0);
+            let mut out: Vec<Option<ExprId>> = idx
+                .iter()
+                .map(|&e| matches!(b.pool.get(e), E::Int(0)).then_some(zero))
+                .collect();
+            for (q, p) in parts.into_iter().enumerate() {
+                let dv = b.dvars[first + q];
+                if let Some(l) = idx.iter().position(|&e| e == dv) {
+                    out[l] = Some(p);
+                }
+            }
+            out
+        };
+        let channels_last = |b: &Self, x: NodeId| b.d.layout(x) == [0, 2, 3, 1];
+        let saved = std::mem::take(&mut self.fused);
+        let spec = match node.op {
+            Op::Conv2d {
+                stride, padding, ..
+            } => {
+                let (c, kh, kw) = (d1[1], d1[2], d1[3]);
+                let k = c * kh * kw;
+                let (vr, row) = self.fresh(m);
+                let (vk, kk) = self.fresh(k);
+                let rc = coords(self, row, &rows, 0);
+                let [Some(nn), _, Some(oh), Some(ow)] = rc[..] else {
+                    return Err(self.internal("conv2d rows"));
+                };
+                let (ci, ii, jj) = self.split_k(kk, kh, kw, c);
+                let (ih, iw, gd) = self.window([oh, ow], stride, [ii, jj], padding, [d0[2], d0[3]]);
+                let a = self.guarded(i0, &[nn, ci, ih, iw], gd, 0.0)?;
+                let (vk2, kk2) = self.fresh(k);
+                let (vc, col) = self.fresh(nc);
+                let cc = coords(self, col, &cols, r);
+                let Some(o) = cc[1] else {
+                    return Err(self.internal("conv2d columns"));
+                };
+                let (ci2, ii2, jj2) = self.split_k(kk2, kh, kw, c);
+                let b = self.value(i1, &[o, ci2, ii2, jj2])?;
+                let a_fast = channels_last(self, i0);
+                (k, (vr, vk, a, a_fast), (vk2, vc, b, true))
+            }
+            Op::Conv2dGradInput {
+                stride, padding, ..
+            } => {
+                let (o, kh, kw) = (d1[0], d1[2], d1[3]);
+                let k = o * kh * kw;
+                let (vr, row) = self.fresh(m);
+                let (vk, kk) = self.fresh(k);
+                let rc = coords(self, row, &rows, 0);
+                let [Some(nn), _, Some(h), Some(w)] = rc[..] else {
+                    return Err(self.internal("conv2d_grad_input rows"));
+                };
+                let (oi, ii, jj) = self.split_k(kk, kh, kw, o);
+                let (oh, gh) = self.untap(h, stride[0], ii, padding[0], d0[2]);
+                let (ow, gw) = self.untap(w, stride[1], jj, padding[1], d0[3]);
+                let gd = self.pool.and(gh, gw);
+                let a = self.guarded(i0, &[nn, oi, oh, ow], gd, 0.0)?;
+                let (vk2, kk2) = self.fresh(k);
+                let (vc, col) = self.fresh(nc);
+                let cc = coords(self, col, &cols, r);
+                let Some(ch) = cc[1] else {
+                    return Err(self.internal("conv2d_grad_input columns"));
+                };
+                let (oi2, ii2, jj2) = self.split_k(kk2, kh, kw, o);
+                let b = self.value(i1, &[oi2, ch, ii2, jj2])?;
+                let a_fast = channels_last(self, i0);
+                (k, (vr, vk, a, a_fast), (vk2, vc, b, false))
+            }
+            Op::Conv2dGradWeight {
+                stride, padding, ..
+            } => {
+                // Operands [x, dy]; A is dy (rows o), B the windows of x.
+                let (nb, oh_n, ow_n) = (d1[0], d1[2], d1[3]);
+                let k = nb * oh_n * ow_n;
+                let (vr, row) = self.fresh(m);
+                let (vk, kk) = self.fresh(k);
+                let rc = coords(self, row, &rows, 0);
+                let Some(o) = rc[0] else {
+                    return Err(self.internal("conv2d_grad_weight rows"));
+                };
+                let kd = self.unflatten(kk, &[nb, oh_n, ow_n]);
+                let a = self.value(i1, &[kd[0], o, kd[1], kd[2]])?;
+                let (vk2, kk2) = self.fresh(k);
+                let (vc, col) = self.fresh(nc);
+                let cc = coords(self, col, &cols, r);
+                let [_, Some(ch), Some(ii), Some(jj)] = cc[..] else {
+                    return Err(self.internal("conv2d_grad_weight columns"));
+                };
+                let kd2 = self.unflatten(kk2, &[nb, oh_n, ow_n]);
+                let (ih, iw, gd) =
+                    self.window([kd2[1], kd2[2]], stride, [ii, jj], padding, [d0[2], d0[3]]);
+                let b = self.guarded(i0, &[kd2[0], ch, ih, iw], gd, 0.0)?;
+                let a_fast = !channels_last(self, i1);
+                let b_fast = !channels_last(self, i0);
+                (k, (vr, vk, a, a_fast), (vk2, vc, b, b_fast))
+            }
+            _ => return Err(self.internal("not a convolution")),
+        };
+        let (k, (ar, ac, av, a_fast), (br, bc, bv, b_fast)) = spec;
+        // A gather holding a reduction would run it per element of every tile: give the
+        // operand a buffer instead.
+        for (v, x) in [(av, i0), (bv, i1)] {
+            let has_reduction = reachable(&self.pool, &[v])
+                .into_iter()
+                .any(|e| matches!(self.pool.get(e), E::Reduce { .. } | E::ArgMax { .. }));
+            if has_reduction {
+                self.fused = saved;
+                return Err(LowerError::Materialize(x));
+            }
+        }
+        let fused = std::mem::replace(&mut self.fused, saved);
+        self.fused.extend(fused);
+        let operand = |buf: NodeId, row: Var, col: Var, value: ExprId, k_fast: bool| Operand {
+            buf,
+            dtype: DType::F32,
+            base: 0,
+            batch_strides: Vec::new(),
+            rs: 0,
+            cs: 0,
+            gather: Some(Gather {
+                row,
+                col,
+                value,
+                k_fast,
+            }),
+        };
+        let (abuf, bbuf) = match node.op {
+            Op::Conv2dGradWeight { .. } => (i1, i0),
+            _ => (i0, i1),
+        };
+        let mm = Matmul {
+            batch: Vec::new(),
+            m,
+            n: nc,
+            k,
+            a: operand(abuf, ar, ac, av, a_fast),
+            b: operand(bbuf, br, bc, bv, b_fast),
+            rows,
+            cols,
+        };
+        self.matmul = Some((n, mm));
+        Ok(self.pool.add(E::Acc, VTy::F32))
+    }
+
+    /// `k = (i * kw + j) * c + ch`: the tap-major, channel-minor order of a window.
+    fn split_k(&mut self, k: ExprId, kh: usize, kw: usize, c: usize) -> (ExprId, ExprId, ExprId) {
+        let parts = self.unflatten(k, &[kh, kw, c]);
+        (parts[2], parts[0], parts[1])
+    }
+
+    fn internal(&self, what: &str) -> LowerError {
+        LowerError::Internal(format!("implicit GEMM: unexpected {what}"))
+    }
+
     /// Strides of a matmul operand that is a strided view of a buffer.
     fn operand(&mut self, x: NodeId, batch: &[usize], rows: usize, cols: usize) -> Res<Operand> {
         let xd = self.d.g.ty(x).dims().to_vec();
@@ -740,6 +1001,7 @@ impl<'a> Builder<'a> {
             batch_strides: vars.iter().map(|&v| af.coef(v)).collect(),
             rs: af.coef(vr),
             cs: af.coef(vc),
+            gather: None,
         })
     }
 
@@ -765,6 +1027,8 @@ impl<'a> Builder<'a> {
             k,
             a,
             b,
+            rows: vec![m],
+            cols: vec![nn],
         })
     }
 

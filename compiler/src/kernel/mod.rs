@@ -444,7 +444,8 @@ pub struct Store {
 }
 
 /// A matmul operand: `buf[base + Σ batch_i * batch_strides_i + row * rs + col * cs]`
-/// (element strides; 0 broadcasts).
+/// (element strides; 0 broadcasts), or, with `gather`, any expression of the row and the
+/// column (an implicit GEMM's view of a convolution's input windows).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Operand {
     pub buf: NodeId,
@@ -453,10 +454,25 @@ pub struct Operand {
     pub batch_strides: Vec<i64>,
     pub rs: i64,
     pub cs: i64,
+    pub gather: Option<Gather>,
+}
+
+/// An operand element computed by an expression of the kernel's pool: `value` with `row`
+/// and `col` bound to the element's row and column. It reads only in-range elements for
+/// rows and columns in range (padding is a masked, clamped load). `k_fast` says which way
+/// its memory is contiguous: along `k` (the column of A, the row of B) or across it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Gather {
+    pub row: Var,
+    pub col: Var,
+    pub value: ExprId,
+    pub k_fast: bool,
 }
 
 /// `C[batch.., i, j] = Σ_k A[batch.., i, k] * B[batch.., k, j]` with f32 accumulation.
-/// The kernel's domain is `batch ++ [m, n]`; stores read the result through [`E::Acc`].
+/// The kernel's domain is `batch ++ rows ++ cols`, where `m` is the product of `rows` and
+/// `n` that of `cols` (a plain matmul has `rows == [m]`, `cols == [n]`; a convolution as an
+/// implicit GEMM has rows `[N, H, W]`); stores read the result through [`E::Acc`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Matmul {
     pub batch: Vec<usize>,
@@ -465,6 +481,20 @@ pub struct Matmul {
     pub k: usize,
     pub a: Operand,
     pub b: Operand,
+    pub rows: Vec<usize>,
+    pub cols: Vec<usize>,
+}
+
+impl Matmul {
+    /// Both operands strided and the domain `batch ++ [m, n]`: what every matmul path
+    /// handles (gathers and split rows or columns only the tiled FFMA path and the
+    /// per-element one).
+    pub fn is_plain(&self) -> bool {
+        self.a.gather.is_none()
+            && self.b.gather.is_none()
+            && self.rows.len() == 1
+            && self.cols.len() == 1
+    }
 }
 
 /// One fused kernel.
@@ -512,8 +542,19 @@ impl Kernel {
             })
             .collect();
         if let Some(mm) = &self.matmul {
-            v.push(mm.a.buf);
-            v.push(mm.b.buf);
+            for op in [&mm.a, &mm.b] {
+                match &op.gather {
+                    None => v.push(op.buf),
+                    Some(gt) => v.extend(
+                        lower::reachable(&self.pool, &[gt.value])
+                            .into_iter()
+                            .filter_map(|e| match self.pool.get(e) {
+                                E::Load { buf, .. } => Some(*buf),
+                                _ => None,
+                            }),
+                    ),
+                }
+            }
         }
         v.sort();
         v.dedup();

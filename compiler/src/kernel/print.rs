@@ -40,7 +40,17 @@ fn operand(
     rows: &str,
     cols: &str,
     offset_of: Option<&dyn Fn(NodeId) -> Option<u64>>,
+    name: &dyn Fn(&ExprId) -> String,
 ) -> String {
+    if let Some(g) = &o.gather {
+        return format!(
+            "gather({}: {rows}=v{}, {cols}=v{}{})",
+            name(&g.value),
+            g.row,
+            g.col,
+            if g.k_fast { ", k fastest" } else { "" }
+        );
+    }
     let mut s = format!("{}:{}[{}", buf_name(o.buf, offset_of), o.dtype, o.base);
     for (i, st) in o.batch_strides.iter().enumerate() {
         if *st != 0 {
@@ -60,25 +70,37 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
         if k.parallel { " parallel" } else { "" },
         k.describe
     );
-    if let Some(mm) = &k.matmul {
-        let _ = writeln!(
-            out,
-            "  matmul batch={:?} m={} n={} k={} a={} b={}",
-            mm.batch,
-            mm.m,
-            mm.n,
-            mm.k,
-            operand(&mm.a, "i", "k", offset_of),
-            operand(&mm.b, "k", "j", offset_of)
-        );
-    }
-    let roots: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.index, s.value]).collect();
+    // Gathered matmul operands first, then the stores.
+    let mut roots: Vec<ExprId> = k
+        .matmul
+        .iter()
+        .flat_map(|mm| [&mm.a, &mm.b])
+        .filter_map(|o| o.gather.as_ref().map(|g| g.value))
+        .collect();
+    roots.extend(k.stores.iter().flat_map(|s| [s.index, s.value]));
     let live = reachable(&k.pool, &roots);
     let mut name: HashMap<ExprId, String> = HashMap::new();
     for (i, &e) in live.iter().enumerate() {
         name.insert(e, format!("e{i}"));
     }
     let n = |x: &ExprId| name.get(x).cloned().unwrap_or_else(|| "?".into());
+    if let Some(mm) = &k.matmul {
+        let split = if mm.rows.len() > 1 || mm.cols.len() > 1 {
+            format!(" rows={:?} cols={:?}", mm.rows, mm.cols)
+        } else {
+            String::new()
+        };
+        let _ = writeln!(
+            out,
+            "  matmul batch={:?} m={} n={} k={}{split} a={} b={}",
+            mm.batch,
+            mm.m,
+            mm.n,
+            mm.k,
+            operand(&mm.a, "i", "k", offset_of, &n),
+            operand(&mm.b, "k", "j", offset_of, &n)
+        );
+    }
     for &e in &live {
         let ty = k.pool.ty(e).name();
         let body = match k.pool.get(e) {
