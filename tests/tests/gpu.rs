@@ -104,6 +104,32 @@ fn gpu_examples_train_like_eager() {
     }
 }
 
+/// Weight gradients whose `k` (every output pixel of the batch) is long and whose output is
+/// small split `k` across blocks that add into a zeroed buffer (`split_k` in the kernels).
+#[test]
+fn gpu_split_k_weight_gradients_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    let src = "model m {
+        input x: f32[32, 16, 16, 16]
+        param w: f32[16, 16, 3, 3] = normal(0.0, 0.1)
+        param w2: f32[24, 16, 3, 3] = normal(0.0, 0.1)
+        let h = relu(conv2d(x, w, padding: 1))
+        let y = conv2d(h, w2, stride: 2, padding: 1)
+        let loss = mean(y * y)
+        output loss
+        train sgd(lr: 0.1, momentum: 0.9) minimize loss
+    }";
+    agree(
+        src,
+        &Options::default(),
+        "split-K weight gradients",
+        1,
+        1e-5,
+    );
+}
+
 #[test]
 fn gpu_vector_and_matmul_paths_agree_with_eager() {
     if !gpu() {

@@ -186,6 +186,47 @@ fn ptx_paths_are_chosen_where_they_apply() {
         false,
     );
     assert!(!short.contains("shfl.sync.down"), "{short}");
+    // Convolutions run as implicit GEMMs; a weight gradient with a long k and a small
+    // output splits k across blocks.
+    let g = compile_pipeline(
+        "model m {
+            input x: f32[32, 16, 16, 16]
+            param w: f32[16, 16, 3, 3] = normal(0.0, 0.1)
+            let y = conv2d(x, w, padding: 1)
+            let loss = mean(y * y)
+            output loss
+            train sgd(lr: 0.1) minimize loss
+        }",
+        &Options::default(),
+    )
+    .unwrap();
+    let c = compile(
+        &g,
+        &CompileOptions {
+            target: Target::Cuda,
+            fuse: FuseOptions {
+                fuse: true,
+                channels_last: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let gathers = c
+        .fused
+        .kernels
+        .iter()
+        .filter_map(|k| k.matmul.as_ref())
+        .filter(|m| m.a.gather.is_some() && m.b.gather.is_some())
+        .count();
+    assert_eq!(gathers, 2, "conv2d and its weight gradient");
+    assert!(c
+        .fused
+        .kernels
+        .iter()
+        .any(|k| k.matmul.as_ref().is_some_and(|m| m.split_k > 1)));
+    assert!(c.code.contains("red.global.add.f32"));
     // bf16 and f16 matmuls run on tensor cores; f32 only with allow_tf32.
     for d in ["bf16", "f16"] {
         let p = ptx(

@@ -1252,15 +1252,23 @@ fn tiled_grid(mm: &Matmul) -> Option<[u32; 3]> {
     if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 {
         return None;
     }
-    if mm.m < 16 || mm.n < 16 || mm.m * mm.n < 4096 {
+    // Small outputs take the per-element path, unless k is split (then the tiles are
+    // what spreads the work).
+    if mm.m < 16 || mm.n < 16 || (mm.m * mm.n < 4096 && mm.split_k <= 1) {
         return None;
     }
-    let batch: usize = mm.batch.iter().product();
+    // Split-K: the blocks of one output tile are consecutive along z.
+    let batch: usize = mm.batch.iter().product::<usize>() * mm.split_k.max(1);
     let (gx, gy) = (mm.n.div_ceil(TILE_N), mm.m.div_ceil(TILE_M));
     if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
     Some([gx as u32, gy as u32, batch as u32])
+}
+
+/// The `k` each split of a split-K matmul sums: a whole number of `TILE_K` steps.
+fn split_depth(mm: &Matmul) -> usize {
+    mm.k.div_ceil(mm.split_k.max(1)).div_ceil(TILE_K) * TILE_K
 }
 
 /// Classic shared-memory SGEMM: a 64×64 output tile per block of 256 threads, each thread
@@ -1289,6 +1297,7 @@ fn emit_tiled_matmul(
         bbuf,
         row0,
         col0,
+        split,
         ..
     } = ffma_tile(&mut px, mm, TILE_M, TILE_N)?;
     let (sa, sb) = (px.fresh("r"), px.fresh("r"));
@@ -1416,14 +1425,28 @@ fn emit_tiled_matmul(
     let av: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
     let bv: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
 
-    // for (k0 = 0; k0 < K; k0 += TILE_K): the condition is uniform over the block.
+    // for (k0 = 0; k0 < K; k0 += TILE_K): the condition is uniform over the block. A
+    // split-K block runs its slice [s * depth, (s + 1) * depth) only.
     let k0 = px.fresh("rd");
     let head = px.label("kstep");
     let exit = px.label("kdone");
-    px.line(format!("mov.s64 {k0}, 0;"));
+    let kend = match &split {
+        Some(s) => {
+            let depth = split_depth(mm);
+            px.line(format!("mul.lo.s64 {k0}, {s}, {depth};"));
+            let e = px.fresh("rd");
+            px.line(format!("add.s64 {e}, {k0}, {depth};"));
+            px.line(format!("min.s64 {e}, {e}, {kd};"));
+            e
+        }
+        None => {
+            px.line(format!("mov.s64 {k0}, 0;"));
+            kd.to_string()
+        }
+    };
     px.body.push_str(&format!("{head}:\n"));
     let pk = px.fresh("p");
-    px.line(format!("setp.ge.s64 {pk}, {k0}, {kd};"));
+    px.line(format!("setp.ge.s64 {pk}, {k0}, {kend};"));
     px.line(format!("@{pk} bra.uni {exit};"));
     let sides = [
         (&a_slots, &abuf, mm.a.cs, &mm.a.gather, true),
@@ -2555,6 +2578,7 @@ fn emit_sgemm(
         boff,
         row0,
         col0,
+        ..
     } = ffma_tile(&mut px, mm, SG_BM, SG_BN)?;
     let sbase = px.fresh("r");
     px.line(format!("mov.u32 {sbase}, mm_s;"));
@@ -2813,6 +2837,8 @@ struct FfmaTile {
     boff: u64,
     row0: String,
     col0: String,
+    /// Split-K: this block's slice of `k` (u64).
+    split: Option<String>,
 }
 
 fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
@@ -2820,6 +2846,15 @@ fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
     let (tx, ty) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {tx}, {t}, 15;"));
     px.line(format!("shr.u32 {ty}, {t}, 4;"));
+    let (bz, split) = if mm.split_k > 1 {
+        let (b, s, s64) = (px.fresh("r"), px.fresh("r"), px.fresh("rd"));
+        px.line(format!("div.u32 {b}, {bz}, {};", mm.split_k));
+        px.line(format!("rem.u32 {s}, {bz}, {};", mm.split_k));
+        px.line(format!("cvt.u64.u32 {s64}, {s};"));
+        (b, Some(s64))
+    } else {
+        (bz, None)
+    };
     let (abase, bbase) = batch_bases(px, mm, &bz);
     // A gathered operand has no single buffer: its loads are in its expression.
     let (abuf, aoff) = match mm.a.gather {
@@ -2845,6 +2880,7 @@ fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
         boff,
         row0,
         col0,
+        split,
     })
 }
 

@@ -196,6 +196,10 @@ fn decide(
         if is_leaf(op) || outputs.contains(&n) || updates.contains(&n) || is_scatter(op) {
             m.insert(n);
         }
+        // A weight gradient split along k accumulates into a buffer of its own.
+        if opts.implicit_gemm && lower::conv_split_k(g, n) > 1 {
+            m.insert(n);
+        }
     }
     // Reverse pass: heavy uses (through views) and reductions.
     let mut heavy: BTreeSet<NodeId> = BTreeSet::new();
@@ -322,6 +326,30 @@ fn build(
             continue;
         }
         let name = format!("k{}", kernels.len());
+        let splits = if implicit_gemm {
+            lower::conv_split_k(g, n)
+        } else {
+            1
+        };
+        if splits > 1 {
+            let fill = fill_kernel(&d, n, name.clone())?;
+            let gemm = format!("k{}", kernels.len() + 1);
+            match lower::split_k_kernel(&d, n, splits, gemm) {
+                Ok(Some(k)) => {
+                    kernels.push(fill);
+                    pos_of_kernel.push(pos);
+                    kernels.push(k);
+                    pos_of_kernel.push(pos);
+                    continue;
+                }
+                Ok(None) => {}
+                Err(LowerError::Materialize(x)) => {
+                    retry.push(x);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         if is_scatter(&node.op) {
             kernels.push(fill_kernel(&d, n, name)?);
             pos_of_kernel.push(pos);

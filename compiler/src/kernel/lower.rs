@@ -58,6 +58,42 @@ pub fn matmul_anchor_ok(g: &Graph, n: NodeId) -> bool {
             .all(|&i| g.ty(i).rank() >= 2 && g.ty(i).dtype == node.ty.dtype)
 }
 
+/// Output tiles of the FFMA implicit GEMM below which a weight gradient splits its `k`.
+const SPLIT_K_TILES: usize = 132;
+/// The least `k` each split of a weight gradient sums.
+const SPLIT_K_MIN_DEPTH: usize = 1024;
+
+/// How many slices of `k` a convolution's weight gradient is split into when lowered as an
+/// implicit GEMM (1: not split). Its `k` is every output pixel of the batch (131072 for the
+/// stem of a ResNet on CIFAR at batch 128) while its output is small (64 × 27): unsplit, a
+/// handful of blocks would run the whole sum. The split slices add into a zeroed buffer.
+pub fn conv_split_k(g: &Graph, n: NodeId) -> usize {
+    let node = g.node(n);
+    let Op::Conv2dGradWeight { groups: 1, .. } = node.op else {
+        return 1;
+    };
+    if node.ty.dtype != DType::F32 || node.inputs.iter().any(|&i| g.ty(i).dtype != DType::F32) {
+        return 1;
+    }
+    let wd = node.ty.dims();
+    let dy = g.ty(node.inputs[1]).dims();
+    if wd.len() != 4 || dy.len() != 4 {
+        return 1;
+    }
+    let (m, ncols) = (wd[0], wd[1] * wd[2] * wd[3]);
+    let k = dy[0] * dy[2] * dy[3];
+    let tiles = m.div_ceil(64) * ncols.div_ceil(64);
+    // Thin outputs take the per-element path, which does not split.
+    if tiles >= SPLIT_K_TILES || k < 2 * SPLIT_K_MIN_DEPTH || m < 16 || ncols < 16 {
+        return 1;
+    }
+    // About two waves of blocks.
+    (2 * SPLIT_K_TILES)
+        .div_ceil(tiles)
+        .min(k / SPLIT_K_MIN_DEPTH)
+        .clamp(1, 256)
+}
+
 /// The logical axes of a convolution's result that are its implicit GEMM's rows.
 fn conv_row_axes(op: &Op) -> &'static [usize] {
     match op {
@@ -646,9 +682,12 @@ impl<'a> Builder<'a> {
             let inr = self.in_range(t, out);
             return (t, self.pool.and(nonneg, inr));
         }
+        // Divide max(t, 0): where t < 0 the guard is false anyway, and a non-negative
+        // dividend lets back ends divide in 32 bits.
         let s = self.pool.int(stride as i64);
-        let q = self.pool.add(E::Bin(BinaryOp::Div, t, s), VTy::I64);
-        let r = self.pool.add(E::Bin(BinaryOp::Rem, t, s), VTy::I64);
+        let tp = self.pool.add(E::IMax(t, z), VTy::I64);
+        let q = self.pool.add(E::Bin(BinaryOp::Div, tp, s), VTy::I64);
+        let r = self.pool.add(E::Bin(BinaryOp::Rem, tp, s), VTy::I64);
         let exact = self.pool.bin(BinaryOp::Eq, r, z);
         let inr = self.in_range(q, out);
         let a = self.pool.and(nonneg, exact);
@@ -949,6 +988,7 @@ impl<'a> Builder<'a> {
             b: operand(bbuf, br, bc, bv, b_fast),
             rows,
             cols,
+            split_k: 1,
         };
         self.matmul = Some((n, mm));
         Ok(self.pool.add(E::Acc, VTy::F32))
@@ -1029,6 +1069,7 @@ impl<'a> Builder<'a> {
             b,
             rows: vec![m],
             cols: vec![nn],
+            split_k: 1,
         })
     }
 
@@ -1119,6 +1160,40 @@ pub fn children(e: &E) -> Vec<ExprId> {
         E::Reduce { body, .. } | E::ArgMax { body, .. } => vec![*body],
         E::Uniform { index, .. } => vec![*index],
     }
+}
+
+/// A convolution weight gradient split along `k` ([`conv_split_k`]): the implicit GEMM
+/// whose blocks add their slice's sum into the buffer (zeroed by a kernel before it).
+/// `None` when it cannot be an implicit GEMM here (the caller lowers it as usual).
+pub fn split_k_kernel(
+    d: &Decisions<'_>,
+    n: NodeId,
+    splits: usize,
+    name: String,
+) -> Res<Option<Kernel>> {
+    let g = d.g;
+    let node = g.node(n);
+    let layout = d.layout(n);
+    let dims = node.ty.dims().to_vec();
+    let mut b = Builder::new(d, n, layout.iter().map(|&a| dims[a]).collect());
+    let idx = b.logical_index(n);
+    if !b.conv_gemm_applies(n, &idx) {
+        return Ok(None);
+    }
+    let value = b.value(n, &idx)?;
+    match &mut b.matmul {
+        Some((_, mm)) => mm.split_k = splits,
+        None => return Ok(None),
+    }
+    let index = b.buffer_index(n, &idx);
+    let st = Store {
+        buf: n,
+        dtype: node.ty.dtype,
+        index,
+        value,
+        accumulate: true,
+    };
+    Ok(Some(b.finish(name, vec![st], false)))
 }
 
 /// Scatter kernels: `embedding_grad` and `max_pool2d_grad` accumulate into a zeroed

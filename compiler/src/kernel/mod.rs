@@ -483,6 +483,10 @@ pub struct Matmul {
     pub b: Operand,
     pub rows: Vec<usize>,
     pub cols: Vec<usize>,
+    /// Split-K: blocks sharing an output tile each sum a slice of `k` and add their part
+    /// into the zeroed output (the kernel's only store accumulates the bare result). 1:
+    /// no split.
+    pub split_k: usize,
 }
 
 impl Matmul {
@@ -494,6 +498,7 @@ impl Matmul {
             && self.b.gather.is_none()
             && self.rows.len() == 1
             && self.cols.len() == 1
+            && self.split_k == 1
     }
 }
 

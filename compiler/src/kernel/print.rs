@@ -85,11 +85,14 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
     }
     let n = |x: &ExprId| name.get(x).cloned().unwrap_or_else(|| "?".into());
     if let Some(mm) = &k.matmul {
-        let split = if mm.rows.len() > 1 || mm.cols.len() > 1 {
+        let mut split = if mm.rows.len() > 1 || mm.cols.len() > 1 {
             format!(" rows={:?} cols={:?}", mm.rows, mm.cols)
         } else {
             String::new()
         };
+        if mm.split_k > 1 {
+            let _ = write!(split, " split_k={}", mm.split_k);
+        }
         let _ = writeln!(
             out,
             "  matmul batch={:?} m={} n={} k={}{split} a={} b={}",
