@@ -284,6 +284,9 @@ pub(crate) struct CudaExecutor {
     _module: Module,
     model: Model,
     ordinal: usize,
+    /// Free device memory once the context and stream existed, before the module, the
+    /// arena and the graph: what the session itself then takes is measured from it.
+    free_at_start: usize,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
 }
@@ -499,6 +502,9 @@ impl CudaExecutor {
             .map_err(driver_error("creating a stream"))?;
         ctx.bind_to_thread()
             .map_err(driver_error("making the CUDA context current"))?;
+        let (free_at_start, _) = result::mem_get_info().map_err(driver_error(format!(
+            "querying the memory of cuda:{ordinal}"
+        )))?;
 
         let module = load_module(&ctx, model.code())?;
         let kernels = model
@@ -551,6 +557,7 @@ impl CudaExecutor {
             _module: module,
             model: model.clone(),
             ordinal,
+            free_at_start,
             stream,
             ctx,
         };
@@ -910,6 +917,11 @@ impl CudaExecutor {
         if let Err(e) = guard("resetting the arena", || self.init_arena()) {
             self.pending = Some(e);
         }
+    }
+
+    /// Free device memory when the session's context was ready, before its own allocations.
+    pub(crate) fn free_at_start(&self) -> usize {
+        self.free_at_start
     }
 
     /// `(free, total)` bytes of device memory, from `cuMemGetInfo`.

@@ -809,6 +809,26 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Device bytes this CUDA session allocated itself: the drop in free device memory
+    /// (`cuMemGetInfo`) since its context was ready, i.e. the arena plus the runtime's
+    /// overhead (loaded module, CUDA graph, events), without the CUDA context that every
+    /// CUDA program pays (PyTorch's `max_memory_allocated` leaves it out too). Other
+    /// processes allocating meanwhile would count as well. On the CPU this is an
+    /// [`Error::UnsupportedDevice`].
+    pub fn session_device_bytes(&self) -> Result<usize> {
+        match &self.exec {
+            Executor::Cpu(_) => Err(Error::UnsupportedDevice {
+                device: self.device,
+                reason: "device memory is reported for CUDA sessions only",
+            }),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => {
+                let (free, _) = c.memory_info()?;
+                Ok(c.free_at_start().saturating_sub(free))
+            }
+        }
+    }
+
     /// Runs `parallel` kernels on `threads` threads from now on, the calling thread
     /// included (0 means one per available core). Worker threads are started here, not in
     /// [`Session::run`], and stopped when the session is dropped or the count changes. A

@@ -46,6 +46,11 @@ fn runs_the_tiny_model() {
     assert_eq!(s.arena_bytes(), 256);
     assert_eq!(s.arena_bytes(), model.arena_bytes());
     assert_eq!(s.arena().as_ptr() as usize % 64, 0);
+    // Device memory is a CUDA figure.
+    assert!(matches!(
+        s.session_device_bytes(),
+        Err(Error::UnsupportedDevice { .. })
+    ));
     let x = [0.5f32, -1.0, 2.0, 0.25];
     s.set_input("x", &x).unwrap();
     s.run().unwrap();

@@ -366,6 +366,9 @@ mod gpu {
         assert!(s.set_threads(8).is_ok());
         let (free, total) = s.device_memory().unwrap();
         assert!(total > 0 && free <= total, "{free} / {total}");
+        // The session's own bytes hold at least its arena, and far less than the device.
+        let own = s.session_device_bytes().unwrap();
+        assert!(own >= s.arena_bytes() && own < total, "{own} of {total}");
     }
 
     #[test]

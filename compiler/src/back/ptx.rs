@@ -5,7 +5,14 @@
 //! reduction are spread over threads (one thread per point); the remaining axes, and every
 //! reduction, are loops inside the thread, with each expression node computed once in the
 //! loop of its innermost variable (the same rule as the CPU back end, so a row statistic is
-//! computed once per row).
+//! computed once per row). Where those per-point reductions are long, or the point has
+//! many elements left (a row of a softmax, a layer norm or a loss), a block of threads takes
+//! each point instead: the reductions are shared among its threads (strided loads, warp
+//! shuffles, shared memory) and its threads then stride over the point's elements, so that
+//! their loads and stores are coalesced.
+//!
+//! Index arithmetic is 64-bit, except that a division or remainder by a constant whose
+//! dividend is known (`index_ranges`) to lie in `[0, 2^31)` runs in 32 bits.
 //!
 //! Pointwise kernels whose innermost axis is contiguous and aligned for every store and
 //! every load that varies along it move 4 elements per access (`ld/st.global.v4`, 16 bytes
@@ -21,7 +28,14 @@
 //!   enough for at least 132 such blocks (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16 deep; grid
 //!   `(⌈n/64⌉, ⌈m/64⌉, batch)`);
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
-//!   element per thread with an FMA loop over `k`.
+//!   element per thread with an FMA loop over `k`;
+//! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
+//!   whose rows and columns span several domain axes) take the 64×64 FFMA tiles or the
+//!   per-element loop: each tile slot evaluates its gather at a clamped row and `k` (what
+//!   depends on the row alone is computed once, before the `k` loop) and stores 0 out of
+//!   range. With `split_k`, blocks along `z` each sum one slice of `k` and add it into
+//!   the zeroed output with `red.global.add` (the sum's order, hence its last bits, may
+//!   change from run to run, as with the scatter kernels).
 //!
 //! Math: `exp` is `ex2.approx` of `x·log2 e`; `log` is `lg2.approx`; `tanh` is computed
 //! from `exp` (a polynomial near 0) because `tanh.approx` is only good to about 1e-3;

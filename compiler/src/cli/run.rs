@@ -300,6 +300,15 @@ pub fn run_compiled(
             bytes(s.arena_bytes() as u64)
         );
     }
+    if let Ok(used) = s.session_device_bytes() {
+        let arena = s.arena_bytes() as u64;
+        println!(
+            "device memory of this session: {} (arena {} + runtime {}: module, CUDA graph, events; measured by cuMemGetInfo after the context was made, which is not counted)",
+            bytes(used as u64),
+            bytes(arena),
+            bytes((used as u64).saturating_sub(arena))
+        );
+    }
     if let Some(top) = std::env::var_os("TCC_PROFILE") {
         // `TCC_PROFILE=1` lists the 15 slowest kernels; a larger number lists that many.
         let top = top

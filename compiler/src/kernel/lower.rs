@@ -5,6 +5,11 @@
 //! fused). Views only transform the index. When an index could leave an operand's bounds
 //! (concat branches, convolution padding, embedding ids), it is clamped and the value is
 //! masked, so no load ever reads outside its buffer.
+//!
+//! Matmuls become [`Matmul`] anchors over strided operands. With
+//! [`Decisions::implicit_gemm`] (CUDA), convolutions and their gradients do too, as implicit
+//! GEMMs whose operands are [`Gather`]s: the value of an input window at (row, k), built
+//! by the same `guarded`/`window`/`untap` arithmetic as the direct loops (`conv_gemm`).
 
 use super::{ExprId, ExprPool, Gather, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
