@@ -7,7 +7,8 @@
 # On the GPU machine (no Rust there):           bash scripts/gpu-check.sh device
 #   runs the GPU tests (TCC_REQUIRE_GPU=1: a missing GPU fails them), compute-sanitizer
 #   memcheck on every example, tcc's benchmarks and PyTorch's (bench/torch_bench.py), and
-#   prints a short table last.
+#   prints a short table last. `device-tests` runs only the tests and memcheck,
+#   `device-bench` only the benchmarks and the table (each fits one 10-minute call).
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,8 @@ for l in sys.stdin:
 }
 
 device() {
-    local T="$OUT/tcc" log="$OUT/log" status=0
+    # $1: all (default), tests (GPU tests and memcheck) or bench (benchmarks and summary).
+    local part="${1:-all}" T="$OUT/tcc" log="$OUT/log" status=0
     mkdir -p "$log"
     # Artifacts are compiled here by the carried `tcc` (the gpt one holds 1 GiB of params
     # and optimizer state: too big to carry).
@@ -54,52 +56,59 @@ device() {
     "$T" build bench/gemm_bf16.tdsl --target cuda --emit artifact -o "$OUT/gemm_bf16.tcc" 2>>"$log/build.txt"
     "$T" build bench/matmul_edges.tdsl --target cuda --emit artifact -o "$OUT/matmul-edges.tcc" 2>>"$log/build.txt"
     "$T" build bench/matmul_edges.tdsl --allow-tf32 --target cuda --emit artifact -o "$OUT/matmul-edges-tf32.tcc" 2>>"$log/build.txt"
+    "$T" build bench/conv_edges.tdsl --target cuda --emit artifact -o "$OUT/conv-edges.tcc" 2>>"$log/build.txt"
     "$T" build examples/tiny.tdsl --target cuda --emit artifact -o "$OUT/tiny-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/mlp.tdsl --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/cnn.tdsl --set B=4 --set C=16 --set S=16 --target cuda --emit artifact -o "$OUT/cnn-small.tcc" 2>>"$log/build.txt"
     "$T" build examples/gpt.tdsl --set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128 --target cuda --emit artifact -o "$OUT/gpt-small.tcc" 2>>"$log/build.txt"
     grep -E "^compiled" "$log/build.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    echo "== GPU tests"
-    for t in "$OUT"/gpu-tests "$OUT"/runtime-*; do
-        [ -x "$t" ] || continue
-        if TCC_REQUIRE_GPU=1 TCC_REQUIRE_CUDA=1 "$t" --test-threads 1 >"$log/$(basename "$t").txt" 2>&1; then
-            echo "ok   $(basename "$t"): $(grep -E '^test result' "$log/$(basename "$t").txt" | tail -1)"
-        else
-            echo "FAIL $(basename "$t")"; tail -30 "$log/$(basename "$t").txt"; status=1
-        fi
-    done
-    echo "== compute-sanitizer memcheck"
-    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    for m in tiny-small mlp-small cnn-small gpt-small matmul-edges matmul-edges-tf32; do
-        if [ -n "$CS" ]; then
-            if "$CS" --tool memcheck --error-exitcode 3 "$T" run "$OUT/$m.tcc" --steps 2 >"$log/memcheck-$m.txt" 2>&1; then
-                echo "clean $m: $(grep -E 'ERROR SUMMARY' "$log/memcheck-$m.txt" | tail -1)"
+    if [ "$part" != bench ]; then
+        echo "== GPU tests"
+        for t in "$OUT"/gpu-tests "$OUT"/runtime-*; do
+            [ -x "$t" ] || continue
+            if TCC_REQUIRE_GPU=1 TCC_REQUIRE_CUDA=1 "$t" --test-threads 1 >"$log/$(basename "$t").txt" 2>&1; then
+                echo "ok   $(basename "$t"): $(grep -E '^test result' "$log/$(basename "$t").txt" | tail -1)"
             else
-                echo "DIRTY $m"; tail -20 "$log/memcheck-$m.txt"; status=1
+                echo "FAIL $(basename "$t")"; tail -30 "$log/$(basename "$t").txt"; status=1
             fi
-        else
-            echo "compute-sanitizer not found"
-        fi
-    done
-    echo "== tcc benchmarks"
-    for m in mlp cnn cnn-remat gpt gpt-remat gelu gemm_f32 gemm_tf32 gemm_bf16; do
-        "$T" run "$OUT/$m.tcc" --steps 20 --every 100 >"$log/tcc-$m.txt" 2>&1 || status=1
-        echo "$m: $(grep -E 'step time|device memory|arena:' "$log/tcc-$m.txt" | tr '\n' ' ')"
-    done
-    echo "== PyTorch"
-    python3 bench/torch_bench.py --json "$log/torch.json" >"$log/torch.txt" 2>&1 || status=1
-    tail -25 "$log/torch.txt"
-    echo "== summary"
-    python3 bench/summary.py "$log" || true
+        done
+        echo "== compute-sanitizer memcheck"
+        CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+        for m in tiny-small mlp-small cnn-small gpt-small matmul-edges matmul-edges-tf32 conv-edges; do
+            if [ -n "$CS" ]; then
+                if "$CS" --tool memcheck --error-exitcode 3 "$T" run "$OUT/$m.tcc" --steps 2 >"$log/memcheck-$m.txt" 2>&1; then
+                    echo "clean $m: $(grep -E 'ERROR SUMMARY' "$log/memcheck-$m.txt" | tail -1)"
+                else
+                    echo "DIRTY $m"; tail -20 "$log/memcheck-$m.txt"; status=1
+                fi
+            else
+                echo "compute-sanitizer not found"
+            fi
+        done
+    fi
+    if [ "$part" != tests ]; then
+        echo "== tcc benchmarks"
+        for m in mlp cnn cnn-remat gpt gpt-remat gelu gemm_f32 gemm_tf32 gemm_bf16; do
+            "$T" run "$OUT/$m.tcc" --steps 20 --every 100 >"$log/tcc-$m.txt" 2>&1 || status=1
+            echo "$m: $(grep -E 'step time|device memory|arena:' "$log/tcc-$m.txt" | tr '\n' ' ')"
+        done
+        echo "== PyTorch"
+        python3 bench/torch_bench.py --json "$log/torch.json" >"$log/torch.txt" 2>&1 || status=1
+        tail -25 "$log/torch.txt"
+        echo "== summary"
+        python3 bench/summary.py "$log" || true
+    fi
     return $status
 }
 
 case "$mode" in
     build) build ;;
-    device) device ;;
+    device) device all ;;
+    device-tests) device tests ;;
+    device-bench) device bench ;;
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench]"; exit 2 ;;
 esac
