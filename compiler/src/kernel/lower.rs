@@ -868,91 +868,78 @@ impl<'a> Builder<'a> {
             out
         };
         let channels_last = |b: &Self, x: NodeId| b.d.layout(x) == [0, 2, 3, 1];
+        // k: the window of the weight's input channels (conv2d), of its output channels
+        // (input gradient), or every output pixel of the batch (weight gradient); the
+        // products of the same dims of the second operand in each case.
+        let k = match node.op {
+            Op::Conv2d { .. } => d1[1] * d1[2] * d1[3],
+            _ => d1[0] * d1[2] * d1[3],
+        };
+        // A's (row, k) and B's (k, column), and the logical coordinates of both.
+        let (vr, row) = self.fresh(m);
+        let (vk, kk) = self.fresh(k);
+        let (vk2, kk2) = self.fresh(k);
+        let (vc, col) = self.fresh(nc);
+        let rc = coords(self, row, &rows, 0);
+        let cc = coords(self, col, &cols, r);
         let saved = std::mem::take(&mut self.fused);
-        let spec = match node.op {
+        let operands = match node.op {
             Op::Conv2d {
                 stride, padding, ..
             } => {
                 let (c, kh, kw) = (d1[1], d1[2], d1[3]);
-                let k = c * kh * kw;
-                let (vr, row) = self.fresh(m);
-                let (vk, kk) = self.fresh(k);
-                let rc = coords(self, row, &rows, 0);
-                let [Some(nn), _, Some(oh), Some(ow)] = rc[..] else {
-                    return Err(self.internal("conv2d rows"));
+                let ([Some(nn), _, Some(oh), Some(ow)], [_, Some(o), _, _]) = (&rc[..], &cc[..])
+                else {
+                    return Err(self.internal("conv2d coordinates"));
                 };
+                let (nn, oh, ow, o) = (*nn, *oh, *ow, *o);
                 let (ci, ii, jj) = self.split_k(kk, kh, kw, c);
                 let (ih, iw, gd) = self.window([oh, ow], stride, [ii, jj], padding, [d0[2], d0[3]]);
                 let a = self.guarded(i0, &[nn, ci, ih, iw], gd, 0.0)?;
-                let (vk2, kk2) = self.fresh(k);
-                let (vc, col) = self.fresh(nc);
-                let cc = coords(self, col, &cols, r);
-                let Some(o) = cc[1] else {
-                    return Err(self.internal("conv2d columns"));
-                };
                 let (ci2, ii2, jj2) = self.split_k(kk2, kh, kw, c);
                 let b = self.value(i1, &[o, ci2, ii2, jj2])?;
-                let a_fast = channels_last(self, i0);
-                (k, (vr, vk, a, a_fast), (vk2, vc, b, true))
+                ((a, channels_last(self, i0)), (b, true))
             }
             Op::Conv2dGradInput {
                 stride, padding, ..
             } => {
                 let (o, kh, kw) = (d1[0], d1[2], d1[3]);
-                let k = o * kh * kw;
-                let (vr, row) = self.fresh(m);
-                let (vk, kk) = self.fresh(k);
-                let rc = coords(self, row, &rows, 0);
-                let [Some(nn), _, Some(h), Some(w)] = rc[..] else {
-                    return Err(self.internal("conv2d_grad_input rows"));
+                let ([Some(nn), _, Some(h), Some(w)], [_, Some(ch), _, _]) = (&rc[..], &cc[..])
+                else {
+                    return Err(self.internal("conv2d_grad_input coordinates"));
                 };
+                let (nn, h, w, ch) = (*nn, *h, *w, *ch);
                 let (oi, ii, jj) = self.split_k(kk, kh, kw, o);
                 let (oh, gh) = self.untap(h, stride[0], ii, padding[0], d0[2]);
                 let (ow, gw) = self.untap(w, stride[1], jj, padding[1], d0[3]);
                 let gd = self.pool.and(gh, gw);
                 let a = self.guarded(i0, &[nn, oi, oh, ow], gd, 0.0)?;
-                let (vk2, kk2) = self.fresh(k);
-                let (vc, col) = self.fresh(nc);
-                let cc = coords(self, col, &cols, r);
-                let Some(ch) = cc[1] else {
-                    return Err(self.internal("conv2d_grad_input columns"));
-                };
                 let (oi2, ii2, jj2) = self.split_k(kk2, kh, kw, o);
                 let b = self.value(i1, &[oi2, ch, ii2, jj2])?;
-                let a_fast = channels_last(self, i0);
-                (k, (vr, vk, a, a_fast), (vk2, vc, b, false))
+                ((a, channels_last(self, i0)), (b, false))
             }
             Op::Conv2dGradWeight {
                 stride, padding, ..
             } => {
                 // Operands [x, dy]; A is dy (rows o), B the windows of x.
-                let (nb, oh_n, ow_n) = (d1[0], d1[2], d1[3]);
-                let k = nb * oh_n * ow_n;
-                let (vr, row) = self.fresh(m);
-                let (vk, kk) = self.fresh(k);
-                let rc = coords(self, row, &rows, 0);
-                let Some(o) = rc[0] else {
-                    return Err(self.internal("conv2d_grad_weight rows"));
+                let ([Some(o), _, _, _], [_, Some(ch), Some(ii), Some(jj)]) = (&rc[..], &cc[..])
+                else {
+                    return Err(self.internal("conv2d_grad_weight coordinates"));
                 };
-                let kd = self.unflatten(kk, &[nb, oh_n, ow_n]);
+                let (o, ch, ii, jj) = (*o, *ch, *ii, *jj);
+                let pix = [d1[0], d1[2], d1[3]];
+                let kd = self.unflatten(kk, &pix);
                 let a = self.value(i1, &[kd[0], o, kd[1], kd[2]])?;
-                let (vk2, kk2) = self.fresh(k);
-                let (vc, col) = self.fresh(nc);
-                let cc = coords(self, col, &cols, r);
-                let [_, Some(ch), Some(ii), Some(jj)] = cc[..] else {
-                    return Err(self.internal("conv2d_grad_weight columns"));
-                };
-                let kd2 = self.unflatten(kk2, &[nb, oh_n, ow_n]);
+                let kd2 = self.unflatten(kk2, &pix);
                 let (ih, iw, gd) =
                     self.window([kd2[1], kd2[2]], stride, [ii, jj], padding, [d0[2], d0[3]]);
                 let b = self.guarded(i0, &[kd2[0], ch, ih, iw], gd, 0.0)?;
-                let a_fast = !channels_last(self, i1);
-                let b_fast = !channels_last(self, i0);
-                (k, (vr, vk, a, a_fast), (vk2, vc, b, b_fast))
+                ((a, !channels_last(self, i1)), (b, !channels_last(self, i0)))
             }
             _ => return Err(self.internal("not a convolution")),
         };
-        let (k, (ar, ac, av, a_fast), (br, bc, bv, b_fast)) = spec;
+        let ((av, a_fast), (bv, b_fast)) = operands;
+        let (ar, ac, br, bc) = (vr, vk, vk2, vc);
         // A gather holding a reduction would run it per element of every tile: give the
         // operand a buffer instead.
         for (v, x) in [(av, i0), (bv, i1)] {
