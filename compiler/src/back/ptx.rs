@@ -1627,7 +1627,7 @@ fn emit_kernel(
         && !argmax_at_top
         && k.stores.iter().all(|s| !s.accumulate)
         && inner <= u32::MAX as u64 - BLOCK as u64
-        && block_points <= u32::MAX as u64
+        && block_points < 1 << 31
         && if inner <= 1 {
             longest >= 64 && block_points <= 16384
         } else {
