@@ -8,6 +8,11 @@
 //! strides from the same arithmetic. Views never copy; a contiguous copy is made only where
 //! a matmul's B operand is not contiguous along its columns (`lower::Builder::matmul_spec`).
 //!
+//! On CUDA, channels-last is what lets a convolution and its input gradient run as implicit
+//! GEMMs (their rows `[N, H, W]` lead the output's domain, and the gathered activation is
+//! contiguous along `k`): the cnn example's step takes 43 ms in NHWC and 133 ms in NCHW on
+//! an H100 (`--layout`).
+//!
 //! A 4-D intermediate belongs to a convolution chain when a convolution, pooling or their
 //! gradients produces it or reads it, directly or through pointwise ops and views.
 
