@@ -465,14 +465,10 @@ impl<'a> Px<'a> {
         self.line(format!("mad.lo.s64 {arow}, {i}, {}, {abase};", mm.a.rs));
         let bcol = self.fresh("rd");
         self.line(format!("mad.lo.s64 {bcol}, {j}, {}, {bbase};", mm.b.cs));
-        let a_fixed = match &mm.a.gather {
-            Some(g) => self.gather_fixed_part(g, g.row, &i)?,
-            None => HashMap::new(),
-        };
-        let b_fixed = match &mm.b.gather {
-            Some(g) => self.gather_fixed_part(g, g.col, &j)?,
-            None => HashMap::new(),
-        };
+        let (av_fixed, a_nodes) = self.fixed_nodes(mm.a.gather.as_ref(), true);
+        let a_fixed = self.gather_fixed_part(&a_nodes, av_fixed, &i)?;
+        let (bv_fixed, b_nodes) = self.fixed_nodes(mm.b.gather.as_ref(), false);
+        let b_fixed = self.gather_fixed_part(&b_nodes, bv_fixed, &j)?;
         let l = self.open_loop("0", &mm.k.to_string());
         let av = match &mm.a.gather {
             Some(g) => self.gather(g, &i, &l.iv, &a_fixed)?,
@@ -631,26 +627,43 @@ impl<'a> Px<'a> {
         v
     }
 
-    /// The nodes of a gather that depend only on its variable `fixed` (its row, or its
-    /// column), computed for `at`: the cache [`Self::gather`] starts from while `fixed`
-    /// keeps that value (a tile row's coordinates, hoisted out of the `k` loop).
+    /// `nodes` (a gather's nodes that depend only on its variable `fixed`, from
+    /// [`fixed_nodes`]) computed for `fixed = at`: the cache [`Self::gather`] starts from
+    /// while `fixed` keeps that value (a tile row's coordinates, hoisted out of the `k`
+    /// loop).
     fn gather_fixed_part(
         &mut self,
-        g: &Gather,
+        nodes: &[ExprId],
         fixed: Var,
         at: &str,
     ) -> Res<HashMap<ExprId, String>> {
-        let free = crate::kernel::lower::free_vars(&self.k.pool);
         let saved = self.cache.clone();
+        if nodes.is_empty() {
+            return Ok(saved);
+        }
         self.vars.insert(fixed, at.to_string());
-        for e in reachable(&self.k.pool, &[g.value]) {
-            let f = &free[e.0 as usize];
-            let only = !f.is_empty() && f.iter().all(|&v| v == fixed);
-            if only {
-                self.emit(e)?;
-            }
+        for &e in nodes {
+            self.emit(e)?;
         }
         Ok(std::mem::replace(&mut self.cache, saved))
+    }
+
+    /// A gathered operand's nodes that depend only on `fixed` (its row for A, its column
+    /// for B), for [`Self::gather_fixed_part`]; empty for a strided operand.
+    fn fixed_nodes(&self, g: Option<&Gather>, a_side: bool) -> (Var, Vec<ExprId>) {
+        let Some(g) = g else {
+            return (0, Vec::new());
+        };
+        let fixed = if a_side { g.row } else { g.col };
+        let free = crate::kernel::lower::free_vars(&self.k.pool);
+        let nodes = reachable(&self.k.pool, &[g.value])
+            .into_iter()
+            .filter(|e| {
+                let f = &free[e.0 as usize];
+                !f.is_empty() && f.iter().all(|&v| v == fixed)
+            })
+            .collect();
+        (fixed, nodes)
     }
 
     fn select(&mut self, ty: VTy, c: &str, a: &str, b: &str) -> String {
@@ -1410,20 +1423,16 @@ fn emit_tiled_matmul(
         &sb,
         mm.b.gather.is_some(),
     );
-    // Gathers: what depends on a slot's row (A) or column (B) alone, once.
-    let mut fixed: Vec<HashMap<ExprId, String>> = Vec::new();
-    for (slots, g, a_side) in [
-        (&a_slots, &mm.a.gather, true),
-        (&b_slots, &mm.b.gather, false),
-    ] {
+    // Gathers: what depends on a slot's row (A) or column (B) alone, once per slot;
+    // `fixed[side][slot]`.
+    let mut fixed: [Vec<HashMap<ExprId, String>>; 2] = [Vec::new(), Vec::new()];
+    for (side, (slots, g)) in [(&a_slots, &mm.a.gather), (&b_slots, &mm.b.gather)]
+        .into_iter()
+        .enumerate()
+    {
+        let (var, nodes) = px.fixed_nodes(g.as_ref(), side == 0);
         for s in slots.iter() {
-            fixed.push(match g {
-                Some(g) => {
-                    let var = if a_side { g.row } else { g.col };
-                    px.gather_fixed_part(g, var, &s.at)?
-                }
-                None => HashMap::new(),
-            });
+            fixed[side].push(px.gather_fixed_part(&nodes, var, &s.at)?);
         }
     }
 
@@ -1477,7 +1486,7 @@ fn emit_tiled_matmul(
                 // store 0.
                 let kc = px.fresh("rd");
                 px.line(format!("min.s64 {kc}, {kg}, {};", kd.saturating_sub(1)));
-                let cache = &fixed[side * slots.len() + si];
+                let cache = &fixed[side][si];
                 let v = if a_side {
                     px.gather(g, &s.at, &kc, cache)?
                 } else {

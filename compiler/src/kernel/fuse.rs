@@ -439,22 +439,7 @@ fn build(
         let bad = k.live_nodes().into_iter().any(|e| {
             matches!(k.pool.get(e), E::Load { buf, index, .. } if *buf == target && *index != store_index)
         });
-        if bad
-            || k.matmul.as_ref().is_some_and(|mm| {
-                [&mm.a, &mm.b]
-                    .iter()
-                    .any(|op| op.gather.is_none() && op.buf == target)
-            })
-            || k.matmul.as_ref().is_some_and(|mm| {
-                [&mm.a, &mm.b].iter().any(|op| {
-                    op.gather.as_ref().is_some_and(|gt| {
-                        reachable(&k.pool, &[gt.value])
-                            .into_iter()
-                            .any(|e| matches!(k.pool.get(e), E::Load { buf, .. } if *buf == target))
-                    })
-                })
-            })
-        {
+        if bad || k.operand_loads().contains(&target) {
             return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
         }
     }

@@ -301,6 +301,9 @@ impl<'a> Builder<'a> {
         if !is_root && !matches!(node.op, Op::Literal { .. }) {
             self.fused.insert(n);
         }
+        if let Some(r) = self.conv_gemm_rows(n, idx) {
+            return self.conv_gemm(n, idx, r);
+        }
         let dims = node.ty.dims().to_vec();
         let ins = node.inputs.clone();
         let ity = |k: usize| g.ty(ins[k]).clone();
@@ -504,11 +507,6 @@ impl<'a> Builder<'a> {
                 Ok(self.pool.cast(VTy::I32, r))
             }
             Op::MatMul => self.matmul_value(n, idx),
-            Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. }
-                if self.conv_gemm_applies(n, idx) =>
-            {
-                self.conv_gemm(n, idx)
-            }
             Op::Conv2d {
                 stride,
                 padding,
@@ -762,15 +760,11 @@ impl<'a> Builder<'a> {
         Ok(self.reduction(n, Red::Sum, vec![(vk, kdim)], body))
     }
 
-    /// True when convolution `n` at `idx` is lowered as an implicit GEMM: CUDA, f32, one
-    /// group, and evaluated at the kernel's own domain point (every logical axis one
-    /// domain variable of the same extent) with its GEMM rows as the domain's leading axes
-    /// (`[N, H, W]` of a channels-last output; `O` of a weight gradient).
-    fn conv_gemm_applies(&self, n: NodeId, idx: &[ExprId]) -> bool {
-        self.conv_gemm_rows(n, idx).is_some()
-    }
-
-    /// How many leading domain axes are the implicit GEMM's rows, when it applies.
+    /// When convolution `n` at `idx` is lowered as an implicit GEMM, how many leading
+    /// domain axes are its rows (`None`: it is not). It is when: CUDA, f32, one group, and
+    /// evaluated at the kernel's own domain point (every logical axis one domain variable
+    /// of the same extent) with its GEMM rows as the domain's leading axes (`[N, H, W]` of
+    /// a channels-last output; `O` of a weight gradient).
     fn conv_gemm_rows(&self, n: NodeId, idx: &[ExprId]) -> Option<usize> {
         let g = self.d.g;
         let node = g.node(n);
@@ -823,7 +817,8 @@ impl<'a> Builder<'a> {
     }
 
     /// A convolution or one of its gradients as an implicit GEMM: the kernel's anchor, with
-    /// both operands gathered from the inputs' windows (see [`Self::conv_gemm_applies`]).
+    /// both operands gathered from the inputs' windows, over `r` row axes (see
+    /// [`Self::conv_gemm_rows`]).
     ///
     /// | op | rows | columns | k (fastest last) | A | B |
     /// |---|---|---|---|---|---|
@@ -833,7 +828,7 @@ impl<'a> Builder<'a> {
     ///
     /// With channels-last activations, `k`'s fastest axis is the contiguous channel axis of
     /// the gathered activation (conv2d and grad input).
-    fn conv_gemm(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
+    fn conv_gemm(&mut self, n: NodeId, idx: &[ExprId], r: usize) -> Res<ExprId> {
         if self.matmul.is_some() {
             return Err(LowerError::Materialize(n));
         }
@@ -841,9 +836,6 @@ impl<'a> Builder<'a> {
         let node = g.node(n).clone();
         let (i0, i1) = (node.inputs[0], node.inputs[1]);
         let (d0, d1) = (g.ty(i0).dims().to_vec(), g.ty(i1).dims().to_vec());
-        let Some(r) = self.conv_gemm_rows(n, idx) else {
-            return Err(self.internal("operand layout"));
-        };
         let rows = self.domain[..r].to_vec();
         let cols = self.domain[r..].to_vec();
         let (m, nc) = (
@@ -1169,10 +1161,10 @@ pub fn split_k_kernel(
     let dims = node.ty.dims().to_vec();
     let mut b = Builder::new(d, n, layout.iter().map(|&a| dims[a]).collect());
     let idx = b.logical_index(n);
-    if !b.conv_gemm_applies(n, &idx) {
+    let Some(r) = b.conv_gemm_rows(n, &idx) else {
         return Ok(None);
-    }
-    let value = b.value(n, &idx)?;
+    };
+    let value = b.conv_gemm(n, &idx, r)?;
     match &mut b.matmul {
         Some((_, mm)) => mm.split_k = splits,
         None => return Ok(None),

@@ -546,6 +546,16 @@ impl Kernel {
                 _ => None,
             })
             .collect();
+        v.extend(self.operand_loads());
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// The buffers the matmul's operands read: a strided operand's buffer, every load of a
+    /// gather (unsorted, with repeats).
+    pub fn operand_loads(&self) -> Vec<NodeId> {
+        let mut v = Vec::new();
         if let Some(mm) = &self.matmul {
             for op in [&mm.a, &mm.b] {
                 match &op.gather {
@@ -561,8 +571,6 @@ impl Kernel {
                 }
             }
         }
-        v.sort();
-        v.dedup();
         v
     }
 
