@@ -637,6 +637,34 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
             "x @ w",
             tol,
         );
+        // Hopper wgmma (128×128 tiles): A contiguous along k, B along n; ragged m, n
+        // and k (the last stage is zero-filled).
+        add(
+            &format!("{d} wgmma, ragged edges, epilogue"),
+            &format!(" input x: {d}[200, 72]\n input w: {d}[72, 136]\n input b: {d}[136]"),
+            "gelu(x @ w + b)",
+            tol,
+        );
+        // The operands the other way: A contiguous along m, B along k.
+        add(
+            &format!("{d} wgmma, transposed A"),
+            &format!(" input x: {d}[96, 256]\n input w: {d}[96, 136]"),
+            "transpose(x) @ w",
+            tol,
+        );
+        add(
+            &format!("{d} wgmma, transposed B"),
+            &format!(" input x: {d}[256, 96]\n input w: {d}[136, 96]"),
+            "x @ transpose(w)",
+            tol,
+        );
     }
+    // 132 blocks of 128×256: the wide wgmma tile.
+    add(
+        "bf16 wgmma, 128x256 tiles, batched",
+        " input x: bf16[66, 256, 64]\n input w: bf16[66, 64, 256]",
+        "x @ w",
+        1.6e-2,
+    );
     v
 }

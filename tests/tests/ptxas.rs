@@ -1,5 +1,6 @@
 //! Every PTX module the test suite generates assembles with `ptxas -arch=sm_90` (the GPU
-//! machine's CUDA 13.0). Without ptxas the test prints a notice and passes, except under
+//! machine's CUDA 13.0), or `-arch=sm_90a` for the modules whose `.target` is sm_90a
+//! (Hopper's `wgmma`). Without ptxas the test prints a notice and passes, except under
 //! CI (`CI` set), where `.ci/run` installs it and its absence is a failure.
 
 use tcc::artifact::{compile, CompileOptions, Target};
@@ -90,8 +91,13 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             let path = dir.join(format!("m{i}_{channels_last}.ptx"));
             std::fs::write(&path, &c.code).unwrap();
+            let arch = if c.code.contains("\n.target sm_90a\n") {
+                "-arch=sm_90a"
+            } else {
+                "-arch=sm_90"
+            };
             let out = std::process::Command::new(&ptxas)
-                .arg("-arch=sm_90")
+                .arg(arch)
                 .arg(&path)
                 .arg("-o")
                 .arg(dir.join("out.cubin"))
@@ -243,6 +249,61 @@ fn ptx_paths_are_chosen_where_they_apply() {
         assert!(p.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
         assert!(p.contains("cp.async.cg.shared.global"));
     }
+    // Large ones take Hopper's wgmma (sm_90a): 128×128 tiles, or 128×256 where those
+    // still give a block per SM, in dynamic shared memory; transposed operands set the
+    // transpose flags.
+    let wg = |decls: &str, e: &str| {
+        let c = compile(
+            &compile_pipeline(&model(decls, e), &Options::default()).unwrap(),
+            &CompileOptions {
+                target: Target::Cuda,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let launch = c.launches[0].clone();
+        (c.code, launch)
+    };
+    let (p, l) = wg(
+        " input a: bf16[512, 256]\n input b: bf16[256, 512]",
+        "a @ b",
+    );
+    assert!(
+        p.contains(".target sm_90a") && !p.contains("mma.sync"),
+        "{p}"
+    );
+    assert!(p.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"));
+    assert!(p.contains(", 1, 1, 0, 1;"), "A K-major, B N-major");
+    assert!(l.shared_bytes > 48 * 1024, "{l:?}");
+    let (p, _) = wg(
+        " input a: f16[256, 512]\n input b: f16[256, 512]",
+        "transpose(a) @ b",
+    );
+    assert!(
+        p.contains(".f32.f16.f16") && p.contains(", 1, 1, 1, 1;"),
+        "{p}"
+    );
+    let (p, _) = wg(
+        " input a: bf16[512, 256]\n input b: bf16[512, 256]",
+        "a @ transpose(b)",
+    );
+    assert!(p.contains(", 1, 1, 0, 0;"), "{p}");
+    let (p, l) = wg(
+        " input a: bf16[132, 128, 64]\n input b: bf16[132, 64, 256]",
+        "a @ b",
+    );
+    assert!(p.contains("m64n256k16"), "{p}");
+    assert_eq!(l.grid, [1, 1, 132]);
+    // Small or unaligned ones keep mma.sync on sm_90.
+    let (p, l) = wg(
+        " input a: bf16[512, 255]\n input b: bf16[255, 512]",
+        "a @ b",
+    );
+    assert!(
+        p.contains(".target sm_90\n") && p.contains("mma.sync"),
+        "{p}"
+    );
+    assert_eq!(l.shared_bytes, 0);
     // Large f32 matmuls take the 128×128 FFMA tiles (8×8 per thread); ones with too few
     // such tiles to fill the GPU keep the 64×64 tiles.
     let big = ptx(

@@ -45,7 +45,9 @@ pub struct FuseOptions {
     /// Lay out 4-D intermediates of convolution chains channels-last (NHWC).
     pub channels_last: bool,
     /// Lower f32 convolutions and their gradients as implicit GEMMs ([`super::Gather`]
-    /// operands), which only the CUDA back end runs; set by `artifact::plan_step` for CUDA.
+    /// operands), which only the CUDA back end runs, and let large f16/bf16 matmuls read a
+    /// B contiguous along `k` in place (Hopper's wgmma reads it K-major); set by
+    /// `artifact::plan_step` for CUDA.
     pub implicit_gemm: bool,
 }
 

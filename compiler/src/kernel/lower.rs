@@ -37,7 +37,8 @@ pub struct Decisions<'a> {
     /// logical axis of each physical axis, outermost first (`[0, 2, 3, 1]` is NHWC for a
     /// logical NCHW tensor).
     pub layouts: &'a std::collections::BTreeMap<NodeId, Vec<usize>>,
-    /// Convolutions may become implicit-GEMM anchors (CUDA).
+    /// CUDA: convolutions may become implicit-GEMM anchors, and a large f16/bf16 matmul
+    /// may read a B contiguous along `k` in place.
     pub implicit_gemm: bool,
 }
 
@@ -1040,8 +1041,20 @@ impl<'a> Builder<'a> {
         let a = self.operand(node.inputs[0], &batch, m, k)?;
         let b = self.operand(node.inputs[1], &batch, k, nn)?;
         // The tiled loop reads rows of B as vectors: a B that is not contiguous along its
-        // columns (a transposed view) is copied once, contiguously.
-        if b.cs != 1 && nn > 1 {
+        // columns (a transposed view) is copied once, contiguously. Except on CUDA for an
+        // f16/bf16 B contiguous along `k` and large enough for Hopper's wgmma tiles, which
+        // read it as it lies (K-major).
+        let k_major_half = self.d.implicit_gemm
+            && matches!(b.dtype, DType::F16 | DType::BF16)
+            && a.dtype == b.dtype
+            && b.rs == 1
+            && b.cs > 0
+            && b.cs % 8 == 0
+            && m >= 128
+            && nn >= 128
+            && k >= 64
+            && k.is_multiple_of(8);
+        if b.cs != 1 && nn > 1 && !k_major_half {
             return Err(LowerError::Materialize(node.inputs[1]));
         }
         Ok(Matmul {

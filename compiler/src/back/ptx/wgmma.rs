@@ -1,0 +1,440 @@
+//! Hopper tensor-core matmul: `wgmma.mma_async` (sm_90a) on f16/bf16 operands with f32
+//! accumulation, for matmuls large enough to fill 128×128 or 128×256 block tiles.
+//!
+//! - **Block:** 256 threads, two warpgroups; warpgroup `w` owns rows `64w..64w + 64` of
+//!   the block tile and issues one `m64nBNk16` per 16 of `k`, both operands read by the
+//!   tensor cores from shared memory through matrix descriptors.
+//! - **Shared memory:** `k` is staged 64 elements (128 bytes) deep, in 4 buffers (3 for
+//!   128×128 tiles, so that two blocks share an SM) of dynamic shared memory (above the 48 KiB of static shared memory, which the runtime
+//!   raises per kernel). Each operand tile is stored in the 128-byte-swizzle layout of the
+//!   wgmma canonical layouts: groups of 64 along `m`/`n`, 8192 bytes apart; inside one,
+//!   either 64 rows of `m`/`n` with `k` contiguous (K-major) or 64 rows of `k` with
+//!   `m`/`n` contiguous (MN-major, `imm-trans` set), 128 bytes a row, the 16-byte chunk
+//!   `c` of row `r` stored at chunk `c ^ (r % 8)`. Either major fits an operand whose
+//!   memory is contiguous along that axis, so transposed operands (a weight gradient's
+//!   `xᵀ`, an `x @ wᵀ`) need no copy.
+//! - **Pipeline:** every thread moves its share of a stage with 16-byte `cp.async`
+//!   (zero-filled out of range), two stages (one for 128×128 tiles) ahead of the math. A stage's wgmma group is
+//!   committed and the previous one awaited (`wgmma.wait_group 1`), so the tensor cores
+//!   always have the next group queued while a barrier and the copies run; a buffer is
+//!   overwritten only after every warpgroup's wait has passed the barrier after its last
+//!   reader.
+//! - **Epilogue:** the accumulator fragment (row `16·warp + g + 8h`, column
+//!   `8j + 2·tg + c` of the warpgroup's tile) goes through the kernel's fused stores, as
+//!   on the `mma.sync` path.
+
+use super::{
+    batch_bases, block_prologue, chunk_copy, epilogue, epilogue_coords, operand_buffer, sites,
+    LaunchShape, MmaKind, Px, Res,
+};
+use crate::ir::NodeId;
+use crate::kernel::{Kernel, Matmul, Operand};
+
+/// Rows of the block tile of one warpgroup.
+const WG_ROWS: usize = 64;
+/// Elements of `k` per stage: one 128-byte swizzle row of f16/bf16.
+const BK: usize = 64;
+/// Bytes of a 64-wide group of an operand tile (64 rows of 128 bytes).
+const GROUP: usize = 64 * 128;
+/// Fewest blocks of 128×256 before the wider tile is used: one per SM of an H100.
+const WIDE_MIN_BLOCKS: usize = 132;
+
+/// How one operand lies in memory, for the copies and the descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Side {
+    /// Contiguous along `k` (else along `m`/`n`).
+    k_major: bool,
+    /// Extent along `m` (A) or `n` (B).
+    mn: usize,
+    mn_stride: i64,
+    k_stride: i64,
+    /// Rows of the block tile along `m`/`n`.
+    tile: usize,
+}
+
+impl Side {
+    /// The operand as a K-major or MN-major tile of 16-byte chunks, or `None` when its
+    /// memory suits neither (a gap between elements, a misaligned chunk).
+    fn of(o: &Operand, off: u64, mn: usize, k: usize, a: bool, tile: usize) -> Option<Side> {
+        let (mn_stride, k_stride) = if a { (o.rs, o.cs) } else { (o.cs, o.rs) };
+        let aligned =
+            o.base % 8 == 0 && o.batch_strides.iter().all(|s| s % 8 == 0) && off.is_multiple_of(16);
+        if !aligned {
+            return None;
+        }
+        let k_major = if k_stride == 1 && mn_stride > 0 && mn_stride % 8 == 0 && k.is_multiple_of(8)
+        {
+            true
+        } else if mn_stride == 1 && k_stride > 0 && k_stride % 8 == 0 && mn.is_multiple_of(8) {
+            false
+        } else {
+            return None;
+        };
+        Some(Side {
+            k_major,
+            mn,
+            mn_stride,
+            k_stride,
+            tile,
+        })
+    }
+
+    /// Bytes of one stage of this operand's tile.
+    fn bytes(self) -> usize {
+        self.tile / 64 * GROUP
+    }
+
+    /// The descriptor's constant part: 128-byte swizzle, the stride between 8-row groups
+    /// (SBO, 1024 bytes) and, for MN-major tiles, the stride between 64-wide groups (LBO).
+    fn desc_bits(self) -> u64 {
+        let lbo: u64 = if self.k_major { 16 } else { GROUP as u64 };
+        (1u64 << 62) | ((1024u64 >> 4) << 32) | ((lbo >> 4) << 16)
+    }
+}
+
+/// The plan of a wgmma matmul: kind, both sides, the tile's columns and the grid.
+pub(super) struct Plan {
+    kind: MmaKind,
+    a: Side,
+    b: Side,
+    bn: usize,
+    /// Warpgroups of the block (64 rows each).
+    wgs: usize,
+    /// Shared-memory buffers, at least 3: `stages - 2` in flight ahead of the math.
+    stages: usize,
+    pub(super) grid: [u32; 3],
+}
+
+impl Plan {
+    fn threads(&self) -> usize {
+        128 * self.wgs
+    }
+}
+
+/// The wgmma plan of `mm`, or `None` where the `mma.sync` path (or another) is used: only
+/// f16/bf16, plain matmuls of at least one 128×128 tile whose operands are contiguous along
+/// `k` or along `m`/`n`.
+pub(super) fn plan(mm: &Matmul, offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Option<Plan> {
+    let kind = match MmaKind::of(mm, super::PtxOptions::default())? {
+        k @ (MmaKind::F16 | MmaKind::Bf16) => k,
+        MmaKind::Tf32 => return None,
+    };
+    if mm.m < 128 || mm.n < 128 || mm.k < BK {
+        return None;
+    }
+    let batch: usize = mm.batch.iter().product();
+    let wide = mm.n.div_ceil(256) * mm.m.div_ceil(128) * batch >= WIDE_MIN_BLOCKS;
+    // 128×256 tiles in four stages (193 KiB: one block per SM), or 128×128 tiles in three
+    // (97 KiB: two blocks per SM). On a 4096³ bf16 GEMM (H200) these ran 0.283 and
+    // 0.309 ms; 256×128 tiles (four warpgroups) 0.298 ms; 128×128 in four or six stages
+    // 0.338 and 0.328 ms.
+    let (wgs, bn, stages) = if wide { (2, 256, 4) } else { (2, 128, 3) };
+    let bm = WG_ROWS * wgs;
+    let gy = mm.m.div_ceil(bm);
+    let gx = mm.n.div_ceil(bn);
+    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+        return None;
+    }
+    let a = Side::of(&mm.a, offset_of(mm.a.buf)?, mm.m, mm.k, true, bm)?;
+    let b = Side::of(&mm.b, offset_of(mm.b.buf)?, mm.n, mm.k, false, bn)?;
+    Some(Plan {
+        kind,
+        a,
+        b,
+        bn,
+        wgs,
+        stages,
+        grid: [gx as u32, gy as u32, batch as u32],
+    })
+}
+
+/// One thread's share of an operand's stage: chunks `t + 256·i`, which lie `i·step`
+/// rows of the tile apart (rows along `m`/`n` when K-major, along `k` when MN-major) and
+/// share their chunk column, hence their swizzle.
+struct Slots {
+    /// Shared offset of chunk 0 within a stage.
+    smem: String,
+    /// Element index of chunk 0 at `k0 = 0`.
+    base: String,
+    /// `k` of chunk 0 (u64).
+    kk: String,
+    /// `m`/`n` of chunk 0 (u64).
+    mn: String,
+    /// Chunks per thread and the rows between them.
+    count: usize,
+    step: usize,
+}
+
+/// The slots of thread `t` for one operand tile at shared offset `at` (within a stage),
+/// whose first `m`/`n` is `mn0` and whose elements start at `opbase`.
+fn slots(px: &mut Px, s: Side, block: usize, t: &str, at: usize, mn0: &str, opbase: &str) -> Slots {
+    // Chunk `t` at row `r` of group `grp`, chunk column `c`; element (`mn`, `kk`).
+    let (r, c, grp, mn, kk) = (
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+    );
+    let step = if s.k_major {
+        // 8 chunks along k per row; rows are m/n.
+        px.line(format!("shr.u32 {mn}, {t}, 3;"));
+        px.line(format!("and.b32 {c}, {t}, 7;"));
+        px.line(format!("and.b32 {r}, {mn}, 63;"));
+        px.line(format!("shr.u32 {grp}, {mn}, 6;"));
+        px.line(format!("shl.b32 {kk}, {c}, 3;"));
+        block / 8
+    } else {
+        // tile/8 chunks along m/n per k row.
+        let cpr = s.tile / 8;
+        let cc = px.fresh("r");
+        px.line(format!("shr.u32 {kk}, {t}, {};", cpr.trailing_zeros()));
+        px.line(format!("and.b32 {cc}, {t}, {};", cpr - 1));
+        px.line(format!("and.b32 {c}, {cc}, 7;"));
+        px.line(format!("shr.u32 {grp}, {cc}, 3;"));
+        px.line(format!("mov.u32 {r}, {kk};"));
+        px.line(format!("shl.b32 {mn}, {cc}, 3;"));
+        block / cpr
+    };
+    let smem = px.fresh("r");
+    let sw = px.fresh("r");
+    px.line(format!("and.b32 {sw}, {r}, 7;"));
+    px.line(format!("xor.b32 {sw}, {sw}, {c};"));
+    px.line(format!("shl.b32 {sw}, {sw}, 4;"));
+    px.line(format!("mad.lo.u32 {smem}, {r}, 128, {sw};"));
+    px.line(format!("mad.lo.u32 {smem}, {grp}, {GROUP}, {smem};"));
+    px.line(format!("add.u32 {smem}, {smem}, {at};"));
+    let g_mn = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {g_mn}, {mn};"));
+    px.line(format!("add.s64 {g_mn}, {g_mn}, {mn0};"));
+    let base = px.fresh("rd");
+    px.line(format!(
+        "mad.lo.s64 {base}, {g_mn}, {}, {opbase};",
+        s.mn_stride
+    ));
+    let kk64 = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {kk64}, {kk};"));
+    px.line(format!(
+        "mad.lo.s64 {base}, {kk64}, {}, {base};",
+        s.k_stride
+    ));
+    Slots {
+        smem,
+        base,
+        kk: kk64,
+        mn: g_mn,
+        count: s.tile * BK / 8 / block,
+        step,
+    }
+}
+
+/// Emits the wgmma matmul with its fused epilogue (see the module's documentation).
+pub(super) fn emit(
+    k: &Kernel,
+    mm: &Matmul,
+    plan: &Plan,
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+) -> Res<(String, LaunchShape)> {
+    let live = k.live_nodes();
+    let mut px = Px::new(k, offset_of, sites(k), live);
+    let (m, n, kd) = (mm.m, mm.n, mm.k);
+    let (a, b, bn) = (plan.a, plan.b, plan.bn);
+    let eb = 2;
+    let stage = a.bytes() + b.bytes();
+
+    let (bx, by, bz, t) = block_prologue(&mut px);
+    let (lane, warp, wg, w, g, tg) = (
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+        px.fresh("r"),
+    );
+    px.line(format!("and.b32 {lane}, {t}, 31;"));
+    px.line(format!("shr.u32 {warp}, {t}, 5;"));
+    px.line(format!("shr.u32 {wg}, {warp}, 2;"));
+    px.line(format!("and.b32 {w}, {warp}, 3;"));
+    px.line(format!("shr.u32 {g}, {lane}, 2;"));
+    px.line(format!("and.b32 {tg}, {lane}, 3;"));
+
+    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
+    let (abuf, _) = operand_buffer(&mut px, mm.a.buf)?;
+    let (bbuf, _) = operand_buffer(&mut px, mm.b.buf)?;
+    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {row0}, {by}, {};", a.tile));
+    px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
+    // The dynamic shared memory, rounded up to 1024 bytes (the swizzle pattern repeats
+    // every 1024 bytes and is taken from the address).
+    let sbase = px.fresh("r");
+    px.line(format!("mov.u32 {sbase}, {};", super::DYN_SHARED));
+    px.line(format!("add.u32 {sbase}, {sbase}, 1023;"));
+    px.line(format!("and.b32 {sbase}, {sbase}, -1024;"));
+
+    let a_slots = slots(&mut px, a, plan.threads(), &t, 0, &row0, &abase);
+    let b_slots = slots(&mut px, b, plan.threads(), &t, a.bytes(), &col0, &bbase);
+
+    // Moves the stage of `k0` (i64) into the buffer at shared byte `st` (u32).
+    let load_stage = |px: &mut Px, st: &str, k0: &str| {
+        for (side, sl, buf) in [(a, &a_slots, &abuf), (b, &b_slots, &bbuf)] {
+            let dst0 = px.fresh("r");
+            px.line(format!("add.u32 {dst0}, {st}, {};", sl.smem));
+            let kg = px.fresh("rd");
+            px.line(format!("add.s64 {kg}, {k0}, {};", sl.kk));
+            let idx0 = px.fresh("rd");
+            px.line(format!(
+                "mad.lo.s64 {idx0}, {k0}, {}, {};",
+                side.k_stride, sl.base
+            ));
+            for i in 0..sl.count {
+                // Chunk i: `i·step` rows further along m/n (K-major) or k (MN-major).
+                let rows = (i * sl.step) as i64;
+                let (mn_end, k_end, shift) = if side.k_major {
+                    (side.mn as i64 - rows, kd as i64, rows * side.mn_stride)
+                } else {
+                    (side.mn as i64, kd as i64 - rows, rows * side.k_stride)
+                };
+                let p = px.fresh("p");
+                px.line(format!("setp.lt.s64 {p}, {kg}, {k_end};"));
+                px.line(format!("setp.lt.and.s64 {p}, {}, {mn_end}, {p};", sl.mn));
+                let idx = px.fresh("rd");
+                px.line(format!("add.s64 {idx}, {idx0}, {shift};"));
+                let dst = px.fresh("r");
+                px.line(format!("add.u32 {dst}, {dst0}, {};", i * sl.step * 128));
+                chunk_copy(px, &dst, buf, &idx, &p, eb);
+            }
+        }
+        px.line("cp.async.commit_group;");
+    };
+
+    // Descriptors of stage 0 for this warpgroup: A starts at its 64 rows (one group), B at
+    // the tile's first column.
+    let desc = |px: &mut Px, side: Side, at: &str| {
+        let lo = px.fresh("r");
+        px.line(format!("and.b32 {lo}, {at}, 262143;"));
+        px.line(format!("shr.u32 {lo}, {lo}, 4;"));
+        let d = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {d}, {lo};"));
+        px.line(format!("or.b64 {d}, {d}, {};", side.desc_bits()));
+        d
+    };
+    let a_at = px.fresh("r");
+    px.line(format!("mad.lo.u32 {a_at}, {wg}, {GROUP}, {sbase};"));
+    let a_desc = desc(&mut px, a, &a_at);
+    let b_at = px.fresh("r");
+    px.line(format!("add.u32 {b_at}, {sbase}, {};", a.bytes()));
+    let b_desc = desc(&mut px, b, &b_at);
+
+    let accs: Vec<String> = (0..bn / 2).map(|_| px.fresh("f")).collect();
+    for x in &accs {
+        px.line(format!("mov.f32 {x}, {};", super::f32_lit(0.0)));
+    }
+    let (one, scale_d) = (px.fresh("r"), px.fresh("p"));
+    px.line(format!("mov.u32 {one}, 1;"));
+    px.line(format!("setp.ne.u32 {scale_d}, {one}, 0;"));
+
+    let nk = kd.div_ceil(BK);
+    let stages = plan.stages;
+    let ahead = stages - 2;
+    for s in 0..ahead {
+        let k0 = px.imm64((s * BK) as i64);
+        let st = px.fresh("r");
+        px.line(format!("add.u32 {st}, {sbase}, {};", s * stage));
+        load_stage(&mut px, &st, &k0);
+    }
+    let kt = px.fresh("r");
+    px.line(format!("mov.u32 {kt}, 0;"));
+    let head = px.label("wg_k");
+    let skip = px.label("wg_noload");
+    px.body.push_str(&format!("{head}:\n"));
+    // Stage `kt` has landed (one later group may still be in flight) and every warpgroup
+    // has finished the wgmma group of stage `kt - 2`.
+    px.line(format!("cp.async.wait_group {};", ahead - 1));
+    px.line("fence.proxy.async.shared::cta;");
+    px.line("bar.sync 0;");
+    {
+        // Stage `kt + ahead` into buffer `(kt + ahead) % STAGES`, that of stage `kt - 2`.
+        let ktn = px.fresh("r");
+        px.line(format!("add.u32 {ktn}, {kt}, {ahead};"));
+        let none = px.fresh("p");
+        px.line(format!("setp.ge.u32 {none}, {ktn}, {nk};"));
+        px.line(format!("@{none} bra.uni {skip};"));
+        let st = px.fresh("r");
+        px.line(format!("rem.u32 {st}, {ktn}, {stages};"));
+        px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
+        let k0 = px.fresh("rd");
+        px.line(format!("mul.wide.u32 {k0}, {ktn}, {BK};"));
+        load_stage(&mut px, &st, &k0);
+        px.body.push_str(&format!("{skip}:\n"));
+        // Keeps the group count the same on every iteration (an empty group past the end).
+        px.line(format!("@{none} cp.async.commit_group;"));
+    }
+    // This stage's descriptors: the buffer's offset, in 16-byte units.
+    let cur = px.fresh("r");
+    px.line(format!("rem.u32 {cur}, {kt}, {stages};"));
+    px.line(format!("mul.lo.u32 {cur}, {cur}, {};", stage >> 4));
+    let cur64 = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {cur64}, {cur};"));
+    let (ad, bd) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("add.s64 {ad}, {a_desc}, {cur64};"));
+    px.line(format!("add.s64 {bd}, {b_desc}, {cur64};"));
+    px.line("wgmma.fence.sync.aligned;");
+    let instr = format!(
+        "wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}",
+        t = if plan.kind == MmaKind::F16 {
+            "f16"
+        } else {
+            "bf16"
+        }
+    );
+    let acc_list = accs.join(", ");
+    for ks in 0..BK / 16 {
+        // 16 of k: 32 bytes along a K-major row, 16 rows of 128 bytes of an MN-major tile.
+        let step = |s: Side| if s.k_major { 32 } else { 16 * 128 };
+        let (da, db) = (px.fresh("rd"), px.fresh("rd"));
+        px.line(format!("add.s64 {da}, {ad}, {};", (ks * step(a)) >> 4));
+        px.line(format!("add.s64 {db}, {bd}, {};", (ks * step(b)) >> 4));
+        px.line(format!(
+            "{instr} {{{acc_list}}}, {da}, {db}, {scale_d}, 1, 1, {}, {};",
+            u8::from(!a.k_major),
+            u8::from(!b.k_major)
+        ));
+    }
+    px.line("wgmma.commit_group.sync.aligned;");
+    px.line("wgmma.wait_group.sync.aligned 1;");
+    px.line(format!("add.u32 {kt}, {kt}, 1;"));
+    let more = px.fresh("p");
+    px.line(format!("setp.lt.u32 {more}, {kt}, {nk};"));
+    px.line(format!("@{more} bra.uni {head};"));
+    px.line("wgmma.wait_group.sync.aligned 0;");
+
+    // Epilogue: acc[4j + 2h + c] is row 64·wg + 16·w + g + 8h, column 8j + 2·tg + c.
+    let (rb, cb) = (px.fresh("rd"), px.fresh("rd"));
+    let t32 = px.fresh("r");
+    px.line(format!("mad.lo.u32 {t32}, {wg}, 64, {g};"));
+    px.line(format!("mad.lo.u32 {t32}, {w}, 16, {t32};"));
+    px.line(format!("cvt.u64.u32 {rb}, {t32};"));
+    px.line(format!("add.s64 {rb}, {rb}, {row0};"));
+    px.line(format!("shl.b32 {t32}, {tg}, 1;"));
+    px.line(format!("cvt.u64.u32 {cb}, {t32};"));
+    px.line(format!("add.s64 {cb}, {cb}, {col0};"));
+    let rows = epilogue_coords(&mut px, &rb, m, 2, &|h| 8 * h);
+    // Eight columns (four 8-column slabs) at a time, so that their coordinates do not all
+    // hold registers at once.
+    for slab in 0..bn / 32 {
+        let cols = epilogue_coords(&mut px, &cb, n, 8, &|ci| (4 * slab + ci / 2) * 8 + ci % 2);
+        epilogue(&mut px, mm, &rows, &cols, &|h, ci| {
+            let (j, c) = (4 * slab + ci / 2, ci % 2);
+            accs[4 * j + 2 * h + c].clone()
+        })?;
+    }
+    px.line("ret;");
+    Ok((
+        px.finish(""),
+        LaunchShape {
+            grid: plan.grid,
+            block: [plan.threads() as u32, 1, 1],
+            shared_bytes: (stages * stage + 1024) as u32,
+        },
+    ))
+}
