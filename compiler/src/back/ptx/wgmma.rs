@@ -4,8 +4,8 @@
 //! - **Block:** 256 threads, two warpgroups; warpgroup `w` owns rows `64w..64w + 64` of
 //!   the block tile and issues one `m64nBNk16` per 16 of `k`, both operands read by the
 //!   tensor cores from shared memory through matrix descriptors.
-//! - **Shared memory:** `k` is staged 64 elements (128 bytes) deep, in 4 buffers (3 for
-//!   128×128 tiles, so that two blocks share an SM) of dynamic shared memory (above the 48 KiB of static shared memory, which the runtime
+//! - **Shared memory:** `k` is staged 64 elements (128 bytes) deep, in 4 buffers (5 for
+//!   128×128 tiles) of dynamic shared memory (above the 48 KiB of static shared memory, which the runtime
 //!   raises per kernel). Each operand tile is stored in the 128-byte-swizzle layout of the
 //!   wgmma canonical layouts: groups of 64 along `m`/`n`, 8192 bytes apart; inside one,
 //!   either 64 rows of `m`/`n` with `k` contiguous (K-major) or 64 rows of `k` with
@@ -14,7 +14,7 @@
 //!   memory is contiguous along that axis, so transposed operands (a weight gradient's
 //!   `xᵀ`, an `x @ wᵀ`) need no copy.
 //! - **Pipeline:** every thread moves its share of a stage with 16-byte `cp.async`
-//!   (zero-filled out of range), two stages (one for 128×128 tiles) ahead of the math. A stage's wgmma group is
+//!   (zero-filled out of range), two stages (three for 128×128 tiles) ahead of the math. A stage's wgmma group is
 //!   committed and the previous one awaited (`wgmma.wait_group 1`), so the tensor cores
 //!   always have the next group queued while a barrier and the copies run; a buffer is
 //!   overwritten only after every warpgroup's wait has passed the barrier after its last
@@ -124,11 +124,11 @@ pub(super) fn plan(mm: &Matmul, offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Op
     }
     let batch: usize = mm.batch.iter().product();
     let wide = mm.n.div_ceil(256) * mm.m.div_ceil(128) * batch >= WIDE_MIN_BLOCKS;
-    // 128×256 tiles in four stages (193 KiB: one block per SM), or 128×128 tiles in three
-    // (97 KiB: two blocks per SM). On a 4096³ bf16 GEMM (H200) these ran 0.283 and
-    // 0.309 ms; 256×128 tiles (four warpgroups) 0.298 ms; 128×128 in four or six stages
-    // 0.338 and 0.328 ms.
-    let (wgs, bn, stages) = if wide { (2, 256, 4) } else { (2, 128, 3) };
+    // 128×256 tiles in four stages (193 KiB), or 128×128 tiles in five (161 KiB); one block
+    // per SM either way. Measured on an H100/H200: a 4096³ bf16 GEMM ran 0.258 ms on
+    // 128×256 tiles, 0.298 ms on 256×128 (four warpgroups); a 2048×4096 @ 4096×1024 one on
+    // 128×128 tiles 0.054, 0.047, 0.045 and 0.045 ms in three to six stages.
+    let (wgs, bn, stages) = if wide { (2, 256, 4) } else { (2, 128, 5) };
     let bm = WG_ROWS * wgs;
     let gy = mm.m.div_ceil(bm);
     let gx = mm.n.div_ceil(bn);
@@ -342,8 +342,13 @@ pub(super) fn emit(
         px.line(format!("add.u32 {st}, {sbase}, {};", s * stage));
         load_stage(&mut px, &st, &k0);
     }
-    let kt = px.fresh("r");
+    // `kt`, and the buffers of stages `kt` and `kt + ahead`, counted round (no division:
+    // a `rem.u32` by the constant 4 here made the 4096³ GEMM 15% slower, 0.295 against
+    // 0.258 ms on an H100).
+    let (kt, cur_buf, next_buf) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {kt}, 0;"));
+    px.line(format!("mov.u32 {cur_buf}, 0;"));
+    px.line(format!("mov.u32 {next_buf}, {};", ahead % stages));
     let head = px.label("wg_k");
     let skip = px.label("wg_noload");
     px.body.push_str(&format!("{head}:\n"));
@@ -353,15 +358,14 @@ pub(super) fn emit(
     px.line("fence.proxy.async.shared::cta;");
     px.line("bar.sync 0;");
     {
-        // Stage `kt + ahead` into buffer `(kt + ahead) % STAGES`, that of stage `kt - 2`.
+        // Stage `kt + ahead` into buffer `(kt + ahead) % stages`, that of stage `kt - 2`.
         let ktn = px.fresh("r");
         px.line(format!("add.u32 {ktn}, {kt}, {ahead};"));
         let none = px.fresh("p");
         px.line(format!("setp.ge.u32 {none}, {ktn}, {nk};"));
         px.line(format!("@{none} bra.uni {skip};"));
         let st = px.fresh("r");
-        px.line(format!("rem.u32 {st}, {ktn}, {stages};"));
-        px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
+        px.line(format!("mad.lo.u32 {st}, {next_buf}, {stage}, {sbase};"));
         let k0 = px.fresh("rd");
         px.line(format!("mul.wide.u32 {k0}, {ktn}, {BK};"));
         load_stage(&mut px, &st, &k0);
@@ -371,8 +375,7 @@ pub(super) fn emit(
     }
     // This stage's descriptors: the buffer's offset, in 16-byte units.
     let cur = px.fresh("r");
-    px.line(format!("rem.u32 {cur}, {kt}, {stages};"));
-    px.line(format!("mul.lo.u32 {cur}, {cur}, {};", stage >> 4));
+    px.line(format!("mul.lo.u32 {cur}, {cur_buf}, {};", stage >> 4));
     let cur64 = px.fresh("rd");
     px.line(format!("cvt.u64.u32 {cur64}, {cur};"));
     let (ad, bd) = (px.fresh("rd"), px.fresh("rd"));
@@ -403,6 +406,12 @@ pub(super) fn emit(
     px.line("wgmma.commit_group.sync.aligned;");
     px.line("wgmma.wait_group.sync.aligned 1;");
     px.line(format!("add.u32 {kt}, {kt}, 1;"));
+    for b in [&cur_buf, &next_buf] {
+        let wrap = px.fresh("p");
+        px.line(format!("add.u32 {b}, {b}, 1;"));
+        px.line(format!("setp.eq.u32 {wrap}, {b}, {stages};"));
+        px.line(format!("selp.u32 {b}, 0, {b}, {wrap};"));
+    }
     let more = px.fresh("p");
     px.line(format!("setp.lt.u32 {more}, {kt}, {nk};"));
     px.line(format!("@{more} bra.uni {head};"));
