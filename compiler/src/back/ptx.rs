@@ -3036,6 +3036,21 @@ fn epilogue_coords(
         .collect()
 }
 
+/// The kernel's stores at one output element, in a cache scope of their own: `at` are the
+/// domain coordinates after the batch axes (the row's, then the column's), `acc` the
+/// accumulator.
+fn store_point(px: &mut Px, mm: &Matmul, at: &[String], acc: String) -> Res<()> {
+    let nb = mm.batch.len();
+    px.journal.push(Vec::new());
+    for (q, x) in at.iter().enumerate() {
+        px.vars.insert((nb + q) as Var, x.clone());
+    }
+    px.acc = Some(acc);
+    px.stores()?;
+    px.pop_scope();
+    Ok(())
+}
+
 /// The fused epilogue of a register-tiled matmul: the kernel's stores at every in-range
 /// (row, column) pair, with the accumulator `acc(r, c)`.
 fn epilogue(
@@ -3045,7 +3060,6 @@ fn epilogue(
     cols: &[(String, String)],
     acc: &dyn Fn(usize, usize) -> String,
 ) -> Res<()> {
-    let nb = mm.batch.len();
     // The domain coordinates of each row and column (an implicit GEMM's rows span
     // several axes).
     let row_at: Vec<Vec<String>> = rows
@@ -3062,13 +3076,8 @@ fn epilogue(
             let p = px.fresh("p");
             px.line(format!("and.pred {p}, {pi}, {pj};"));
             px.line(format!("@!{p} bra {skip};"));
-            px.journal.push(Vec::new());
-            for (q, x) in row_at[r].iter().chain(&col_at[c]).enumerate() {
-                px.vars.insert((nb + q) as Var, x.clone());
-            }
-            px.acc = Some(acc(r, c));
-            px.stores()?;
-            px.pop_scope();
+            let at: Vec<String> = row_at[r].iter().chain(&col_at[c]).cloned().collect();
+            store_point(px, mm, &at, acc(r, c))?;
             px.body.push_str(&format!("{skip}:\n"));
         }
     }

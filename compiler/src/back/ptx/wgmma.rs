@@ -19,12 +19,14 @@
 //!   always have the next group queued while a barrier and the copies run; a buffer is
 //!   overwritten only after every warpgroup's wait has passed the barrier after its last
 //!   reader.
-//! - **Epilogue:** the accumulator fragment (row `16·warp + g + 8h`, column
-//!   `8j + 2·tg + c` of the warpgroup's tile) goes through the kernel's fused stores, as
-//!   on the `mma.sync` path.
+//! - **Epilogue:** the accumulator fragments go to an f32 tile in the (now idle) shared
+//!   memory; then the threads walk the tile in row-major order through the kernel's fused
+//!   stores, so that consecutive threads store consecutive columns (coalesced). Storing
+//!   straight from the fragments (two adjacent columns of eight rows a warp) took a fifth
+//!   of a 4096³ GEMM: 0.255 ms against 0.206 ms without the stores, on an H100.
 
 use super::{
-    batch_bases, block_prologue, chunk_copy, epilogue, epilogue_coords, operand_buffer, sites,
+    batch_bases, block_prologue, chunk_copy, operand_buffer, sites, split_index, store_point,
     LaunchShape, MmaKind, Px, Res,
 };
 use crate::ir::NodeId;
@@ -417,33 +419,69 @@ pub(super) fn emit(
     px.line(format!("@{more} bra.uni {head};"));
     px.line("wgmma.wait_group.sync.aligned 0;");
 
-    // Epilogue: acc[4j + 2h + c] is row 64·wg + 16·w + g + 8h, column 8j + 2·tg + c.
-    let (rb, cb) = (px.fresh("rd"), px.fresh("rd"));
-    let t32 = px.fresh("r");
-    px.line(format!("mad.lo.u32 {t32}, {wg}, 64, {g};"));
-    px.line(format!("mad.lo.u32 {t32}, {w}, 16, {t32};"));
-    px.line(format!("cvt.u64.u32 {rb}, {t32};"));
-    px.line(format!("add.s64 {rb}, {rb}, {row0};"));
-    px.line(format!("shl.b32 {t32}, {tg}, 1;"));
-    px.line(format!("cvt.u64.u32 {cb}, {t32};"));
-    px.line(format!("add.s64 {cb}, {cb}, {col0};"));
-    let rows = epilogue_coords(&mut px, &rb, m, 2, &|h| 8 * h);
-    // Eight columns (four 8-column slabs) at a time, so that their coordinates do not all
-    // hold registers at once.
-    for slab in 0..bn / 32 {
-        let cols = epilogue_coords(&mut px, &cb, n, 8, &|ci| (4 * slab + ci / 2) * 8 + ci % 2);
-        epilogue(&mut px, mm, &rows, &cols, &|h, ci| {
-            let (j, c) = (4 * slab + ci / 2, ci % 2);
-            accs[4 * j + 2 * h + c].clone()
-        })?;
+    // Epilogue, through shared memory so that the stores are coalesced: the accumulators
+    // go to an f32 tile of `bm` rows of `bn + 8` floats (the padding puts the fragment's
+    // eight rows in distinct banks), then each thread takes elements `t + threads·i` in
+    // row-major order through the kernel's fused stores. acc[4j + 2h + c] is row
+    // 64·wg + 16·w + g + 8h, column 8j + 2·tg + c of the block tile.
+    px.line("cp.async.wait_group 0;");
+    px.line("bar.sync 0;");
+    let rs = bn + 8;
+    let frag = px.fresh("r");
+    px.line(format!("mad.lo.u32 {frag}, {wg}, 64, {g};"));
+    px.line(format!("mad.lo.u32 {frag}, {w}, 16, {frag};"));
+    px.line(format!("mul.lo.u32 {frag}, {frag}, {rs};"));
+    px.line(format!("mad.lo.u32 {frag}, {tg}, 2, {frag};"));
+    px.line(format!("mad.lo.u32 {frag}, {frag}, 4, {sbase};"));
+    for j in 0..bn / 8 {
+        for h in 0..2 {
+            px.line(format!(
+                "st.shared.v2.f32 [{frag}+{}], {{{}, {}}};",
+                (h * 8 * rs + 8 * j) * 4,
+                accs[4 * j + 2 * h],
+                accs[4 * j + 2 * h + 1]
+            ));
+        }
     }
+    px.line("bar.sync 0;");
+    let threads = plan.threads();
+    let e = px.fresh("r");
+    px.line(format!("mov.u32 {e}, {t};"));
+    let (top, skip) = (px.label("wg_epi"), px.label("wg_epi_skip"));
+    px.body.push_str(&format!("{top}:\n"));
+    let (r, c) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("shr.u32 {r}, {e}, {};", bn.trailing_zeros()));
+    px.line(format!("and.b32 {c}, {e}, {};", bn - 1));
+    let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("cvt.u64.u32 {gr}, {r};"));
+    px.line(format!("add.s64 {gr}, {gr}, {row0};"));
+    px.line(format!("cvt.u64.u32 {gc}, {c};"));
+    px.line(format!("add.s64 {gc}, {gc}, {col0};"));
+    let ok = px.fresh("p");
+    px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
+    px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
+    px.line(format!("@!{ok} bra {skip};"));
+    let at = px.fresh("r");
+    px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
+    px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+    let v = px.fresh("f");
+    px.line(format!("ld.shared.f32 {v}, [{at}];"));
+    let mut coords = split_index(&mut px, &gr, &mm.rows);
+    coords.extend(split_index(&mut px, &gc, &mm.cols));
+    store_point(&mut px, mm, &coords, v)?;
+    px.body.push_str(&format!("{skip}:\n"));
+    px.line(format!("add.u32 {e}, {e}, {threads};"));
+    let more = px.fresh("p");
+    px.line(format!("setp.lt.u32 {more}, {e}, {};", a.tile * bn));
+    px.line(format!("@{more} bra.uni {top};"));
     px.line("ret;");
     Ok((
         px.finish(""),
         LaunchShape {
             grid: plan.grid,
             block: [plan.threads() as u32, 1, 1],
-            shared_bytes: (stages * stage + 1024) as u32,
+            // The stages, or the epilogue's f32 tile where larger; 1024 bytes of alignment.
+            shared_bytes: ((stages * stage).max(a.tile * (bn + 8) * 4) + 1024) as u32,
         },
     ))
 }
