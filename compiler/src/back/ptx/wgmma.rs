@@ -38,6 +38,8 @@ const WG_ROWS: usize = 64;
 const BK: usize = 64;
 /// Bytes of a 64-wide group of an operand tile (64 rows of 128 bytes).
 const GROUP: usize = 64 * 128;
+/// Elements of the epilogue's tile a thread stores per iteration.
+const EPI_UNROLL: usize = 4;
 /// Fewest blocks of 128×256 before the wider tile is used: one per SM of an H100.
 const WIDE_MIN_BLOCKS: usize = 132;
 
@@ -447,30 +449,36 @@ pub(super) fn emit(
     let threads = plan.threads();
     let e = px.fresh("r");
     px.line(format!("mov.u32 {e}, {t};"));
-    let (top, skip) = (px.label("wg_epi"), px.label("wg_epi_skip"));
+    let top = px.label("wg_epi");
     px.body.push_str(&format!("{top}:\n"));
-    let (r, c) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("shr.u32 {r}, {e}, {};", bn.trailing_zeros()));
-    px.line(format!("and.b32 {c}, {e}, {};", bn - 1));
-    let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("cvt.u64.u32 {gr}, {r};"));
-    px.line(format!("add.s64 {gr}, {gr}, {row0};"));
-    px.line(format!("cvt.u64.u32 {gc}, {c};"));
-    px.line(format!("add.s64 {gc}, {gc}, {col0};"));
-    let ok = px.fresh("p");
-    px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
-    px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
-    px.line(format!("@!{ok} bra {skip};"));
-    let at = px.fresh("r");
-    px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
-    px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
-    let v = px.fresh("f");
-    px.line(format!("ld.shared.f32 {v}, [{at}];"));
-    let mut coords = split_index(&mut px, &gr, &mm.rows);
-    coords.extend(split_index(&mut px, &gc, &mm.cols));
-    store_point(&mut px, mm, &coords, v)?;
-    px.body.push_str(&format!("{skip}:\n"));
-    px.line(format!("add.u32 {e}, {e}, {threads};"));
+    // Four elements an iteration, for independent loads and stores in flight.
+    for u in 0..EPI_UNROLL {
+        let eu = px.fresh("r");
+        px.line(format!("add.u32 {eu}, {e}, {};", u * threads));
+        let skip = px.label("wg_epi_skip");
+        let (r, c) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("shr.u32 {r}, {eu}, {};", bn.trailing_zeros()));
+        px.line(format!("and.b32 {c}, {eu}, {};", bn - 1));
+        let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
+        px.line(format!("cvt.u64.u32 {gr}, {r};"));
+        px.line(format!("add.s64 {gr}, {gr}, {row0};"));
+        px.line(format!("cvt.u64.u32 {gc}, {c};"));
+        px.line(format!("add.s64 {gc}, {gc}, {col0};"));
+        let ok = px.fresh("p");
+        px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
+        px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
+        px.line(format!("@!{ok} bra {skip};"));
+        let at = px.fresh("r");
+        px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
+        px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+        let v = px.fresh("f");
+        px.line(format!("ld.shared.f32 {v}, [{at}];"));
+        let mut coords = split_index(&mut px, &gr, &mm.rows);
+        coords.extend(split_index(&mut px, &gc, &mm.cols));
+        store_point(&mut px, mm, &coords, v)?;
+        px.body.push_str(&format!("{skip}:\n"));
+    }
+    px.line(format!("add.u32 {e}, {e}, {};", EPI_UNROLL * threads));
     let more = px.fresh("p");
     px.line(format!("setp.lt.u32 {more}, {e}, {};", a.tile * bn));
     px.line(format!("@{more} bra.uni {top};"));
