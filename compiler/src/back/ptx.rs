@@ -2234,28 +2234,24 @@ fn emit_mma_matmul(
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
     let stage = kind.stage_bytes();
 
-    let (bx, by, bz, t) = block_prologue(&mut px);
-    let (lane, warp, wm, wn, g, tg) = (
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-    );
-    px.line(format!("and.b32 {lane}, {t}, 31;"));
-    px.line(format!("shr.u32 {warp}, {t}, 5;"));
+    let WarpTile {
+        t,
+        lane,
+        warp,
+        g,
+        tg,
+        abase,
+        bbase,
+        abuf,
+        aoff,
+        bbuf,
+        boff,
+        row0,
+        col0,
+    } = warp_tile(&mut px, mm, MMA_BM, MMA_BN)?;
+    let (wm, wn) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {wm}, {warp}, 1;"));
     px.line(format!("shr.u32 {wn}, {warp}, 1;"));
-    px.line(format!("shr.u32 {g}, {lane}, 2;"));
-    px.line(format!("and.b32 {tg}, {lane}, 3;"));
-
-    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
-    let (abuf, aoff) = operand_buffer(&mut px, mm.a.buf)?;
-    let (bbuf, boff) = operand_buffer(&mut px, mm.b.buf)?;
-    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {row0}, {by}, {MMA_BM};"));
-    px.line(format!("mul.wide.u32 {col0}, {bx}, {MMA_BN};"));
     let sbase = px.fresh("r");
     px.line(format!("mov.u32 {sbase}, mm_s;"));
 
@@ -2547,6 +2543,56 @@ fn emit_mma_matmul(
             shared_bytes: 0,
         },
     ))
+}
+
+/// What both tensor-core matmuls start from: the thread's lane and warp, the lane's
+/// fragment row `g = lane / 4` and column pair `tg = lane % 4`, the operands' element bases
+/// for this block's batch, their buffers' byte addresses and arena offsets, and the first
+/// row and column of the `bm`×`bn` block tile.
+struct WarpTile {
+    t: String,
+    lane: String,
+    warp: String,
+    g: String,
+    tg: String,
+    abase: String,
+    bbase: String,
+    abuf: String,
+    aoff: u64,
+    bbuf: String,
+    boff: u64,
+    row0: String,
+    col0: String,
+}
+
+fn warp_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<WarpTile> {
+    let (bx, by, bz, t) = block_prologue(px);
+    let (lane, warp, g, tg) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {lane}, {t}, 31;"));
+    px.line(format!("shr.u32 {warp}, {t}, 5;"));
+    px.line(format!("shr.u32 {g}, {lane}, 2;"));
+    px.line(format!("and.b32 {tg}, {lane}, 3;"));
+    let (abase, bbase) = batch_bases(px, mm, &bz);
+    let (abuf, aoff) = operand_buffer(px, mm.a.buf)?;
+    let (bbuf, boff) = operand_buffer(px, mm.b.buf)?;
+    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mul.wide.u32 {row0}, {by}, {bm};"));
+    px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
+    Ok(WarpTile {
+        t,
+        lane,
+        warp,
+        g,
+        tg,
+        abase,
+        bbase,
+        abuf,
+        aoff,
+        bbuf,
+        boff,
+        row0,
+        col0,
+    })
 }
 
 /// One 16-byte `cp.async` from element `idx` of the buffer at `buf` to shared byte `dst`,

@@ -26,8 +26,7 @@
 //!   of a 4096³ GEMM: 0.255 ms against 0.206 ms without the stores, on an H100.
 
 use super::{
-    batch_bases, block_prologue, chunk_copy, operand_buffer, sites, split_index, store_point,
-    LaunchShape, MmaKind, Px, Res,
+    chunk_copy, sites, split_index, store_point, warp_tile, LaunchShape, MmaKind, Px, Res, WarpTile,
 };
 use crate::ir::NodeId;
 use crate::kernel::{Kernel, Matmul, Operand};
@@ -246,28 +245,23 @@ pub(super) fn emit(
     let eb = 2;
     let stage = a.bytes() + b.bytes();
 
-    let (bx, by, bz, t) = block_prologue(&mut px);
-    let (lane, warp, wg, w, g, tg) = (
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-        px.fresh("r"),
-    );
-    px.line(format!("and.b32 {lane}, {t}, 31;"));
-    px.line(format!("shr.u32 {warp}, {t}, 5;"));
+    let WarpTile {
+        t,
+        warp,
+        g,
+        tg,
+        abase,
+        bbase,
+        abuf,
+        bbuf,
+        row0,
+        col0,
+        ..
+    } = warp_tile(&mut px, mm, a.tile, bn)?;
+    // Warpgroup `wg`, its warp `w`.
+    let (wg, w) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("shr.u32 {wg}, {warp}, 2;"));
     px.line(format!("and.b32 {w}, {warp}, 3;"));
-    px.line(format!("shr.u32 {g}, {lane}, 2;"));
-    px.line(format!("and.b32 {tg}, {lane}, 3;"));
-
-    let (abase, bbase) = batch_bases(&mut px, mm, &bz);
-    let (abuf, _) = operand_buffer(&mut px, mm.a.buf)?;
-    let (bbuf, _) = operand_buffer(&mut px, mm.b.buf)?;
-    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {row0}, {by}, {};", a.tile));
-    px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
     // The dynamic shared memory, rounded up to 1024 bytes (the swizzle pattern repeats
     // every 1024 bytes and is taken from the address).
     let sbase = px.fresh("r");
