@@ -1338,14 +1338,17 @@ fn emit_tiled_matmul(
         t,
         tx,
         ty,
-        abase,
-        bbase,
-        abuf,
-        bbuf,
-        row0,
-        col0,
+        origin:
+            TileOrigin {
+                abase,
+                bbase,
+                abuf,
+                bbuf,
+                row0,
+                col0,
+                ..
+            },
         split,
-        ..
     } = ffma_tile(&mut px, mm, TILE_M, TILE_N)?;
     let (sa, sb) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {sa}, mm_as;"));
@@ -2240,14 +2243,17 @@ fn emit_mma_matmul(
         warp,
         g,
         tg,
-        abase,
-        bbase,
-        abuf,
-        aoff,
-        bbuf,
-        boff,
-        row0,
-        col0,
+        origin:
+            TileOrigin {
+                abase,
+                bbase,
+                abuf,
+                aoff,
+                bbuf,
+                boff,
+                row0,
+                col0,
+            },
     } = warp_tile(&mut px, mm, MMA_BM, MMA_BN)?;
     let (wm, wn) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {wm}, {warp}, 1;"));
@@ -2545,16 +2551,11 @@ fn emit_mma_matmul(
     ))
 }
 
-/// What both tensor-core matmuls start from: the thread's lane and warp, the lane's
-/// fragment row `g = lane / 4` and column pair `tg = lane % 4`, the operands' element bases
-/// for this block's batch, their buffers' byte addresses and arena offsets, and the first
-/// row and column of the `bm`×`bn` block tile.
-struct WarpTile {
-    t: String,
-    lane: String,
-    warp: String,
-    g: String,
-    tg: String,
+/// What every register-tiled matmul starts from: the operands' element bases for this
+/// block's batch, their buffers' byte addresses and arena offsets (none for a gathered
+/// operand, whose loads are in its expression), and the first row and column of the
+/// `bm`×`bn` block tile (block `(bx, by)`, batch `bz`).
+struct TileOrigin {
     abase: String,
     bbase: String,
     abuf: String,
@@ -2565,25 +2566,28 @@ struct WarpTile {
     col0: String,
 }
 
-fn warp_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<WarpTile> {
-    let (bx, by, bz, t) = block_prologue(px);
-    let (lane, warp, g, tg) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("and.b32 {lane}, {t}, 31;"));
-    px.line(format!("shr.u32 {warp}, {t}, 5;"));
-    px.line(format!("shr.u32 {g}, {lane}, 2;"));
-    px.line(format!("and.b32 {tg}, {lane}, 3;"));
-    let (abase, bbase) = batch_bases(px, mm, &bz);
-    let (abuf, aoff) = operand_buffer(px, mm.a.buf)?;
-    let (bbuf, boff) = operand_buffer(px, mm.b.buf)?;
+fn tile_origin(
+    px: &mut Px,
+    mm: &Matmul,
+    bx: &str,
+    by: &str,
+    bz: &str,
+    bm: usize,
+    bn: usize,
+) -> Res<TileOrigin> {
+    let (abase, bbase) = batch_bases(px, mm, bz);
+    let (abuf, aoff) = match mm.a.gather {
+        None => operand_buffer(px, mm.a.buf)?,
+        Some(_) => (String::new(), 0),
+    };
+    let (bbuf, boff) = match mm.b.gather {
+        None => operand_buffer(px, mm.b.buf)?,
+        Some(_) => (String::new(), 0),
+    };
     let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
     px.line(format!("mul.wide.u32 {row0}, {by}, {bm};"));
     px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
-    Ok(WarpTile {
-        t,
-        lane,
-        warp,
-        g,
-        tg,
+    Ok(TileOrigin {
         abase,
         bbase,
         abuf,
@@ -2592,6 +2596,35 @@ fn warp_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<WarpTile> {
         boff,
         row0,
         col0,
+    })
+}
+
+/// What both tensor-core matmuls start from: the thread's lane and warp, the lane's
+/// fragment row `g = lane / 4` and column pair `tg = lane % 4`, and the tile's origin.
+struct WarpTile {
+    t: String,
+    lane: String,
+    warp: String,
+    g: String,
+    tg: String,
+    origin: TileOrigin,
+}
+
+fn warp_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<WarpTile> {
+    let (bx, by, bz, t) = block_prologue(px);
+    let (lane, warp, g, tg) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {lane}, {t}, 31;"));
+    px.line(format!("shr.u32 {warp}, {t}, 5;"));
+    px.line(format!("shr.u32 {g}, {lane}, 2;"));
+    px.line(format!("and.b32 {tg}, {lane}, 3;"));
+    let origin = tile_origin(px, mm, &bx, &by, &bz, bm, bn)?;
+    Ok(WarpTile {
+        t,
+        lane,
+        warp,
+        g,
+        tg,
+        origin,
     })
 }
 
@@ -2664,14 +2697,17 @@ fn emit_sgemm(
         t,
         tx,
         ty,
-        abase,
-        bbase,
-        abuf,
-        aoff,
-        bbuf,
-        boff,
-        row0,
-        col0,
+        origin:
+            TileOrigin {
+                abase,
+                bbase,
+                abuf,
+                aoff,
+                bbuf,
+                boff,
+                row0,
+                col0,
+            },
         ..
     } = ffma_tile(&mut px, mm, SG_BM, SG_BN)?;
     let sbase = px.fresh("r");
@@ -2916,21 +2952,13 @@ fn block_prologue(px: &mut Px) -> (String, String, String, String) {
     (bx, by, bz, t)
 }
 
-/// What both FFMA tiled matmuls start from: the thread index split 16×16 (`tx`, `ty`), the
-/// operands' element bases for this block's batch, their buffers' byte addresses and arena
-/// offsets, and the first row and column of the `bm`×`bn` block tile.
+/// What both FFMA tiled matmuls start from: the thread index split 16×16 (`tx`, `ty`),
+/// split-K's slice and the tile's origin.
 struct FfmaTile {
     t: String,
     tx: String,
     ty: String,
-    abase: String,
-    bbase: String,
-    abuf: String,
-    aoff: u64,
-    bbuf: String,
-    boff: u64,
-    row0: String,
-    col0: String,
+    origin: TileOrigin,
     /// Split-K: this block's slice of `k` (u64).
     split: Option<String>,
 }
@@ -2949,37 +2977,16 @@ fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
     } else {
         (bz, None)
     };
-    let (abase, bbase) = batch_bases(px, mm, &bz);
-    // A gathered operand has no single buffer: its loads are in its expression.
-    let (abuf, aoff) = match mm.a.gather {
-        None => operand_buffer(px, mm.a.buf)?,
-        Some(_) => (String::new(), 0),
-    };
-    let (bbuf, boff) = match mm.b.gather {
-        None => operand_buffer(px, mm.b.buf)?,
-        Some(_) => (String::new(), 0),
-    };
-    let (row0, col0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {row0}, {by}, {bm};"));
-    px.line(format!("mul.wide.u32 {col0}, {bx}, {bn};"));
+    let origin = tile_origin(px, mm, &bx, &by, &bz, bm, bn)?;
     Ok(FfmaTile {
         t,
         tx,
         ty,
-        abase,
-        bbase,
-        abuf,
-        aoff,
-        bbuf,
-        boff,
-        row0,
-        col0,
+        origin,
         split,
     })
 }
 
-/// Decodes the batch index `bz` into the batch variables (row-major) and returns the
-/// operands' element bases for this batch.
 fn batch_bases(px: &mut Px, mm: &Matmul, bz: &str) -> (String, String) {
     let nb = mm.batch.len();
     let mut rest = px.fresh("rd");

@@ -26,7 +26,8 @@
 //!   of a 4096³ GEMM: 0.255 ms against 0.206 ms without the stores, on an H100.
 
 use super::{
-    chunk_copy, sites, split_index, store_point, warp_tile, LaunchShape, MmaKind, Px, Res, WarpTile,
+    chunk_copy, sites, split_index, store_point, warp_tile, LaunchShape, MmaKind, Px, Res,
+    TileOrigin, WarpTile,
 };
 use crate::ir::NodeId;
 use crate::kernel::{Kernel, Matmul, Operand};
@@ -250,12 +251,16 @@ pub(super) fn emit(
         warp,
         g,
         tg,
-        abase,
-        bbase,
-        abuf,
-        bbuf,
-        row0,
-        col0,
+        origin:
+            TileOrigin {
+                abase,
+                bbase,
+                abuf,
+                bbuf,
+                row0,
+                col0,
+                ..
+            },
         ..
     } = warp_tile(&mut px, mm, a.tile, bn)?;
     // Warpgroup `wg`, its warp `w`.
