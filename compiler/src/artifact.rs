@@ -81,9 +81,16 @@ impl Compiled {
 }
 
 /// What [`compile`] does before code generation: the graph the kernels compute (output
-/// copies added, large reductions split), its fused kernels and their verified plan.
+/// copies added, on CUDA f32 matmuls with few output tiles split along `k`, large
+/// reductions split), its fused kernels and their verified plan.
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
-    let g = crate::passes::split_reductions::split_reductions(&with_output_copies(g));
+    let g = with_output_copies(g);
+    let g = if o.target == Target::Cuda && !o.allow_tf32 {
+        crate::passes::split_matmuls::split_matmuls(&g)
+    } else {
+        g
+    };
+    let g = crate::passes::split_reductions::split_reductions(&g);
     let mut timings = Vec::new();
     let t = Instant::now();
     let fuse_opts = fuse::FuseOptions {

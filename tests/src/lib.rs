@@ -574,6 +574,20 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "x @ w",
         1e-5,
     );
+    // Few output tiles and a long k: split along k (`passes::split_matmuls`) into a
+    // batched matmul and a sum that takes the epilogue.
+    add(
+        "split-K f32 matmul: a weight gradient's shape, epilogue",
+        " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
+        "transpose(x) @ dy + b",
+        1e-5,
+    );
+    add(
+        "split-K f32 matmul: batched A, ragged rows and columns",
+        " input x: f32[4, 250, 2048]\n input w: f32[2048, 600]",
+        "relu(x @ w)",
+        1e-5,
+    );
     // Convolutions as implicit GEMMs: the avg_pool2d of size 1 copies every element of a
     // channels-last intermediate to the (channels-first) output.
     add(

@@ -110,3 +110,51 @@ fn channels_last_conv_chain() {
         assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
     }
 }
+
+/// Split-K (`passes::split_matmuls`, which CUDA builds apply to f32 matmuls with few output
+/// tiles): the batched matmul of `k`'s slices and their sum compute what the matmul did,
+/// in the interpreter and in compiled CPU code, forward and backward, for transposed,
+/// batched and ragged operands.
+#[test]
+fn split_k_matmuls_compute_the_same() {
+    let src = "model m {
+        input x: f32[3, 20, 48]
+        input y: f32[48, 36]
+        param w: f32[48, 24] = normal(0.0, 0.3)
+        param v: f32[60, 24] = normal(0.0, 0.3)
+        let h = tanh(reshape(x, [60, 48]) @ w)
+        let z = transpose(h) @ reshape(x @ y, [60, 36])
+        let loss = mean(z * z) + mean(transpose(v) @ h)
+        output loss
+        output z
+        train sgd(lr: 0.1) minimize loss
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let split = tcc::passes::split_matmuls::split_matmuls_by(&g, &|_, _, _, k| match k {
+        48 => 4,
+        60 => 3,
+        _ => 1,
+    });
+    let batched = |g: &tcc::ir::Graph| {
+        g.node_ids()
+            .filter(|&n| matches!(g.node(n).op, tcc::ir::Op::MatMul) && g.ty(n).rank() >= 3)
+            .count()
+    };
+    // x @ y, reshape(x) @ w and the gradients along k = 48 or 60 (transpose(h) @ .., and
+    // w's and v's gradients) split; before, only x @ y is batched.
+    assert_eq!(batched(&g), 1);
+    assert!(batched(&split) >= 5, "{}", batched(&split));
+    let inputs = tcc::eager::random_inputs(&g, 3);
+    let want = eager_steps(&g, &inputs, 2, 0).unwrap();
+    for (what, got) in [
+        ("interpreter", eager_steps(&split, &inputs, 2, 0).unwrap()),
+        ("cpu", cpu_steps(&split, &inputs, 2, 0, true).unwrap()),
+    ] {
+        for (name, t) in &want.outputs {
+            let e = rel_err(&got.outputs[name], t);
+            assert!(e <= 1e-5, "{what}: output `{name}` differs by {e:e}");
+        }
+        let e = tcc_tests::params_rel_err(&got.persistent, &want.persistent).unwrap();
+        assert!(e <= 1e-5, "{what}: params differ by {e:e}");
+    }
+}

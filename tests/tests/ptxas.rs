@@ -319,6 +319,43 @@ fn ptx_paths_are_chosen_where_they_apply() {
         big.contains("mm_s[16896]") && !big.contains("mma.sync"),
         "{big}"
     );
+    // A weight gradient's shape (25 tiles, k = 4096) splits k on CUDA: a batched matmul
+    // on the large tiles, then a sum with the epilogue; the CPU keeps it whole.
+    let wgrad = compile_pipeline(
+        &model(
+            " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
+            "transpose(x) @ dy + b",
+        ),
+        &Options::default(),
+    )
+    .unwrap();
+    let on = |target| {
+        compile(
+            &wgrad,
+            &CompileOptions {
+                target,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let (cuda, cpu) = (on(Target::Cuda), on(Target::Cpu));
+    let mms = |c: &tcc::artifact::Compiled| -> Vec<(Vec<usize>, usize)> {
+        c.fused
+            .kernels
+            .iter()
+            .filter_map(|k| k.matmul.as_ref())
+            .map(|m| (m.batch.clone(), m.k))
+            .collect()
+    };
+    assert_eq!(mms(&cuda), vec![(vec![8], 512)]);
+    assert_eq!(mms(&cpu), vec![(vec![], 4096)]);
+    assert!(cuda.code.contains("mm_s[16896]"), "the large tiles");
+    assert_eq!(
+        cuda.fused.kernels.len(),
+        2,
+        "the matmul, then the sum and + b"
+    );
     let f32mm = model(" input a: f32[128, 64]\n input b: f32[64, 96]", "a @ b");
     assert!(!ptx(&f32mm, false).contains("mma.sync"));
     assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));

@@ -3,6 +3,7 @@
 //! and the IR verifier runs after every pass in tests and debug builds.
 
 pub mod schedule;
+pub mod split_matmuls;
 pub mod split_reductions;
 
 use crate::ir::{verify::verify, Graph};
