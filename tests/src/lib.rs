@@ -620,6 +620,19 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "layer_norm(x, g, b)",
         1e-5,
     );
+    // Many rows of one output each: a warp per row (rows of 70: the last lanes idle).
+    add(
+        "warp rows: statistics of many short rows",
+        " input x: f32[17000, 70]",
+        "max(x, axis: -1, keepdim: true) + sum(x, axis: -1, keepdim: true)",
+        1e-5,
+    );
+    add(
+        "warp rows: softmax of many rows",
+        " input x: f32[40, 450, 96]",
+        "softmax(x, axis: -1)",
+        1e-5,
+    );
     add(
         "row blocks: a kept reduced axis of extent 1",
         " input x: f32[100, 300]",

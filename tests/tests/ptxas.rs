@@ -356,6 +356,17 @@ fn ptx_paths_are_chosen_where_they_apply() {
         2,
         "the matmul, then the sum and + b"
     );
+    // Many rows of one output each: a warp per row; a softmax over fewer, longer rows
+    // keeps a block per row.
+    let warp = ptx(
+        &model(" input x: f32[20000, 96]", "max(x, axis: -1)"),
+        false,
+    );
+    assert!(
+        warp.contains("shfl.sync.bfly") && !warp.contains("red_smem"),
+        "{warp}"
+    );
+    assert!(!softmax.contains("shfl.sync.bfly"), "{softmax}");
     let f32mm = model(" input a: f32[128, 64]\n input b: f32[64, 96]", "a @ b");
     assert!(!ptx(&f32mm, false).contains("mma.sync"));
     assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));

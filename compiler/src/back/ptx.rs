@@ -10,7 +10,8 @@
 //! many elements left (a row of a softmax, a layer norm or a loss), a block of threads takes
 //! each point instead: the reductions are shared among its threads (strided loads, warp
 //! shuffles, shared memory) and its threads then stride over the point's elements, so that
-//! their loads and stores are coalesced.
+//! their loads and stores are coalesced. Many points of one element each whose rows lie
+//! along the reduction (a softmax's row statistics) take a warp each instead of a block.
 //!
 //! Index arithmetic is 64-bit, except that a division or remainder by a constant whose
 //! dividend is known (`index_ranges`) to lie in `[0, 2^31)` runs in 32 bits.
@@ -60,6 +61,9 @@ const DYN_SHARED: &str = "tcc_dyn_s";
 
 /// Threads per block of every kernel.
 pub const BLOCK: u32 = 256;
+/// Threads of a warp: in block mode, the group that takes one point when points are many
+/// and each has a single element (a softmax's row statistics).
+const WARP: u32 = 32;
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PtxError {
@@ -140,10 +144,14 @@ struct Px<'a> {
     live: Vec<ExprId>,
     acc: Option<String>,
     arena: String,
-    /// Block mode: the reductions computed by the whole block (`%tid.x` strides over their
-    /// range, then warp shuffles and shared memory combine the partial results).
+    /// Block mode: the reductions computed by the whole group of threads of a point (`tid`
+    /// strides over their range, then warp shuffles, and across warps shared memory,
+    /// combine the partial results).
     block_reductions: Vec<ExprId>,
+    /// The thread's index in its group: in block mode the threads of one point.
     tid: String,
+    /// Threads that share one point in block mode: [`BLOCK`], or one warp ([`WARP`]).
+    group: u32,
     /// Bounds of every integer node, where known (`index_ranges`): an index division or
     /// remainder by a constant runs in 32 bits when its dividend fits.
     ranges: Vec<Option<(i64, i64)>>,
@@ -267,6 +275,7 @@ impl<'a> Px<'a> {
             arena: String::new(),
             block_reductions: Vec::new(),
             tid: String::new(),
+            group: BLOCK,
             ranges: index_ranges(k),
         }
     }
@@ -789,11 +798,12 @@ impl<'a> Px<'a> {
             if t == "f32" { "f32" } else { "s32" }
         ));
         let tid = self.tid.clone();
+        let group = self.group;
         let last = vars.last().map_or(1, |v| v.1);
-        // The block's threads stride over the innermost variable when it is long enough
+        // The group's threads stride over the innermost variable when it is long enough
         // (the outer ones are serial loops: no division per element); otherwise over the
         // flattened range, split with 32-bit division.
-        let split = if last >= BLOCK as usize || vars.len() == 1 {
+        let split = if last >= group as usize || vars.len() == 1 {
             vars.len().saturating_sub(1)
         } else {
             0
@@ -806,10 +816,10 @@ impl<'a> Px<'a> {
             outer.push(l);
         }
         let n: usize = strided.iter().map(|v| v.1).product();
-        if n > u32::MAX as usize - BLOCK as usize {
+        if n > u32::MAX as usize - group as usize {
             return Err(self.unsupported("a block reduction over more than 2^32 points"));
         }
-        // for (lin = tid; lin < n; lin += BLOCK)
+        // for (lin = tid; lin < n; lin += group)
         let lin = self.fresh("r");
         let head = self.label("bhead");
         let exit = self.label("bexit");
@@ -836,7 +846,7 @@ impl<'a> Px<'a> {
         }
         let x = self.emit(body)?;
         combine(self, &acc, &x);
-        self.line(format!("add.u32 {lin}, {lin}, {BLOCK};"));
+        self.line(format!("add.u32 {lin}, {lin}, {group};"));
         self.line(format!("bra.uni {head};"));
         self.body.push_str(&format!("{exit}:\n"));
         if let Some(keys) = self.journal.pop() {
@@ -849,6 +859,14 @@ impl<'a> Px<'a> {
         }
         // Warp, then block.
         let other = self.reg(ty);
+        if group == WARP {
+            // One warp a point: a butterfly leaves the result in every lane.
+            for off in [16, 8, 4, 2, 1] {
+                self.line(format!("shfl.sync.bfly.b32 {other}, {acc}, {off}, 31, -1;"));
+                combine(self, &acc, &other);
+            }
+            return Ok(acc);
+        }
         let warp_reduce = |px: &mut Self, acc: &str, other: &str| {
             for off in [16, 8, 4, 2, 1] {
                 px.line(format!("shfl.sync.down.b32 {other}, {acc}, {off}, 31, -1;"));
@@ -1658,16 +1676,25 @@ fn emit_kernel(
     // points to fill the GPU with one thread each; with many points (a convolution's
     // outputs) one thread per point wins. With whole rows per point, a thread per row
     // would read its row alone (uncoalesced): a block per row wins once rows are long.
+    // Many points of one element each, with long reductions over rows that lie along the
+    // reduction (gpt's 49152 softmax rows of 512): a warp per point (a thread per row read
+    // 0.7 TB/s on an H100). Where memory lies along the points instead (a convolution's
+    // outputs), one thread per point keeps its loads coalesced.
     let block_mode = !top.is_empty()
         && !argmax_at_top
         && k.stores.iter().all(|s| !s.accumulate)
         && inner <= u32::MAX as u64 - BLOCK as u64
         && block_points < 1 << 31
-        && if inner <= 1 {
-            longest >= 64 && block_points <= 16384
-        } else {
-            longest >= 64 || inner >= 64
-        };
+        && (longest >= 64 || inner >= 64);
+    let group = if block_mode
+        && inner <= 1
+        && block_points > 16384
+        && rows_along_reduction(k, &top, boundary)
+    {
+        WARP
+    } else {
+        BLOCK
+    };
     let par = if block_mode { p0 } else { par };
     let points: u64 = k.domain[..par]
         .iter()
@@ -1675,7 +1702,7 @@ fn emit_kernel(
         .product::<u64>()
         .max(1);
     let threads: u64 = if block_mode {
-        points * BLOCK as u64
+        points * group as u64
     } else {
         points
     };
@@ -1687,6 +1714,7 @@ fn emit_kernel(
     let mut px = Px::new(k, offset_of, site, live);
     if block_mode {
         px.block_reductions = top;
+        px.group = group;
     }
     let arena = px.fresh("rd");
     px.arena = arena.clone();
@@ -1699,7 +1727,21 @@ fn emit_kernel(
     px.tid = c.clone();
     let tid = px.fresh("rd");
     let done = px.label("done");
-    if block_mode {
+    if block_mode && group == WARP {
+        // One warp per point: the point is the block index times the warps of a block
+        // plus the warp's; the thread's index in its group is its lane.
+        let (w, lane) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("shr.u32 {w}, {c}, 5;"));
+        px.line(format!("and.b32 {lane}, {c}, 31;"));
+        px.line(format!("mul.wide.u32 {tid}, {a}, {};", BLOCK / WARP));
+        let w64 = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {w64}, {w};"));
+        px.line(format!("add.u64 {tid}, {tid}, {w64};"));
+        let pd = px.fresh("p");
+        px.line(format!("setp.ge.u64 {pd}, {tid}, {points};"));
+        px.line(format!("@{pd} bra {done};"));
+        px.tid = lane;
+    } else if block_mode {
         // One block per point: the point is the block index.
         px.line(format!("cvt.u64.u32 {tid}, {a};"));
     } else {
@@ -1752,7 +1794,7 @@ fn emit_kernel(
             px.emit_site(Some(d as Var))?;
         }
         if block_mode {
-            // for (lin = tid; lin < inner; lin += BLOCK): the point's remaining elements.
+            // for (lin = tid; lin < inner; lin += group): the point's remaining elements.
             let lin = px.fresh("r");
             let head = px.label("ihead");
             let tidr = px.tid.clone();
@@ -1787,7 +1829,7 @@ fn emit_kernel(
                     px.cache.remove(&key);
                 }
             }
-            px.line(format!("add.u32 {lin}, {lin}, {BLOCK};"));
+            px.line(format!("add.u32 {lin}, {lin}, {group};"));
             px.line(format!("bra.uni {head};"));
         } else {
             let mut open = Vec::new();
@@ -1804,7 +1846,7 @@ fn emit_kernel(
         }
     }
     px.body.push_str(&format!("{done}:\n\tret;\n"));
-    let shared = if block_mode {
+    let shared = if block_mode && group == BLOCK {
         format!("\t.shared .align 4 .b8 red_smem[{}];\n", BLOCK / 32 * 4)
     } else {
         String::new()
@@ -1823,6 +1865,27 @@ fn emit_kernel(
             shared_bytes: 0,
         },
     ))
+}
+
+/// True when some load of the reductions in `top` is contiguous along the innermost
+/// reduction variable but not along the point's innermost axis `point`: the data a warp
+/// per point reads in one access is then one contiguous run.
+fn rows_along_reduction(k: &Kernel, top: &[ExprId], point: Option<Var>) -> bool {
+    let inner: Vec<Var> = top
+        .iter()
+        .filter_map(|&e| match k.pool.get(e) {
+            E::Reduce { vars, .. } => vars.last().map(|v| v.0),
+            _ => None,
+        })
+        .collect();
+    k.pool.nodes.iter().any(|n| {
+        let E::Load { index, .. } = n else {
+            return false;
+        };
+        k.pool.affine(*index).is_some_and(|af| {
+            inner.iter().any(|&v| af.coef(v) == 1) && point.is_none_or(|p| af.coef(p) != 1)
+        })
+    })
 }
 
 /// Elements per vector access of the vectorized pointwise path (16 bytes of f32 or i32,
