@@ -367,6 +367,38 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{warp}"
     );
     assert!(!softmax.contains("shfl.sync.bfly"), "{softmax}");
+    // An embedding gradient (a `+=` scatter) fused with rms_norm's row reduction: a block
+    // per row, atomic adds.
+    let emb = compile_pipeline(
+        "model m {
+            input t: i32[64, 32]
+            param e: f32[100, 96] = normal(0.0, 0.1)
+            param g: f32[96] = ones
+            let loss = mean(rms_norm(embedding(e, t), g))
+            output loss
+            train sgd(lr: 0.1) minimize loss
+        }",
+        &Options::default(),
+    )
+    .unwrap();
+    let c = compile(
+        &emb,
+        &CompileOptions {
+            target: Target::Cuda,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let scatter = c
+        .code
+        .split(".entry")
+        .find(|e| e.contains("red.global.add.f32"))
+        .unwrap_or_default();
+    assert!(
+        scatter.contains("red_smem") && scatter.contains("$L_ihead"),
+        "{}",
+        c.code
+    );
     let f32mm = model(" input a: f32[128, 64]\n input b: f32[64, 96]", "a @ b");
     assert!(!ptx(&f32mm, false).contains("mma.sync"));
     assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));
