@@ -1693,7 +1693,13 @@ fn emit_kernel(
         } else {
             longest >= 64 || inner >= 64
         };
-    let group = if block_mode && inner <= 1 && many {
+    // Rows of a few thousand elements, many of them (gpt's softmax gradient: 49152 rows
+    // of 512) also take a warp each: a block of 256 threads per row spent its time in
+    // barriers (0.22 ms a kernel).
+    let group = if block_mode
+        && many
+        && (inner <= 1 || (inner <= 4096 && rows_along_reduction(k, &top, boundary)))
+    {
         WARP
     } else {
         BLOCK
