@@ -367,6 +367,14 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{warp}"
     );
     assert!(!softmax.contains("shfl.sync.bfly"), "{softmax}");
+    let many = ptx(
+        &model(" input x: f32[40, 450, 96]", "softmax(x, axis: -1)"),
+        false,
+    );
+    assert!(
+        many.contains("shfl.sync.bfly") && many.contains("$L_ihead") && !many.contains("red_smem"),
+        "{many}"
+    );
     // An embedding gradient (a `+=` scatter) fused with rms_norm's row reduction: a block
     // per row, atomic adds.
     let emb = compile_pipeline(
