@@ -568,6 +568,19 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "transpose(x) @ w",
         1e-5,
     );
+    // A side of at most 64: 128×64 and 64×128 tiles (attention's shapes), ragged.
+    add(
+        "large-tile f32 batched matmul, 128x64 tiles",
+        " input x: f32[50, 300, 96]\n input w: f32[50, 96, 60]",
+        "x @ w",
+        1e-5,
+    );
+    add(
+        "large-tile f32 batched matmul, 64x128 tiles, transposed B",
+        " input x: f32[50, 50, 80]\n input w: f32[50, 300, 80]",
+        "x @ transpose(w)",
+        1e-5,
+    );
     add(
         "large-tile f32 batched matmul",
         " input x: f32[34, 256, 64]\n input w: f32[34, 64, 256]",

@@ -315,6 +315,20 @@ fn ptx_paths_are_chosen_where_they_apply() {
         false,
     );
     assert!(!few.contains("mm_s[16896]"), "{few}");
+    // A side of at most 64 (attention's [T, T] @ [T, 64]) takes 128×64 or 64×128 tiles.
+    for (decls, e) in [
+        (
+            " input a: f32[96, 512, 512]\n input b: f32[96, 512, 64]",
+            "a @ b",
+        ),
+        (
+            " input a: f32[96, 64, 512]\n input b: f32[96, 512, 512]",
+            "a @ b",
+        ),
+    ] {
+        let p = ptx(&model(decls, e), false);
+        assert!(p.contains("mm_s[16896]"), "{e}: {p}");
+    }
     assert!(
         big.contains("mm_s[16896]") && !big.contains("mma.sync"),
         "{big}"

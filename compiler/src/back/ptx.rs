@@ -29,9 +29,11 @@
 //! - other f16/bf16 operands, and f32 operands when [`PtxOptions::allow_tf32`] is set, run on
 //!   tensor cores (`mma.sync` m16n8k16 / m16n8k8 TF32, f32 accumulation): 128×128 block
 //!   tiles, `cp.async` double buffering, `ldmatrix` fragments (`emit_mma_matmul`);
-//! - exact f32 runs on FFMA: 128×128 tiles with 8×8 per thread when the output is large
-//!   enough for at least 132 such blocks (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16 deep; grid
-//!   `(⌈n/64⌉, ⌈m/64⌉, batch)`);
+//! - exact f32 runs on FFMA: 128×128 tiles with 8×8 per thread (128×64 with 8×4, or 64×128
+//!   with 4×8, where `n` or `m` is at most 64) when the output is large enough for at least
+//!   132 such blocks (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16
+//!   deep; grid `(⌈n/64⌉, ⌈m/64⌉, batch)`); f32 matmuls with few tiles and a long `k` were
+//!   split along `k` before (`passes::split_matmuls`);
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
 //!   element per thread with an FMA loop over `k`;
 //! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
@@ -1616,8 +1618,8 @@ fn emit_kernel(
         if let Some((kind, grid)) = mma_grid(mm, opts) {
             return emit_mma_matmul(k, mm, kind, grid, offset_of);
         }
-        if let Some(grid) = sgemm_grid(mm) {
-            return emit_sgemm(k, mm, grid, offset_of);
+        if let Some((grid, tile)) = sgemm_grid(mm) {
+            return emit_sgemm(k, mm, grid, tile, offset_of);
         }
         if let Some(grid) = tiled_grid(mm) {
             return emit_tiled_matmul(k, mm, grid, offset_of);
@@ -2713,7 +2715,8 @@ fn chunk_copy(px: &mut Px, dst: &str, buf: &str, idx: &str, p: &str, eb: usize) 
     ));
 }
 
-/// Large-tile FFMA SGEMM: rows and columns of the block tile.
+/// Large-tile FFMA SGEMM: rows and columns of the block tile (one of them is 64 where the
+/// matmul's `m` or `n` is at most 64, as in attention's `[T, T] @ [T, 64]`).
 const SG_BM: usize = 128;
 const SG_BN: usize = 128;
 /// Depth of one `k` stage.
@@ -2724,15 +2727,26 @@ const SG_STRIDE: usize = 132;
 const SG_TILE: usize = SG_BK * SG_STRIDE * 4;
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
-fn sgemm_grid(mm: &Matmul) -> Option<[u32; 3]> {
+fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
     if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !mm.is_plain() {
         return None;
     }
-    if mm.m < 64 || mm.n < 64 || mm.m * mm.n < 1 << 16 {
+    // A side of at most 64 takes a 64-wide tile: a 128-wide one would idle half its
+    // threads' products (gpt's attention matmuls ran the 64×64 tiles at 23 TFLOP/s).
+    let (bm, bn) = if mm.n <= 64 && mm.m >= SG_BM {
+        (SG_BM, 64)
+    } else if mm.m <= 64 && mm.n >= SG_BN {
+        (64, SG_BN)
+    } else if mm.m >= 64 && mm.n >= 64 && mm.m * mm.n >= 1 << 16 {
+        (SG_BM, SG_BN)
+    } else {
+        return None;
+    };
+    if mm.m < 32 || mm.n < 32 {
         return None;
     }
     let batch: usize = mm.batch.iter().product();
-    let (gx, gy) = (mm.n.div_ceil(SG_BN), mm.m.div_ceil(SG_BM));
+    let (gx, gy) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm));
     if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
@@ -2741,7 +2755,7 @@ fn sgemm_grid(mm: &Matmul) -> Option<[u32; 3]> {
     if gx * gy * batch < SG_MIN_BLOCKS {
         return None;
     }
-    Some([gx as u32, gy as u32, batch as u32])
+    Some(([gx as u32, gy as u32, batch as u32], (bm, bn)))
 }
 
 /// Fewest blocks for the large-tile SGEMM: one per SM of an H100. Requiring two waves (264)
@@ -2751,13 +2765,16 @@ const SG_MIN_BLOCKS: usize = 132;
 
 /// FFMA SGEMM with 128×128 block tiles of 256 threads, each thread an 8×8 register tile
 /// (rows `ty*4 + {0..4} + {0, 64}`, columns `tx*4 + {0..4} + {0, 64}`, read from shared
-/// memory as float4s), `k` staged 8 deep through two shared buffers: the next stage is
-/// loaded into registers (float4 loads where the operand is contiguous and aligned) while
-/// the current one is multiplied, then stored to the other buffer; one barrier a stage.
+/// memory as float4s; a 64-wide side keeps only the first group of 4, and its operand's
+/// loads past 64 are out of range), `k` staged 8 deep through two shared buffers: the next
+/// stage is loaded into registers (float4 loads where the operand is contiguous and
+/// aligned) while the current one is multiplied, then stored to the other buffer; one
+/// barrier a stage.
 fn emit_sgemm(
     k: &Kernel,
     mm: &Matmul,
     grid: [u32; 3],
+    (bm, bn): (usize, usize),
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
@@ -2781,7 +2798,9 @@ fn emit_sgemm(
                 col0,
             },
         ..
-    } = ffma_tile(&mut px, mm, SG_BM, SG_BN)?;
+    } = ffma_tile(&mut px, mm, bm, bn)?;
+    // Rows and columns of the thread's register tile: groups of 4, 64 apart.
+    let (tr, tc) = (bm / 16, bn / 16);
     let sbase = px.fresh("r");
     px.line(format!("mov.u32 {sbase}, mm_s;"));
 
@@ -2915,12 +2934,12 @@ fn emit_sgemm(
     px.line(format!("mad.lo.u32 {rda}, {ty}, 16, {sbase};"));
     px.line(format!("mad.lo.u32 {rdb}, {tx}, 16, {sbase};"));
     px.line(format!("add.u32 {rdb}, {rdb}, {SG_TILE};"));
-    let accs: Vec<String> = (0..64).map(|_| px.fresh("f")).collect();
+    let accs: Vec<String> = (0..tr * tc).map(|_| px.fresh("f")).collect();
     for a in &accs {
         px.line(format!("mov.f32 {a}, {};", f32_lit(0.0)));
     }
-    let av: Vec<String> = (0..8).map(|_| px.fresh("f")).collect();
-    let bv: Vec<String> = (0..8).map(|_| px.fresh("f")).collect();
+    let av: Vec<String> = (0..tr).map(|_| px.fresh("f")).collect();
+    let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
     let nk = kd.div_ceil(SG_BK);
     if nk > 0 {
@@ -2951,23 +2970,23 @@ fn emit_sgemm(
         px.line(format!("add.u32 {cb}, {rdb}, {cur};"));
         for kk in 0..SG_BK {
             let off = kk * row_bytes;
-            for (h, regs) in [(0, &av[..4]), (1, &av[4..])] {
+            for (h, regs) in av.chunks(4).enumerate() {
                 px.line(format!(
                     "ld.shared.v4.f32 {{{}}}, [{ca}+{}];",
                     regs.join(", "),
                     off + h * 256
                 ));
             }
-            for (h, regs) in [(0, &bv[..4]), (1, &bv[4..])] {
+            for (h, regs) in bv.chunks(4).enumerate() {
                 px.line(format!(
                     "ld.shared.v4.f32 {{{}}}, [{cb}+{}];",
                     regs.join(", "),
                     off + h * 256
                 ));
             }
-            for r in 0..8 {
-                for c in 0..8 {
-                    let a = &accs[r * 8 + c];
+            for r in 0..tr {
+                for c in 0..tc {
+                    let a = &accs[r * tc + c];
                     px.line(format!("fma.rn.f32 {a}, {}, {}, {a};", av[r], bv[c]));
                 }
             }
@@ -2991,9 +3010,9 @@ fn emit_sgemm(
     px.line(format!("add.s64 {rb0}, {rb0}, {row0};"));
     px.line(format!("mul.wide.u32 {cb0}, {tx}, 4;"));
     px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
-    let rows = epilogue_coords(&mut px, &rb0, m, 8, &|r| (r % 4) + 64 * (r / 4));
-    let cols = epilogue_coords(&mut px, &cb0, n, 8, &|c| (c % 4) + 64 * (c / 4));
-    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * 8 + c].clone())?;
+    let rows = epilogue_coords(&mut px, &rb0, m, tr, &|r| (r % 4) + 64 * (r / 4));
+    let cols = epilogue_coords(&mut px, &cb0, n, tc, &|c| (c % 4) + 64 * (c / 4));
+    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * tc + c].clone())?;
     px.line("ret;");
     let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * SG_TILE);
     Ok((
