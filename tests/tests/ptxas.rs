@@ -129,19 +129,19 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
 /// The CUDA back end picks its fast paths where they apply, and only there.
 #[test]
 fn ptx_paths_are_chosen_where_they_apply() {
-    let ptx = |src: &str, allow_tf32: bool| -> String {
+    let build = |src: &str, target: Target, allow_tf32: bool| {
         let g = compile_pipeline(src, &Options::default()).unwrap();
         compile(
             &g,
             &CompileOptions {
-                target: Target::Cuda,
+                target,
                 allow_tf32,
                 ..Default::default()
             },
         )
         .unwrap()
-        .code
     };
+    let ptx = |src: &str, allow_tf32: bool| build(src, Target::Cuda, allow_tf32).code;
     let model =
         |decls: &str, e: &str| format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n");
     // Vector loads of x and b (contiguous along the innermost axis), a vector store.
@@ -253,14 +253,7 @@ fn ptx_paths_are_chosen_where_they_apply() {
     // still give a block per SM, in dynamic shared memory; transposed operands set the
     // transpose flags.
     let wg = |decls: &str, e: &str| {
-        let c = compile(
-            &compile_pipeline(&model(decls, e), &Options::default()).unwrap(),
-            &CompileOptions {
-                target: Target::Cuda,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let c = build(&model(decls, e), Target::Cuda, false);
         let launch = c.launches[0].clone();
         (c.code, launch)
     };
@@ -335,25 +328,14 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     // A weight gradient's shape (25 tiles, k = 4096) splits k on CUDA: a batched matmul
     // on the large tiles, then a sum with the epilogue; the CPU keeps it whole.
-    let wgrad = compile_pipeline(
-        &model(
-            " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
-            "transpose(x) @ dy + b",
-        ),
-        &Options::default(),
-    )
-    .unwrap();
-    let on = |target| {
-        compile(
-            &wgrad,
-            &CompileOptions {
-                target,
-                ..Default::default()
-            },
-        )
-        .unwrap()
-    };
-    let (cuda, cpu) = (on(Target::Cuda), on(Target::Cpu));
+    let wgrad = model(
+        " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
+        "transpose(x) @ dy + b",
+    );
+    let (cuda, cpu) = (
+        build(&wgrad, Target::Cuda, false),
+        build(&wgrad, Target::Cpu, false),
+    );
     let mms = |c: &tcc::artifact::Compiled| -> Vec<(Vec<usize>, usize)> {
         c.fused
             .kernels
@@ -391,7 +373,7 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     // An embedding gradient (a `+=` scatter) fused with rms_norm's row reduction: a block
     // per row, atomic adds.
-    let emb = compile_pipeline(
+    let c = build(
         "model m {
             input t: i32[64, 32]
             param e: f32[100, 96] = normal(0.0, 0.1)
@@ -400,17 +382,9 @@ fn ptx_paths_are_chosen_where_they_apply() {
             output loss
             train sgd(lr: 0.1) minimize loss
         }",
-        &Options::default(),
-    )
-    .unwrap();
-    let c = compile(
-        &emb,
-        &CompileOptions {
-            target: Target::Cuda,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+        Target::Cuda,
+        false,
+    );
     let scatter = c
         .code
         .split(".entry")

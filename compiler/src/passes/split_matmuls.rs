@@ -119,17 +119,10 @@ pub fn split_matmuls(g: &Graph) -> Graph {
 
 /// [`split_matmuls`] with the splits `choose` gives (tests split small matmuls with it).
 pub fn split_matmuls_by(g: &Graph, choose: Chooser) -> Graph {
-    let Some(order) = g.topo_order() else {
-        return g.clone();
-    };
-    let mut h = g.clone();
-    let mut new_order: Vec<NodeId> = Vec::with_capacity(order.len());
-    let mut changed = false;
-    for n in order {
-        let s = split_of(&h, n, choose);
+    super::replace_in_order(g, |h, n| {
+        let s = split_of(h, n, choose);
         if s <= 1 {
-            new_order.push(n);
-            continue;
+            return None;
         }
         let node = h.node(n).clone();
         let (a, b) = (node.inputs[0], node.inputs[1]);
@@ -144,56 +137,25 @@ pub fn split_matmuls_by(g: &Graph, choose: Chooser) -> Graph {
         let mut b_split = vec![s];
         b_split.extend(std::iter::repeat_n(1, r - 2));
         b_split.extend([k / s, nn]);
-        let (span, cp) = (node.span, node.checkpoint);
         let mut added = Vec::new();
         let mut add = |h: &mut Graph, op: Op, inputs: Vec<NodeId>| {
-            let x = h.add(op, inputs, span, cp).ok()?;
+            let x = h.add(op, inputs, node.span, node.checkpoint).ok()?;
             added.push(x);
             Some(x)
         };
-        let rewritten = (|| {
-            let a3 = add(
-                &mut h,
-                Op::Reshape {
-                    shape: Shape(a_split),
-                },
-                vec![a],
-            )?;
-            let a3 = add(&mut h, Op::Permute { perm }, vec![a3])?;
-            let b3 = add(
-                &mut h,
-                Op::Reshape {
-                    shape: Shape(b_split),
-                },
-                vec![b],
-            )?;
-            let parts = add(&mut h, Op::MatMul, vec![a3, b3])?;
-            let sum = Op::Reduce {
-                op: ReduceOp::Sum,
-                axes: vec![0],
-                keepdim: false,
-            };
-            add(&mut h, sum, vec![parts])
-        })();
-        match rewritten {
-            Some(sum) if h.ty(sum) == &node.ty => {
-                h.replace_all_uses(n, sum);
-                h.remove(n);
-                new_order.extend(added);
-                changed = true;
-            }
-            _ => {
-                for x in added.into_iter().rev() {
-                    h.remove(x);
-                }
-                new_order.push(n);
-            }
-        }
-    }
-    if !changed {
-        return g.clone();
-    }
-    h.reordered(&new_order)
+        let shape = |d: Vec<usize>| Op::Reshape { shape: Shape(d) };
+        let a3 = add(h, shape(a_split), vec![a])?;
+        let a3 = add(h, Op::Permute { perm }, vec![a3])?;
+        let b3 = add(h, shape(b_split), vec![b])?;
+        let parts = add(h, Op::MatMul, vec![a3, b3])?;
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0],
+            keepdim: false,
+        };
+        add(h, sum, vec![parts])?;
+        Some(added)
+    })
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! one long serial reduction (a whole-tensor loss on a GPU is otherwise one block of
 //! threads). Cost: one pass over the nodes; at most one new node per split.
 
-use crate::ir::{Graph, NodeId, Op};
+use crate::ir::{Graph, Op};
 
 /// Below this many input elements a reduction stays whole.
 const MIN_ELEMENTS: usize = 1 << 16;
@@ -17,66 +17,35 @@ const MIN_ELEMENTS: usize = 1 << 16;
 /// Splits every large multi-axis reduction; returns the rewritten graph (node order kept,
 /// each split reduction replaced in place by its two halves).
 pub fn split_reductions(g: &Graph) -> Graph {
-    let Some(order) = g.topo_order() else {
-        return g.clone();
-    };
-    let mut h = g.clone();
-    let mut new_order: Vec<NodeId> = Vec::with_capacity(order.len());
-    let mut changed = false;
-    for n in order {
+    super::replace_in_order(g, |h, n| {
         let node = h.node(n).clone();
-        let split = match &node.op {
-            Op::Reduce { op, axes, keepdim }
-                if axes.len() >= 2 && h.ty(node.inputs[0]).shape.numel() >= MIN_ELEMENTS =>
-            {
-                axes.iter()
-                    .max()
-                    .map(|&last| (*op, axes.clone(), *keepdim, last))
-            }
-            _ => None,
+        let Op::Reduce { op, axes, keepdim } = node.op else {
+            return None;
         };
-        let Some((op, axes, keepdim, last)) = split else {
-            new_order.push(n);
-            continue;
-        };
-        let inner = h.add(
-            Op::Reduce {
-                op,
-                axes: vec![last],
-                keepdim: true,
-            },
-            vec![node.inputs[0]],
-            node.span,
-            node.checkpoint,
-        );
-        let outer = inner.and_then(|i| {
-            h.add(
-                Op::Reduce { op, axes, keepdim },
-                vec![i],
+        if axes.len() < 2 || h.ty(node.inputs[0]).shape.numel() < MIN_ELEMENTS {
+            return None;
+        }
+        let last = axes.iter().max().copied()?;
+        let inner = h
+            .add(
+                Op::Reduce {
+                    op,
+                    axes: vec![last],
+                    keepdim: true,
+                },
+                vec![node.inputs[0]],
                 node.span,
                 node.checkpoint,
             )
-            .map(|o| (i, o))
-        });
-        match outer {
-            Ok((i, o)) if h.ty(o) == &node.ty => {
-                h.replace_all_uses(n, o);
-                h.remove(n);
-                new_order.push(i);
-                new_order.push(o);
-                changed = true;
-            }
-            _ => new_order.push(n),
-        }
-    }
-    if !changed {
-        return g.clone();
-    }
-    // Nodes added but abandoned (a failed split) are not in `new_order`: drop them.
-    let keep: std::collections::BTreeSet<NodeId> = new_order.iter().copied().collect();
-    let stray: Vec<NodeId> = h.node_ids().filter(|x| !keep.contains(x)).collect();
-    for x in stray {
-        h.remove(x);
-    }
-    h.reordered(&new_order)
+            .ok()?;
+        let outer = h
+            .add(
+                Op::Reduce { op, axes, keepdim },
+                vec![inner],
+                node.span,
+                node.checkpoint,
+            )
+            .ok()?;
+        Some(vec![inner, outer])
+    })
 }
