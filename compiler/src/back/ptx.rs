@@ -10,8 +10,8 @@
 //! many elements left (a row of a softmax, a layer norm or a loss), a block of threads takes
 //! each point instead: the reductions are shared among its threads (strided loads, warp
 //! shuffles, shared memory) and its threads then stride over the point's elements, so that
-//! their loads and stores are coalesced. Many points of one element each whose rows lie
-//! along the reduction (a softmax's row statistics) take a warp each instead of a block.
+//! their loads and stores are coalesced. Many points whose rows lie along the reduction
+//! (a softmax's row statistics, its gradient) take a warp each instead of a block.
 //!
 //! Index arithmetic is 64-bit, except that a division or remainder by a constant whose
 //! dividend is known (`index_ranges`) to lie in `[0, 2^31)` runs in 32 bits.
@@ -64,7 +64,8 @@ const DYN_SHARED: &str = "tcc_dyn_s";
 /// Threads per block of every kernel.
 pub const BLOCK: u32 = 256;
 /// Threads of a warp: in block mode, the group that takes one point when points are many
-/// and each has a single element (a softmax's row statistics).
+/// and each reads a row along its reduction (a softmax's row statistics, its gradient's
+/// rows of up to 4096).
 const WARP: u32 = 32;
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
