@@ -63,6 +63,9 @@ const DYN_SHARED: &str = "tcc_dyn_s";
 
 /// Threads per block of every kernel.
 pub const BLOCK: u32 = 256;
+/// Streaming multiprocessors of the GPU whose waves the tile choices count (an H100 or
+/// H200 has 132); `passes::split_matmuls` models the same GPU.
+pub const SMS: usize = 132;
 /// Threads of a warp: in block mode, the group that takes one point when points are many
 /// and each reads a row along its reduction (a softmax's row statistics, its gradient's
 /// rows of up to 4096).
@@ -1679,30 +1682,23 @@ fn emit_kernel(
     // points to fill the GPU with one thread each; with many points (a convolution's
     // outputs) one thread per point wins. With whole rows per point, a thread per row
     // would read its row alone (uncoalesced): a block per row wins once rows are long.
-    // Many points of one element each, with long reductions over rows that lie along the
-    // reduction (gpt's 49152 softmax rows of 512): a warp per point (a thread per row read
-    // 0.7 TB/s on an H100). Where memory lies along the points instead (a convolution's
-    // outputs), one thread per point keeps its loads coalesced.
-    // Accumulating stores (a scatter's `+=`) stay atomic: each element is still stored by
-    // one thread (gpt's embedding gradient, fused with a row reduction, ran 4096 threads
-    // for 1.3 ms).
+    // Many points whose rows lie along the reduction (gpt's 49152 softmax rows of 512)
+    // take a warp each: a thread per row read 0.7 TB/s on an H100, and a block of 256 per
+    // row of a few thousand elements spent its time in barriers. Accumulating stores (a
+    // scatter's `+=`) stay atomic: each element is still stored by one thread (gpt's
+    // embedding gradient, fused with a row reduction, ran 4096 threads for 1.3 ms).
     let many = block_points > 16384;
+    let along = many && !top.is_empty() && rows_along_reduction(k, &top, boundary);
     let block_mode = !top.is_empty()
         && !argmax_at_top
         && inner <= u32::MAX as u64 - BLOCK as u64
         && block_points < 1 << 31
         && if inner <= 1 {
-            longest >= 64 && (!many || rows_along_reduction(k, &top, boundary))
+            longest >= 64 && (!many || along)
         } else {
             longest >= 64 || inner >= 64
         };
-    // Rows of a few thousand elements, many of them (gpt's softmax gradient: 49152 rows
-    // of 512) also take a warp each: a block of 256 threads per row spent its time in
-    // barriers (0.22 ms a kernel).
-    let group = if block_mode
-        && many
-        && (inner <= 1 || (inner <= 4096 && rows_along_reduction(k, &top, boundary)))
-    {
+    let group = if block_mode && along && inner <= 4096 {
         WARP
     } else {
         BLOCK
@@ -2718,7 +2714,7 @@ fn chunk_copy(px: &mut Px, dst: &str, buf: &str, idx: &str, p: &str, eb: usize) 
 
 /// Large-tile FFMA SGEMM: rows and columns of the block tile (one of them is 64 where the
 /// matmul's `m` or `n` is at most 64, as in attention's `[T, T] @ [T, 64]`).
-const SG_BM: usize = 128;
+pub(crate) const SG_BM: usize = 128;
 const SG_BN: usize = 128;
 /// Depth of one `k` stage.
 const SG_BK: usize = 8;
@@ -2734,18 +2730,15 @@ fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
     }
     // A side of at most 64 takes a 64-wide tile: a 128-wide one would idle half its
     // threads' products (gpt's attention matmuls ran the 64×64 tiles at 23 TFLOP/s).
-    let (bm, bn) = if mm.n <= 64 && mm.m >= SG_BM {
+    let (bm, bn) = if (32..=64).contains(&mm.n) && mm.m >= SG_BM {
         (SG_BM, 64)
-    } else if mm.m <= 64 && mm.n >= SG_BN {
+    } else if (32..=64).contains(&mm.m) && mm.n >= SG_BN {
         (64, SG_BN)
     } else if mm.m >= 64 && mm.n >= 64 && mm.m * mm.n >= 1 << 16 {
         (SG_BM, SG_BN)
     } else {
         return None;
     };
-    if mm.m < 32 || mm.n < 32 {
-        return None;
-    }
     let batch: usize = mm.batch.iter().product();
     let (gx, gy) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm));
     if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
@@ -2759,10 +2752,10 @@ fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
     Some(([gx as u32, gy as u32, batch as u32], (bm, bn)))
 }
 
-/// Fewest blocks for the large-tile SGEMM: one per SM of an H100. Requiring two waves (264)
-/// was measured slower: the gpt step went from 116.6 to 118.9 ms on an H100 (its weight
+/// Fewest blocks for the large-tile SGEMM: one per SM. Requiring two waves (264) was
+/// measured slower: the gpt step went from 116.6 to 118.9 ms on an H100 (its weight
 /// gradients of 144 tiles then took the 64×64 path).
-const SG_MIN_BLOCKS: usize = 132;
+pub(crate) const SG_MIN_BLOCKS: usize = SMS;
 
 /// FFMA SGEMM with 128×128 block tiles of 256 threads, each thread an 8×8 register tile
 /// (rows `ty*4 + {0..4} + {0, 64}`, columns `tx*4 + {0..4} + {0, 64}`, read from shared

@@ -20,17 +20,14 @@
 //! CUDA with exact f32 (`--allow-tf32` keeps its tensor-core tiles unsplit); the CPU runs
 //! every matmul whole. Cost: one pass over the nodes; five new nodes per split.
 
+use crate::back::ptx::{SG_BM as TILE, SG_MIN_BLOCKS, SMS};
 use crate::ir::{DType, Graph, NodeId, Op, ReduceOp, Shape};
 
-/// Streaming multiprocessors of the GPU the model assumes (an H100 or H200 has 132).
-pub const SMS: usize = 132;
-/// Rows and columns of the FFMA GEMM's output tile (`back::ptx::emit_sgemm`); with fewer
-/// tiles than [`SMS`] the back end takes 64×64 tiles instead.
-const TILE: usize = 128;
 /// Time of one 128×128 tile for one step of `k` on one SM, in picoseconds (46.5 TFLOP/s
 /// over 132 SMs, the 4096³ f32 GEMM on an H100).
 const TILE_K_PS: u64 = 93_000;
-/// The 64×64 tiles' time per 1000 FLOP, in picoseconds (about 20 TFLOP/s on gpt's
+/// The 64×64 tiles' time per 1000 FLOP (the back end's choice below [`SG_MIN_BLOCKS`]
+/// tiles of `TILE`×`TILE`), in picoseconds (about 20 TFLOP/s on gpt's
 /// `[768, 2304]` weight gradient).
 const SMALL_KFLOP_PS: u64 = 50_000;
 /// Starting and finishing a wave of blocks (first loads, epilogue), in picoseconds.
@@ -49,7 +46,7 @@ const MIN_GAIN_PCT: u64 = 10;
 /// slices of `k` each.
 pub fn model_ps(batch: usize, m: usize, n: usize, k: usize, s: usize) -> u64 {
     let tiles = batch * m.div_ceil(TILE) * n.div_ceil(TILE) * s;
-    let compute = if tiles < SMS {
+    let compute = if tiles < SG_MIN_BLOCKS {
         (2 * batch * m * n * k) as u64 / 1000 * SMALL_KFLOP_PS
     } else {
         let waves = tiles.div_ceil(SMS) as u64;

@@ -40,8 +40,8 @@ const BK: usize = 64;
 const GROUP: usize = 64 * 128;
 /// Elements of the epilogue's tile a thread stores per iteration.
 const EPI_UNROLL: usize = 4;
-/// Fewest blocks of 128×256 before the wider tile is used: one per SM of an H100.
-const WIDE_MIN_BLOCKS: usize = 132;
+/// Fewest blocks of 128×256 before the wider tile is used: one per SM.
+const WIDE_MIN_BLOCKS: usize = super::SMS;
 
 /// How one operand lies in memory, for the copies and the descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
