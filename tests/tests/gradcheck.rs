@@ -173,6 +173,58 @@ fn prelude_functions() {
     check("attention(q, kv, kv, causal: true)", &["q", "kv"]);
 }
 
+/// The uses of `x - max(x)` that are not shift-invariant keep the gradient through the max:
+/// finite differences would catch it left out.
+#[test]
+fn row_maxima_outside_a_softmax_keep_their_gradient() {
+    check("exp(a - max(a, axis: 1, keepdim: true))", &["a"]);
+    check(
+        "exp(a - max(a, axis: 1, keepdim: true)) / sum(exp(a), axis: 1, keepdim: true)",
+        &["a"],
+    );
+    check(
+        "a - max(a, axis: 1, keepdim: true) - log(sum(exp(a), axis: 1, keepdim: true))",
+        &["a"],
+    );
+    check("softmax(a) + max(a, axis: 1, keepdim: true)", &["a"]);
+    check(
+        "checkpoint { let e = exp(a - max(a, axis: 1, keepdim: true))\n e / sum(e, axis: 1, keepdim: true) + e }",
+        &["a"],
+    );
+}
+
+/// The softmax and log-softmax backward passes leave the stabilizing row maximum out: no
+/// `x == max` mask (and its two row sums) is built, unlike for a bare `max`.
+#[test]
+fn softmax_backward_skips_the_row_maximum() {
+    let masks = |expr: &str| {
+        let src = format!(
+            "model m {{ {DECLS}\n let y = sum({expr})\n let d = grad(y, a)\n output d\n}}\n"
+        );
+        let g =
+            compile_pipeline(&src, &Options::default()).unwrap_or_else(|e| panic!("{expr}:\n{e}"));
+        let is_max = |n: &tcc::ir::NodeId| {
+            matches!(
+                g.node(*n).op,
+                Op::Reduce {
+                    op: tcc::ir::ReduceOp::Max,
+                    ..
+                }
+            )
+        };
+        g.node_ids()
+            .filter(|&n| {
+                matches!(g.node(n).op, Op::Binary(tcc::ir::BinaryOp::Eq))
+                    && g.node(n).inputs.iter().any(is_max)
+            })
+            .count()
+    };
+    assert_eq!(masks("softmax(a) * softmax(a)"), 0);
+    assert_eq!(masks("log_softmax(a) * a"), 0);
+    assert_eq!(masks("cross_entropy(a, labels) * 1.0"), 0);
+    assert_eq!(masks("exp(a - max(a, axis: 1, keepdim: true))"), 1);
+}
+
 #[test]
 fn checkpoint_blocks_give_the_same_gradients() {
     check("checkpoint { let h = tanh(a @ m)\n h * h }", &["a", "m"]);

@@ -19,7 +19,7 @@ mod builder;
 pub mod optim;
 mod rules;
 
-use crate::ir::{Graph, NodeId, Op, TypeError};
+use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, TypeError, UnaryOp};
 use builder::Builder;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use tcc_grammar::diag::Diagnostic;
@@ -172,6 +172,87 @@ fn descendants(g: &Graph, xs: &[NodeId]) -> BTreeSet<NodeId> {
     seen
 }
 
+/// The row maxima that a softmax or a log-softmax subtracts for stability, whose gradient is
+/// exactly zero: `m = max(x, axes, keepdim: true)` read only by `s = x - m`, where `s` is read
+/// only as `e = exp(s)` with `e` read only by `S = sum(e, axes)` and `e / S` (softmax), or
+/// as `exp(s)` summed into `S` and `s - log(S)` (log-softmax). Both results are unchanged
+/// when `s` shifts by a constant along `axes`, so no gradient reaches `m`; leaving it out
+/// spares the backward pass the `x == m` mask and two row sums per softmax, as PyTorch's
+/// softmax backward does. Values on the model's interface or read by anything else keep the
+/// general rule.
+fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
+    let visible = |n: NodeId| n == y || g.outputs.iter().any(|(_, o)| *o == n);
+    let only = |n: NodeId, ok: &dyn Fn(NodeId) -> bool| {
+        let us = g.users(n);
+        !visible(n) && !us.is_empty() && us.into_iter().all(ok)
+    };
+    let op = |n: NodeId| &g.node(n).op;
+    let ins = |n: NodeId| g.node(n).inputs.as_slice();
+    let is_sum_over = |n: NodeId, x: NodeId, axes: &[usize]| {
+        matches!(op(n), Op::Reduce { op: ReduceOp::Sum, axes: a, keepdim: true } if a == axes)
+            && ins(n) == [x]
+    };
+    let mut out = BTreeSet::new();
+    for m in g.node_ids() {
+        let Op::Reduce {
+            op: ReduceOp::Max,
+            axes,
+            keepdim: true,
+        } = op(m)
+        else {
+            continue;
+        };
+        let x = ins(m)[0];
+        let users = g.users(m);
+        let [s] = users[..] else { continue };
+        if visible(m) || !matches!(op(s), Op::Binary(BinaryOp::Sub)) || ins(s) != [x, m] {
+            continue;
+        }
+        let exp_of_s = |e: NodeId| matches!(op(e), Op::Unary(UnaryOp::Exp)) && ins(e) == [s];
+        // Softmax: e = exp(s) read by S = sum(e) and e / S only; S read by e / S only.
+        let softmax = only(s, &exp_of_s) && {
+            let e = g.users(s)[0];
+            let div_by = |d: NodeId, sum: NodeId| {
+                matches!(op(d), Op::Binary(BinaryOp::Div)) && ins(d) == [e, sum]
+            };
+            let sums: Vec<NodeId> = g
+                .users(e)
+                .into_iter()
+                .filter(|&n| is_sum_over(n, e, axes))
+                .collect();
+            !sums.is_empty()
+                && only(e, &|n| {
+                    sums.contains(&n) || sums.iter().any(|&q| div_by(n, q))
+                })
+                && sums.iter().all(|&q| only(q, &|d| div_by(d, q)))
+        };
+        // Log-softmax: s read by exp(s) and s - log(sum(exp(s))) only.
+        let log_softmax = || {
+            let us = g.users(s);
+            let exps: Vec<NodeId> = us.iter().copied().filter(|&e| exp_of_s(e)).collect();
+            let [e] = exps[..] else { return false };
+            let sums = g.users(e);
+            let [q] = sums[..] else { return false };
+            let logs = g.users(q);
+            let [l] = logs[..] else { return false };
+            let minus_l =
+                |o: NodeId| matches!(op(o), Op::Binary(BinaryOp::Sub)) && ins(o) == [s, l];
+            is_sum_over(q, e, axes)
+                && !visible(e)
+                && !visible(q)
+                && matches!(op(l), Op::Unary(UnaryOp::Log))
+                && ins(l) == [q]
+                && only(l, &minus_l)
+                && !visible(s)
+                && us.iter().all(|&o| o == e || minus_l(o))
+        };
+        if softmax || log_softmax() {
+            out.insert(m);
+        }
+    }
+    out
+}
+
 /// One backward pass: the gradient of scalar `y` with respect to each of `targets` that `y`
 /// depends on.
 pub fn backward(
@@ -181,7 +262,12 @@ pub fn backward(
 ) -> Result<BTreeMap<NodeId, NodeId>, Diagnostic> {
     let anc = ancestors(g, y);
     let desc = descendants(g, targets);
-    let relevant: BTreeSet<NodeId> = anc.intersection(&desc).copied().collect();
+    let zero = stabilizer_maxes(g, y);
+    let relevant: BTreeSet<NodeId> = anc
+        .intersection(&desc)
+        .copied()
+        .filter(|n| !zero.contains(n))
+        .collect();
     let order = g
         .topo_order()
         .ok_or_else(|| Diagnostic::error("E0002", "internal compiler error: cyclic graph"))?;
