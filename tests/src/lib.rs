@@ -542,6 +542,18 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "x + transpose(y)",
         1e-5,
     );
+    add(
+        "concat along an outer axis: one vector load from the chosen piece",
+        " input a: f32[1, 8, 64]\n input b: f32[1, 8, 64]\n input c: f32[2, 8, 64]",
+        "concat([a, b, a, c], axis: 0) * 2.0 + concat([b, a, b, b, a, b], axis: 0)[1:6]",
+        1e-6,
+    );
+    add(
+        "concat along the innermost axis with a transposed piece: one scalar load",
+        " input a: f32[4, 8, 60]\n input b: f32[4, 8, 4]\n input c: f32[4, 64, 8]",
+        "concat([a, b, transpose(c)], axis: 2) - 1.0",
+        1e-6,
+    );
     for (d, tol) in [("f16", 2e-3), ("bf16", 1.6e-2)] {
         add(
             &format!("vector {d} with a broadcast"),
@@ -561,6 +573,12 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         " input x: f32[1300, 72]\n input w: f32[72, 1700]\n input b: f32[1700]",
         "tanh(x @ w + b)",
         1e-5,
+    );
+    add(
+        "large-tile f32 batched matmul, short k: vector stores of a bf16 cast, ragged m and n",
+        " input x: f32[5, 500, 40]\n input w: f32[40, 1004]\n input b: f32[1004]",
+        "cast(x @ w + b, bf16)",
+        1.6e-2,
     );
     add(
         "large-tile f32 matmul, transposed A, ragged k and columns",

@@ -176,6 +176,34 @@ fn ptx_paths_are_chosen_where_they_apply() {
         let p = ptx(&model(decls, e), false);
         assert!(!p.contains(".v4."), "{e}: {p}");
     }
+    // A concat loads each element once, from the address its piece selects: one vector load
+    // when the pieces lie along an outer axis, one scalar load along the innermost one.
+    let outer = ptx(
+        &model(
+            " input a: f32[1, 8, 64]\n input b: f32[1, 8, 64]\n input c: f32[1, 8, 64]",
+            "concat([a, b, c, a], axis: 0) * 2.0",
+        ),
+        false,
+    );
+    assert_eq!(outer.matches("ld.global").count(), 1, "{outer}");
+    assert!(outer.contains("ld.global.v4.f32") && outer.contains("selp.b64"));
+    let inner = ptx(
+        &model(
+            " input a: f32[4, 8, 64]\n input b: f32[4, 8, 64]\n input c: f32[4, 64, 8]",
+            "concat([a, b, transpose(c)], axis: 2)",
+        ),
+        false,
+    );
+    assert_eq!(inner.matches("ld.global.f32").count(), 1, "{inner}");
+    // A piece also read on its own is still loaded for that use.
+    let shared = ptx(
+        &model(
+            " input a: f32[1, 8, 64]\n input b: f32[1, 8, 64]",
+            "concat([a, b], axis: 0) + a",
+        ),
+        false,
+    );
+    assert_eq!(shared.matches("ld.global.v4.f32").count(), 2, "{shared}");
     // Long rows: a block per row shares the row's reductions, then its threads stride
     // over the row's elements.
     let softmax = ptx(
@@ -325,6 +353,26 @@ fn ptx_paths_are_chosen_where_they_apply() {
     assert!(
         big.contains("mm_s[16896]") && !big.contains("mma.sync"),
         "{big}"
+    );
+    // A short k (64) stores vectors, within launch bounds of two blocks an SM; a long k
+    // (512) keeps scalar stores and no bounds.
+    assert!(
+        big.contains("st.global.v4.f32")
+            && big.contains(".minnctapersm 2")
+            && !big.contains("st.global.f32"),
+        "{big}"
+    );
+    let deep = ptx(
+        &model(
+            " input a: f32[1024, 512]\n input b: f32[512, 2048]",
+            "a @ b",
+        ),
+        false,
+    );
+    assert!(deep.contains("mm_s[16896]"), "{deep}");
+    assert!(
+        !deep.contains("st.global.v4") && !deep.contains("minnctapersm"),
+        "{deep}"
     );
     // A weight gradient's shape (25 tiles, k = 4096) splits k on CUDA: a batched matmul
     // on the large tiles, then a sum with the epilogue; the CPU keeps it whole.

@@ -53,7 +53,7 @@ use super::clif::sites;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
 use crate::kernel::{ExprId, Gather, Kernel, Matmul, Red, VTy, Var, E};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 mod wgmma;
@@ -161,6 +161,9 @@ struct Px<'a> {
     /// Bounds of every integer node, where known (`index_ranges`): an index division or
     /// remainder by a constant runs in 32 bits when its dividend fits.
     ranges: Vec<Option<(i64, i64)>>,
+    /// Loads (and selects over them) read only as arms of a load tree at their own site:
+    /// not made at their site, but as the tree's one load ([`Px::load_tree`]).
+    deferred: HashSet<ExprId>,
 }
 
 /// Interval bounds of the pool's i64 nodes: variables span their loops (domain,
@@ -283,15 +286,45 @@ impl<'a> Px<'a> {
             tid: String::new(),
             group: BLOCK,
             ranges: index_ranges(k),
+            deferred: HashSet::new(),
         }
+        .with_deferred_trees()
+    }
+
+    fn with_deferred_trees(mut self) -> Self {
+        let (k, site) = (self.k, &self.site);
+        let tree = select_trees(k, &self.live, &|_| true, &|_| true);
+        let (outside, readers) = tree_readers(k, &self.live, &tree);
+        self.deferred = self
+            .live
+            .iter()
+            .copied()
+            .filter(|x| {
+                let leaf = tree.contains_key(x) || matches!(k.pool.get(*x), E::Load { .. });
+                leaf && !outside.contains(x)
+                    && readers.get(x).is_some_and(|us| {
+                        us.iter().all(|u| site[u.0 as usize] == site[x.0 as usize])
+                    })
+            })
+            .collect();
+        self
     }
 
     /// The entry's text: header, register declarations, `shared` (declarations of shared
     /// arrays, one a line), then the body.
     fn finish(&self, shared: &str) -> String {
+        self.finish_bounded(shared, None)
+    }
+
+    /// [`Self::finish`] with launch bounds `(threads a block, blocks an SM)`: ptxas keeps
+    /// the registers within what that many blocks leave each thread.
+    fn finish_bounded(&self, shared: &str, bounds: Option<(u32, u32)>) -> String {
         let k = self.k;
+        let bounds = bounds
+            .map(|(t, b)| format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"))
+            .unwrap_or_default();
         let mut text = format!(
-            "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{{\n",
+            "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{bounds}{{\n",
             k.describe, k.name
         );
         let mut classes: Vec<(&&str, &u32)> = self.counts.iter().collect();
@@ -445,6 +478,9 @@ impl<'a> Px<'a> {
 
     fn emit_site(&mut self, v: Option<Var>) -> Res<()> {
         for e in Kernel::at_site(&self.live, &self.site, v) {
+            if self.deferred.contains(&e) {
+                continue;
+            }
             self.emit(e)?;
         }
         Ok(())
@@ -605,12 +641,19 @@ impl<'a> Px<'a> {
                 self.line(format!("{op}.s64 {r}, {x}, {y};"));
                 r
             }
-            E::Select(c, a, b) => {
-                let cv = self.emit(c)?;
-                let x = self.emit(a)?;
-                let y = self.emit(b)?;
-                self.select(ty, &cv, &x, &y)
-            }
+            E::Select(c, a, b) => match self.load_tree(e) {
+                // One load from the chosen address, not a load of every arm.
+                Some(dtype) => {
+                    let addr = self.tree_address(e)?;
+                    self.load(&addr, dtype)
+                }
+                None => {
+                    let cv = self.emit(c)?;
+                    let x = self.emit(a)?;
+                    let y = self.emit(b)?;
+                    self.select(ty, &cv, &x, &y)
+                }
+            },
             E::Cast(to, a) => {
                 let x = self.emit(a)?;
                 self.cast(self.k.pool.ty(a), to, &x)
@@ -627,6 +670,41 @@ impl<'a> Px<'a> {
         };
         self.remember(e, r.clone());
         Ok(r)
+    }
+
+    /// The element type of a select tree over loads not yet made (`select(c, load, select(c2,
+    /// load, load))`: a concat reading its pieces), whose leaves all have that type.
+    fn load_tree(&self, e: ExprId) -> Option<DType> {
+        if self.cache.contains_key(&e) {
+            return None;
+        }
+        match *self.k.pool.get(e) {
+            E::Load { dtype, .. } => Some(dtype),
+            E::Select(_, a, b) => {
+                let d = self.load_tree(a)?;
+                (self.load_tree(b)? == d).then_some(d)
+            }
+            _ => None,
+        }
+    }
+
+    /// The byte address a load tree ([`Self::load_tree`]) reads: each select picks between
+    /// its arms' addresses (every leaf's index is in range wherever the kernel runs, as when
+    /// every arm was loaded).
+    fn tree_address(&mut self, e: ExprId) -> Res<String> {
+        match *self.k.pool.get(e) {
+            E::Load { buf, dtype, index } => {
+                let i = self.emit(index)?;
+                self.address(buf, dtype, &i)
+            }
+            E::Select(c, a, b) => {
+                let cv = self.emit(c)?;
+                let x = self.tree_address(a)?;
+                let y = self.tree_address(b)?;
+                Ok(self.select(VTy::I64, &cv, &x, &y))
+            }
+            _ => Err(self.unsupported("a select over something other than loads")),
+        }
     }
 
     /// The constant divisor of `a / b` (or `a % b`) when both fit 32-bit unsigned
@@ -1594,7 +1672,14 @@ fn emit_tiled_matmul(
         px.line(format!("setp.lt.s64 {ok}, {j}, {n};"));
         cols.push((j, ok));
     }
-    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * 4 + c].clone())?;
+    epilogue(
+        &mut px,
+        mm,
+        &rows,
+        &cols,
+        &|r, c| accs[r * 4 + c].clone(),
+        false,
+    )?;
     px.line("ret;");
     let tile = TILE_K * TILE_STRIDE;
     let shared = format!(
@@ -1906,8 +1991,12 @@ const VEC_UNITS: usize = 2;
 /// The vectorized form of a pointwise kernel: which loads become vector loads, how many
 /// vectors each thread handles and how many threads there are.
 struct VecPlan {
-    /// The live loads that vary along the innermost axis, in pool order.
+    /// The live loads that vary along the innermost axis, in pool order (less those read only
+    /// through a load tree).
     loads: Vec<ExprId>,
+    /// Roots of select trees over such loads whose conditions do not vary along the innermost
+    /// axis (a concat along an outer axis): each is one vector load from the chosen address.
+    trees: Vec<(ExprId, DType)>,
     units: usize,
     threads: u32,
 }
@@ -1970,6 +2059,7 @@ fn vector_plan(
             _ => {}
         }
     }
+    let (loads, trees) = vector_load_trees(k, site, live, loads, last);
     let points: u64 = k.domain.iter().map(|&d| d as u64).product();
     let vectors = points / VEC as u64;
     if vectors == 0 || vectors > i32::MAX as u64 {
@@ -1982,9 +2072,95 @@ fn vector_plan(
     };
     Some(VecPlan {
         loads,
+        trees,
         units,
         threads: (vectors / units as u64) as u32,
     })
+}
+
+/// Select trees over loads (`select(c, load, select(c2, load, load))`, as a concat reads its
+/// pieces): each select whose arms are both `leaf_ok` loads or such selects, with one element
+/// type, and whose condition is `cond_ok`, with that type.
+fn select_trees(
+    k: &Kernel,
+    live: &[ExprId],
+    leaf_ok: &dyn Fn(ExprId) -> bool,
+    cond_ok: &dyn Fn(ExprId) -> bool,
+) -> HashMap<ExprId, DType> {
+    let mut order = live.to_vec();
+    order.sort();
+    let mut tree: HashMap<ExprId, DType> = HashMap::new();
+    for &e in &order {
+        let E::Select(c, a, b) = *k.pool.get(e) else {
+            continue;
+        };
+        let leaf = |x: ExprId| match *k.pool.get(x) {
+            E::Load { dtype, .. } if leaf_ok(x) => Some(dtype),
+            _ => tree.get(&x).copied(),
+        };
+        if let (Some(da), Some(db)) = (leaf(a), leaf(b)) {
+            if da == db && cond_ok(c) {
+                tree.insert(e, da);
+            }
+        }
+    }
+    tree
+}
+
+/// For the load trees `tree`: the nodes read other than as a tree select's arm (a store
+/// reads its value and index), and each node's tree selects that read it as an arm.
+fn tree_readers(
+    k: &Kernel,
+    live: &[ExprId],
+    tree: &HashMap<ExprId, DType>,
+) -> (HashSet<ExprId>, HashMap<ExprId, Vec<ExprId>>) {
+    let mut outside = HashSet::new();
+    let mut readers: HashMap<ExprId, Vec<ExprId>> = HashMap::new();
+    for &e in live {
+        let node = k.pool.get(e);
+        for x in crate::kernel::lower::children(node) {
+            match node {
+                E::Select(c, ..) if tree.contains_key(&e) && *c != x => {
+                    readers.entry(x).or_default().push(e)
+                }
+                _ => {
+                    outside.insert(x);
+                }
+            }
+        }
+    }
+    for s in &k.stores {
+        outside.insert(s.value);
+        outside.insert(s.index);
+    }
+    (outside, readers)
+}
+
+/// Splits the vector loads of [`vector_plan`] into plain ones and the roots of load trees
+/// whose conditions are the same for the `VEC` lanes (they do not vary along the innermost
+/// axis). A load read only by tree selects is not made on its own (a concat of 12 pieces
+/// read 12 vectors for each one it wrote).
+fn vector_load_trees(
+    k: &Kernel,
+    site: &[Option<Var>],
+    live: &[ExprId],
+    loads: Vec<ExprId>,
+    last: Var,
+) -> (Vec<ExprId>, Vec<(ExprId, DType)>) {
+    let tree = select_trees(k, live, &|x| loads.contains(&x), &|c| {
+        site[c.0 as usize] != Some(last)
+    });
+    if tree.is_empty() {
+        return (loads, Vec::new());
+    }
+    let (outside, _) = tree_readers(k, live, &tree);
+    let plain = loads.into_iter().filter(|x| outside.contains(x)).collect();
+    let mut roots: Vec<(ExprId, DType)> = tree
+        .into_iter()
+        .filter(|(e, _)| outside.contains(e))
+        .collect();
+    roots.sort();
+    (plain, roots)
 }
 
 /// One vector of the vectorized pointwise path, between its loads and its math.
@@ -2140,6 +2316,10 @@ fn emit_vector_pointwise(
                 let addr = px.address(buf, dtype, &i)?;
                 loads.push((e, px.vector_load(&addr, dtype)));
             }
+        }
+        for &(e, dtype) in &plan.trees {
+            let addr = px.tree_address(e)?;
+            loads.push((e, px.vector_load(&addr, dtype)));
         }
         let mut stores = Vec::new();
         for s in &k.stores {
@@ -2606,10 +2786,17 @@ fn emit_mma_matmul(
     px.line(format!("add.s64 {cb}, {cb}, {col0};"));
     let rows = epilogue_coords(&mut px, &rb, m, 8, &|ri| (ri / 2) * 16 + (ri % 2) * 8);
     let cols = epilogue_coords(&mut px, &cb, n, 8, &|ci| (ci / 2) * 8 + ci % 2);
-    epilogue(&mut px, mm, &rows, &cols, &|ri, ci| {
-        let (mi, h, nj, c) = (ri / 2, ri % 2, ci / 2, ci % 2);
-        accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
-    })?;
+    epilogue(
+        &mut px,
+        mm,
+        &rows,
+        &cols,
+        &|ri, ci| {
+            let (mi, h, nj, c) = (ri / 2, ri % 2, ci / 2, ci % 2);
+            accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
+        },
+        false,
+    )?;
     px.line("ret;");
     let shared = format!("\t.shared .align 128 .b8 mm_s[{}];\n", 2 * stage);
     Ok((
@@ -2756,6 +2943,12 @@ fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
 /// measured slower: the gpt step went from 116.6 to 118.9 ms on an H100 (its weight
 /// gradients of 144 tiles then took the 64×64 path).
 pub(crate) const SG_MIN_BLOCKS: usize = SMS;
+
+/// Blocks of the large-tile SGEMM that share an SM (its launch bounds).
+const SG_BLOCKS_PER_SM: u32 = 2;
+
+/// The deepest `k` for which the SGEMM's epilogue stores vectors (see [`emit_sgemm`]).
+const SG_VECTOR_STORES_MAX_K: usize = 128;
 
 /// FFMA SGEMM with 128×128 block tiles of 256 threads, each thread an 8×8 register tile
 /// (rows `ty*4 + {0..4} + {0, 64}`, columns `tx*4 + {0..4} + {0, 64}`, read from shared
@@ -3006,11 +3199,28 @@ fn emit_sgemm(
     px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
     let rows = epilogue_coords(&mut px, &rb0, m, tr, &|r| (r % 4) + 64 * (r / 4));
     let cols = epilogue_coords(&mut px, &cb0, n, tc, &|c| (c % 4) + 64 * (c / 4));
-    epilogue(&mut px, mm, &rows, &cols, &|r, c| accs[r * tc + c].clone())?;
+    // A short `k` leaves the stores a large share of the time: gpt's attention scores
+    // (k = 64, a 512×512 output a head) took 0.18 ms with scalar stores, 0.11 with vectors.
+    // A long `k` keeps scalar stores: ptxas puts a vector's accumulators in four consecutive
+    // registers, which took the loop from 127 registers to 159 (or spills within two blocks
+    // an SM), and the 4096³ GEMM from 2.93 to 3.09–3.37 ms.
+    let vectors = kd <= SG_VECTOR_STORES_MAX_K && epilogue_vectors(&px, mm);
+    epilogue(
+        &mut px,
+        mm,
+        &rows,
+        &cols,
+        &|r, c| accs[r * tc + c].clone(),
+        vectors,
+    )?;
     px.line("ret;");
     let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * SG_TILE);
+    // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
+    // thread). Without, ptxas stays under 128 by itself, and bounds were measured slower
+    // (4096³: 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%).
+    let bounds = vectors.then_some((BLOCK, SG_BLOCKS_PER_SM));
     Ok((
-        px.finish(&shared),
+        px.finish_bounded(&shared, bounds),
         LaunchShape {
             grid,
             block: [BLOCK, 1, 1],
@@ -3187,14 +3397,76 @@ fn store_point(px: &mut Px, mm: &Matmul, at: &[String], acc: String) -> Res<()> 
     Ok(())
 }
 
+/// The kernel's stores at `VEC` consecutive output elements of one row (the coordinates
+/// `ats`, the accumulators `accs`), as one vector store each: every lane's values are
+/// computed in a cache scope of its own, then each store writes them at lane 0's address.
+fn store_vector(px: &mut Px, mm: &Matmul, ats: &[Vec<String>], accs: &[String]) -> Res<()> {
+    let nb = mm.batch.len();
+    let stores = px.k.stores.clone();
+    let mut vals: Vec<Vec<String>> = vec![Vec::new(); stores.len()];
+    let mut addrs = Vec::new();
+    for (lane, (at, acc)) in ats.iter().zip(accs).enumerate() {
+        px.journal.push(Vec::new());
+        for (q, x) in at.iter().enumerate() {
+            px.vars.insert((nb + q) as Var, x.clone());
+        }
+        px.acc = Some(acc.clone());
+        for (si, s) in stores.iter().enumerate() {
+            vals[si].push(px.emit(s.value)?);
+            if lane == 0 {
+                let i = px.emit(s.index)?;
+                addrs.push(px.address(s.buf, s.dtype, &i)?);
+            }
+        }
+        px.pop_scope();
+    }
+    for ((s, addr), v) in stores.iter().zip(&addrs).zip(&vals) {
+        px.vector_store(addr, s.dtype, v);
+    }
+    Ok(())
+}
+
+/// Whether a plain matmul's epilogue can store `VEC` consecutive columns at once: every
+/// store writes a vector-storable dtype, without accumulating, at an index with coefficient
+/// 1 on the column whose other part is a multiple of `VEC`, into a buffer aligned to the
+/// vector's bytes (so a tile's aligned groups of `VEC` columns are whole vectors, all in
+/// range or all out).
+fn epilogue_vectors(px: &Px, mm: &Matmul) -> bool {
+    let k = px.k;
+    if mm.cols.len() != 1 || mm.rows.len() != 1 || !mm.n.is_multiple_of(VEC) {
+        return false;
+    }
+    let col = (mm.batch.len() + 1) as Var;
+    let v = VEC as i64;
+    !k.stores.is_empty()
+        && k.stores.iter().all(|s| {
+            let storable = matches!(s.dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16);
+            let aligned = (px.offset_of)(s.buf)
+                .is_some_and(|off| off % (VEC * s.dtype.size_bytes()) as u64 == 0);
+            storable
+                && aligned
+                && !s.accumulate
+                && k.pool.affine(s.index).is_some_and(|af| {
+                    af.coef(col) == 1
+                        && af.c0 % v == 0
+                        && af.terms.iter().all(|&(x, c)| {
+                            x == col || ((x as usize) < k.domain.len() && c % v == 0)
+                        })
+                })
+        })
+}
+
 /// The fused epilogue of a register-tiled matmul: the kernel's stores at every in-range
-/// (row, column) pair, with the accumulator `acc(r, c)`.
+/// (row, column) pair, with the accumulator `acc(r, c)`. `vectors`: the columns come in
+/// groups of `VEC` consecutive ones, the first of each a multiple of `VEC` (the FFMA SGEMM's
+/// layout), and [`epilogue_vectors`] holds: each group is stored as vectors.
 fn epilogue(
     px: &mut Px,
     mm: &Matmul,
     rows: &[(String, String)],
     cols: &[(String, String)],
     acc: &dyn Fn(usize, usize) -> String,
+    vectors: bool,
 ) -> Res<()> {
     // The domain coordinates of each row and column (an implicit GEMM's rows span
     // several axes).
@@ -3206,6 +3478,23 @@ fn epilogue(
         .iter()
         .map(|(j, _)| split_index(px, j, &mm.cols))
         .collect();
+    if vectors && cols.len().is_multiple_of(VEC) {
+        for (r, (_, pi)) in rows.iter().enumerate() {
+            for g in (0..cols.len()).step_by(VEC) {
+                let skip = px.label("skip");
+                let p = px.fresh("p");
+                px.line(format!("and.pred {p}, {pi}, {};", cols[g].1));
+                px.line(format!("@!{p} bra {skip};"));
+                let ats: Vec<Vec<String>> = (g..g + VEC)
+                    .map(|c| row_at[r].iter().chain(&col_at[c]).cloned().collect())
+                    .collect();
+                let accs: Vec<String> = (g..g + VEC).map(|c| acc(r, c)).collect();
+                store_vector(px, mm, &ats, &accs)?;
+                px.body.push_str(&format!("{skip}:\n"));
+            }
+        }
+        return Ok(());
+    }
     for (r, (_, pi)) in rows.iter().enumerate() {
         for (c, (_, pj)) in cols.iter().enumerate() {
             let skip = px.label("skip");
