@@ -220,6 +220,23 @@ fn softmax_backward_skips_the_row_maximum() {
             .count()
     };
     assert_eq!(masks("softmax(a) * softmax(a)"), 0);
+    // Its gradient is p * (g - sum(g * p)): the backward pass reads the result p, not
+    // exp(x - max): that is read by the forward's row sum and division only.
+    let src = format!(
+        "model m {{ {DECLS}\n let y = sum(softmax(a) * b)\n let d = grad(y, a)\n output d\n}}\n"
+    );
+    let g = compile_pipeline(&src, &Options::default()).unwrap();
+    let exps: Vec<_> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, Op::Unary(tcc::ir::UnaryOp::Exp)))
+        .collect();
+    assert_eq!(exps.len(), 1);
+    assert_eq!(
+        g.users(exps[0]).len(),
+        2,
+        "{}",
+        tcc::ir::printer::print(&g, None)
+    );
     assert_eq!(masks("log_softmax(a) * a"), 0);
     assert_eq!(masks("cross_entropy(a, labels) * 1.0"), 0);
     assert_eq!(masks("exp(a - max(a, axis: 1, keepdim: true))"), 1);

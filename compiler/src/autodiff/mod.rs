@@ -172,16 +172,30 @@ fn descendants(g: &Graph, xs: &[NodeId]) -> BTreeSet<NodeId> {
     seen
 }
 
-/// The row maxima that a softmax or a log-softmax subtracts for stability, whose gradient is
-/// exactly zero: `m = max(x, axes, keepdim: true)` read only by `s = x - m`, where `s` is read
-/// only as `e = exp(s)` with `e` read only by `S = sum(e, axes)` and `e / S` (softmax), or
-/// as `exp(s)` summed into `S` and `s - log(S)` (log-softmax). Both results are unchanged
-/// when `s` shifts by a constant along `axes`, so no gradient reaches `m`; leaving it out
-/// spares the backward pass the `x == m` mask and two row sums per softmax, as PyTorch's
-/// softmax backward does. Values on the model's interface or read by anything else keep the
-/// general rule.
-fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
-    let visible = |n: NodeId| n == y || g.outputs.iter().any(|(_, o)| *o == n);
+/// Softmaxes and log-softmaxes as the prelude writes them, which the backward pass treats as
+/// PyTorch does.
+#[derive(Default)]
+struct Softmaxes {
+    /// Nodes no gradient is propagated to: the row maxima subtracted for stability, whose
+    /// gradient is exactly zero (both results are unchanged when `s` shifts by a constant
+    /// along the axes), and a softmax's `exp(s)` and row sum (its gradient goes to `s`
+    /// directly, see `softmax`).
+    skip: BTreeSet<NodeId>,
+    /// Each softmax result `p = e / S` → `(s, axes)`: the gradient of `s` is
+    /// `p * (g - sum(g * p, axes))`, which reads `p` and `g` only (the general rule read
+    /// `e`, `S`, `p` and `g`, and kept `e` alive from the forward pass to the backward).
+    softmax: BTreeMap<NodeId, (NodeId, Vec<usize>)>,
+}
+
+/// Finds the softmaxes and log-softmaxes of [`Softmaxes`]: `m = max(x, axes, keepdim: true)`
+/// read only by `s = x - m`, where `s` is read only as `e = exp(s)` with `e` read only by
+/// `S = sum(e, axes)` and `e / S` (softmax), or as `exp(s)` summed into `S` and
+/// `s - log(S)` (log-softmax). The shortcuts leave out the `x == m` mask and two row sums
+/// per softmax. Values on the model's interface, differentiated (`targets`) or read by
+/// anything else keep the general rule.
+fn softmaxes(g: &Graph, y: NodeId, targets: &[NodeId]) -> Softmaxes {
+    let visible =
+        |n: NodeId| n == y || targets.contains(&n) || g.outputs.iter().any(|(_, o)| *o == n);
     let only = |n: NodeId, ok: &dyn Fn(NodeId) -> bool| {
         let us = g.users(n);
         !visible(n) && !us.is_empty() && us.into_iter().all(ok)
@@ -192,7 +206,7 @@ fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
         matches!(op(n), Op::Reduce { op: ReduceOp::Sum, axes: a, keepdim: true } if a == axes)
             && ins(n) == [x]
     };
-    let mut out = BTreeSet::new();
+    let mut out = Softmaxes::default();
     for m in g.node_ids() {
         let Op::Reduce {
             op: ReduceOp::Max,
@@ -210,7 +224,7 @@ fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
         }
         let exp_of_s = |e: NodeId| matches!(op(e), Op::Unary(UnaryOp::Exp)) && ins(e) == [s];
         // Softmax: e = exp(s) read by S = sum(e) and e / S only; S read by e / S only.
-        let softmax = only(s, &exp_of_s) && {
+        if only(s, &exp_of_s) {
             let e = g.users(s)[0];
             let div_by = |d: NodeId, sum: NodeId| {
                 matches!(op(d), Op::Binary(BinaryOp::Div)) && ins(d) == [e, sum]
@@ -220,12 +234,22 @@ fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
                 .into_iter()
                 .filter(|&n| is_sum_over(n, e, axes))
                 .collect();
-            !sums.is_empty()
+            let softmax = !sums.is_empty()
                 && only(e, &|n| {
                     sums.contains(&n) || sums.iter().any(|&q| div_by(n, q))
                 })
-                && sums.iter().all(|&q| only(q, &|d| div_by(d, q)))
-        };
+                && sums.iter().all(|&q| only(q, &|d| div_by(d, q)));
+            if softmax {
+                out.skip.extend([m, e]);
+                for q in sums {
+                    out.skip.insert(q);
+                    for d in g.users(q) {
+                        out.softmax.insert(d, (s, axes.clone()));
+                    }
+                }
+                continue;
+            }
+        }
         // Log-softmax: s read by exp(s) and s - log(sum(exp(s))) only.
         let log_softmax = || {
             let us = g.users(s);
@@ -246,11 +270,21 @@ fn stabilizer_maxes(g: &Graph, y: NodeId) -> BTreeSet<NodeId> {
                 && !visible(s)
                 && us.iter().all(|&o| o == e || minus_l(o))
         };
-        if softmax || log_softmax() {
-            out.insert(m);
+        if log_softmax() {
+            out.skip.insert(m);
         }
     }
     out
+}
+
+/// The gradient of a softmax's `s` given the gradient `g` of its result `p`:
+/// `p * (g - sum(g * p, axes, keepdim: true))`.
+fn softmax_grad(ad: &mut Ad, p: NodeId, g: NodeId, axes: &[usize]) -> Result<NodeId, TypeError> {
+    let p = ad.fwd(p)?;
+    let gp = ad.b.mul(g, p)?;
+    let r = ad.b.sum(gp, axes.to_vec(), true)?;
+    let d = ad.b.sub(g, r)?;
+    ad.b.mul(p, d)
 }
 
 /// One backward pass: the gradient of scalar `y` with respect to each of `targets` that `y`
@@ -262,11 +296,11 @@ pub fn backward(
 ) -> Result<BTreeMap<NodeId, NodeId>, Diagnostic> {
     let anc = ancestors(g, y);
     let desc = descendants(g, targets);
-    let zero = stabilizer_maxes(g, y);
+    let special = softmaxes(g, y, targets);
     let relevant: BTreeSet<NodeId> = anc
         .intersection(&desc)
         .copied()
-        .filter(|n| !zero.contains(n))
+        .filter(|n| !special.skip.contains(n))
         .collect();
     let order = g
         .topo_order()
@@ -305,6 +339,15 @@ pub fn backward(
         let Some(&gn) = adj.get(&n) else {
             continue;
         };
+        if let Some((sn, axes)) = special.softmax.get(&n) {
+            let ds = softmax_grad(&mut ad, n, gn, axes).map_err(|e| internal(e, ad.b.g, n))?;
+            let acc = match adj.get(sn) {
+                Some(&prev) => ad.b.add2(prev, ds).map_err(|e| internal(e, ad.b.g, n))?,
+                None => ds,
+            };
+            adj.insert(*sn, acc);
+            continue;
+        }
         let inputs = ad.b.g.node(n).inputs.clone();
         if inputs.is_empty() {
             continue;
