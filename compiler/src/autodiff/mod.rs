@@ -8,6 +8,10 @@
 //!   float param, then the optimizer's update nodes (see [`optim`]), recorded as
 //!   `Graph::updates`.
 //!
+//! A softmax or log-softmax written as the prelude writes it (`exp(x - max(x))` normalized)
+//! is differentiated as PyTorch does: no gradient reaches the stabilizing row maximum (it is
+//! exactly zero), and a softmax's gradient is `p * (g - sum(g * p))` from its result `p`.
+//!
 //! Backward nodes are appended after the forward nodes, so the node order of the result is
 //! forward program order, then the backward pass, then the optimizer: the order eager
 //! execution follows. Values made inside a `checkpoint { }` block are not read by the
