@@ -2020,26 +2020,8 @@ fn vector_plan(
     if inner < VEC || inner % VEC != 0 || k.stores.is_empty() || k.matmul.is_some() {
         return None;
     }
-    let aligned = |buf: NodeId, dtype: DType, index: ExprId| -> bool {
-        if !matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16) {
-            return false;
-        }
-        let Some(off) = offset_of(buf) else {
-            return false;
-        };
-        if off % (VEC * dtype.size_bytes()) as u64 != 0 {
-            return false;
-        }
-        let Some(af) = k.pool.affine(index) else {
-            return false;
-        };
-        let v = VEC as i64;
-        af.coef(last) == 1
-            && af.c0 % v == 0
-            && af
-                .terms
-                .iter()
-                .all(|&(x, c)| x == last || ((x as usize) < rank && c % v == 0))
+    let aligned = |buf: NodeId, dtype: DType, index: ExprId| {
+        vector_access(k, offset_of, buf, dtype, index, last)
     };
     for s in &k.stores {
         if s.accumulate || !aligned(s.buf, s.dtype, s.index) {
@@ -2134,6 +2116,31 @@ fn tree_readers(
         outside.insert(s.index);
     }
     (outside, readers)
+}
+
+/// Whether an access of `buf[index]` can move `VEC` consecutive elements along variable
+/// `along` at once: a dtype with a vector form, a buffer at an arena offset aligned to the
+/// vector's bytes, and an affine index with coefficient 1 on `along` whose other part (over
+/// domain variables) is a multiple of `VEC`.
+fn vector_access(
+    k: &Kernel,
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    buf: NodeId,
+    dtype: DType,
+    index: ExprId,
+    along: Var,
+) -> bool {
+    let v = VEC as i64;
+    matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16)
+        && offset_of(buf).is_some_and(|off| off % (VEC * dtype.size_bytes()) as u64 == 0)
+        && k.pool.affine(index).is_some_and(|af| {
+            af.coef(along) == 1
+                && af.c0 % v == 0
+                && af
+                    .terms
+                    .iter()
+                    .all(|&(x, c)| x == along || ((x as usize) < k.domain.len() && c % v == 0))
+        })
 }
 
 /// Splits the vector loads of [`vector_plan`] into plain ones and the roots of load trees
@@ -3437,23 +3444,10 @@ fn epilogue_vectors(px: &Px, mm: &Matmul) -> bool {
         return false;
     }
     let col = (mm.batch.len() + 1) as Var;
-    let v = VEC as i64;
     !k.stores.is_empty()
-        && k.stores.iter().all(|s| {
-            let storable = matches!(s.dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16);
-            let aligned = (px.offset_of)(s.buf)
-                .is_some_and(|off| off % (VEC * s.dtype.size_bytes()) as u64 == 0);
-            storable
-                && aligned
-                && !s.accumulate
-                && k.pool.affine(s.index).is_some_and(|af| {
-                    af.coef(col) == 1
-                        && af.c0 % v == 0
-                        && af.terms.iter().all(|&(x, c)| {
-                            x == col || ((x as usize) < k.domain.len() && c % v == 0)
-                        })
-                })
-        })
+        && k.stores
+            .iter()
+            .all(|s| !s.accumulate && vector_access(k, px.offset_of, s.buf, s.dtype, s.index, col))
 }
 
 /// The fused epilogue of a register-tiled matmul: the kernel's stores at every in-range
