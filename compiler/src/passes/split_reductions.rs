@@ -1,51 +1,113 @@
-//! Split large reductions over several axes into two reductions.
+//! Split large reductions over several axes into a chain of reductions.
 //!
 //! Expects a verified graph after autodiff. `reduce(x, axes: [.., a])` over at least two
 //! axes of a tensor of 64 Ki elements or more becomes `reduce(reduce(x, axes: [a],
 //! keepdim: true), axes: [.., a])`: the inner reduction keeps one value per remaining
 //! element (many rows: a kernel with parallelism), the outer one reduces those (few).
-//! Sum, max and min are associative; a mean of equal-sized means is the mean. The result
-//! type and every user are unchanged. Used by `artifact::compile`, so back ends never face
-//! one long serial reduction (a whole-tensor loss on a GPU is otherwise one block of
-//! threads). Cost: one pass over the nodes; at most one new node per split.
+//! Where those rows would be too few to fill a GPU ([`MIN_ROWS`]), axis `a` is first cut
+//! into chunks (`reshape` to `[c, a/c]`, a view) and the inner reduction sums one chunk
+//! per row: gpt's RMSNorm gain gradients `sum(dy * x̂, axes: [0, 1])` of `[8, 512, 768]`
+//! left 6144 rows of 512 strided loads each (55 µs a kernel on an H100); chunks of 16 give
+//! 196 608 rows. Sum, max and min are associative; a mean of equal-sized means is the
+//! mean. The result type and every user are unchanged. Used by `artifact::compile`, so
+//! back ends never face one long serial reduction (a whole-tensor loss on a GPU is
+//! otherwise one block of threads). Cost: one pass over the nodes; at most four new nodes
+//! per split.
 
-use crate::ir::{Graph, Op};
+use crate::ir::{Graph, NodeId, Op, Shape};
 
 /// Below this many input elements a reduction stays whole.
 const MIN_ELEMENTS: usize = 1 << 16;
+/// Fewest rows the inner reduction should leave (an H100 runs 270 336 threads at once).
+const MIN_ROWS: usize = 1 << 17;
+/// Fewest elements a chunk sums.
+const MIN_CHUNK: usize = 16;
 
 /// Splits every large multi-axis reduction; returns the rewritten graph (node order kept,
-/// each split reduction replaced in place by its two halves).
+/// each split reduction replaced in place by its chain).
 pub fn split_reductions(g: &Graph) -> Graph {
     super::replace_in_order(g, |h, n| {
         let node = h.node(n).clone();
         let Op::Reduce { op, axes, keepdim } = node.op else {
             return None;
         };
-        if axes.len() < 2 || h.ty(node.inputs[0]).shape.numel() < MIN_ELEMENTS {
+        let x = node.inputs[0];
+        let dims = h.ty(x).dims().to_vec();
+        if axes.len() < 2 || h.ty(x).shape.numel() < MIN_ELEMENTS {
             return None;
         }
         let last = axes.iter().max().copied()?;
-        let inner = h
-            .add(
-                Op::Reduce {
-                    op,
-                    axes: vec![last],
-                    keepdim: true,
+        let mut added = Vec::new();
+        let mut add = |h: &mut Graph, op: Op, input: NodeId| {
+            let y = h.add(op, vec![input], node.span, node.checkpoint).ok()?;
+            added.push(y);
+            Some(y)
+        };
+        let mut inner_in = x;
+        let chunk = chunks(dims[last], h.ty(x).shape.numel() / dims[last].max(1));
+        if chunk > 1 {
+            // [.., a, ..] -> [.., c, a/c, ..], summed over the chunks' elements below.
+            let mut split = dims[..last].to_vec();
+            split.extend([chunk, dims[last] / chunk]);
+            split.extend_from_slice(&dims[last + 1..]);
+            let viewed = add(
+                h,
+                Op::Reshape {
+                    shape: Shape(split),
                 },
-                vec![node.inputs[0]],
-                node.span,
-                node.checkpoint,
-            )
-            .ok()?;
-        let outer = h
-            .add(
-                Op::Reduce { op, axes, keepdim },
-                vec![inner],
-                node.span,
-                node.checkpoint,
-            )
-            .ok()?;
-        Some(vec![inner, outer])
+                x,
+            )?;
+            let per_chunk = Op::Reduce {
+                op,
+                axes: vec![last + 1],
+                keepdim: false,
+            };
+            // [.., c, ..]: the same rank and axes as x, `a` now `c` long.
+            inner_in = add(h, per_chunk, viewed)?;
+        }
+        let inner = Op::Reduce {
+            op,
+            axes: vec![last],
+            keepdim: true,
+        };
+        let inner = add(h, inner, inner_in)?;
+        add(h, Op::Reduce { op, axes, keepdim }, inner)?;
+        Some(added)
     })
+}
+
+/// Chunks to cut a reduced axis of length `len` into, where the reduction leaves `rows`
+/// values per element of that axis: 1 (none) when the rows are enough, else the fewest
+/// that give [`MIN_ROWS`] rows with chunks of at least [`MIN_CHUNK`] elements (or the most
+/// that keep chunks that long).
+fn chunks(len: usize, rows: usize) -> usize {
+    if rows >= MIN_ROWS || len < 4 * MIN_CHUNK {
+        return 1;
+    }
+    let fits = |c: &usize| len.is_multiple_of(*c) && len / c >= MIN_CHUNK;
+    let mut best = 1;
+    for c in (4..=len / MIN_CHUNK).filter(fits) {
+        best = c;
+        if rows.saturating_mul(c) >= MIN_ROWS {
+            break;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_only_where_rows_are_few() {
+        // gpt's gain gradient: 6144 rows of 512 -> 32 chunks of 16 (196 608 rows).
+        assert_eq!(chunks(512, 6144), 32);
+        // Enough rows already, or an axis too short to cut.
+        assert_eq!(chunks(512, 1 << 17), 1);
+        assert_eq!(chunks(63, 8), 1);
+        // A prime length has no chunks; a short one gets the most that stay 16 long.
+        assert_eq!(chunks(257, 8), 1);
+        assert_eq!(chunks(128, 8), 8);
+    }
 }
