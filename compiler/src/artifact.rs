@@ -95,6 +95,7 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let t = Instant::now();
     let fuse_opts = fuse::FuseOptions {
         implicit_gemm: o.target == Target::Cuda,
+        k_major_f32: o.target == Target::Cuda && !o.allow_tf32,
         ..o.fuse
     };
     let fused = fuse::fuse(&g, fuse_opts)?;

@@ -204,6 +204,24 @@ fn ptx_paths_are_chosen_where_they_apply() {
         false,
     );
     assert_eq!(shared.matches("ld.global.v4.f32").count(), 2, "{shared}");
+    // An f32 B contiguous along k (a transposed view) is read in place by the FFMA tiles,
+    // with vector loads along k; with TF32 it is copied once, contiguously.
+    let bt = model(
+        " input a: f32[2048, 256]\n input b: f32[2048, 256]",
+        "a @ transpose(b)",
+    );
+    let exact = build(&bt, Target::Cuda, false);
+    assert_eq!(exact.fused.kernels.len(), 1, "no copy of b");
+    let mm = exact.fused.kernels[0].matmul.as_ref().unwrap();
+    assert_eq!((mm.b.rs, mm.b.cs), (1, 256));
+    assert_eq!(
+        exact.code.matches("ld.global.v4.f32").count(),
+        4,
+        "{}",
+        exact.code
+    );
+    assert_eq!(build(&bt, Target::Cuda, true).fused.kernels.len(), 2);
+    assert_eq!(build(&bt, Target::Cpu, false).fused.kernels.len(), 2);
     // Long rows: a block per row shares the row's reductions, then its threads stride
     // over the row's elements.
     let softmax = ptx(

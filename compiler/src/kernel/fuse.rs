@@ -52,6 +52,10 @@ pub struct FuseOptions {
     /// B contiguous along `k` in place (Hopper's wgmma reads it K-major); set by
     /// `artifact::plan_step` for CUDA.
     pub implicit_gemm: bool,
+    /// Let f32 matmuls read a B contiguous along `k` (a transposed view: a weight in a
+    /// backward pass, attention's `k^T`) in place instead of copying it; set by
+    /// `artifact::plan_step` for CUDA without TF32, whose FFMA tiles load such a B along `k`.
+    pub k_major_f32: bool,
 }
 
 impl Default for FuseOptions {
@@ -60,6 +64,7 @@ impl Default for FuseOptions {
             fuse: true,
             channels_last: false,
             implicit_gemm: false,
+            k_major_f32: false,
         }
     }
 }
@@ -157,7 +162,7 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
         } else {
             BTreeMap::new()
         };
-        match build(g, &order, &materialized, &layouts, opts.implicit_gemm) {
+        match build(g, &order, &materialized, &layouts, opts) {
             Ok(kernels) => {
                 return Ok(Fused {
                     kernels,
@@ -399,13 +404,15 @@ fn build(
     order: &[NodeId],
     m: &BTreeSet<NodeId>,
     layouts: &BTreeMap<NodeId, Vec<usize>>,
-    implicit_gemm: bool,
+    opts: FuseOptions,
 ) -> Result<Vec<Kernel>, Retry> {
+    let implicit_gemm = opts.implicit_gemm;
     let d = Decisions {
         g,
         materialized: m,
         layouts,
         implicit_gemm,
+        k_major_f32: opts.k_major_f32,
     };
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();

@@ -40,6 +40,8 @@ pub struct Decisions<'a> {
     /// CUDA: convolutions may become implicit-GEMM anchors, and a large f16/bf16 matmul
     /// may read a B contiguous along `k` in place.
     pub implicit_gemm: bool,
+    /// An f32 matmul may read a B contiguous along `k` in place (CUDA without TF32).
+    pub k_major_f32: bool,
 }
 
 impl Decisions<'_> {
@@ -1043,7 +1045,9 @@ impl<'a> Builder<'a> {
         // The tiled loop reads rows of B as vectors: a B that is not contiguous along its
         // columns (a transposed view) is copied once, contiguously. Except on CUDA for an
         // f16/bf16 B contiguous along `k` and large enough for Hopper's wgmma tiles, which
-        // read it as it lies (K-major).
+        // read it as it lies (K-major), and for an f32 B contiguous along `k` without TF32,
+        // which every FFMA path loads along `k` (gpt: 84 copies of weights and of attention's
+        // `k^T` a step fewer).
         let k_major_half = self.d.implicit_gemm
             && matches!(b.dtype, DType::F16 | DType::BF16)
             && a.dtype == b.dtype
@@ -1054,7 +1058,9 @@ impl<'a> Builder<'a> {
             && nn >= 128
             && k >= 64
             && k.is_multiple_of(8);
-        if b.cs != 1 && nn > 1 && !k_major_half {
+        let k_major_f32 =
+            self.d.k_major_f32 && b.dtype == DType::F32 && a.dtype == DType::F32 && b.rs == 1;
+        if b.cs != 1 && nn > 1 && !k_major_half && !k_major_f32 {
             return Err(LowerError::Materialize(node.inputs[1]));
         }
         Ok(Matmul {
