@@ -2964,7 +2964,7 @@ const SG_VECTOR_STORES_MAX_K: usize = 128;
 /// stage is loaded into registers (float4 loads where the operand is contiguous and
 /// aligned, along `k` or along its rows/columns, whichever is contiguous: [`SgSlot`])
 /// while the current one is multiplied, then stored to the other buffer; one barrier a
-/// stage. A B contiguous along `k` is read in place (gpt: 86 copies a step fewer, 75.5 →
+/// stage. A B contiguous along `k` is read in place (gpt: 86 kernels a step fewer, 75.5 →
 /// 72.7 ms on an H100).
 fn emit_sgemm(
     k: &Kernel,
