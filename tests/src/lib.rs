@@ -639,6 +639,22 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "avg_pool2d(tanh(conv2d(x, w)), 1)",
         1e-5,
     );
+    // Causal attention's structural zeros (`analysis::zeros`): the score tiles above the
+    // diagonal are not computed and `p @ v` sums `k` only up to the diagonal (a `tril`
+    // with `k = 44`: fewer queries than keys; 300 and 260 are whole tiles and a ragged
+    // one, not whole stages of 8), and the same for an upper-triangular mask.
+    add(
+        "causal attention: skipped score tiles and k ranges, fewer queries than keys",
+        " input q: f32[72, 256, 32]\n input k: f32[72, 300, 32]\n input v: f32[72, 300, 32]",
+        "attention(q, k, v, causal: true)",
+        1e-5,
+    );
+    add(
+        "upper-triangular mask: skipped score tiles and k ranges from the diagonal",
+        " input q: f32[72, 260, 32]\n input k: f32[72, 260, 32]\n input v: f32[72, 260, 32]",
+        "softmax(where(triu(ones([260, 260], bool), k: -3), q @ transpose(k), -inf), axis: -1) @ v",
+        1e-5,
+    );
     add(
         "row blocks: softmax over long rows",
         " input x: f32[6, 40, 520]",

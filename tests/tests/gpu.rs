@@ -130,6 +130,26 @@ fn gpu_split_k_weight_gradients_agree_with_eager() {
     );
 }
 
+/// Causal attention's gradients skip what the forward pass skips: the score gradient's
+/// tiles above the diagonal, and `k` ranges of `dq`, `dk` and `dv` (48 heads of 260
+/// positions: every attention matmul takes the large tiles).
+#[test]
+fn gpu_causal_attention_gradients_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    let src = "model m {
+        input w: f32[2, 24, 260, 32]
+        param q: f32[2, 24, 260, 32] = normal(0.0, 1.0)
+        param k: f32[2, 24, 260, 32] = normal(0.0, 1.0)
+        param v: f32[2, 24, 260, 32] = normal(0.0, 1.0)
+        let loss = mean(attention(q, k, v, causal: true) * w)
+        output loss
+        train sgd(lr: 100.0) minimize loss
+    }";
+    agree(src, &Options::default(), "causal attention", 2, 1e-5);
+}
+
 #[test]
 fn gpu_vector_and_matmul_paths_agree_with_eager() {
     if !gpu() {

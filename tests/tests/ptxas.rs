@@ -222,6 +222,37 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     assert_eq!(build(&bt, Target::Cuda, true).fused.kernels.len(), 2);
     assert_eq!(build(&bt, Target::Cpu, false).fused.kernels.len(), 2);
+    assert!(
+        !exact.code.contains("sg_done"),
+        "no skips in a dense matmul"
+    );
+    // Causal attention (`analysis::zeros`): the score tiles above the diagonal sum no `k`
+    // and `p @ v` sums `k` up to the diagonal; 44 = 300 keys - 256 queries.
+    let att = model(
+        " input q: f32[72, 256, 32]\n input k: f32[72, 300, 32]\n input v: f32[72, 300, 32]",
+        "attention(q, k, v, causal: true)",
+    );
+    let causal = build(&att, Target::Cuda, false);
+    let skips: Vec<String> = causal
+        .fused
+        .kernels
+        .iter()
+        .filter_map(|k| k.matmul.as_ref())
+        .map(|mm| {
+            mm.skip
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    assert_eq!(skips, ["j-i>44", "k-i>44"]);
+    assert_eq!(
+        causal.code.matches("bra.uni $L_sg_done").count(),
+        2,
+        "{}",
+        causal.code
+    );
     // Long rows: a block per row shares the row's reductions, then its threads stride
     // over the row's elements.
     let softmax = ptx(

@@ -3,3 +3,4 @@
 pub mod arena;
 pub mod interference;
 pub mod liveness;
+pub mod zeros;

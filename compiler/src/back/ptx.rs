@@ -52,7 +52,7 @@
 use super::clif::sites;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
-use crate::kernel::{ExprId, Gather, Kernel, Matmul, Red, VTy, Var, E};
+use crate::kernel::{ExprId, Gather, Kernel, Matmul, MmAxis, Red, VTy, Var, E};
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
@@ -3076,20 +3076,44 @@ fn emit_sgemm(
     let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
     let nk = kd.div_ceil(SG_BK);
+    // The stages this tile sums: all of them, or those its skips leave.
+    let range = stage_range(&mut px, mm, &row0, &col0, (bm, bn), SG_BK);
+    let done = range.as_ref().map(|_| px.label("sg_done"));
     if nk > 0 {
-        let zero = px.fresh("rd");
-        px.line(format!("mov.s64 {zero}, 0;"));
-        load_regs(&mut px, &zero);
-        store_regs(&mut px, &sbase);
-        px.line("bar.sync 0;");
-        let kt = px.fresh("r");
-        px.line(format!("mov.u32 {kt}, 0;"));
+        let (kt, last) = match (&range, &done) {
+            (Some((kb, ke)), Some(done)) => {
+                let empty = px.fresh("p");
+                px.line(format!("setp.ge.u32 {empty}, {kb}, {ke};"));
+                px.line(format!("@{empty} bra.uni {done};"));
+                let k0 = px.fresh("rd");
+                px.line(format!("mul.wide.u32 {k0}, {kb}, {SG_BK};"));
+                load_regs(&mut px, &k0);
+                let st = px.fresh("r");
+                px.line(format!("and.b32 {st}, {kb}, 1;"));
+                px.line(format!("mad.lo.u32 {st}, {st}, {}, {sbase};", 2 * SG_TILE));
+                store_regs(&mut px, &st);
+                px.line("bar.sync 0;");
+                let kt = px.fresh("r");
+                px.line(format!("mov.u32 {kt}, {kb};"));
+                (kt, ke.clone())
+            }
+            _ => {
+                let zero = px.fresh("rd");
+                px.line(format!("mov.s64 {zero}, 0;"));
+                load_regs(&mut px, &zero);
+                store_regs(&mut px, &sbase);
+                px.line("bar.sync 0;");
+                let kt = px.fresh("r");
+                px.line(format!("mov.u32 {kt}, 0;"));
+                (kt, nk.to_string())
+            }
+        };
         let head = px.label("sg_k");
         px.body.push_str(&format!("{head}:\n"));
         let ktn = px.fresh("r");
         px.line(format!("add.u32 {ktn}, {kt}, 1;"));
         let more = px.fresh("p");
-        px.line(format!("setp.lt.u32 {more}, {ktn}, {nk};"));
+        px.line(format!("setp.lt.u32 {more}, {ktn}, {last};"));
         // The next stage's loads stay in the loop's one basic block, before the products,
         // so that their latency overlaps them (behind a branch ptxas sank them below the
         // products: 0.35 of the step). Past the last stage every load is out of range (off).
@@ -3137,6 +3161,9 @@ fn emit_sgemm(
         px.line(format!("mov.u32 {kt}, {ktn};"));
         px.line(format!("@{more} bra.uni {head};"));
     }
+    if let Some(done) = done {
+        px.body.push_str(&format!("{done}:\n"));
+    }
 
     // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
     let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
@@ -3174,6 +3201,64 @@ fn emit_sgemm(
             shared_bytes: 0,
         },
     ))
+}
+
+/// The `bk`-deep stages `[kb, ke)` (u32 registers) that the `bm`×`bn` tile at `row0`,
+/// `col0` (i64 registers) must sum, given the matmul's [`Skip`]s; `None` without skips (every
+/// stage). A skip over `i` and `j` that holds on the whole tile empties the range; one over
+/// `k` and `i` or `j` bounds it (causal attention's `p @ v` sums `k <= i`: a quarter to all
+/// of the stages, by row tile).
+fn stage_range(
+    px: &mut Px,
+    mm: &Matmul,
+    row0: &str,
+    col0: &str,
+    (bm, bn): (usize, usize),
+    bk: usize,
+) -> Option<(String, String)> {
+    if mm.skip.is_empty() {
+        return None;
+    }
+    // The tile's least and greatest index along i and j.
+    let first = |a: MmAxis| if a == MmAxis::I { row0 } else { col0 };
+    let extent = |a: MmAxis| if a == MmAxis::I { bm } else { bn };
+    let (kb, ke) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("mov.s64 {kb}, 0;"));
+    px.line(format!("mov.s64 {ke}, {};", mm.k));
+    for s in &mm.skip {
+        let t = px.fresh("rd");
+        match (s.lo, s.hi) {
+            // Every term of the tile has idx(hi) - idx(lo) > c: no stage.
+            (MmAxis::I, MmAxis::J) | (MmAxis::J, MmAxis::I) => {
+                px.line(format!("sub.s64 {t}, {}, {};", first(s.hi), first(s.lo)));
+                let least = s.c.saturating_add(extent(s.lo) as i64 - 1);
+                let p = px.fresh("p");
+                px.line(format!("setp.gt.s64 {p}, {t}, {least};"));
+                px.line(format!("@{p} mov.s64 {ke}, 0;"));
+            }
+            // k - x > c adds nothing: k < x + c + 1 for the tile's greatest x.
+            (lo, MmAxis::K) => {
+                let end = s.c.saturating_add(extent(lo) as i64);
+                px.line(format!("add.s64 {t}, {}, {end};", first(lo)));
+                px.line(format!("min.s64 {ke}, {ke}, {t};"));
+            }
+            // x - k > c adds nothing: k >= x - c for the tile's least x.
+            (MmAxis::K, hi) => {
+                px.line(format!("sub.s64 {t}, {}, {};", first(hi), s.c));
+                px.line(format!("max.s64 {kb}, {kb}, {t};"));
+            }
+            _ => {}
+        }
+    }
+    // Whole stages: kb rounded down, ke up, both within [0, stages].
+    let (b, e) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("max.s64 {ke}, {ke}, 0;"));
+    px.line(format!("add.s64 {ke}, {ke}, {};", bk - 1));
+    px.line(format!("div.s64 {ke}, {ke}, {bk};"));
+    px.line(format!("div.s64 {kb}, {kb}, {bk};"));
+    px.line(format!("cvt.u32.u64 {b}, {kb};"));
+    px.line(format!("cvt.u32.u64 {e}, {ke};"));
+    Some((b, e))
 }
 
 /// One operand of the SGEMM as [`SgSlot::new`] sets it up.

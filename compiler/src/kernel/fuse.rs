@@ -36,6 +36,7 @@ use super::lower::{
     self, free_vars, is_scatter, matmul_anchor_ok, reachable, Builder, Decisions, LowerError,
 };
 use super::{Kernel, Store, E};
+use crate::analysis::zeros::Zeros;
 use crate::ir::{Graph, NodeId, Op, PoolKind};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -155,6 +156,7 @@ fn elementwise(op: &Op) -> bool {
 pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
     let order = g.topo_order().ok_or(FuseError::Cycle)?;
     let mut forced: BTreeSet<NodeId> = BTreeSet::new();
+    let zeros = Zeros::of(g);
     for _ in 0..=order.len() {
         let materialized = decide(g, &order, opts, &forced);
         let layouts = if opts.channels_last {
@@ -162,7 +164,7 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
         } else {
             BTreeMap::new()
         };
-        match build(g, &order, &materialized, &layouts, opts) {
+        match build(g, &order, &materialized, &layouts, &zeros, opts) {
             Ok(kernels) => {
                 return Ok(Fused {
                     kernels,
@@ -404,6 +406,7 @@ fn build(
     order: &[NodeId],
     m: &BTreeSet<NodeId>,
     layouts: &BTreeMap<NodeId, Vec<usize>>,
+    zeros: &Zeros,
     opts: FuseOptions,
 ) -> Result<Vec<Kernel>, Retry> {
     let implicit_gemm = opts.implicit_gemm;
@@ -413,6 +416,7 @@ fn build(
         layouts,
         implicit_gemm,
         k_major_f32: opts.k_major_f32,
+        zeros,
     };
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();

@@ -11,7 +11,10 @@
 //! GEMMs whose operands are [`Gather`]s: the value of an input window at (row, k), built
 //! by the same `guarded`/`window`/`untap` arithmetic as the direct loops (`conv_gemm`).
 
-use super::{ExprId, ExprPool, Gather, Kernel, Matmul, Operand, Red, Store, VTy, Var, E};
+use super::{
+    ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Operand, Red, Skip, Store, VTy, Var, E,
+};
+use crate::analysis::zeros::{Region, Zeros};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
 use std::collections::{BTreeSet, HashMap};
 
@@ -42,6 +45,8 @@ pub struct Decisions<'a> {
     pub implicit_gemm: bool,
     /// An f32 matmul may read a B contiguous along `k` in place (CUDA without TF32).
     pub k_major_f32: bool,
+    /// Structural zeros and unread regions, for the matmuls' [`Skip`]s.
+    pub zeros: &'a Zeros,
 }
 
 impl Decisions<'_> {
@@ -976,6 +981,7 @@ impl<'a> Builder<'a> {
             rows,
             cols,
             split_k: 1,
+            skip: Vec::new(),
         };
         self.matmul = Some((n, mm));
         Ok(self.pool.add(E::Acc, VTy::F32))
@@ -1073,7 +1079,40 @@ impl<'a> Builder<'a> {
             rows: vec![m],
             cols: vec![nn],
             split_k: 1,
+            skip: self.skips(n),
         })
+    }
+
+    /// The terms of matmul `n` that its operands' structural zeros and its unread outputs
+    /// let a back end skip.
+    fn skips(&self, n: NodeId) -> Vec<Skip> {
+        let g = self.d.g;
+        let node = g.node(n);
+        let mut out = Vec::new();
+        // The last two axes of each tensor, as axes of the iteration space.
+        let mut add = |x: NodeId, r: Option<Region>, axes: [MmAxis; 2]| {
+            let rank = g.ty(x).rank();
+            let Some(r) = r else { return };
+            let at = |a: usize| match rank.checked_sub(a) {
+                Some(2) => Some(axes[0]),
+                Some(1) => Some(axes[1]),
+                _ => None,
+            };
+            if let (Some(lo), Some(hi)) = (at(r.lo), at(r.hi)) {
+                out.push(Skip { lo, hi, c: r.c });
+            }
+        };
+        let (a, b) = (node.inputs[0], node.inputs[1]);
+        if g.ty(a).rank() >= 2 && g.ty(b).rank() >= 2 {
+            add(a, self.d.zeros.zero(a), [MmAxis::I, MmAxis::K]);
+            add(b, self.d.zeros.zero(b), [MmAxis::K, MmAxis::J]);
+            add(
+                n,
+                self.d.zeros.unread.get(&n).copied(),
+                [MmAxis::I, MmAxis::J],
+            );
+        }
+        out
     }
 
     /// Finishes the kernel with the given stores.

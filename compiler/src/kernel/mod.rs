@@ -487,6 +487,43 @@ pub struct Matmul {
     /// into the zeroed output (the kernel's only store accumulates the bare result). 1:
     /// no split.
     pub split_k: usize,
+    /// Terms `A[i, k]·B[k, j]` that add nothing to any value read (structural zeros of an
+    /// operand, or output elements no one reads: [`crate::analysis::zeros`]); a back end
+    /// may skip them. Empty for most matmuls.
+    pub skip: Vec<Skip>,
+}
+
+/// An axis of a matmul's iteration space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmAxis {
+    I,
+    J,
+    K,
+}
+
+impl MmAxis {
+    fn name(self) -> &'static str {
+        match self {
+            MmAxis::I => "i",
+            MmAxis::J => "j",
+            MmAxis::K => "k",
+        }
+    }
+}
+
+/// The terms of a matmul with `idx(hi) - idx(lo) > c` (causal attention's `softmax(q kᵀ)
+/// v` skips `k - i > 0`, its scores `j - i > 0`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Skip {
+    pub lo: MmAxis,
+    pub hi: MmAxis,
+    pub c: i64,
+}
+
+impl std::fmt::Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}>{}", self.hi.name(), self.lo.name(), self.c)
+    }
 }
 
 impl Matmul {

@@ -93,6 +93,9 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
         if mm.split_k > 1 {
             let _ = write!(split, " split_k={}", mm.split_k);
         }
+        for s in &mm.skip {
+            let _ = write!(split, " skip {s}");
+        }
         let _ = writeln!(
             out,
             "  matmul batch={:?} m={} n={} k={}{split} a={} b={}",
