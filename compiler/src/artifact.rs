@@ -81,10 +81,12 @@ impl Compiled {
 }
 
 /// What [`compile`] does before code generation: the graph the kernels compute (output
-/// copies added, on CUDA f32 matmuls with few output tiles split along `k`, large
-/// reductions split), its fused kernels and their verified plan.
+/// copies added, matmuls read only transposed computed transposed, on CUDA f32 matmuls
+/// with few output tiles split along `k`, large reductions split), its fused kernels and
+/// their verified plan.
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let g = with_output_copies(g);
+    let g = crate::passes::transpose_matmuls::transpose_matmuls(&g);
     let g = if o.target == Target::Cuda && !o.allow_tf32 {
         crate::passes::split_matmuls::split_matmuls(&g)
     } else {

@@ -5,6 +5,7 @@
 pub mod schedule;
 pub mod split_matmuls;
 pub mod split_reductions;
+pub mod transpose_matmuls;
 
 use crate::ir::{verify::verify, Graph, NodeId};
 use tcc_grammar::diag::Diagnostic;
