@@ -244,6 +244,14 @@ impl ExprPool {
                 return self.from_affine(&hi);
             }
         }
+        if let Some((hi, lo, lo_fits)) = self.split_sum(a, c, ext) {
+            if lo_fits {
+                return hi;
+            }
+            let cc = self.int(c);
+            let q = self.add(E::Bin(BinaryOp::Div, lo, cc), VTy::I64);
+            return self.iadd(hi, q);
+        }
         let cc = self.int(c);
         self.add(E::Bin(BinaryOp::Div, a, cc), VTy::I64)
     }
@@ -258,8 +266,188 @@ impl ExprPool {
                 return self.from_affine(&lo);
             }
         }
+        if let Some((_hi, lo, lo_fits)) = self.split_sum(a, c, ext) {
+            if lo_fits {
+                return lo;
+            }
+            let cc = self.int(c);
+            return self.add(E::Bin(BinaryOp::Rem, lo, cc), VTy::I64);
+        }
         let cc = self.int(c);
         self.add(E::Bin(BinaryOp::Rem, a, cc), VTy::I64)
+    }
+
+    /// Splits a non-negative index `a = c * hi + lo` over its summands (where [`Affine`]
+    /// cannot: a summand is a clamp, a quotient or a remainder of the views below a concat):
+    /// summands whose coefficient `c` divides go to `hi`, the rest to `lo`, which must be
+    /// non-negative (so `a / c = hi + lo / c` and `a % c = lo % c`). The flag says `lo`
+    /// stays below `c` (then `a / c = hi`, `a % c = lo`). `None` when a part may be
+    /// negative or `lo` is all of `a`.
+    fn split_sum(
+        &mut self,
+        a: ExprId,
+        c: i64,
+        ext: &dyn Fn(Var) -> Option<usize>,
+    ) -> Option<(ExprId, ExprId, bool)> {
+        if c <= 0 {
+            return None;
+        }
+        let mut terms = Vec::new();
+        let c0 = self.summands(a, 1, &mut terms)?;
+        let (mut hi, mut lo) = (self.int(c0.div_euclid(c)), self.int(c0.rem_euclid(c)));
+        let (mut lo_min, mut lo_max) = (c0.rem_euclid(c), c0.rem_euclid(c));
+        let mut hi_min = c0.div_euclid(c);
+        let mut moved = false;
+        for (x, k) in terms {
+            let (xmin, xmax) = self.range(x, ext)?;
+            if k % c == 0 {
+                let t = self.imul_c(x, k / c);
+                hi = self.iadd(hi, t);
+                hi_min =
+                    hi_min.checked_add((k / c).checked_mul(if k > 0 { xmin } else { xmax })?)?;
+                moved = true;
+            } else {
+                let t = self.imul_c(x, k);
+                lo = self.iadd(lo, t);
+                let (p, q) = (k.checked_mul(xmin)?, k.checked_mul(xmax)?);
+                lo_min = lo_min.checked_add(p.min(q))?;
+                lo_max = lo_max.checked_add(p.max(q))?;
+            }
+        }
+        let fits = lo_max < c;
+        (lo_min >= 0 && hi_min >= 0 && (moved || fits)).then_some((hi, lo, fits))
+    }
+
+    /// Adds `scale ×` the summands of `e` to `out` (atoms with their coefficients) and
+    /// returns `scale ×` its constant.
+    fn summands(&self, e: ExprId, scale: i64, out: &mut Vec<(ExprId, i64)>) -> Option<i64> {
+        if self.ty(e) != VTy::I64 {
+            return None;
+        }
+        match self.get(e) {
+            E::Int(v) => v.checked_mul(scale),
+            E::Bin(BinaryOp::Add, a, b) => {
+                let (a, b) = (*a, *b);
+                self.summands(a, scale, out)?
+                    .checked_add(self.summands(b, scale, out)?)
+            }
+            E::Bin(BinaryOp::Mul, a, b) => match (self.int_value(*a), self.int_value(*b)) {
+                (Some(k), _) => self.summands(*b, scale.checked_mul(k)?, out),
+                (_, Some(k)) => self.summands(*a, scale.checked_mul(k)?, out),
+                _ => {
+                    out.push((e, scale));
+                    Some(0)
+                }
+            },
+            _ => {
+                out.push((e, scale));
+                Some(0)
+            }
+        }
+    }
+
+    /// Bounds `[min, max]` of an i64 index expression, where variables range over their
+    /// extents (`ext`); `None` where unknown.
+    pub fn range(&self, e: ExprId, ext: &dyn Fn(Var) -> Option<usize>) -> Option<(i64, i64)> {
+        let r = |x: &ExprId| self.range(*x, ext);
+        match self.get(e) {
+            E::Int(v) => Some((*v, *v)),
+            E::Var(v) => Some((0, (ext(*v)? as i64 - 1).max(0))),
+            E::Bin(BinaryOp::Add, a, b) => {
+                let ((p, q), (s, t)) = (r(a)?, r(b)?);
+                Some((p.checked_add(s)?, q.checked_add(t)?))
+            }
+            E::Bin(BinaryOp::Mul, a, b) => {
+                let ((p, q), (s, t)) = (r(a)?, r(b)?);
+                let c = [
+                    p.checked_mul(s)?,
+                    p.checked_mul(t)?,
+                    q.checked_mul(s)?,
+                    q.checked_mul(t)?,
+                ];
+                Some((*c.iter().min()?, *c.iter().max()?))
+            }
+            E::Bin(BinaryOp::Div, a, b) => {
+                let ((p, q), k) = (r(a)?, self.int_value(*b)?);
+                (p >= 0 && k > 0).then_some((p / k, q / k))
+            }
+            E::Bin(BinaryOp::Rem, a, b) => {
+                let ((p, q), k) = (r(a)?, self.int_value(*b)?);
+                if p < 0 || k <= 0 {
+                    None
+                } else if q < k {
+                    Some((p, q))
+                } else {
+                    Some((0, k - 1))
+                }
+            }
+            E::IMin(a, b) => {
+                let ((p, q), (s, t)) = (r(a)?, r(b)?);
+                Some((p.min(s), q.min(t)))
+            }
+            E::IMax(a, b) => {
+                let ((p, q), (s, t)) = (r(a)?, r(b)?);
+                Some((p.max(s), q.max(t)))
+            }
+            _ => None,
+        }
+    }
+
+    /// `root` with variable `v` replaced by `with` (nodes that do not read `v` are kept).
+    pub fn substitute(&mut self, root: ExprId, v: Var, with: ExprId) -> ExprId {
+        let mut memo: HashMap<ExprId, ExprId> = HashMap::new();
+        self.substitute_in(root, v, with, &mut memo)
+    }
+
+    fn substitute_in(
+        &mut self,
+        e: ExprId,
+        v: Var,
+        with: ExprId,
+        memo: &mut HashMap<ExprId, ExprId>,
+    ) -> ExprId {
+        if let Some(&r) = memo.get(&e) {
+            return r;
+        }
+        let node = self.get(e).clone();
+        let mut sub = |p: &mut ExprPool, x: ExprId| p.substitute_in(x, v, with, memo);
+        let rebuilt = match node {
+            E::Var(w) if w == v => None,
+            E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => Some(node),
+            E::Load { buf, dtype, index } => Some(E::Load {
+                buf,
+                dtype,
+                index: sub(self, index),
+            }),
+            E::Un(op, a) => Some(E::Un(op, sub(self, a))),
+            E::Cast(t, a) => Some(E::Cast(t, sub(self, a))),
+            E::Bin(op, a, b) => Some(E::Bin(op, sub(self, a), sub(self, b))),
+            E::IMin(a, b) => Some(E::IMin(sub(self, a), sub(self, b))),
+            E::IMax(a, b) => Some(E::IMax(sub(self, a), sub(self, b))),
+            E::Select(c, a, b) => Some(E::Select(sub(self, c), sub(self, a), sub(self, b))),
+            E::Reduce { op, vars, body } => Some(E::Reduce {
+                op,
+                vars,
+                body: sub(self, body),
+            }),
+            E::ArgMax { vars, body } => Some(E::ArgMax {
+                vars,
+                body: sub(self, body),
+            }),
+            E::Uniform { seed, index } => Some(E::Uniform {
+                seed,
+                index: sub(self, index),
+            }),
+        };
+        let r = match rebuilt {
+            None => with,
+            Some(n) => {
+                let ty = self.ty(e);
+                self.add(n, ty)
+            }
+        };
+        memo.insert(e, r);
+        r
     }
 
     /// `min(max(a, lo), hi)` on i64.
@@ -618,5 +806,66 @@ impl Kernel {
             .copied()
             .filter(|e| site[e.0 as usize] == v)
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Evaluates an i64 index expression at `vals` (variables by number); i64 `/` and `%`
+    /// truncate as in the back ends.
+    fn eval(p: &ExprPool, e: ExprId, vals: &[i64]) -> i64 {
+        let r = |x: &ExprId| eval(p, *x, vals);
+        match p.get(e) {
+            E::Int(v) => *v,
+            E::Var(v) => vals[*v as usize],
+            E::Bin(BinaryOp::Add, a, b) => r(a) + r(b),
+            E::Bin(BinaryOp::Mul, a, b) => r(a) * r(b),
+            E::Bin(BinaryOp::Div, a, b) => r(a) / r(b),
+            E::Bin(BinaryOp::Rem, a, b) => r(a) % r(b),
+            E::IMin(a, b) => r(a).min(r(b)),
+            E::IMax(a, b) => r(a).max(r(b)),
+            other => panic!("not an index: {other:?}"),
+        }
+    }
+
+    fn count(p: &ExprPool, root: ExprId, op: BinaryOp) -> usize {
+        crate::kernel::lower::reachable(p, &[root])
+            .into_iter()
+            .filter(|&x| matches!(p.get(x), E::Bin(o, _, _) if *o == op))
+            .count()
+    }
+
+    /// A concat piece's index (`clamp(v1 - 16, 0, 23)`) under a row-major flattening and a
+    /// split into `[.., 2, 12]`: quotients and remainders of the sum keep only the clamp.
+    #[test]
+    fn sums_split_around_bounded_summands() {
+        let ext = |v: Var| [3usize, 40][v as usize..].first().copied();
+        let mut p = ExprPool::default();
+        p.reserve_vars(2);
+        let (v0, v1) = (p.var(0), p.var(1));
+        let shifted = p.iadd_c(v1, -16);
+        let piece = p.clamp(shifted, 0, 23);
+        let row = p.imul_c(v0, 24);
+        let flat = p.iadd(row, piece);
+        let outer = p.idiv_c(flat, 12, &ext);
+        let half = p.irem_c(outer, 2, &ext);
+        let inner = p.irem_c(flat, 12, &ext);
+        let whole = p.idiv_c(flat, 24, &ext);
+        for (e, divs, rems) in [(half, 1, 0), (inner, 0, 1), (whole, 0, 0)] {
+            assert_eq!(count(&p, e, BinaryOp::Div), divs);
+            assert_eq!(count(&p, e, BinaryOp::Rem), rems);
+        }
+        for a in 0..3 {
+            for b in 0..40 {
+                let f = eval(&p, flat, &[a, b]);
+                assert_eq!(eval(&p, half, &[a, b]), (f / 12) % 2);
+                assert_eq!(eval(&p, inner, &[a, b]), f % 12);
+                assert_eq!(eval(&p, whole, &[a, b]), f / 24);
+            }
+        }
+        assert_eq!(p.range(piece, &ext), Some((0, 23)));
+        assert_eq!(p.range(half, &ext), Some((0, 1)));
     }
 }
