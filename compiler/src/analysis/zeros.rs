@@ -382,15 +382,7 @@ fn unread_through(g: &Graph, z: &Zeros, u: NodeId, pos: usize) -> Option<Region>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::{compile, Options, Sources};
-
-    fn graph(src: &str) -> Graph {
-        let mut sources = Sources::new("t.tdsl", src.as_bytes());
-        match compile(&mut sources, &Options::default()) {
-            Ok(mut l) if l.graphs.len() == 1 => l.graphs.remove(0),
-            other => panic!("test program does not compile: {other:?}"),
-        }
-    }
+    use crate::front::test_graph as graph;
 
     /// The nodes of `g` whose op is named `name`, in id order.
     fn nodes(g: &Graph, name: &str) -> Vec<NodeId> {

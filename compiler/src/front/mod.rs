@@ -81,6 +81,16 @@ impl Sources {
     }
 }
 
+/// The graph of a test program with one model (unit tests of passes and analyses).
+#[cfg(test)]
+pub(crate) fn test_graph(src: &str) -> Graph {
+    let mut sources = Sources::new("t.tdsl", src.as_bytes());
+    match compile(&mut sources, &Options::default()) {
+        Ok(mut l) if l.graphs.len() == 1 => l.graphs.remove(0),
+        other => panic!("test program does not compile: {other:?}"),
+    }
+}
+
 /// Runs the front end. Errors come back all together, in source order.
 pub fn compile(sources: &mut Sources, opts: &Options) -> Result<Lowered, Vec<Diagnostic>> {
     if !sources.decode_errors.is_empty() {

@@ -101,15 +101,7 @@ fn is_swap(g: &Graph, x: NodeId) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::front::{compile, Options, Sources};
-
-    fn graph(src: &str) -> Graph {
-        let mut sources = Sources::new("t.tdsl", src.as_bytes());
-        match compile(&mut sources, &Options::default()) {
-            Ok(mut l) if l.graphs.len() == 1 => l.graphs.remove(0),
-            other => panic!("test program does not compile: {other:?}"),
-        }
-    }
+    use crate::front::test_graph as graph;
 
     fn ops(g: &Graph) -> Vec<String> {
         g.topo_order()
