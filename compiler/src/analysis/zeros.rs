@@ -53,8 +53,7 @@ impl Zeros {
                 z.known.insert(n, f);
             }
         }
-        let mut read: Vec<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
-        read.extend(g.updates.iter().flat_map(|&(t, v)| [t, v]));
+        let read = g.read_by_caller();
         for &n in order.iter().rev() {
             if read.contains(&n) {
                 continue;

@@ -206,6 +206,16 @@ impl Graph {
         &self.graph[id.0].ty
     }
 
+    /// The values the caller reads after a step: outputs, and the params and state the step
+    /// updates with their new values.
+    pub fn read_by_caller(&self) -> std::collections::BTreeSet<NodeId> {
+        self.outputs
+            .iter()
+            .map(|(_, o)| *o)
+            .chain(self.updates.iter().flat_map(|&(t, v)| [t, v]))
+            .collect()
+    }
+
     pub fn node_count(&self) -> usize {
         self.graph.node_count()
     }

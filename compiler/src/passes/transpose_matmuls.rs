@@ -16,12 +16,7 @@ use crate::ir::{Graph, NodeId, Op};
 /// Rewrites every matmul read only through a swap of its last two axes; returns the
 /// rewritten graph (order kept).
 pub fn transpose_matmuls(g: &Graph) -> Graph {
-    let read: Vec<NodeId> = g
-        .outputs
-        .iter()
-        .map(|(_, o)| *o)
-        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
-        .collect();
+    let read = g.read_by_caller();
     let mut h = super::replace_in_order(g, |h, n| {
         let node = h.node(n).clone();
         if !matches!(node.op, Op::MatMul) || read.contains(&n) {
@@ -67,16 +62,14 @@ pub fn transpose_matmuls(g: &Graph) -> Graph {
     let Some(order) = h.topo_order() else {
         return h;
     };
-    let dead: Vec<NodeId> = order
-        .iter()
-        .copied()
-        .filter(|&x| is_swap(&h, x) && h.users(x).is_empty() && !read.contains(&x))
-        .collect();
+    let mut dead = Vec::new();
+    for &x in &order {
+        if is_swap(&h, x) && h.remove_if_unused(x) {
+            dead.push(x);
+        }
+    }
     if dead.is_empty() {
         return h;
-    }
-    for &x in &dead {
-        h.remove(x);
     }
     let order: Vec<NodeId> = order.into_iter().filter(|x| !dead.contains(x)).collect();
     h.reordered(&order)
