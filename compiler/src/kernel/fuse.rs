@@ -159,11 +159,14 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
     let zeros = Zeros::of(g);
     for _ in 0..=order.len() {
         let materialized = decide(g, &order, opts, &forced);
-        let layouts = if opts.channels_last {
+        let mut layouts = if opts.channels_last {
             super::layout::channels_last(g, &materialized)
         } else {
             BTreeMap::new()
         };
+        for (n, p) in super::layout::permuted_products(g, &materialized) {
+            layouts.entry(n).or_insert(p);
+        }
         match build(g, &order, &materialized, &layouts, &zeros, opts) {
             Ok(kernels) => {
                 return Ok(Fused {
@@ -459,11 +462,20 @@ fn build(
             pos_of_kernel.push(pos);
             continue;
         }
-        // The loop nest follows the buffer's physical layout (contiguous stores).
-        let layout = d.layout(n);
+        // The loop nest follows the buffer's physical layout (contiguous stores), except
+        // for a matmul anchor, whose back end owns the loops: its domain stays logical
+        // (batch, rows, columns) and its stores follow the layout.
         let dims = node.ty.dims().to_vec();
-        let mut b = Builder::new(&d, n, layout.iter().map(|&a| dims[a]).collect());
-        let idx = b.logical_index(n);
+        let (mut b, idx) = if matmul_anchor_ok(g, n) {
+            let b = Builder::new(&d, n, dims);
+            let idx = b.domain_vars();
+            (b, idx)
+        } else {
+            let layout = d.layout(n);
+            let b = Builder::new(&d, n, layout.iter().map(|&a| dims[a]).collect());
+            let idx = b.logical_index(n);
+            (b, idx)
+        };
         let value = match b.value(n, &idx) {
             Ok(v) => v,
             Err(LowerError::Materialize(x)) => {

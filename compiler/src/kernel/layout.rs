@@ -15,7 +15,14 @@
 //!
 //! A 4-D intermediate belongs to a convolution chain when a convolution, pooling or their
 //! gradients produces it or reads it, directly or through pointwise ops and views.
+//!
+//! A matmul read only through one permutation of its axes that keeps the columns last is
+//! stored in that permuted order ([`permuted_products`]): attention's `p @ v`, `[B, H, T,
+//! Dh]`, read as `[B, T, H * Dh]` by the output projection, is written as `[B, T, H, Dh]`,
+//! and the projection and its weight gradient read it in place instead of a copy (on gpt,
+//! 24 copy kernels a step fewer).
 
+use super::lower::matmul_anchor_ok;
 use crate::ir::{Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -75,4 +82,33 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
         })
         .map(|n| (n, vec![0, 2, 3, 1]))
         .collect()
+}
+
+/// The matmuls stored in the order of the one permutation that reads them (every use is a
+/// permute by the same `perm`, which keeps the last axis last): `perm` as their layout.
+pub fn permuted_products(
+    g: &Graph,
+    materialized: &BTreeSet<NodeId>,
+) -> BTreeMap<NodeId, Vec<usize>> {
+    let read_by_caller = g.read_by_caller();
+    let mut out = BTreeMap::new();
+    for &n in materialized {
+        let rank = g.ty(n).rank();
+        if !matmul_anchor_ok(g, n) || rank < 3 || read_by_caller.contains(&n) {
+            continue;
+        }
+        let mut perms = g.users(n).into_iter().map(|u| match &g.node(u).op {
+            Op::Permute { perm } => Some(perm.clone()),
+            _ => None,
+        });
+        let Some(Some(perm)) = perms.next() else {
+            continue;
+        };
+        let same = perms.all(|p| p.as_ref() == Some(&perm));
+        let identity = perm.iter().enumerate().all(|(i, &a)| i == a);
+        if same && !identity && perm.last() == Some(&(rank - 1)) {
+            out.insert(n, perm);
+        }
+    }
+    out
 }

@@ -243,6 +243,11 @@ impl ExprPool {
             if let Some((hi, _lo)) = af.split(c, ext) {
                 return self.from_affine(&hi);
             }
+            // a = g * hi + lo with 0 <= lo < g for a factor g of c: a / c = hi / (c / g).
+            if let Some((g, hi, _lo)) = af.factor_split(c, ext) {
+                let hi = self.from_affine(&hi);
+                return self.idiv_c(hi, c / g, ext);
+            }
         }
         if let Some((hi, lo, lo_fits)) = self.split_sum(a, c, ext) {
             if lo_fits {
@@ -264,6 +269,14 @@ impl ExprPool {
         if let Some(af) = self.affine(a) {
             if let Some((_hi, lo)) = af.split(c, ext) {
                 return self.from_affine(&lo);
+            }
+            // a = g * hi + lo as in `idiv_c`: a % c = (hi % (c / g)) * g + lo.
+            if let Some((g, hi, lo)) = af.factor_split(c, ext) {
+                let hi = self.from_affine(&hi);
+                let r = self.irem_c(hi, c / g, ext);
+                let r = self.imul_c(r, g);
+                let lo = self.from_affine(&lo);
+                return self.iadd(r, lo);
             }
         }
         if let Some((_hi, lo, lo_fits)) = self.split_sum(a, c, ext) {
@@ -510,8 +523,10 @@ impl ExprPool {
                 terms: vec![(*v, 1)],
             }),
             E::Bin(BinaryOp::Add, a, b) if self.ty(id) == VTy::I64 => {
-                let (x, y) = (self.affine(*a)?, self.affine(*b)?);
-                Some(x.plus(&y))
+                match (self.affine(*a), self.affine(*b)) {
+                    (Some(x), Some(y)) => Some(x.plus(&y)),
+                    _ => self.affine_paired(id),
+                }
             }
             E::Bin(BinaryOp::Mul, a, b) if self.ty(id) == VTy::I64 => {
                 match (self.int_value(*a), self.int_value(*b)) {
@@ -522,6 +537,47 @@ impl ExprPool {
             }
             _ => None,
         }
+    }
+
+    /// The affine form of a sum whose quotient and remainder summands pair up:
+    /// `(x / c) * (k * c) + (x % c) * k = x * k` (a reshape read back through the shape
+    /// it came from: `[4096] -> [8, 512] -> [4096]`).
+    fn affine_paired(&self, id: ExprId) -> Option<Affine> {
+        let mut terms = Vec::new();
+        let c0 = self.summands(id, 1, &mut terms)?;
+        let mut acc = Affine {
+            c0,
+            terms: Vec::new(),
+        };
+        let mut used = vec![false; terms.len()];
+        for i in 0..terms.len() {
+            let (e, k) = terms[i];
+            let E::Bin(BinaryOp::Rem, x, cc) = self.get(e) else {
+                continue;
+            };
+            let Some(c) = self.int_value(*cc) else {
+                continue;
+            };
+            let quotient = |&j: &usize| {
+                let (q, kq) = terms[j];
+                !used[j]
+                    && Some(kq) == k.checked_mul(c)
+                    && matches!(self.get(q), E::Bin(BinaryOp::Div, y, d)
+                        if y == x && self.int_value(*d) == Some(c))
+            };
+            if let Some(j) = (0..terms.len()).find(quotient) {
+                used[i] = true;
+                used[j] = true;
+                acc = acc.plus(&self.affine(*x)?.scaled(k));
+            }
+        }
+        if !used.contains(&true) {
+            return None;
+        }
+        for (&(e, k), _) in terms.iter().zip(&used).filter(|(_, u)| !**u) {
+            acc = acc.plus(&self.affine(e)?.scaled(k));
+        }
+        Some(acc)
     }
 
     /// Builds the expression of an affine form (terms in variable order: deterministic).
@@ -619,6 +675,35 @@ impl Affine {
         }
         (min >= 0 && max < c).then_some((hi, lo))
     }
+
+    /// [`Affine::split`] by the greatest factor `g` of `c` (1 < g < c) that a term's
+    /// coefficient shares with it and that splits: `(g, hi, lo)`.
+    pub fn factor_split(
+        &self,
+        c: i64,
+        ext: &dyn Fn(Var) -> Option<usize>,
+    ) -> Option<(i64, Affine, Affine)> {
+        if c <= 1 {
+            return None;
+        }
+        let mut gs: Vec<i64> = self
+            .terms
+            .iter()
+            .map(|&(_, k)| gcd(k.unsigned_abs(), c as u64) as i64)
+            .filter(|&g| g > 1 && g < c)
+            .collect();
+        gs.sort_unstable_by(|a, b| b.cmp(a));
+        gs.dedup();
+        gs.into_iter()
+            .find_map(|g| self.split(g, ext).map(|(hi, lo)| (g, hi, lo)))
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 /// One store of a kernel: `buf[index] = value` (or `+=` when `accumulate`).
@@ -867,5 +952,42 @@ mod tests {
         }
         assert_eq!(p.range(piece, &ext), Some((0, 23)));
         assert_eq!(p.range(half, &ext), Some((0, 1)));
+    }
+
+    /// A `[64, 16]` tensor reshaped to `[8, 8, 16]` and back (the reshapes of gpt's logits
+    /// gradient): the flat index `v0 * 16 + v1` divided by 128 is `v0 / 8`, and the
+    /// quotient and remainder recombine into an affine index again.
+    #[test]
+    fn reshapes_read_back_are_affine() {
+        let ext = |v: Var| [64usize, 16][v as usize..].first().copied();
+        let mut p = ExprPool::default();
+        p.reserve_vars(2);
+        let (v0, v1) = (p.var(0), p.var(1));
+        let row = p.imul_c(v0, 16);
+        let flat = p.iadd(row, v1);
+        let outer = p.idiv_c(flat, 128, &ext);
+        let rest = p.irem_c(flat, 128, &ext);
+        let inner = p.idiv_c(rest, 16, &ext);
+        assert_eq!(count(&p, outer, BinaryOp::Div), 1);
+        let back = p.imul_c(outer, 8);
+        let back = p.iadd(back, inner);
+        let back = p.imul_c(back, 16);
+        let col = p.irem_c(rest, 16, &ext);
+        let back = p.iadd(back, col);
+        let af = p.affine(back);
+        assert_eq!(af, p.affine(flat));
+        assert_eq!(af.map(|a| a.terms), Some(vec![(0, 16), (1, 1)]));
+        for a in 0..64 {
+            for b in 0..16 {
+                let f = a * 16 + b;
+                assert_eq!(eval(&p, outer, &[a, b]), f / 128);
+                assert_eq!(eval(&p, rest, &[a, b]), f % 128);
+                assert_eq!(eval(&p, back, &[a, b]), f);
+            }
+        }
+        // A quotient without its remainder stays as it is.
+        let lone = p.imul_c(outer, 8);
+        let lone = p.iadd(lone, v1);
+        assert_eq!(p.affine(lone), None);
     }
 }
