@@ -153,3 +153,63 @@ fn large_multi_axis_reductions_are_split() {
         assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
     }
 }
+
+/// Views are read in place rather than copied: attention's `p @ v` is stored with its heads
+/// merged (`[B, T, H, Dh]`, the permutation that reads it) for the output projection and
+/// its weight gradient, and a `[B * T, V]` gradient reshaped to `[B, T, V]` and back is read
+/// transposed by its weight gradient. No CUDA kernel is a copy of views alone (Adam updates
+/// the weights after every kernel that reads them: an SGD update fused into the weight
+/// gradient would need a copy of the old weight), and the CPU's numbers (same fusion, but
+/// transposed weights copied) are the interpreter's.
+#[test]
+fn permuted_products_and_reshapes_read_back_are_not_copied() {
+    let src = "fn heads(t: f32[2, 16, 32]) -> f32[2, 4, 16, 8] {
+    permute(reshape(t, [2, 16, 4, 8]), [0, 2, 1, 3])
+}
+model m {
+ input x: f32[2, 16, 32]
+ input ids: i32[32]
+ param wqkv: f32[32, 96] = normal(0.0, 0.2)
+ param wo: f32[32, 32] = normal(0.0, 0.2)
+ param head: f32[40, 32] = normal(0.0, 0.2)
+ let (q, k, v) = split(x @ wqkv, 3, axis: -1)
+ let a = attention(heads(q), heads(k), heads(v), causal: true)
+ let y = reshape(permute(a, [0, 2, 1, 3]), [2, 16, 32]) @ wo
+ let logits = y @ transpose(head)
+ let loss = cross_entropy(reshape(logits, [32, 40]), ids)
+ output loss
+ train adam(lr: 0.01) minimize loss
+}
+";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    // The CUDA kernels (compiled, not run): f32 matmuls there read a transposed B in place
+    // too, where the CPU copies it.
+    let cuda = tcc::artifact::CompileOptions {
+        target: tcc::artifact::Target::Cuda,
+        ..Default::default()
+    };
+    let c = tcc::artifact::compile(&g, &cuda).unwrap();
+    let views = ["permute", "reshape", "transpose", "broadcast_to", "select"];
+    let copies: Vec<String> = c
+        .fused
+        .kernels
+        .iter()
+        .filter(|k| {
+            k.nodes.iter().all(|&n| {
+                let op = c.graph.node(n).op.name();
+                views.iter().any(|v| op.starts_with(v))
+            })
+        })
+        .map(|k| k.name.clone())
+        .collect();
+    assert!(copies.is_empty(), "copy kernels: {copies:?}");
+    let inputs = tcc::eager::random_inputs(&g, 3);
+    let want = eager_steps(&g, &inputs, 2, 0).unwrap();
+    let got = cpu_steps(&g, &inputs, 2, 0, true).unwrap();
+    for (name, t) in &want.outputs {
+        let e = rel_err(&got.outputs[name], t);
+        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
+    }
+    let e = params_rel_err(&got.persistent, &want.persistent).expect("same params");
+    assert!(e <= 1e-5, "params differ by {e:e}");
+}
