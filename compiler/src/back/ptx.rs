@@ -2914,8 +2914,21 @@ const SG_BN: usize = 128;
 const SG_BK: usize = 8;
 /// Floats per shared row (`[k][m]` for A, `[k][n]` for B), padded by 4.
 const SG_STRIDE: usize = 132;
-/// Bytes of one operand tile of one stage.
+/// Bytes of one operand's 8-deep slice of a stage.
 const SG_TILE: usize = SG_BK * SG_STRIDE * 4;
+
+/// 8-deep slices of one stage of the `bm`×`bn` SGEMM: two for a 64-wide tile, which has few
+/// warps an SM to hide each stage's loads and barrier (gpt's causal attention gradients
+/// `dv`, `dq`, `dk`: 0.123, 0.120, 0.128 → 0.111, 0.108, 0.115 ms on an H100; the step
+/// 70.41 → 70.30 ms), one for 128×128 (there a second slice's loads take it to 143
+/// registers: one block an SM).
+fn sgemm_slices(bm: usize, bn: usize) -> usize {
+    if bm == 64 || bn == 64 {
+        2
+    } else {
+        1
+    }
+}
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
 fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
@@ -2977,6 +2990,11 @@ fn emit_sgemm(
     let mut px = Px::new(k, offset_of, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = SG_STRIDE * 4;
+    // A stage is `sub` slices of 8 `k`, each thread moving 4 elements of each operand per
+    // slice; `tile` is one operand's bytes of a stage.
+    let sub = sgemm_slices(bm, bn);
+    let bk = SG_BK * sub;
+    let tile = SG_TILE * sub;
 
     let FfmaTile {
         t,
@@ -3045,29 +3063,40 @@ fn emit_sgemm(
             k_stride: mm.b.rs,
             base: &bbase,
             buf: &bbuf,
-            shared: SG_TILE,
+            shared: tile,
         },
     );
-    let ra: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
-    let rb: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
-    // Loads stage `k0` (i64 register) into ra/rb (zeros out of range).
+    let ra: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
+    let rb: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
+    // Loads stage `k0` (i64 register) into ra/rb (zeros out of range), slice by slice.
     let load_regs = |px: &mut Px, k0: &str| {
         for r in ra.iter().chain(&rb) {
             px.line(format!("mov.f32 {r}, {};", f32_lit(0.0)));
         }
-        a.load(px, k0, kd, &ra);
-        b.load(px, k0, kd, &rb);
+        for (s, (ra, rb)) in ra.chunks(4).zip(rb.chunks(4)).enumerate() {
+            let ks = if s == 0 {
+                k0.to_string()
+            } else {
+                let ks = px.fresh("rd");
+                px.line(format!("add.s64 {ks}, {k0}, {};", s * SG_BK));
+                ks
+            };
+            a.load(px, &ks, kd, ra);
+            b.load(px, &ks, kd, rb);
+        }
     };
     // Stores ra and rb to the stage at `st` (`[k][m]` and `[k][n]` in shared memory).
     let store_regs = |px: &mut Px, st: &str| {
-        a.store(px, st, &ra);
-        b.store(px, st, &rb);
+        for (s, (ra, rb)) in ra.chunks(4).zip(rb.chunks(4)).enumerate() {
+            a.store(px, st, s * SG_TILE, ra);
+            b.store(px, st, s * SG_TILE, rb);
+        }
     };
     // Compute read addresses (stage-relative): A rows ty*4, B columns tx*4.
     let (rda, rdb) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("mad.lo.u32 {rda}, {ty}, 16, {sbase};"));
     px.line(format!("mad.lo.u32 {rdb}, {tx}, 16, {sbase};"));
-    px.line(format!("add.u32 {rdb}, {rdb}, {SG_TILE};"));
+    px.line(format!("add.u32 {rdb}, {rdb}, {tile};"));
     let accs: Vec<String> = (0..tr * tc).map(|_| px.fresh("f")).collect();
     for a in &accs {
         px.line(format!("mov.f32 {a}, {};", f32_lit(0.0)));
@@ -3075,9 +3104,9 @@ fn emit_sgemm(
     let av: Vec<String> = (0..tr).map(|_| px.fresh("f")).collect();
     let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
-    let nk = kd.div_ceil(SG_BK);
+    let nk = kd.div_ceil(bk);
     // The stages this tile sums: all of them, or those its skips leave.
-    let range = stage_range(&mut px, mm, &row0, &col0, (bm, bn), SG_BK);
+    let range = stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk);
     let done = range.as_ref().map(|_| px.label("sg_done"));
     if nk > 0 {
         let (kt, last) = match (&range, &done) {
@@ -3086,11 +3115,11 @@ fn emit_sgemm(
                 px.line(format!("setp.ge.u32 {empty}, {kb}, {ke};"));
                 px.line(format!("@{empty} bra.uni {done};"));
                 let k0 = px.fresh("rd");
-                px.line(format!("mul.wide.u32 {k0}, {kb}, {SG_BK};"));
+                px.line(format!("mul.wide.u32 {k0}, {kb}, {bk};"));
                 load_regs(&mut px, &k0);
                 let st = px.fresh("r");
                 px.line(format!("and.b32 {st}, {kb}, 1;"));
-                px.line(format!("mad.lo.u32 {st}, {st}, {}, {sbase};", 2 * SG_TILE));
+                px.line(format!("mad.lo.u32 {st}, {st}, {}, {sbase};", 2 * tile));
                 store_regs(&mut px, &st);
                 px.line("bar.sync 0;");
                 let kt = px.fresh("r");
@@ -3118,16 +3147,16 @@ fn emit_sgemm(
         // so that their latency overlaps them (behind a branch ptxas sank them below the
         // products: 0.35 of the step). Past the last stage every load is out of range (off).
         let k0 = px.fresh("rd");
-        px.line(format!("mul.wide.u32 {k0}, {ktn}, {SG_BK};"));
+        px.line(format!("mul.wide.u32 {k0}, {ktn}, {bk};"));
         load_regs(&mut px, &k0);
         let cur = px.fresh("r");
         px.line(format!("and.b32 {cur}, {kt}, 1;"));
-        px.line(format!("mul.lo.u32 {cur}, {cur}, {};", 2 * SG_TILE));
+        px.line(format!("mul.lo.u32 {cur}, {cur}, {};", 2 * tile));
         let (ca, cb) = (px.fresh("r"), px.fresh("r"));
         px.line(format!("add.u32 {ca}, {rda}, {cur};"));
         px.line(format!("add.u32 {cb}, {rdb}, {cur};"));
-        for kk in 0..SG_BK {
-            let off = kk * row_bytes;
+        for kk in 0..bk {
+            let off = (kk / SG_BK) * SG_TILE + (kk % SG_BK) * row_bytes;
             for (h, regs) in av.chunks(4).enumerate() {
                 px.line(format!(
                     "ld.shared.v4.f32 {{{}}}, [{ca}+{}];",
@@ -3152,10 +3181,7 @@ fn emit_sgemm(
         // After the last stage this fills the idle buffer with zeros: harmless.
         let nxt = px.fresh("r");
         px.line(format!("and.b32 {nxt}, {ktn}, 1;"));
-        px.line(format!(
-            "mad.lo.u32 {nxt}, {nxt}, {}, {sbase};",
-            2 * SG_TILE
-        ));
+        px.line(format!("mad.lo.u32 {nxt}, {nxt}, {}, {sbase};", 2 * tile));
         store_regs(&mut px, &nxt);
         px.line("bar.sync 0;");
         px.line(format!("mov.u32 {kt}, {ktn};"));
@@ -3188,7 +3214,7 @@ fn emit_sgemm(
         vectors,
     )?;
     px.line("ret;");
-    let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * SG_TILE);
+    let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * tile);
     // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
     // thread). Without, ptxas stays under 128 by itself, and bounds were measured slower
     // (4096³: 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%).
@@ -3408,14 +3434,22 @@ impl SgSlot {
         }
     }
 
-    /// Stores `regs` to the stage at shared address `stage`.
-    fn store(&self, px: &mut Px, stage: &str, regs: &[String]) {
+    /// Stores `regs` to the stage at shared address `stage`, `at` bytes in (the slice).
+    fn store(&self, px: &mut Px, stage: &str, at: usize, regs: &[String]) {
         let d = px.fresh("r");
         px.line(format!("add.u32 {d}, {stage}, {};", self.st));
         if self.k_major {
             for (e, r) in regs.iter().enumerate() {
-                px.line(format!("st.shared.f32 [{d}+{}], {r};", e * SG_STRIDE * 4));
+                px.line(format!(
+                    "st.shared.f32 [{d}+{}], {r};",
+                    at + e * SG_STRIDE * 4
+                ));
             }
+        } else if at > 0 {
+            px.line(format!(
+                "st.shared.v4.f32 [{d}+{at}], {{{}}};",
+                regs.join(", ")
+            ));
         } else {
             px.line(format!("st.shared.v4.f32 [{d}], {{{}}};", regs.join(", ")));
         }
