@@ -85,7 +85,8 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
 }
 
 /// The matmuls stored in the order of the one permutation that reads them (every use is a
-/// permute by the same `perm`, which keeps the last axis last): `perm` as their layout.
+/// permute, or a chain of them, by the same `perm` in all, which keeps the last axis last):
+/// `perm` as their layout.
 pub fn permuted_products(
     g: &Graph,
     materialized: &BTreeSet<NodeId>,
@@ -97,10 +98,10 @@ pub fn permuted_products(
         if !matmul_anchor_ok(g, n) || rank < 3 || read_by_caller.contains(&n) {
             continue;
         }
-        let mut perms = g.users(n).into_iter().map(|u| match &g.node(u).op {
-            Op::Permute { perm } => Some(perm.clone()),
-            _ => None,
-        });
+        let mut perms = g
+            .users(n)
+            .into_iter()
+            .map(|u| read_through_permutes(g, u, materialized));
         let Some(Some(perm)) = perms.next() else {
             continue;
         };
@@ -111,4 +112,29 @@ pub fn permuted_products(
         }
     }
     out
+}
+
+/// The permutation that user `u` of a tensor applies to it: `u` is a permute, followed
+/// through the permutes that are its only use (and have no buffer); `None` otherwise.
+fn read_through_permutes(
+    g: &Graph,
+    u: NodeId,
+    materialized: &BTreeSet<NodeId>,
+) -> Option<Vec<usize>> {
+    let Op::Permute { perm } = &g.node(u).op else {
+        return None;
+    };
+    let mut perm = perm.clone();
+    let mut at = u;
+    while !materialized.contains(&at) {
+        let users = g.users(at);
+        let [next] = users.as_slice() else { break };
+        let Op::Permute { perm: q } = &g.node(*next).op else {
+            break;
+        };
+        // `next` axis i is `at` axis q[i], which is the tensor's axis perm[q[i]].
+        perm = q.iter().map(|&a| perm[a]).collect();
+        at = *next;
+    }
+    Some(perm)
 }

@@ -297,6 +297,7 @@ impl<'a> Builder<'a> {
         let is_root = n == self.root;
         if !is_root && self.d.materialized.contains(&n) {
             let index = self.buffer_index(n, idx);
+            let index = self.pool.tidy(index);
             return Ok(self.pool.add(
                 E::Load {
                     buf: n,

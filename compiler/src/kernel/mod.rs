@@ -580,6 +580,27 @@ impl ExprPool {
         Some(acc)
     }
 
+    /// `e` rebuilt from its affine form where it is affine only through quotients and
+    /// remainders that pair up ([`ExprPool::affine`]): a reshape read back costs no division.
+    pub fn tidy(&mut self, e: ExprId) -> ExprId {
+        if !self.divides(e) {
+            return e;
+        }
+        match self.affine(e) {
+            Some(af) => self.from_affine(&af),
+            None => e,
+        }
+    }
+
+    /// Whether `e` has a quotient or a remainder.
+    fn divides(&self, e: ExprId) -> bool {
+        match self.get(e) {
+            E::Bin(BinaryOp::Div | BinaryOp::Rem, ..) => true,
+            E::Bin(_, a, b) => self.divides(*a) || self.divides(*b),
+            _ => false,
+        }
+    }
+
     /// Builds the expression of an affine form (terms in variable order: deterministic).
     pub fn from_affine(&mut self, a: &Affine) -> ExprId {
         let mut acc = self.int(a.c0);
