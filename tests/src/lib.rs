@@ -549,6 +549,18 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         1e-6,
     );
     add(
+        "concat along the innermost axis in whole vectors: one vector load from the chosen piece",
+        " input a: f32[4, 8, 60]\n input b: f32[4, 8, 4]\n input c: f32[4, 8, 8]",
+        "concat([a, b, c], axis: 2) * 2.0 + concat([c, a, b], axis: -1)",
+        1e-6,
+    );
+    add(
+        "concat along the innermost axis, pieces not whole vectors: scalar loads",
+        " input a: f32[4, 8, 6]\n input b: f32[4, 8, 10]",
+        "concat([a, b], axis: 2) - concat([b, a], axis: 2)",
+        1e-6,
+    );
+    add(
         "concat along the innermost axis with a transposed piece: one scalar load",
         " input a: f32[4, 8, 60]\n input b: f32[4, 8, 4]\n input c: f32[4, 64, 8]",
         "concat([a, b, transpose(c)], axis: 2) - 1.0",

@@ -177,7 +177,8 @@ fn ptx_paths_are_chosen_where_they_apply() {
         assert!(!p.contains(".v4."), "{e}: {p}");
     }
     // A concat loads each element once, from the address its piece selects: one vector load
-    // when the pieces lie along an outer axis, one scalar load along the innermost one.
+    // when the pieces lie along an outer axis, one scalar load along the innermost one when
+    // a piece is not contiguous there.
     let outer = ptx(
         &model(
             " input a: f32[1, 8, 64]\n input b: f32[1, 8, 64]\n input c: f32[1, 8, 64]",
@@ -195,6 +196,25 @@ fn ptx_paths_are_chosen_where_they_apply() {
         false,
     );
     assert_eq!(inner.matches("ld.global.f32").count(), 1, "{inner}");
+    // Along the innermost axis in whole vectors (gpt's q/k/v gradient concat), each vector
+    // comes from one piece: one vector load; pieces that end inside a vector stay scalar.
+    let whole = ptx(
+        &model(
+            " input a: f32[4, 8, 64]\n input b: f32[4, 8, 64]\n input c: f32[4, 8, 8]",
+            "concat([a, b, c], axis: 2) * 2.0",
+        ),
+        false,
+    );
+    assert_eq!(whole.matches("ld.global.v4.f32").count(), 1, "{whole}");
+    assert!(!whole.contains("ld.global.f32"), "{whole}");
+    let ragged = ptx(
+        &model(
+            " input a: f32[4, 8, 6]\n input b: f32[4, 8, 10]",
+            "concat([a, b], axis: 2) * 2.0",
+        ),
+        false,
+    );
+    assert!(!ragged.contains(".v4."), "{ragged}");
     // A piece also read on its own is still loaded for that use.
     let shared = ptx(
         &model(

@@ -52,7 +52,7 @@
 use super::clif::sites;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
-use crate::kernel::{ExprId, Gather, Kernel, Matmul, MmAxis, Red, VTy, Var, E};
+use crate::kernel::{Affine, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Red, VTy, Var, E};
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
@@ -2035,12 +2035,20 @@ fn vector_plan(
         }
     }
     let mut loads = Vec::new();
+    // Loads aligned only once their clamps are dropped: a piece of a concat along the
+    // innermost axis, admitted as the arm of a load tree whose conditions pick it for
+    // whole vectors (then lane 0 is in the piece's range, and so are the other lanes).
+    let mut clamped = Vec::new();
     for &e in live {
         match k.pool.get(e) {
             E::Reduce { .. } | E::ArgMax { .. } | E::Acc => return None,
             E::Load { buf, dtype, index } if site[e.0 as usize] == Some(last) => {
                 if !aligned(*buf, *dtype, *index) {
-                    return None;
+                    let af = unclamped_affine(&k.pool, *index)?;
+                    if !vector_affine(k, offset_of, *buf, *dtype, &af, last) {
+                        return None;
+                    }
+                    clamped.push(e);
                 }
                 loads.push(e);
             }
@@ -2048,6 +2056,9 @@ fn vector_plan(
         }
     }
     let (loads, trees) = vector_load_trees(k, site, live, loads, last);
+    if loads.iter().any(|e| clamped.contains(e)) {
+        return None;
+    }
     let points: u64 = k.domain.iter().map(|&d| d as u64).product();
     let vectors = points / VEC as u64;
     if vectors == 0 || vectors > i32::MAX as u64 {
@@ -2136,16 +2147,81 @@ fn vector_access(
     index: ExprId,
     along: Var,
 ) -> bool {
+    k.pool
+        .affine(index)
+        .is_some_and(|af| vector_affine(k, offset_of, buf, dtype, &af, along))
+}
+
+/// [`vector_access`] for the affine index `af`.
+fn vector_affine(
+    k: &Kernel,
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    buf: NodeId,
+    dtype: DType,
+    af: &Affine,
+    along: Var,
+) -> bool {
     let v = VEC as i64;
     matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16)
         && offset_of(buf).is_some_and(|off| off % (VEC * dtype.size_bytes()) as u64 == 0)
-        && k.pool.affine(index).is_some_and(|af| {
-            af.coef(along) == 1
+        && af.coef(along) == 1
+        && af.c0 % v == 0
+        && af
+            .terms
+            .iter()
+            .all(|&(x, c)| x == along || ((x as usize) < k.domain.len() && c % v == 0))
+}
+
+/// The affine form of an index with its clamps dropped, where each clamp's bounds are
+/// whole vectors (`max(x, lo)` with `lo` a multiple of `VEC`, `min(x, hi)` with `hi + 1`
+/// one): a vector of consecutive `x` from a multiple of `VEC` lies wholly inside them or
+/// wholly outside.
+fn unclamped_affine(pool: &ExprPool, e: ExprId) -> Option<Affine> {
+    let v = VEC as i64;
+    let int = |x: ExprId| match *pool.get(x) {
+        E::Int(c) => Some(c),
+        _ => None,
+    };
+    match pool.get(e) {
+        E::IMax(x, lo) if int(*lo)? % v == 0 => unclamped_affine(pool, *x),
+        E::IMin(x, hi) if (int(*hi)? + 1) % v == 0 => unclamped_affine(pool, *x),
+        E::Bin(BinaryOp::Add, a, b) if pool.ty(e) == VTy::I64 => {
+            Some(unclamped_affine(pool, *a)?.plus(&unclamped_affine(pool, *b)?))
+        }
+        E::Bin(BinaryOp::Mul, a, b) if pool.ty(e) == VTy::I64 => match (int(*a), int(*b)) {
+            (Some(c), _) => Some(unclamped_affine(pool, *b)?.scaled(c)),
+            (_, Some(c)) => Some(unclamped_affine(pool, *a)?.scaled(c)),
+            _ => None,
+        },
+        _ => pool.affine(e),
+    }
+}
+
+/// Whether condition `c` has one value for the `VEC` lanes of a vector along `last`: it does
+/// not vary along `last`, or it compares `x` (affine, coefficient 1 on `last`, the rest
+/// whole vectors) with a constant that starts a vector (`x < C`, `x >= C`, `C` a multiple of
+/// `VEC`), as a concat along the innermost axis picks its pieces.
+fn uniform_condition(k: &Kernel, site: &[Option<Var>], c: ExprId, last: Var) -> bool {
+    if site[c.0 as usize] != Some(last) {
+        return true;
+    }
+    let v = VEC as i64;
+    let E::Bin(op, x, y) = *k.pool.get(c) else {
+        return false;
+    };
+    let bound = match (op, k.pool.get(y)) {
+        (BinaryOp::Lt | BinaryOp::Ge, E::Int(b)) => *b,
+        (BinaryOp::Le | BinaryOp::Gt, E::Int(b)) => b.saturating_add(1),
+        _ => return false,
+    };
+    bound % v == 0
+        && k.pool.affine(x).is_some_and(|af| {
+            af.coef(last) == 1
                 && af.c0 % v == 0
                 && af
                     .terms
                     .iter()
-                    .all(|&(x, c)| x == along || ((x as usize) < k.domain.len() && c % v == 0))
+                    .all(|&(t, c)| t == last || ((t as usize) < k.domain.len() && c % v == 0))
         })
 }
 
@@ -2161,7 +2237,7 @@ fn vector_load_trees(
     last: Var,
 ) -> (Vec<ExprId>, Vec<(ExprId, DType)>) {
     let tree = select_trees(k, live, &|x| loads.contains(&x), &|c| {
-        site[c.0 as usize] != Some(last)
+        uniform_condition(k, site, c, last)
     });
     if tree.is_empty() {
         return (loads, Vec::new());
