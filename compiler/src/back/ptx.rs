@@ -2038,6 +2038,8 @@ fn vector_plan(
     // Loads aligned only once their clamps are dropped: a piece of a concat along the
     // innermost axis, admitted as the arm of a load tree whose conditions pick it for
     // whole vectors (then lane 0 is in the piece's range, and so are the other lanes).
+    // A concat is what gives a select's arm a clamped index: its conditions pick a piece
+    // exactly where that piece's clamps do nothing.
     let mut clamped = Vec::new();
     for &e in live {
         match k.pool.get(e) {
@@ -2161,10 +2163,17 @@ fn vector_affine(
     af: &Affine,
     along: Var,
 ) -> bool {
-    let v = VEC as i64;
     matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16)
         && offset_of(buf).is_some_and(|off| off % (VEC * dtype.size_bytes()) as u64 == 0)
-        && af.coef(along) == 1
+        && whole_vectors(k, af, along)
+}
+
+/// Whether `af` moves by 1 along `along` and is a multiple of `VEC` where `along` is: a
+/// vector of `VEC` consecutive points from a multiple of `VEC` has consecutive values from
+/// a multiple of `VEC`.
+fn whole_vectors(k: &Kernel, af: &Affine, along: Var) -> bool {
+    let v = VEC as i64;
+    af.coef(along) == 1
         && af.c0 % v == 0
         && af
             .terms
@@ -2215,14 +2224,9 @@ fn uniform_condition(k: &Kernel, site: &[Option<Var>], c: ExprId, last: Var) -> 
         _ => return false,
     };
     bound % v == 0
-        && k.pool.affine(x).is_some_and(|af| {
-            af.coef(last) == 1
-                && af.c0 % v == 0
-                && af
-                    .terms
-                    .iter()
-                    .all(|&(t, c)| t == last || ((t as usize) < k.domain.len() && c % v == 0))
-        })
+        && k.pool
+            .affine(x)
+            .is_some_and(|af| whole_vectors(k, &af, last))
 }
 
 /// Splits the vector loads of [`vector_plan`] into plain ones and the roots of load trees
