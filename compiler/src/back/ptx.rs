@@ -2191,19 +2191,11 @@ fn unclamped_affine(pool: &ExprPool, e: ExprId) -> Option<Affine> {
         E::Int(c) => Some(c),
         _ => None,
     };
-    match pool.get(e) {
-        E::IMax(x, lo) if int(*lo)? % v == 0 => unclamped_affine(pool, *x),
-        E::IMin(x, hi) if (int(*hi)? + 1) % v == 0 => unclamped_affine(pool, *x),
-        E::Bin(BinaryOp::Add, a, b) if pool.ty(e) == VTy::I64 => {
-            Some(unclamped_affine(pool, *a)?.plus(&unclamped_affine(pool, *b)?))
-        }
-        E::Bin(BinaryOp::Mul, a, b) if pool.ty(e) == VTy::I64 => match (int(*a), int(*b)) {
-            (Some(c), _) => Some(unclamped_affine(pool, *b)?.scaled(c)),
-            (_, Some(c)) => Some(unclamped_affine(pool, *a)?.scaled(c)),
-            _ => None,
-        },
-        _ => pool.affine(e),
-    }
+    pool.affine_by(e, &|x| match *pool.get(x) {
+        E::IMax(y, lo) if int(lo)? % v == 0 => unclamped_affine(pool, y),
+        E::IMin(y, hi) if (int(hi)? + 1) % v == 0 => unclamped_affine(pool, y),
+        _ => None,
+    })
 }
 
 /// Whether condition `c` has one value for the `VEC` lanes of a vector along `last`: it does
@@ -3531,13 +3523,12 @@ impl SgSlot {
                     at + e * SG_STRIDE * 4
                 ));
             }
-        } else if at > 0 {
+        } else {
+            let addr = if at > 0 { format!("{d}+{at}") } else { d };
             px.line(format!(
-                "st.shared.v4.f32 [{d}+{at}], {{{}}};",
+                "st.shared.v4.f32 [{addr}], {{{}}};",
                 regs.join(", ")
             ));
-        } else {
-            px.line(format!("st.shared.v4.f32 [{d}], {{{}}};", regs.join(", ")));
         }
     }
 }

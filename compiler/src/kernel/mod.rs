@@ -513,6 +513,12 @@ impl ExprPool {
 
     /// The affine form `c0 + Σ c_i v_i` of an index expression, if it is one.
     pub fn affine(&self, id: ExprId) -> Option<Affine> {
+        self.affine_by(id, &|_| None)
+    }
+
+    /// [`ExprPool::affine`] where `atom` gives the affine form of the nodes that are neither
+    /// constants, variables, sums nor products by constants (`None`: not affine).
+    pub fn affine_by(&self, id: ExprId, atom: &dyn Fn(ExprId) -> Option<Affine>) -> Option<Affine> {
         match self.get(id) {
             E::Int(v) => Some(Affine {
                 c0: *v,
@@ -523,26 +529,26 @@ impl ExprPool {
                 terms: vec![(*v, 1)],
             }),
             E::Bin(BinaryOp::Add, a, b) if self.ty(id) == VTy::I64 => {
-                match (self.affine(*a), self.affine(*b)) {
+                match (self.affine_by(*a, atom), self.affine_by(*b, atom)) {
                     (Some(x), Some(y)) => Some(x.plus(&y)),
-                    _ => self.affine_paired(id),
+                    _ => self.affine_paired(id, atom),
                 }
             }
             E::Bin(BinaryOp::Mul, a, b) if self.ty(id) == VTy::I64 => {
                 match (self.int_value(*a), self.int_value(*b)) {
-                    (Some(c), _) => Some(self.affine(*b)?.scaled(c)),
-                    (_, Some(c)) => Some(self.affine(*a)?.scaled(c)),
-                    _ => None,
+                    (Some(c), _) => Some(self.affine_by(*b, atom)?.scaled(c)),
+                    (_, Some(c)) => Some(self.affine_by(*a, atom)?.scaled(c)),
+                    _ => atom(id),
                 }
             }
-            _ => None,
+            _ => atom(id),
         }
     }
 
     /// The affine form of a sum whose quotient and remainder summands pair up:
     /// `(x / c) * (k * c) + (x % c) * k = x * k` (a reshape read back through the shape
     /// it came from: `[4096] -> [8, 512] -> [4096]`).
-    fn affine_paired(&self, id: ExprId) -> Option<Affine> {
+    fn affine_paired(&self, id: ExprId, atom: &dyn Fn(ExprId) -> Option<Affine>) -> Option<Affine> {
         let mut terms = Vec::new();
         let c0 = self.summands(id, 1, &mut terms)?;
         let mut acc = Affine {
@@ -568,14 +574,14 @@ impl ExprPool {
             if let Some(j) = (0..terms.len()).find(quotient) {
                 used[i] = true;
                 used[j] = true;
-                acc = acc.plus(&self.affine(*x)?.scaled(k));
+                acc = acc.plus(&self.affine_by(*x, atom)?.scaled(k));
             }
         }
         if !used.contains(&true) {
             return None;
         }
         for (&(e, k), _) in terms.iter().zip(&used).filter(|(_, u)| !**u) {
-            acc = acc.plus(&self.affine(e)?.scaled(k));
+            acc = acc.plus(&self.affine_by(e, atom)?.scaled(k));
         }
         Some(acc)
     }
