@@ -69,6 +69,9 @@ pub struct Compiled {
     pub code: String,
     /// CUDA launch shapes, one per kernel (empty on the CPU).
     pub launches: Vec<crate::back::ptx::LaunchShape>,
+    /// The earlier kernels each kernel must wait for
+    /// ([`crate::analysis::launch_deps`]).
+    pub deps: Vec<Vec<u32>>,
     /// Wall time of each stage.
     pub timings: Vec<(&'static str, Duration)>,
 }
@@ -153,12 +156,14 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         )?,
     };
     timings.push(("codegen", t.elapsed()));
+    let deps = crate::analysis::launch_deps::launch_deps(&fused.kernels, &plan);
     Ok(Compiled {
         graph,
         fused,
         plan,
         code,
         launches,
+        deps,
         timings,
     })
 }
@@ -283,6 +288,7 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
                 },
                 parallel: k.parallel,
                 launch,
+                after: c.deps.get(i).cloned(),
                 describe: k.describe.clone(),
             }
         })

@@ -86,6 +86,13 @@ pub struct KernelEntry {
     /// CUDA launch shape (absent on the CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<Launch>,
+    /// The earlier kernels (indices into `kernels`, ascending) that this one must wait for:
+    /// those that write bytes it reads, or read or write bytes it writes (directly; the
+    /// others follow through them). The CUDA executor builds the step's graph from these
+    /// edges, so kernels that do not depend on each other may overlap. Absent: the kernel
+    /// waits for the one before it (launch order).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<Vec<u32>>,
     /// One line on what the kernel computes (the fused graph nodes), for humans.
     #[serde(default)]
     pub describe: String,
@@ -370,7 +377,8 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
 /// Checks that a manifest describes a usable arena: the alignment is a power of two, every
 /// slot's offset is a multiple of it, every slot and plan buffer lies inside `arena_bytes`,
 /// every slot's `bytes` equals `product(shape) * dtype size`, persistent slots lie in
-/// `[0, plan.persistent_bytes)`, names are unique per list and kernel extents fit an `i64`.
+/// `[0, plan.persistent_bytes)`, names are unique per list, kernel extents fit an `i64` and
+/// every kernel waits only for earlier kernels (`after`, ascending).
 pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
     use crate::Error;
     let bad = |msg: String| Err(Error::BadManifest(msg));
@@ -465,11 +473,25 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
             }
         }
     }
-    for k in &m.kernels {
+    for (i, k) in m.kernels.iter().enumerate() {
         if k.extent > i64::MAX as u64 {
             return bad(format!(
                 "kernel `{}`: extent {} does not fit an i64",
                 k.name, k.extent
+            ));
+        }
+        let after = k.after.as_deref().unwrap_or_default();
+        if let Some(&d) = after.iter().find(|&&d| d as usize >= i) {
+            return bad(format!(
+                "kernel `{}` (number {i}) waits for kernel number {d}, which is not an \
+                 earlier one",
+                k.name
+            ));
+        }
+        if after.windows(2).any(|w| w[0] >= w[1]) {
+            return bad(format!(
+                "kernel `{}`: `after` {after:?} is not strictly ascending",
+                k.name
             ));
         }
     }

@@ -1,5 +1,6 @@
 //! The CUDA executor (feature `cuda`): loads the artifact's PTX with the CUDA driver and runs
-//! its kernels on one stream, replaying the step as a CUDA graph.
+//! its kernels on one stream, replaying the step as a CUDA graph whose edges are the
+//! manifest's kernel dependencies (`after`), so that independent kernels may overlap.
 //!
 //! The kernel ABI is in `ARTIFACT.md`: one PTX module, one `.entry` per kernel, each taking
 //! the arena's device address as its only parameter (`.param .u64 arena`) and launched with
@@ -10,7 +11,7 @@
 //!
 //! - `set_input*` writes the input's pinned buffer and marks it; `run` copies the marked
 //!   inputs to the arena on the stream, launches the step (a CUDA graph of every kernel, or
-//!   the kernels one by one when graphs are off), copies every output into its pinned buffer
+//!   the kernels one by one in launch order when graphs are off), copies every output into its pinned buffer
 //!   and waits for the stream. `output*` then read the pinned buffers.
 //! - params, optimizer state and the whole arena are copied on demand; `param_bytes`,
 //!   `save_params*` and `arena` keep a host copy until the arena next changes.
@@ -27,7 +28,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaContext, CudaGraph, CudaStream, DriverError};
+use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
 use crate::artifact::{KernelEntry, Launch, Target};
 use crate::{Error, Model, Result};
@@ -229,14 +230,37 @@ struct Kernel {
     name: String,
     func: sys::CUfunction,
     launch: Launch,
+    /// The earlier kernels this one waits for in the step's graph (`None`: the previous one).
+    after: Option<Vec<u32>>,
 }
 
 // SAFETY: a function handle may be used from any thread once its context is current there;
 // it stays valid while the module (owned by the same executor) is loaded.
 unsafe impl Send for Kernel {}
 
-/// The captured step.
-struct Graph(CudaGraph);
+/// The step as a CUDA graph: a node per kernel, with an edge from each kernel it waits for
+/// (the manifest's `after`), so that independent kernels may run at the same time.
+struct Graph {
+    graph: sys::CUgraph,
+    /// Null until the graph is instantiated.
+    exec: sys::CUgraphExec,
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: both handles were created by `CudaExecutor::build_graph` and are destroyed
+        // once, here; the executor synchronises its stream before it drops the graph, so no
+        // launch of it is still running. Errors cannot be reported from a drop.
+        unsafe {
+            if !self.exec.is_null() {
+                let _ = result::graph::exec_destroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                let _ = result::graph::destroy(self.graph);
+            }
+        }
+    }
+}
 
 // SAFETY: graph objects are not internally synchronised, so they must not be used from two
 // threads at once; the executor owns this one exclusively and uses it only through `&mut
@@ -456,6 +480,7 @@ fn resolve_kernel(module: &Module, entry: &KernelEntry) -> Result<Kernel> {
         name: entry.name.clone(),
         func,
         launch,
+        after: entry.after.clone(),
     })
 }
 
@@ -703,36 +728,96 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Captures every kernel launch of the step into a CUDA graph, unless graphs are off, one
-    /// is already there or the step has no kernel.
+    /// Builds the step's CUDA graph, unless graphs are off, one is already there or the step
+    /// has no kernel: a kernel node each, depending on the nodes of the kernels it waits for
+    /// (`after`, checked to name earlier kernels when the artifact was read; the previous
+    /// kernel where the artifact gives none), then instantiated and uploaded.
     fn capture(&mut self) -> Result<()> {
         if !self.use_graph || self.graph.is_some() || self.kernels.is_empty() {
             return Ok(());
         }
         self.bind()?;
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(driver_error(
-                "starting to capture the step into a CUDA graph",
-            ))?;
-        let launched = self.launch_all();
-        // Always end the capture, so the stream is usable again whatever happened.
-        let ended = self
-            .stream
-            .end_capture(sys::CUgraphInstantiate_flags(0))
-            .map_err(driver_error("capturing the step into a CUDA graph"));
-        launched?;
-        let graph = ended?.ok_or_else(|| {
-            cuda_error(
-                "capturing the step into a CUDA graph",
-                "the driver returned no graph",
-            )
-        })?;
-        graph
-            .upload()
+        let building = "building the step's CUDA graph";
+        let mut raw: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; flags must be 0.
+        unsafe { sys::cuGraphCreate(&mut raw, 0) }
+            .result()
+            .map_err(driver_error(building))?;
+        // Owned from here: dropped (destroyed) on any error below.
+        let mut graph = Graph {
+            graph: raw,
+            exec: std::ptr::null_mut(),
+        };
+        let mut nodes: Vec<sys::CUgraphNode> = Vec::with_capacity(self.kernels.len());
+        let mut arena: u64 = self.arena.ptr;
+        for (i, k) in self.kernels.iter().enumerate() {
+            let deps: Vec<sys::CUgraphNode> = match &k.after {
+                Some(after) => after
+                    .iter()
+                    .map(|&d| nodes.get(d as usize).copied())
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| {
+                        cuda_error(
+                            building,
+                            format!("kernel `{}` waits for a kernel after it", k.name),
+                        )
+                    })?,
+                None => i.checked_sub(1).map(|p| nodes[p]).into_iter().collect(),
+            };
+            let Launch {
+                grid,
+                block,
+                shared_bytes,
+            } = k.launch;
+            let mut params = [std::ptr::addr_of_mut!(arena).cast::<c_void>()];
+            let node_params = sys::CUDA_KERNEL_NODE_PARAMS {
+                func: k.func,
+                gridDimX: grid[0],
+                gridDimY: grid[1],
+                gridDimZ: grid[2],
+                blockDimX: block[0],
+                blockDimY: block[1],
+                blockDimZ: block[2],
+                sharedMemBytes: shared_bytes,
+                kernelParams: params.as_mut_ptr(),
+                extra: std::ptr::null_mut(),
+                kern: std::ptr::null_mut(),
+                ctx: std::ptr::null_mut(),
+            };
+            let mut node: sys::CUgraphNode = std::ptr::null_mut();
+            // SAFETY: `graph.graph` is a live graph of this context and `deps` are nodes of
+            // it. The driver copies the parameters during the call: `params` holds one
+            // pointer to the u64 `arena`, the one parameter of every tcc kernel (as in
+            // `launch_one`), which is the live device arena of `arena_bytes` bytes that
+            // the kernel's accesses were planned to stay inside. `k.func` is an entry of
+            // the loaded module, which outlives the graph (see the executor's drop order).
+            unsafe {
+                sys::cuGraphAddKernelNode_v2(
+                    &mut node,
+                    graph.graph,
+                    deps.as_ptr(),
+                    deps.len(),
+                    &node_params,
+                )
+            }
+            .result()
+            .map_err(|e| {
+                cuda_error(
+                    format!("{building}: adding kernel `{}`", k.name),
+                    describe(e),
+                )
+            })?;
+            nodes.push(node);
+        }
+        // SAFETY: the graph is complete and valid (every node added above).
+        graph.exec =
+            unsafe { result::graph::instantiate(graph.graph, sys::CUgraphInstantiate_flags(0)) }
+                .map_err(driver_error("instantiating the step's CUDA graph"))?;
+        // SAFETY: the instantiated graph and the session's stream are live.
+        unsafe { result::graph::upload(graph.exec, self.cu_stream()) }
             .map_err(driver_error("uploading the CUDA graph"))?;
         self.sync("uploading the CUDA graph")?;
-        self.graph = Some(Graph(graph));
+        self.graph = Some(graph);
         Ok(())
     }
 
@@ -818,10 +903,10 @@ impl CudaExecutor {
                 .map_err(driver_error("recording a timing event"))?;
         }
         match &self.graph {
-            Some(g) if self.use_graph => {
-                g.0.launch()
-                    .map_err(driver_error("launching the step's CUDA graph"))?
-            }
+            // SAFETY: the graph was instantiated for this context; its kernels use only the
+            // arena, which lives as long as the graph.
+            Some(g) if self.use_graph => unsafe { result::graph::launch(g.exec, stream) }
+                .map_err(driver_error("launching the step's CUDA graph"))?,
             _ => self.launch_all()?,
         }
         if let Some((_, b)) = self.events {

@@ -216,6 +216,35 @@ fn layouts_that_do_not_fit_are_rejected() {
     );
     rejects(|m| m.kernels[0].extent = u64::MAX, "does not fit an i64");
     rejects(|m| m.inputs[0].shape = vec![usize::MAX, 2], "overflows");
+    rejects(
+        |m| m.kernels[0].after = Some(vec![0]),
+        "waits for kernel number 0, which is not an earlier one",
+    );
+    rejects(
+        |m| m.kernels[0].after = Some(vec![1]),
+        "kernel number 1, which is not an earlier one",
+    );
+    rejects(
+        |m| {
+            m.kernels.push(m.kernels[1].clone());
+            m.kernels[2].after = Some(vec![1, 0]);
+        },
+        "is not strictly ascending",
+    );
+}
+
+#[test]
+fn kernel_dependencies_round_trip_and_are_optional() {
+    let mut m = tiny_manifest();
+    m.kernels[1].after = Some(vec![0]);
+    let bytes = build(
+        &m,
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    );
+    let model = Model::from_bytes(bytes).unwrap();
+    assert_eq!(model.manifest().kernels[1].after, Some(vec![0]));
+    assert_eq!(model.manifest().kernels[0].after, None);
 }
 
 #[test]

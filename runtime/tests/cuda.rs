@@ -444,6 +444,60 @@ mod gpu {
         assert_eq!(s.param::<f32>("w").unwrap()[n - 1], w0[n - 1] + 2.0);
     }
 
+    /// A step whose graph has two independent kernels: `k0` and `u0` both compute
+    /// `x * w + 1` (into `y` and `u`), and `k1` (`z = y * y + w; w += 1`) waits for both (it
+    /// reads `y` and overwrites the `w` they read).
+    #[test]
+    fn dependency_edges_build_the_graph() {
+        if !cuda_or_skip("dependency_edges_build_the_graph") {
+            return;
+        }
+        let n = (1 << 20) + 3;
+        let bytes = (n * 4) as u64;
+        let pad = bytes.div_ceil(ALIGN) * ALIGN;
+        let mut m = Model::from_bytes(cuda_big_artifact(n))
+            .unwrap()
+            .manifest()
+            .clone();
+        let (w, x, y, z, u) = (0, pad, 2 * pad, 3 * pad, 4 * pad);
+        m.arena_bytes = 5 * pad;
+        m.outputs.push(slot("u", DType::F32, &[n], u));
+        m.plan.lower_bound = m.arena_bytes;
+        m.kernels.insert(1, m.kernels[0].clone());
+        m.kernels[1].name = "u0".into();
+        m.kernels[0].after = Some(vec![]);
+        m.kernels[1].after = Some(vec![]);
+        m.kernels[2].after = Some(vec![0, 1]);
+        let code = format!(
+            "{PTX_HEADER}{}{}{}",
+            fma_ptx("k0", n as u64, w, x, y),
+            fma_ptx("u0", n as u64, w, x, u),
+            square_update_ptx("k1", n as u64, w, y, z)
+        );
+        let w0: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.25).collect();
+        let model =
+            Model::from_bytes(build(&m, &code, &persistent_init(&w0, pad as usize))).unwrap();
+        let mut s = session(&model);
+        assert!(s.cuda_graph());
+        let x: Vec<f32> = (0..n).map(|i| (i % 11) as f32 - 5.0).collect();
+        for step in 0..3 {
+            s.set_input("x", &x).unwrap();
+            s.run().unwrap();
+            let (y, u, z) = (
+                s.output::<f32>("y").unwrap(),
+                s.output::<f32>("u").unwrap(),
+                s.output::<f32>("z").unwrap(),
+            );
+            for i in (0..n).step_by(997).chain([n - 1]) {
+                let w = w0[i] + step as f32;
+                let yi = x[i].mul_add(w, 1.0);
+                assert_eq!((y[i], u[i]), (yi, yi), "y[{i}], u[{i}], step {step}");
+                assert_eq!(z[i], yi.mul_add(yi, w), "z[{i}], step {step}");
+            }
+        }
+        assert_eq!(s.param::<f32>("w").unwrap()[n - 1], w0[n - 1] + 3.0);
+    }
+
     #[test]
     fn empty_arena() {
         if !cuda_or_skip("empty_arena") {

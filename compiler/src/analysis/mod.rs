@@ -2,5 +2,6 @@
 
 pub mod arena;
 pub mod interference;
+pub mod launch_deps;
 pub mod liveness;
 pub mod zeros;

@@ -80,9 +80,10 @@ pub fn build(
         .collect();
     let _ = writeln!(
         stderr,
-        "compiled `{}`: {} kernels, arena {} (lower bound {}); front end + passes {front_ms:.1} ms, {}",
+        "compiled `{}`: {} kernels (longest dependency chain {}), arena {} (lower bound {}); front end + passes {front_ms:.1} ms, {}",
         g.name,
         c.fused.kernels.len(),
+        crate::analysis::launch_deps::critical_path(&c.deps),
         super::run::bytes(c.plan.arena_bytes),
         super::run::bytes(c.plan.lower_bound),
         stages.join(", ")

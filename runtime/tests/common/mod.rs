@@ -24,6 +24,7 @@ pub fn kernel(name: &str, extent: u64, parallel: bool) -> KernelEntry {
         extent,
         parallel,
         launch: None,
+        after: None,
         describe: format!("test kernel {name}"),
     }
 }
