@@ -158,3 +158,39 @@ fn split_k_matmuls_compute_the_same() {
         assert!(e <= 1e-5, "{what}: params differ by {e:e}");
     }
 }
+
+/// Attention's score gradient is a matmul epilogue: the softmax's row sums come from the
+/// output and its gradient (`[.., T, E]`), so no kernel other than the forward softmax
+/// reduces over the `[.., T, T]` scores, and the matmul computing `dp` also subtracts,
+/// multiplies and masks.
+#[test]
+fn attention_score_gradient_is_a_matmul_epilogue() {
+    let src =
+        std::fs::read_to_string(tcc_tests::root().join("tests/cases/fusion/attention_grad.tdsl"))
+            .unwrap();
+    let g = compile_pipeline(&src, &Default::default()).unwrap();
+    let fused = fuse(&g, FuseOptions::default()).unwrap();
+    let scores = [2usize, 16, 16];
+    let ops = |k: &tcc::kernel::Kernel| -> Vec<String> {
+        k.nodes
+            .iter()
+            .map(|&n| format!("{:?}", g.node(n).op))
+            .collect()
+    };
+    let reducing: Vec<&tcc::kernel::Kernel> = fused
+        .kernels
+        .iter()
+        .filter(|k| k.domain == scores && k.matmul.is_none())
+        .filter(|k| ops(k).iter().any(|o| o.starts_with("Reduce")))
+        .collect();
+    assert_eq!(reducing.len(), 1, "only the forward softmax reduces scores");
+    assert!(ops(reducing[0]).iter().any(|o| o.contains("Max")));
+    let epilogue = fused.kernels.iter().any(|k| {
+        let o = ops(k);
+        k.matmul.is_some()
+            && k.domain == scores
+            && o.iter().any(|o| o.contains("Sub"))
+            && o.iter().any(|o| o == "Where")
+    });
+    assert!(epilogue, "no matmul computes dp with the ds epilogue");
+}

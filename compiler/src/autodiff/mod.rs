@@ -189,6 +189,9 @@ struct Softmaxes {
     /// `p * (g - sum(g * p, axes))`, which reads `p` and `g` only (the general rule read
     /// `e`, `S`, `p` and `g`, and kept `e` alive from the forward pass to the backward).
     softmax: BTreeMap<NodeId, (NodeId, Vec<usize>)>,
+    /// Softmax results read only through a matmul `o = p @ v` → `o`
+    /// ([`read_through_matmul`]).
+    through: BTreeMap<NodeId, NodeId>,
 }
 
 /// Finds the softmaxes and log-softmaxes of [`Softmaxes`]: `m = max(x, axes, keepdim: true)`
@@ -249,6 +252,11 @@ fn softmaxes(g: &Graph, y: NodeId, targets: &[NodeId]) -> Softmaxes {
                     out.skip.insert(q);
                     for d in g.users(q) {
                         out.softmax.insert(d, (s, axes.clone()));
+                        if let Some(o) =
+                            read_through_matmul(g, d, axes).filter(|&o| !visible(d) && o != y)
+                        {
+                            out.through.insert(d, o);
+                        }
                     }
                 }
                 continue;
@@ -287,6 +295,47 @@ fn softmax_grad(ad: &mut Ad, p: NodeId, g: NodeId, axes: &[usize]) -> Result<Nod
     let p = ad.fwd(p)?;
     let gp = ad.b.mul(g, p)?;
     let r = ad.b.sum(gp, axes.to_vec(), true)?;
+    let d = ad.b.sub(g, r)?;
+    ad.b.mul(p, d)
+}
+
+/// Whether softmax result `p` (along `axes`) is read only as the left operand of `o = p @ v`
+/// (attention), along the axis that product contracts, with `o` shaped like `p` but for the
+/// last axis: then `o`. For such a softmax `sum(g * p, axes) = sum(go * o, last axis)`,
+/// where `g = go @ transpose(v)` is the gradient of `p` and `go` that of `o`
+/// (`Σ_j p_ij Σ_e go_ie v_je = Σ_e go_ie o_ie`, as flash attention's backward computes it).
+/// Checked on the forward graph, before the backward pass adds readers of `p`.
+fn read_through_matmul(g: &Graph, p: NodeId, axes: &[usize]) -> Option<NodeId> {
+    let [o] = g.users(p)[..] else { return None };
+    let node = g.node(o);
+    let rank = g.ty(p).rank();
+    let rows = |n: NodeId| {
+        g.ty(n)
+            .dims()
+            .get(..rank.checked_sub(1)?)
+            .map(<[usize]>::to_vec)
+    };
+    let matmul = matches!(node.op, Op::MatMul) && node.inputs[0] == p && node.inputs[1] != p;
+    let along = rank >= 2 && axes == [rank - 1] && g.ty(o).rank() == rank;
+    (matmul && along && rows(o).is_some() && rows(o) == rows(p)).then_some(o)
+}
+
+/// [`softmax_grad`] for a softmax read through a matmul ([`read_through_matmul`]): `p * (g -
+/// sum(go * o, last axis, keepdim: true))`. The row sum then reads two `[.., T, E]` tensors
+/// instead of `g * p` over `[.., T, S]`, and `g` is read once, by an elementwise chain that
+/// fuses into the epilogue of the matmul computing it (attention's `dS` without
+/// materialising `dP`).
+fn softmax_grad_through(
+    ad: &mut Ad,
+    p: NodeId,
+    g: NodeId,
+    (o, go): (NodeId, NodeId),
+) -> Result<NodeId, TypeError> {
+    let p = ad.fwd(p)?;
+    let o = ad.fwd(o)?;
+    let last = ad.b.g.ty(o).rank() - 1;
+    let prod = ad.b.mul(go, o)?;
+    let r = ad.b.sum(prod, vec![last], true)?;
     let d = ad.b.sub(g, r)?;
     ad.b.mul(p, d)
 }
@@ -344,7 +393,15 @@ pub fn backward(
             continue;
         };
         if let Some((sn, axes)) = special.softmax.get(&n) {
-            let ds = softmax_grad(&mut ad, n, gn, axes).map_err(|e| internal(e, ad.b.g, n))?;
+            let through = special
+                .through
+                .get(&n)
+                .and_then(|&o| Some((o, *adj.get(&o)?)));
+            let ds = match through {
+                Some(og) => softmax_grad_through(&mut ad, n, gn, og),
+                None => softmax_grad(&mut ad, n, gn, axes),
+            }
+            .map_err(|e| internal(e, ad.b.g, n))?;
             let acc = match adj.get(sn) {
                 Some(&prev) => ad.b.add2(prev, ds).map_err(|e| internal(e, ad.b.g, n))?,
                 None => ds,

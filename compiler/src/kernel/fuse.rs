@@ -145,6 +145,19 @@ fn heavy_read(op: &Op, k: usize) -> bool {
     }
 }
 
+/// Whether `u` reads a matmul or convolution result directly (so may be its epilogue).
+fn reads_a_product(g: &Graph, u: NodeId) -> bool {
+    g.node(u).inputs.iter().any(|&i| {
+        matches!(
+            g.node(i).op,
+            Op::MatMul
+                | Op::Conv2d { .. }
+                | Op::Conv2dGradInput { .. }
+                | Op::Conv2dGradWeight { .. }
+        )
+    })
+}
+
 fn elementwise(op: &Op) -> bool {
     matches!(
         op,
@@ -267,6 +280,10 @@ fn decide(
                         let (u, _) = us[0];
                         elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
                     }
+                    // A reduction read by a matmul's epilogue would be recomputed for every
+                    // element there (an epilogue has no loop over rows to hoist it to):
+                    // attention's row sums `sum(dO * O)` read by `dS = P * (dP - D)`.
+                    Op::Reduce { .. } if reads_a_product(g, us[0].0) => false,
                     _ => !is_scatter(&g.node(us[0].0).op),
                 };
             if !ok {

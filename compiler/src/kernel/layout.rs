@@ -85,8 +85,9 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
 }
 
 /// The matmuls stored in the order of the one permutation that reads them (every use is a
-/// permute, or a chain of them, by the same `perm` in all, which keeps the last axis last):
-/// `perm` as their layout.
+/// permute, or a chain of them, by the same `perm` in all, which keeps the last axis last,
+/// or an elementwise op of the same shape, which reads any layout alike): `perm` as their
+/// layout.
 pub fn permuted_products(
     g: &Graph,
     materialized: &BTreeSet<NodeId>,
@@ -98,9 +99,16 @@ pub fn permuted_products(
         if !matmul_anchor_ok(g, n) || rank < 3 || read_by_caller.contains(&n) {
             continue;
         }
+        let same_shape_elementwise = |u: NodeId| {
+            matches!(
+                g.node(u).op,
+                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
+            ) && g.ty(u).shape == g.ty(n).shape
+        };
         let mut perms = g
             .users(n)
             .into_iter()
+            .filter(|&u| !same_shape_elementwise(u))
             .map(|u| read_through_permutes(g, u, materialized));
         let Some(Some(perm)) = perms.next() else {
             continue;
