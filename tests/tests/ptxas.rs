@@ -425,7 +425,8 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{big}"
     );
     // A short k (64) stores vectors, within launch bounds of two blocks an SM; a long k
-    // (512) keeps scalar stores and no bounds.
+    // (512) keeps scalar stores, and loads its whole stages by number (one address and one
+    // vector load per operand, no zeros), also within those bounds.
     assert!(
         big.contains("st.global.v4.f32")
             && big.contains(".minnctapersm 2")
@@ -441,9 +442,37 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     assert!(deep.contains("mm_s[16896]"), "{deep}");
     assert!(
-        !deep.contains("st.global.v4") && !deep.contains("minnctapersm"),
+        !deep.contains("st.global.v4") && deep.contains(".minnctapersm 2"),
         "{deep}"
     );
+    // Two stage loads before the loop and two in it, unconditional (rows clamped).
+    let stage_loads = deep
+        .lines()
+        .filter(|l| l.trim_start().starts_with("ld.global.v4.f32"))
+        .count();
+    assert_eq!(stage_loads, 4, "{deep}");
+    assert!(
+        deep.lines()
+            .filter(|l| l.contains("ld.global.v4"))
+            .all(|l| !l.contains('@')),
+        "{deep}"
+    );
+    // A column group past n = 32 in a 64-wide tile reads the last whole group (columns
+    // 28..32), so its vector loads stay aligned; rows clamp to the last row.
+    let narrow = ptx(
+        &model(
+            " input a: f32[24, 1024, 512]\n input b: f32[512, 32]",
+            "a @ b",
+        ),
+        false,
+    );
+    let clamps: Vec<&str> = narrow
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("min.s64 "))
+        .filter_map(|l| l.rsplit(", ").next())
+        .collect();
+    assert!(narrow.contains("mm_s[33792]"), "{narrow}");
+    assert_eq!(clamps, ["1023;", "28;"], "{narrow}");
     // A weight gradient's shape (25 tiles, k = 4096) splits k on CUDA: a batched matmul
     // on the large tiles, then a sum with the epilogue; the CPU keeps it whole.
     let wgrad = model(

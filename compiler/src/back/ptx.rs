@@ -3099,6 +3099,15 @@ fn emit_sgemm(
     let aligned4 = |o: &crate::kernel::Operand, off: u64| {
         o.base % 4 == 0 && o.batch_strides.iter().all(|s| s % 4 == 0) && off.is_multiple_of(16)
     };
+    // A vector slot of a `k` that whole stages tile loads a stage from its number alone
+    // (gpt's 4096×3072×768 products: 40 → 26 instructions of the loop beside its products
+    // and shared loads).
+    let stage_bytes = |vector: bool, k_stride: i64| {
+        let step = u64::try_from(k_stride).ok()? * 4;
+        let whole = vector && step > 0 && kd.is_multiple_of(bk);
+        let fits = step * bk as u64 <= u32::MAX as u64 && step * bk as u64 <= i32::MAX as u64;
+        (whole && fits).then_some(step * bk as u64)
+    };
     // A moves along k where it is contiguous along k (or along neither), else along its
     // rows; B along its columns where contiguous along them (or along neither), else
     // along k (a transposed view, read in place rather than copied).
@@ -3127,6 +3136,7 @@ fn emit_sgemm(
             base: &abase,
             buf: &abuf,
             shared: 0,
+            stage_bytes: stage_bytes(a_vec, mm.a.cs),
         },
     );
     let b = SgSlot::new(
@@ -3142,25 +3152,43 @@ fn emit_sgemm(
             base: &bbase,
             buf: &bbuf,
             shared: tile,
+            stage_bytes: stage_bytes(b_vec, mm.b.rs),
         },
     );
     let ra: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
     let rb: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
-    // Loads stage `k0` (i64 register) into ra/rb (zeros out of range), slice by slice.
-    let load_regs = |px: &mut Px, k0: &str| {
-        for r in ra.iter().chain(&rb) {
-            px.line(format!("mov.f32 {r}, {};", f32_lit(0.0)));
+    // Loads stage `k0` (i64 register) into ra/rb, slice by slice, zeros out of range;
+    // staged slots load stage `stage` (u32), or the last one (`last`) past it.
+    let load_regs = |px: &mut Px, k0: &str, stage: &str, last: Option<&str>| {
+        let stage = match last {
+            Some(last) if a.staged() || b.staged() => {
+                let (l, st) = (px.fresh("r"), px.fresh("r"));
+                px.line(format!("sub.u32 {l}, {last}, 1;"));
+                px.line(format!("min.u32 {st}, {stage}, {l};"));
+                st
+            }
+            _ => stage.to_string(),
+        };
+        for (slot, regs) in [(&a, &ra), (&b, &rb)] {
+            if !slot.staged() {
+                for r in regs {
+                    px.line(format!("mov.f32 {r}, {};", f32_lit(0.0)));
+                }
+            }
         }
+        let mut ks = k0.to_string();
         for (s, (ra, rb)) in ra.chunks(4).zip(rb.chunks(4)).enumerate() {
-            let ks = if s == 0 {
-                k0.to_string()
-            } else {
-                let ks = px.fresh("rd");
+            if s > 0 && !(a.staged() && b.staged()) {
+                ks = px.fresh("rd");
                 px.line(format!("add.s64 {ks}, {k0}, {};", s * SG_BK));
-                ks
-            };
-            a.load(px, &ks, kd, ra);
-            b.load(px, &ks, kd, rb);
+            }
+            for (slot, regs) in [(&a, ra), (&b, rb)] {
+                if slot.staged() {
+                    slot.load_stage(px, &stage, s, regs);
+                } else {
+                    slot.load(px, &ks, kd, regs);
+                }
+            }
         }
     };
     // Stores ra and rb to the stage at `st` (`[k][m]` and `[k][n]` in shared memory).
@@ -3194,7 +3222,7 @@ fn emit_sgemm(
                 px.line(format!("@{empty} bra.uni {done};"));
                 let k0 = px.fresh("rd");
                 px.line(format!("mul.wide.u32 {k0}, {kb}, {bk};"));
-                load_regs(&mut px, &k0);
+                load_regs(&mut px, &k0, kb, None);
                 let st = px.fresh("r");
                 px.line(format!("and.b32 {st}, {kb}, 1;"));
                 px.line(format!("mad.lo.u32 {st}, {st}, {}, {sbase};", 2 * tile));
@@ -3205,9 +3233,10 @@ fn emit_sgemm(
                 (kt, ke.clone())
             }
             _ => {
-                let zero = px.fresh("rd");
+                let (zero, first) = (px.fresh("rd"), px.fresh("r"));
                 px.line(format!("mov.s64 {zero}, 0;"));
-                load_regs(&mut px, &zero);
+                px.line(format!("mov.u32 {first}, 0;"));
+                load_regs(&mut px, &zero, &first, None);
                 store_regs(&mut px, &sbase);
                 px.line("bar.sync 0;");
                 let kt = px.fresh("r");
@@ -3223,10 +3252,11 @@ fn emit_sgemm(
         px.line(format!("setp.lt.u32 {more}, {ktn}, {last};"));
         // The next stage's loads stay in the loop's one basic block, before the products,
         // so that their latency overlaps them (behind a branch ptxas sank them below the
-        // products: 0.35 of the step). Past the last stage every load is out of range (off).
+        // products: 0.35 of the step). Past the last stage every load is out of range, or
+        // (staged slots) loads the last stage again into the idle buffer.
         let k0 = px.fresh("rd");
         px.line(format!("mul.wide.u32 {k0}, {ktn}, {bk};"));
-        load_regs(&mut px, &k0);
+        load_regs(&mut px, &k0, &ktn, Some(&last));
         let cur = px.fresh("r");
         px.line(format!("and.b32 {cur}, {kt}, 1;"));
         px.line(format!("mul.lo.u32 {cur}, {cur}, {};", 2 * tile));
@@ -3294,9 +3324,12 @@ fn emit_sgemm(
     px.line("ret;");
     let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * tile);
     // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
-    // thread). Without, ptxas stays under 128 by itself, and bounds were measured slower
-    // (4096³: 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%).
-    let bounds = vectors.then_some((BLOCK, SG_BLOCKS_PER_SM));
+    // thread). So do they with staged slots, whose stage pointers took some epilogues to
+    // 129–136 registers (one block an SM): gpt's step 66.3 → 64.7 ms with staged slots and
+    // bounds on an H100, a 4096×3072×768 product 0.461 → 0.436 ms (0.442 without bounds).
+    // Otherwise ptxas stays under 128 by itself, and bounds were measured slower (4096³:
+    // 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%, both before staged slots).
+    let bounds = (vectors || a.staged() || b.staged()).then_some((BLOCK, SG_BLOCKS_PER_SM));
     Ok((
         px.finish_bounded(&shared, bounds),
         LaunchShape {
@@ -3384,6 +3417,10 @@ struct SgSide<'a> {
     base: &'a str,
     buf: &'a str,
     shared: usize,
+    /// Bytes from one stage to the next where the slot loads vectors and every stage lies
+    /// inside `k` (`k` a multiple of the stage depth), so a stage needs no range check along
+    /// `k` and no zeros: `None` otherwise, or where the step does not fit a u32.
+    stage_bytes: Option<u64>,
 }
 
 /// The 4 elements of one operand a thread of the SGEMM moves per stage: rows or columns
@@ -3403,6 +3440,9 @@ struct SgSlot {
     kq: String,
     base: String,
     st: String,
+    /// Bytes between stages and the byte address of the slot's elements at stage 0, where
+    /// every stage lies inside `k` (see [`SgSide::stage_bytes`]).
+    staged: Option<(u64, String)>,
 }
 
 impl SgSlot {
@@ -3441,6 +3481,26 @@ impl SgSlot {
         if s.shared > 0 {
             px.line(format!("add.u32 {st}, {st}, {};", s.shared));
         }
+        // A staged slot reads its row or column clamped into range: every load is then in
+        // bounds and unconditional (a predicated load would keep the registers live across
+        // the loop, past two blocks an SM), and rows or columns out of range only reach
+        // products that are never stored.
+        let staged = s.stage_bytes.map(|bytes| {
+            let (gc, ptr) = (px.fresh("rd"), px.fresh("rd"));
+            // The last row, or (a vector across rows or columns) the last whole vector.
+            let width = if s.k_major { 1 } else { 4 };
+            px.line(format!(
+                "min.s64 {gc}, {g}, {};",
+                s.extent.max(width) - width
+            ));
+            px.line(format!(
+                "mad.lo.s64 {ptr}, {gc}, {}, {};",
+                s.outer_stride, s.base
+            ));
+            px.line(format!("mad.lo.s64 {ptr}, {kq64}, {}, {ptr};", s.k_stride));
+            px.line(format!("mad.lo.s64 {ptr}, {ptr}, 4, {};", s.buf));
+            (bytes, ptr)
+        });
         SgSlot {
             k_major: s.k_major,
             vector: s.vector,
@@ -3453,7 +3513,28 @@ impl SgSlot {
             kq: kq64,
             base,
             st,
+            staged,
         }
+    }
+
+    /// Whether [`Self::load_stage`] applies (no range checks along `k`, no zeros).
+    fn staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Loads slice `slice` of stage `stage` (u32 register, a stage inside `k`) into `regs`:
+    /// one address from the stage number, one vector load of the clamped row or column.
+    fn load_stage(&self, px: &mut Px, stage: &str, slice: usize, regs: &[String]) {
+        let Some((bytes, ptr)) = &self.staged else {
+            return;
+        };
+        let addr = px.fresh("rd");
+        px.line(format!("mad.wide.u32 {addr}, {stage}, {bytes}, {ptr};"));
+        let off = slice as i64 * SG_BK as i64 * self.k_stride * 4;
+        px.line(format!(
+            "ld.global.v4.f32 {{{}}}, [{addr}+{off}];",
+            regs.join(", ")
+        ));
     }
 
     /// Loads the stage starting at `k0` (i64 register) into `regs` (left as they are,
