@@ -486,7 +486,7 @@ fn resolve_kernel(module: &Module, entry: &KernelEntry) -> Result<Kernel> {
 
 impl CudaExecutor {
     /// Creates a context on device `ordinal`, allocates and initialises the arena, loads
-    /// the module, resolves every kernel and captures the step as a CUDA graph.
+    /// the module, resolves every kernel and builds the step as a CUDA graph.
     pub(crate) fn new(model: &Model, ordinal: usize) -> Result<CudaExecutor> {
         check_model(model)?;
         driver_present()?;
@@ -587,7 +587,7 @@ impl CudaExecutor {
             ctx,
         };
         exec.init_arena()?;
-        exec.capture()?;
+        exec.build_graph()?;
         Ok(exec)
     }
 
@@ -645,7 +645,7 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Enqueues every kernel of the step on the stream (or into the graph being captured).
+    /// Enqueues every kernel of the step on the stream, in launch order (graphs off).
     fn launch_all(&self) -> Result<()> {
         for k in &self.kernels {
             self.launch_one(k)?;
@@ -732,7 +732,7 @@ impl CudaExecutor {
     /// has no kernel: a kernel node each, depending on the nodes of the kernels it waits for
     /// (`after`, checked to name earlier kernels when the artifact was read; the previous
     /// kernel where the artifact gives none), then instantiated and uploaded.
-    fn capture(&mut self) -> Result<()> {
+    fn build_graph(&mut self) -> Result<()> {
         if !self.use_graph || self.graph.is_some() || self.kernels.is_empty() {
             return Ok(());
         }
@@ -826,7 +826,7 @@ impl CudaExecutor {
         self.use_graph
     }
 
-    /// Turns graph replay on or off; the graph is captured again on the next `run` after it
+    /// Turns graph replay on or off; the graph is built again on the next `run` after it
     /// is turned back on.
     pub(crate) fn set_graph(&mut self, enabled: bool) {
         self.use_graph = enabled;
@@ -894,7 +894,7 @@ impl CudaExecutor {
                 })?;
         }
         if self.use_graph {
-            self.capture()?;
+            self.build_graph()?;
         }
         if let Some((a, _)) = self.events {
             // SAFETY: the event lives as long as the executor; it is recorded on the

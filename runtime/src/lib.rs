@@ -34,9 +34,10 @@
 //! needs no CUDA toolkit, and a machine without a driver or a GPU gets an [`Error::Cuda`]
 //! (never a panic); [`cuda_device_count`] tells whether there is one. A CUDA session makes
 //! exactly one device allocation, the arena (`cuMemAlloc`, 256-byte aligned: an artifact
-//! asking for more is refused), loads the PTX once and captures the step's kernel launches
-//! into a CUDA graph that every [`Session::run`] replays ([`Session::set_cuda_graph`] turns
-//! that off for debugging). The API is the CPU one, with the data moving as a GPU program
+//! asking for more is refused), loads the PTX once and builds the step into a CUDA graph
+//! (a node per kernel, an edge per dependency the artifact lists, so independent kernels
+//! may overlap) that every [`Session::run`] replays ([`Session::set_cuda_graph`] turns that
+//! off for debugging). The API is the CPU one, with the data moving as a GPU program
 //! wants it to:
 //!
 //! - `set_input*` write a page-locked (pinned) host buffer; `run` copies the inputs set since
@@ -623,7 +624,7 @@ impl Session<'static> {
     /// initial persistent bytes and zeros elsewhere.
     ///
     /// On [`Device::Cuda`] (feature `cuda`, a `cuda` artifact) the arena is one device
-    /// allocation, the PTX is loaded and the step is captured as a CUDA graph here; a missing
+    /// allocation, the PTX is loaded and the step is built as a CUDA graph here; a missing
     /// driver or device, or any failing CUDA call, is an [`Error::Cuda`].
     pub fn new(model: &Model, device: Device) -> Result<Session<'static>> {
         check_device(model, device)?;
@@ -763,8 +764,8 @@ impl<'a> Session<'a> {
     }
 
     /// Turns CUDA graph replay on or off (for debugging: with it off, every kernel is
-    /// launched on its own, so a failing launch names its kernel). A CUDA session captures
-    /// the step's launches into a graph when it is created (or at the next step after graphs
+    /// launched on its own, in launch order, so a failing launch names its kernel). A CUDA
+    /// session builds the step's graph when it is created (or at the next step after graphs
     /// are turned back on) and replays it at every step. No effect on the CPU.
     pub fn set_cuda_graph(&mut self, enabled: bool) {
         #[cfg(feature = "cuda")]

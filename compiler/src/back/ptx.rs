@@ -3103,10 +3103,10 @@ fn emit_sgemm(
     // (gpt's 4096×3072×768 products: 40 → 26 instructions of the loop beside its products
     // and shared loads).
     let stage_bytes = |vector: bool, k_stride: i64| {
-        let step = u64::try_from(k_stride).ok()? * 4;
-        let whole = vector && step > 0 && kd.is_multiple_of(bk);
-        let fits = step * bk as u64 <= u32::MAX as u64 && step * bk as u64 <= i32::MAX as u64;
-        (whole && fits).then_some(step * bk as u64)
+        let bytes = u64::try_from(k_stride).ok()?.checked_mul(4 * bk as u64)?;
+        let whole = vector && bytes > 0 && kd.is_multiple_of(bk);
+        // The stage step is an immediate of `mad.wide.u32`, a slice's an address offset.
+        (whole && bytes <= i32::MAX as u64).then_some(bytes)
     };
     // A moves along k where it is contiguous along k (or along neither), else along its
     // rows; B along its columns where contiguous along them (or along neither), else
