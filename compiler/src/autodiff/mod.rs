@@ -252,9 +252,7 @@ fn softmaxes(g: &Graph, y: NodeId, targets: &[NodeId]) -> Softmaxes {
                     out.skip.insert(q);
                     for d in g.users(q) {
                         out.softmax.insert(d, (s, axes.clone()));
-                        if let Some(o) =
-                            read_through_matmul(g, d, axes).filter(|&o| !visible(d) && o != y)
-                        {
+                        if let Some(o) = read_through_matmul(g, d, axes).filter(|_| !visible(d)) {
                             out.through.insert(d, o);
                         }
                     }
