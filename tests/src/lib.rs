@@ -631,6 +631,14 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "relu(x @ w)",
         1e-5,
     );
+    // Few tiles and a short k: pairs of blocks (a cluster) each sum half of k and add
+    // through distributed shared memory (`back::ptx::slices`); ragged on every side.
+    add(
+        "clustered k slices: f32 matmul with a short k, ragged, epilogue",
+        " input x: f32[4000, 700]\n input w: f32[700, 760]\n input b: f32[760]",
+        "tanh(x @ w + b)",
+        1e-5,
+    );
     // Convolutions as implicit GEMMs: the avg_pool2d of size 1 copies every element of a
     // channels-last intermediate to the (channels-first) output.
     add(

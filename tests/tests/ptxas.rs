@@ -499,6 +499,22 @@ fn ptx_paths_are_chosen_where_they_apply() {
         2,
         "the matmul, then the sum and + b"
     );
+    // Few tiles and a short k (gpt's output projection): pairs of blocks in a cluster sum
+    // the two halves of k, then add them through distributed shared memory, half a tile
+    // at a time, in rank order; no partial sums in global memory, one kernel.
+    let proj = model(" input x: f32[4096, 768]\n input w: f32[768, 768]", "x @ w");
+    let c = build(&proj, Target::Cuda, false);
+    assert_eq!(c.fused.kernels.len(), 1);
+    assert_eq!(c.launches[0].grid, [6, 32, 2]);
+    let count = |s: &str| c.code.matches(s).count();
+    assert!(c.code.contains(".reqnctapercluster 1, 1, 2"), "{}", c.code);
+    assert_eq!(count("mapa.shared::cluster.u32"), 2, "{}", c.code);
+    assert_eq!(count("ld.shared::cluster.v4.f32"), 16, "{}", c.code);
+    assert_eq!(count("barrier.cluster.arrive"), 4, "{}", c.code);
+    assert_eq!(count("barrier.cluster.wait"), 4, "{}", c.code);
+    assert!(c.code.contains("mm_s[33792]"), "{}", c.code);
+    // A long k keeps the graph's split (above); many tiles, no clusters.
+    assert!(!cuda.code.contains("reqnctapercluster") && !deep.contains("reqnctapercluster"));
     // Many rows of one output each: a warp per row; a softmax over fewer, longer rows
     // keeps a block per row.
     let warp = ptx(

@@ -33,7 +33,9 @@
 //!   with 4×8, where `n` or `m` is at most 64) when the output is large enough for at least
 //!   132 such blocks (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16
 //!   deep; grid `(⌈n/64⌉, ⌈m/64⌉, batch)`); f32 matmuls with few tiles and a long `k` were
-//!   split along `k` before (`passes::split_matmuls`);
+//!   split along `k` before (`passes::split_matmuls`), those with a short `k` run each
+//!   128×128 tile as a cluster of two blocks that add their halves of `k` through
+//!   distributed shared memory ([`slices`]);
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
 //!   element per thread with an FMA loop over `k`;
 //! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
@@ -56,6 +58,7 @@ use crate::kernel::{Affine, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Re
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
+mod slices;
 mod wgmma;
 
 /// The module's dynamic shared memory (declared when a kernel launches with some).
@@ -319,10 +322,19 @@ impl<'a> Px<'a> {
     /// [`Self::finish`] with launch bounds `(threads a block, blocks an SM)`: ptxas keeps
     /// the registers within what that many blocks leave each thread.
     fn finish_bounded(&self, shared: &str, bounds: Option<(u32, u32)>) -> String {
+        self.finish_clustered(shared, bounds, 1)
+    }
+
+    /// [`Self::finish_bounded`] for blocks launched in clusters of `cluster` along `z`
+    /// (1: no clusters).
+    fn finish_clustered(&self, shared: &str, bounds: Option<(u32, u32)>, cluster: u32) -> String {
         let k = self.k;
-        let bounds = bounds
+        let mut bounds = bounds
             .map(|(t, b)| format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"))
             .unwrap_or_default();
+        if cluster > 1 {
+            let _ = writeln!(bounds, ".reqnctapercluster 1, 1, {cluster}");
+        }
         let mut text = format!(
             "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{bounds}{{\n",
             k.describe, k.name
@@ -1451,7 +1463,7 @@ fn emit_tiled_matmul(
                 ..
             },
         split,
-    } = ffma_tile(&mut px, mm, TILE_M, TILE_N)?;
+    } = ffma_tile(&mut px, mm, (TILE_M, TILE_N), mm.split_k)?;
     let (sa, sb) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {sa}, mm_as;"));
     px.line(format!("mov.u32 {sb}, mm_bs;"));
@@ -1707,8 +1719,8 @@ fn emit_kernel(
         if let Some((kind, grid)) = mma_grid(mm, opts) {
             return emit_mma_matmul(k, mm, kind, grid, offset_of);
         }
-        if let Some((grid, tile)) = sgemm_grid(mm) {
-            return emit_sgemm(k, mm, grid, tile, offset_of);
+        if let Some(sg) = sgemm_grid(mm) {
+            return emit_sgemm(k, mm, sg, offset_of);
         }
         if let Some(grid) = tiled_grid(mm) {
             return emit_tiled_matmul(k, mm, grid, offset_of);
@@ -3008,8 +3020,18 @@ fn sgemm_slices(bm: usize, bn: usize) -> usize {
     }
 }
 
+/// The large-tile SGEMM's launch: grid, block tile and `k` slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SgGrid {
+    grid: [u32; 3],
+    tile: (usize, usize),
+    /// Blocks (a cluster, consecutive along `z`) that sum one tile's slices of `k`:
+    /// [`slices`].
+    slices: usize,
+}
+
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
-fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
+fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
     if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !mm.is_plain() {
         return None;
     }
@@ -3025,16 +3047,26 @@ fn sgemm_grid(mm: &Matmul) -> Option<([u32; 3], (usize, usize))> {
         return None;
     };
     let batch: usize = mm.batch.iter().product();
-    let (gx, gy) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm));
-    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+    // Slices of `k` for 128×128 tiles that would leave SMs idle (and skip no terms).
+    let slices = if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
+        slices::choose(batch, mm.m, mm.n, mm.k)
+    } else {
+        1
+    };
+    let (gx, gy, gz) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm), batch * slices);
+    if batch == 0 || gz > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
     // Too few blocks to fill the GPU (132 SMs on an H100/H200): the 64×64 tiles give four
     // times as many (mlp's 256×1024 layers: 0.98 ms per step with 128×128, 0.51 with 64×64).
-    if gx * gy * batch < SG_MIN_BLOCKS {
+    if gx * gy * gz < SG_MIN_BLOCKS {
         return None;
     }
-    Some(([gx as u32, gy as u32, batch as u32], (bm, bn)))
+    Some(SgGrid {
+        grid: [gx as u32, gy as u32, gz as u32],
+        tile: (bm, bn),
+        slices,
+    })
 }
 
 /// Fewest blocks for the large-tile SGEMM: one per SM. Requiring two waves (264) was
@@ -3060,8 +3092,11 @@ const SG_VECTOR_STORES_MAX_K: usize = 128;
 fn emit_sgemm(
     k: &Kernel,
     mm: &Matmul,
-    grid: [u32; 3],
-    (bm, bn): (usize, usize),
+    SgGrid {
+        grid,
+        tile: (bm, bn),
+        slices,
+    }: SgGrid,
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
@@ -3089,8 +3124,8 @@ fn emit_sgemm(
                 row0,
                 col0,
             },
-        ..
-    } = ffma_tile(&mut px, mm, bm, bn)?;
+        split,
+    } = ffma_tile(&mut px, mm, (bm, bn), slices)?;
     // Rows and columns of the thread's register tile: groups of 4, 64 apart.
     let (tr, tc) = (bm / 16, bn / 16);
     let sbase = px.fresh("r");
@@ -3211,8 +3246,19 @@ fn emit_sgemm(
     let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
     let nk = kd.div_ceil(bk);
-    // The stages this tile sums: all of them, or those its skips leave.
-    let range = stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk);
+    // The stages this tile sums: all of them, those its skips leave, or its slice's.
+    let range = match &split {
+        Some(z) => {
+            let per = nk.div_ceil(slices);
+            let (kb, ke) = (px.fresh("r"), px.fresh("r"));
+            px.line(format!("cvt.u32.u64 {kb}, {z};"));
+            px.line(format!("mul.lo.u32 {kb}, {kb}, {per};"));
+            px.line(format!("add.u32 {ke}, {kb}, {per};"));
+            px.line(format!("min.u32 {ke}, {ke}, {nk};"));
+            Some((kb, ke))
+        }
+        None => stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk),
+    };
     let done = range.as_ref().map(|_| px.label("sg_done"));
     if nk > 0 {
         let (kt, last) = match (&range, &done) {
@@ -3298,6 +3344,35 @@ fn emit_sgemm(
     if let Some(done) = done {
         px.body.push_str(&format!("{done}:\n"));
     }
+    let shared_bytes = if slices > 1 {
+        (4 * tile).max(slices::REDUCE_BYTES)
+    } else {
+        4 * tile
+    };
+    let shared = format!("\t.shared .align 16 .b8 mm_s[{shared_bytes}];\n");
+    if slices > 1 {
+        // The cluster's sum of the slices, then the epilogue on this block's share of it.
+        let r = slices::reduce(&mut px, slices, &accs, (m, n));
+        let vectors = epilogue_vectors(&px, mm);
+        epilogue(
+            &mut px,
+            mm,
+            &r.rows,
+            &r.cols,
+            &|i, c| r.sums[i * 4 + c].clone(),
+            vectors,
+        )?;
+        slices::finish(&mut px);
+        px.line("ret;");
+        return Ok((
+            px.finish_clustered(&shared, Some((BLOCK, SG_BLOCKS_PER_SM)), slices as u32),
+            LaunchShape {
+                grid,
+                block: [BLOCK, 1, 1],
+                shared_bytes: 0,
+            },
+        ));
+    }
 
     // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
     let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
@@ -3322,7 +3397,6 @@ fn emit_sgemm(
         vectors,
     )?;
     px.line("ret;");
-    let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * tile);
     // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
     // thread). So do they with staged slots, whose stage pointers took some epilogues to
     // 129–136 registers (one block an SM): gpt's step 66.3 → 64.7 ms with staged slots and
@@ -3641,15 +3715,16 @@ struct FfmaTile {
     split: Option<String>,
 }
 
-fn ffma_tile(px: &mut Px, mm: &Matmul, bm: usize, bn: usize) -> Res<FfmaTile> {
+/// `slices`: blocks along `z` that share an output tile, each summing a slice of `k`.
+fn ffma_tile(px: &mut Px, mm: &Matmul, (bm, bn): (usize, usize), slices: usize) -> Res<FfmaTile> {
     let (bx, by, bz, t) = block_prologue(px);
     let (tx, ty) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {tx}, {t}, 15;"));
     px.line(format!("shr.u32 {ty}, {t}, 4;"));
-    let (bz, split) = if mm.split_k > 1 {
+    let (bz, split) = if slices > 1 {
         let (b, s, s64) = (px.fresh("r"), px.fresh("r"), px.fresh("rd"));
-        px.line(format!("div.u32 {b}, {bz}, {};", mm.split_k));
-        px.line(format!("rem.u32 {s}, {bz}, {};", mm.split_k));
+        px.line(format!("div.u32 {b}, {bz}, {slices};"));
+        px.line(format!("rem.u32 {s}, {bz}, {slices};"));
         px.line(format!("cvt.u64.u32 {s64}, {s};"));
         (b, Some(s64))
     } else {

@@ -18,7 +18,8 @@
 //! The split `s` minimises a model of the run time: waves of 128×128 tiles times their
 //! depth `k/s`, plus writing and reading the partials. Used by `artifact::plan_step` for
 //! CUDA with exact f32 (`--allow-tf32` keeps its tensor-core tiles unsplit); the CPU runs
-//! every matmul whole. Cost: one pass over the nodes; five new nodes per split.
+//! every matmul whole. A `k` too short for the partials to pay is split by the back end
+//! instead, within a cluster of blocks (`back::ptx::slices`). Cost: one pass over the nodes; five new nodes per split.
 
 use crate::back::ptx::{SG_BM as TILE, SG_MIN_BLOCKS, SMS};
 use crate::ir::{DType, Graph, NodeId, Op, ReduceOp, Shape};
