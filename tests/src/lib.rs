@@ -632,11 +632,19 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         1e-5,
     );
     // Few tiles and a short k: pairs of blocks (a cluster) each sum half of k and add
-    // through distributed shared memory (`back::ptx::slices`); ragged on every side.
+    // through distributed shared memory (`back::ptx::k_split`); ragged on every side.
     add(
-        "clustered k slices: f32 matmul with a short k, ragged, epilogue",
+        "k split across a cluster: f32 matmul with a short k, ragged, epilogue",
         " input x: f32[4000, 700]\n input w: f32[700, 760]\n input b: f32[760]",
         "tanh(x @ w + b)",
+        1e-5,
+    );
+    // The same batched, with whole stages loaded by number (k a multiple of 8) and an odd
+    // count of them (89: halves of 45 and 44 stages, the second starting in buffer 1).
+    add(
+        "k split across a cluster: batched, staged loads, odd stage count",
+        " input x: f32[8, 500, 712]\n input w: f32[712, 760]",
+        "x @ w",
         1e-5,
     );
     // Convolutions as implicit GEMMs: the avg_pool2d of size 1 copies every element of a

@@ -35,7 +35,7 @@
 //!   deep; grid `(⌈n/64⌉, ⌈m/64⌉, batch)`); f32 matmuls with few tiles and a long `k` were
 //!   split along `k` before (`passes::split_matmuls`), those with a short `k` run each
 //!   128×128 tile as a cluster of two blocks that add their halves of `k` through
-//!   distributed shared memory ([`slices`]);
+//!   distributed shared memory ([`k_split`]);
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
 //!   element per thread with an FMA loop over `k`;
 //! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
@@ -58,7 +58,7 @@ use crate::kernel::{Affine, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Re
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
-mod slices;
+mod k_split;
 mod wgmma;
 
 /// The module's dynamic shared memory (declared when a kernel launches with some).
@@ -3025,9 +3025,9 @@ fn sgemm_slices(bm: usize, bn: usize) -> usize {
 struct SgGrid {
     grid: [u32; 3],
     tile: (usize, usize),
-    /// Blocks (a cluster, consecutive along `z`) that sum one tile's slices of `k`:
-    /// [`slices`].
-    slices: usize,
+    /// Blocks (a cluster, consecutive along `z`) that share one tile, each summing a part
+    /// of `k`: [`k_split`].
+    k_split: usize,
 }
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
@@ -3047,13 +3047,14 @@ fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
         return None;
     };
     let batch: usize = mm.batch.iter().product();
-    // Slices of `k` for 128×128 tiles that would leave SMs idle (and skip no terms).
-    let slices = if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
-        slices::choose(batch, mm.m, mm.n, mm.k)
+    // `k` split across a cluster for 128×128 tiles that would leave SMs idle (and skip no
+    // terms).
+    let k_split = if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
+        k_split::choose(batch, mm.m, mm.n, mm.k)
     } else {
         1
     };
-    let (gx, gy, gz) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm), batch * slices);
+    let (gx, gy, gz) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm), batch * k_split);
     if batch == 0 || gz > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
@@ -3065,7 +3066,7 @@ fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
     Some(SgGrid {
         grid: [gx as u32, gy as u32, gz as u32],
         tile: (bm, bn),
-        slices,
+        k_split,
     })
 }
 
@@ -3095,7 +3096,7 @@ fn emit_sgemm(
     SgGrid {
         grid,
         tile: (bm, bn),
-        slices,
+        k_split,
     }: SgGrid,
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
 ) -> Res<(String, LaunchShape)> {
@@ -3125,7 +3126,7 @@ fn emit_sgemm(
                 col0,
             },
         split,
-    } = ffma_tile(&mut px, mm, (bm, bn), slices)?;
+    } = ffma_tile(&mut px, mm, (bm, bn), k_split)?;
     // Rows and columns of the thread's register tile: groups of 4, 64 apart.
     let (tr, tc) = (bm / 16, bn / 16);
     let sbase = px.fresh("r");
@@ -3246,10 +3247,11 @@ fn emit_sgemm(
     let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
     let nk = kd.div_ceil(bk);
-    // The stages this tile sums: all of them, those its skips leave, or its slice's.
+    // The stages this tile sums: all of them, those its skips leave, or its part of a
+    // split `k`.
     let range = match &split {
         Some(z) => {
-            let per = nk.div_ceil(slices);
+            let per = nk.div_ceil(k_split);
             let (kb, ke) = (px.fresh("r"), px.fresh("r"));
             px.line(format!("cvt.u32.u64 {kb}, {z};"));
             px.line(format!("mul.lo.u32 {kb}, {kb}, {per};"));
@@ -3298,8 +3300,9 @@ fn emit_sgemm(
         px.line(format!("setp.lt.u32 {more}, {ktn}, {last};"));
         // The next stage's loads stay in the loop's one basic block, before the products,
         // so that their latency overlaps them (behind a branch ptxas sank them below the
-        // products: 0.35 of the step). Past the last stage every load is out of range, or
-        // (staged slots) loads the last stage again into the idle buffer.
+        // products: 0.35 of the step). Past the range's last stage, loads read zeros out
+        // of range, the next stage where the range ends before `k`, or (staged slots)
+        // the range's last stage again, all into the idle buffer.
         let k0 = px.fresh("rd");
         px.line(format!("mul.wide.u32 {k0}, {ktn}, {bk};"));
         load_regs(&mut px, &k0, &ktn, Some(&last));
@@ -3332,7 +3335,8 @@ fn emit_sgemm(
                 }
             }
         }
-        // After the last stage this fills the idle buffer with zeros: harmless.
+        // After the last stage this fills the idle buffer with zeros, or (staged slots,
+        // ranges ending before `k`) with a stage no one reads: harmless.
         let nxt = px.fresh("r");
         px.line(format!("and.b32 {nxt}, {ktn}, 1;"));
         px.line(format!("mad.lo.u32 {nxt}, {nxt}, {}, {sbase};", 2 * tile));
@@ -3344,68 +3348,51 @@ fn emit_sgemm(
     if let Some(done) = done {
         px.body.push_str(&format!("{done}:\n"));
     }
-    let shared_bytes = if slices > 1 {
-        (4 * tile).max(slices::REDUCE_BYTES)
+    let shared_bytes = if k_split > 1 {
+        (4 * tile).max(k_split::EXCHANGE_BYTES)
     } else {
         4 * tile
     };
     let shared = format!("\t.shared .align 16 .b8 mm_s[{shared_bytes}];\n");
-    if slices > 1 {
-        // The cluster's sum of the slices, then the epilogue on this block's share of it.
-        let r = slices::reduce(&mut px, slices, &accs, (m, n));
+    let bounds = if k_split > 1 {
+        // The cluster's sum of its blocks' parts, then the epilogue on this block's share
+        // of it. Its sums come from vector loads, in consecutive registers: vector stores
+        // cost the loop nothing here, whatever `k`.
+        let r = k_split::reduce(&mut px, k_split, &accs, (m, n));
         let vectors = epilogue_vectors(&px, mm);
-        epilogue(
-            &mut px,
-            mm,
-            &r.rows,
-            &r.cols,
-            &|i, c| r.sums[i * 4 + c].clone(),
-            vectors,
-        )?;
-        slices::finish(&mut px);
-        px.line("ret;");
-        return Ok((
-            px.finish_clustered(&shared, Some((BLOCK, SG_BLOCKS_PER_SM)), slices as u32),
-            LaunchShape {
-                grid,
-                block: [BLOCK, 1, 1],
-                shared_bytes: 0,
-            },
-        ));
-    }
-
-    // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
-    let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("mul.wide.u32 {rb0}, {ty}, 4;"));
-    px.line(format!("add.s64 {rb0}, {rb0}, {row0};"));
-    px.line(format!("mul.wide.u32 {cb0}, {tx}, 4;"));
-    px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
-    let rows = epilogue_coords(&mut px, &rb0, m, tr, &|r| (r % 4) + 64 * (r / 4));
-    let cols = epilogue_coords(&mut px, &cb0, n, tc, &|c| (c % 4) + 64 * (c / 4));
-    // A short `k` leaves the stores a large share of the time: gpt's attention scores
-    // (k = 64, a 512×512 output a head) took 0.18 ms with scalar stores, 0.11 with vectors.
-    // A long `k` keeps scalar stores: ptxas puts a vector's accumulators in four consecutive
-    // registers, which took the loop from 127 registers to 159 (or spills within two blocks
-    // an SM), and the 4096³ GEMM from 2.93 to 3.09–3.37 ms.
-    let vectors = kd <= SG_VECTOR_STORES_MAX_K && epilogue_vectors(&px, mm);
-    epilogue(
-        &mut px,
-        mm,
-        &rows,
-        &cols,
-        &|r, c| accs[r * tc + c].clone(),
-        vectors,
-    )?;
+        let sum = |i: usize, c: usize| r.sums[i * 4 + c].clone();
+        epilogue(&mut px, mm, &r.rows, &r.cols, &sum, vectors)?;
+        k_split::wait_for_readers(&mut px);
+        Some((BLOCK, SG_BLOCKS_PER_SM))
+    } else {
+        // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
+        let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
+        px.line(format!("mul.wide.u32 {rb0}, {ty}, 4;"));
+        px.line(format!("add.s64 {rb0}, {rb0}, {row0};"));
+        px.line(format!("mul.wide.u32 {cb0}, {tx}, 4;"));
+        px.line(format!("add.s64 {cb0}, {cb0}, {col0};"));
+        let rows = epilogue_coords(&mut px, &rb0, m, tr, &|r| (r % 4) + 64 * (r / 4));
+        let cols = epilogue_coords(&mut px, &cb0, n, tc, &|c| (c % 4) + 64 * (c / 4));
+        // A short `k` leaves the stores a large share of the time: gpt's attention scores
+        // (k = 64, a 512×512 output a head) took 0.18 ms with scalar stores, 0.11 with
+        // vectors. A long `k` keeps scalar stores: ptxas puts a vector's accumulators in
+        // four consecutive registers, which took the loop from 127 registers to 159 (or
+        // spills within two blocks an SM), and the 4096³ GEMM from 2.93 to 3.09–3.37 ms.
+        let vectors = kd <= SG_VECTOR_STORES_MAX_K && epilogue_vectors(&px, mm);
+        let acc = |r: usize, c: usize| accs[r * tc + c].clone();
+        epilogue(&mut px, mm, &rows, &cols, &acc, vectors)?;
+        // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
+        // thread). So do they with staged slots, whose stage pointers took some epilogues
+        // to 129–136 registers (one block an SM): gpt's step 66.3 → 64.7 ms with staged
+        // slots and bounds on an H100, a 4096×3072×768 product 0.461 → 0.436 ms (0.442
+        // without bounds). Otherwise ptxas stays under 128 by itself, and bounds were
+        // measured slower (4096³: 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%,
+        // both before staged slots).
+        (vectors || a.staged() || b.staged()).then_some((BLOCK, SG_BLOCKS_PER_SM))
+    };
     px.line("ret;");
-    // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
-    // thread). So do they with staged slots, whose stage pointers took some epilogues to
-    // 129–136 registers (one block an SM): gpt's step 66.3 → 64.7 ms with staged slots and
-    // bounds on an H100, a 4096×3072×768 product 0.461 → 0.436 ms (0.442 without bounds).
-    // Otherwise ptxas stays under 128 by itself, and bounds were measured slower (4096³:
-    // 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%, both before staged slots).
-    let bounds = (vectors || a.staged() || b.staged()).then_some((BLOCK, SG_BLOCKS_PER_SM));
     Ok((
-        px.finish_bounded(&shared, bounds),
+        px.finish_clustered(&shared, bounds, k_split as u32),
         LaunchShape {
             grid,
             block: [BLOCK, 1, 1],
@@ -3715,16 +3702,16 @@ struct FfmaTile {
     split: Option<String>,
 }
 
-/// `slices`: blocks along `z` that share an output tile, each summing a slice of `k`.
-fn ffma_tile(px: &mut Px, mm: &Matmul, (bm, bn): (usize, usize), slices: usize) -> Res<FfmaTile> {
+/// `k_split`: blocks along `z` that share an output tile, each summing a part of `k`.
+fn ffma_tile(px: &mut Px, mm: &Matmul, (bm, bn): (usize, usize), k_split: usize) -> Res<FfmaTile> {
     let (bx, by, bz, t) = block_prologue(px);
     let (tx, ty) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {tx}, {t}, 15;"));
     px.line(format!("shr.u32 {ty}, {t}, 4;"));
-    let (bz, split) = if slices > 1 {
+    let (bz, split) = if k_split > 1 {
         let (b, s, s64) = (px.fresh("r"), px.fresh("r"), px.fresh("rd"));
-        px.line(format!("div.u32 {b}, {bz}, {slices};"));
-        px.line(format!("rem.u32 {s}, {bz}, {slices};"));
+        px.line(format!("div.u32 {b}, {bz}, {k_split};"));
+        px.line(format!("rem.u32 {s}, {bz}, {k_split};"));
         px.line(format!("cvt.u64.u32 {s64}, {s};"));
         (b, Some(s64))
     } else {

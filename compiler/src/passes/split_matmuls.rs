@@ -18,30 +18,33 @@
 //! The split `s` minimises a model of the run time: waves of 128×128 tiles times their
 //! depth `k/s`, plus writing and reading the partials. Used by `artifact::plan_step` for
 //! CUDA with exact f32 (`--allow-tf32` keeps its tensor-core tiles unsplit); the CPU runs
-//! every matmul whole. A `k` too short for the partials to pay is split by the back end
-//! instead, within a cluster of blocks (`back::ptx::slices`). Cost: one pass over the nodes; five new nodes per split.
+//! every matmul whole. Cost: one pass over the nodes; five new nodes per split.
+//!
+//! The back end may still split the `k` of what this pass leaves whole, within a cluster
+//! of two blocks and without partial sums in memory (`back::ptx::k_split`): that pays
+//! where `k` is too short for this split's partials.
 
 use crate::back::ptx::{SG_BM as TILE, SG_MIN_BLOCKS, SMS};
 use crate::ir::{DType, Graph, NodeId, Op, ReduceOp, Shape};
 
 /// Time of one 128×128 tile for one step of `k` on one SM, in picoseconds (46.5 TFLOP/s
 /// over 132 SMs, the 4096³ f32 GEMM on an H100).
-const TILE_K_PS: u64 = 93_000;
+pub(crate) const TILE_K_PS: u64 = 93_000;
 /// The 64×64 tiles' time per 1000 FLOP (the back end's choice below [`SG_MIN_BLOCKS`]
 /// tiles of `TILE`×`TILE`), in picoseconds (about 20 TFLOP/s on gpt's
 /// `[768, 2304]` weight gradient).
-const SMALL_KFLOP_PS: u64 = 50_000;
+pub(crate) const SMALL_KFLOP_PS: u64 = 50_000;
 /// Starting and finishing a wave of blocks (first loads, epilogue), in picoseconds.
-const WAVE_PS: u64 = 2_000_000;
+pub(crate) const WAVE_PS: u64 = 2_000_000;
 /// Writing and then reading one partial float, in picoseconds (8 bytes at 3 TB/s).
 const PARTIAL_PS: u64 = 3;
 /// The sum's launch, in picoseconds.
 const LAUNCH_PS: u64 = 2_000_000;
 /// The most slices, and the least depth of one.
 const MAX_SPLIT: usize = 8;
-const MIN_DEPTH: usize = 256;
+pub(crate) const MIN_DEPTH: usize = 256;
 /// A split must save at least this share of the modelled time (in percent).
-const MIN_GAIN_PCT: u64 = 10;
+pub(crate) const MIN_GAIN_PCT: u64 = 10;
 
 /// Modelled run time, in picoseconds, of `batch` matmuls of `m`×`n`×`k` split into `s`
 /// slices of `k` each.

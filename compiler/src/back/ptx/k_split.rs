@@ -1,13 +1,13 @@
-//! `k` slices of the FFMA SGEMM: a matmul whose 128×128 tiles leave SMs idle and whose
-//! `k` is too short for the graph-level split (`passes::split_matmuls`, whose partial sums
-//! go through global memory and a sum kernel) runs each tile as a cluster of `s` blocks
-//! (sm_90 thread block clusters), block `z` summing the `z`-th slice of `k`'s stages. The
-//! blocks then add their accumulators through distributed shared memory: each writes half
-//! of its tile to its own shared memory at a time, and block `q` sums rows
-//! `q·64/s .. (q+1)·64/s` of that half over the blocks in rank order `0, 1, .., s-1`
-//! (`ld.shared::cluster` at the address `mapa` gives), then runs the kernel's epilogue on
-//! them. The order is fixed, so results are the same on every run, and nothing but the
-//! result reaches global memory.
+//! `k` split across a cluster of blocks in the FFMA SGEMM: a matmul whose 128×128 tiles
+//! leave SMs idle, and whose `k` the graph-level split (`passes::split_matmuls`, whose
+//! partial sums go through global memory and a sum kernel) left whole, runs each tile as a
+//! cluster of `s` blocks (sm_90 thread block clusters, consecutive along `z`), the block
+//! of rank `z % s` summing the `z % s`-th part of `k`'s stages. The blocks then add their
+//! accumulators through distributed shared memory: each writes half of its tile to its own
+//! shared memory at a time, and the block of rank `q` sums rows `q·64/s .. (q+1)·64/s` of
+//! that half over the blocks in rank order `0, 1, .., s-1` (`ld.shared::cluster` at the
+//! address `mapa` gives), then runs the kernel's epilogue on them. The order is fixed, so
+//! results are the same on every run, and nothing but the result reaches global memory.
 //!
 //! gpt's output projection and its input gradient (`[4096, 768] @ [768, 768]`: 192 tiles,
 //! 1.45 waves of two blocks an SM) went from 0.150 to 0.121 ms on an H100 with pairs of
@@ -16,45 +16,35 @@
 //! of 8 (`k = 4096`, where the graph split is used) 0.527 ms against the graph split's
 //! 0.475, so clusters are pairs.
 //!
-//! The split minimises a model of the run time: waves of 128×128 tiles (one an SM) times
-//! their depth `k/s`, plus a wave's start and finish and the cluster's reduction.
+//! The choice minimises a model of the run time: waves of 128×128 tiles (one an SM) times
+//! their depth `k/s`, plus a wave's start and finish and the cluster's exchange (the
+//! graph split's model, with the exchange in place of the partial sums).
 
-use super::{epilogue_coords, Px, SG_BN, SG_STRIDE, SMS};
+use super::{epilogue_coords, Px, SG_BM, SG_BN, SG_STRIDE, SMS};
+use crate::passes::split_matmuls::{MIN_DEPTH, MIN_GAIN_PCT, SMALL_KFLOP_PS, TILE_K_PS, WAVE_PS};
 
-/// Time of one 128×128 tile for one step of `k` on one SM, in picoseconds (46.5 TFLOP/s
-/// over 132 SMs, the 4096³ f32 GEMM on an H100).
-const TILE_K_PS: u64 = 93_000;
-/// The 64×64 tiles' time per 1000 FLOP (the back end's choice below
-/// [`super::SG_MIN_BLOCKS`] large tiles), in picoseconds (about 20 TFLOP/s on gpt's
-/// `[768, 2304]` weight gradient).
-const SMALL_KFLOP_PS: u64 = 50_000;
-/// Starting and finishing a wave of blocks (first loads, epilogue), in picoseconds.
-const WAVE_PS: u64 = 2_000_000;
-/// A cluster's reduction (each block writes its 64 KiB tile to shared memory and reads
+/// A cluster's exchange (each block writes its 64 KiB tile to shared memory and reads
 /// `64/s` KiB from each of the `s` blocks) and barriers, per wave, in picoseconds (fitted
 /// to the output projection's 0.121 ms).
-const REDUCE_PS: u64 = 2_500_000;
-/// The most slices (see the module's notes).
-pub(super) const MAX_SLICES: usize = 2;
-/// The least depth of a slice.
-const MIN_DEPTH: usize = 256;
-/// A split must save at least this share of the modelled time (in percent).
-const MIN_GAIN_PCT: u64 = 10;
+const EXCHANGE_PS: u64 = 2_500_000;
+/// The most blocks a tile's `k` is split across (see the module's notes).
+pub(super) const MAX_BLOCKS: usize = 2;
 
-/// Modelled run time, in picoseconds, of `batch` matmuls of `m`×`n`×`k` in `s` slices of
-/// `k` (128×128 tiles, or the 64×64 ones where those are fewer than a wave).
+/// Modelled run time, in picoseconds, of `batch` matmuls of `m`×`n`×`k` with `k` split
+/// across `s` blocks (128×128 tiles, or the 64×64 ones where those are fewer than a wave).
 pub fn model_ps(batch: usize, m: usize, n: usize, k: usize, s: usize) -> u64 {
-    let tiles = batch * m.div_ceil(SG_BN) * n.div_ceil(SG_BN) * s;
+    let tiles = batch * m.div_ceil(SG_BM) * n.div_ceil(SG_BN) * s;
     if tiles < super::SG_MIN_BLOCKS {
         return (2 * batch * m * n * k) as u64 / 1000 * SMALL_KFLOP_PS;
     }
     let waves = tiles.div_ceil(SMS) as u64;
-    let reduce = if s > 1 { REDUCE_PS } else { 0 };
-    waves * ((k.div_ceil(s) as u64) * TILE_K_PS + WAVE_PS + reduce)
+    let exchange = if s > 1 { EXCHANGE_PS } else { 0 };
+    waves * ((k.div_ceil(s) as u64) * TILE_K_PS + WAVE_PS + exchange)
 }
 
-/// The slices of `batch` matmuls of `m`×`n`×`k` (1: whole): the power of two up to
-/// [`MAX_SLICES`] with the least modelled time, if it saves at least [`MIN_GAIN_PCT`].
+/// The blocks across which the `k` of `batch` matmuls of `m`×`n`×`k` is split (1: whole):
+/// the power of two up to [`MAX_BLOCKS`] with the least modelled time, if it saves at
+/// least [`MIN_GAIN_PCT`].
 pub fn choose(batch: usize, m: usize, n: usize, k: usize) -> usize {
     if m < 64 || n < 64 {
         return 1;
@@ -62,7 +52,7 @@ pub fn choose(batch: usize, m: usize, n: usize, k: usize) -> usize {
     let whole = model_ps(batch, m, n, k, 1);
     let mut best = (whole, 1);
     let mut s = 2;
-    while s <= MAX_SLICES && k / s >= MIN_DEPTH {
+    while s <= MAX_BLOCKS && k / s >= MIN_DEPTH {
         let t = model_ps(batch, m, n, k, s);
         if t < best.0 {
             best = (t, s);
@@ -76,9 +66,9 @@ pub fn choose(batch: usize, m: usize, n: usize, k: usize) -> usize {
     }
 }
 
-/// Bytes of shared memory the reduction needs: half a 128×128 tile, rows padded as the
+/// Bytes of shared memory the exchange needs: half a 128×128 tile, rows padded as the
 /// stages' are.
-pub(super) const REDUCE_BYTES: usize = 64 * SG_STRIDE * 4;
+pub(super) const EXCHANGE_BYTES: usize = 64 * SG_STRIDE * 4;
 
 /// This thread's share of a tile's sum over the cluster ([`reduce`]): `sums[r * 4 + c]`
 /// is at output row `rows[r]` and column `cols[c]` (with their in-range predicates), 4
@@ -92,18 +82,20 @@ pub(super) struct Reduced {
 /// Emits the cluster's sum of the 128×128 tile whose accumulator `acc[r*8 + c]` is at row
 /// `ty*4 + r%4 + 64*(r/4)`, column `tx*4 + c%4 + 64*(c/4)` of the tile (the SGEMM's
 /// layout, `t = ty*16 + tx`; the tile at block `(x, y)` of an `m`×`n` output), through the
-/// idle shared memory `mm_s` (at least [`REDUCE_BYTES`]). Sets `px.arena` anew. The caller
-/// runs the epilogue on the result, then [`finish`] before the kernel returns.
+/// idle shared memory `mm_s` (at least [`EXCHANGE_BYTES`]). Sets `px.arena` anew. The caller
+/// runs the epilogue on the result, then [`wait_for_readers`] before the kernel returns.
 pub(super) fn reduce(
     px: &mut Px,
-    slices: usize,
+    blocks: usize,
     acc: &[String],
     (m, n): (usize, usize),
 ) -> Reduced {
+    // Each block sums a whole number of 8-row groups of each half.
+    debug_assert!(blocks.is_power_of_two() && (2..=8).contains(&blocks) && acc.len() == 64);
     let row_bytes = SG_STRIDE * 4;
-    // Everything but the accumulators is derived again here (the thread's and the
-    // tile's indices, the shared and arena bases): kept through the loop, which holds
-    // up to 128 registers (the launch bounds'), they spilled.
+    // The thread's and the tile's indices and the shared and arena bases are derived
+    // again here: kept through the loop, which holds up to 128 registers (the launch
+    // bounds'), they spilled.
     let (t, tx, ty, sbase) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {t}, %tid.x;"));
     px.line(format!("and.b32 {tx}, {t}, 15;"));
@@ -114,7 +106,7 @@ pub(super) fn reduce(
     px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
     px.arena = arena;
     let (tx, ty, sbase) = (tx.as_str(), ty.as_str(), sbase.as_str());
-    let per = 64 / slices;
+    let per = 64 / blocks;
     let q = px.fresh("r");
     px.line(format!("mov.u32 {q}, %cluster_ctarank;"));
     // Writes: row ty*4 + r%4 of the half, columns tx*4 + {0, 64}.
@@ -135,7 +127,7 @@ pub(super) fn reduce(
     write_half(px, 0);
     // The read addresses once the first half's accumulators are free (computed before,
     // they took ptxas past 128 registers).
-    let (rbase, cbase, remote) = read_addresses(px, slices, (tx, ty), sbase, &q);
+    let (rbase, cbase, remote) = read_addresses(px, blocks, (tx, ty), sbase, &q);
     let mut sums = Vec::new();
     for half in 0..2 {
         if half == 1 {
@@ -174,7 +166,7 @@ pub(super) fn reduce(
     let (by, bx) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {by}, %ctaid.y;"));
     px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mad.lo.u32 {rbase}, {by}, {SG_BN}, {rbase};"));
+    px.line(format!("mad.lo.u32 {rbase}, {by}, {SG_BM}, {rbase};"));
     px.line(format!("mad.lo.u32 {cbase}, {bx}, {SG_BN}, {cbase};"));
     let (rb, cb) = (px.fresh("rd"), px.fresh("rd"));
     px.line(format!("cvt.u64.u32 {rb}, {rbase};"));
@@ -189,13 +181,13 @@ pub(super) fn reduce(
 /// block `q` sums, and their shared address in every block of the cluster, in rank order.
 fn read_addresses(
     px: &mut Px,
-    slices: usize,
+    blocks: usize,
     (tx, ty): (&str, &str),
     sbase: &str,
     q: &str,
 ) -> (String, String, Vec<String>) {
     let row_bytes = SG_STRIDE * 4;
-    let per = 64 / slices;
+    let per = 64 / blocks;
     let (rbase, cbase) = (px.fresh("r"), px.fresh("r"));
     // Row q*per + t/32 + 8i of the half, columns (t%32)*4 .. +4.
     // From tx and ty (t = ty*16 + tx): keeping t through the loop spilled.
@@ -210,7 +202,7 @@ fn read_addresses(
     px.line(format!("add.u32 {rd}, {rd}, {sbase};"));
     px.line(format!("shl.b32 {cbase}, {tc}, 2;"));
     // The same address in every block of the cluster, in rank order.
-    let remote: Vec<String> = (0..slices)
+    let remote: Vec<String> = (0..blocks)
         .map(|p| {
             let r = px.fresh("r");
             px.line(format!("mapa.shared::cluster.u32 {r}, {rd}, {p};"));
@@ -228,7 +220,7 @@ fn cluster_sync(px: &mut Px) {
 
 /// After [`reduce`]'s epilogue: no block leaves while another may still read its shared
 /// memory.
-pub(super) fn finish(px: &mut Px) {
+pub(super) fn wait_for_readers(px: &mut Px) {
     px.line("barrier.cluster.wait.acquire.aligned;");
 }
 
@@ -256,7 +248,7 @@ mod tests {
             (1, 4096, 768, 3072),
         ] {
             let s = choose(b, m, n, k);
-            assert!(s.is_power_of_two() && s <= MAX_SLICES && k / s >= MIN_DEPTH);
+            assert!(s.is_power_of_two() && s <= MAX_BLOCKS && k / s >= MIN_DEPTH);
             if s > 1 {
                 assert!(
                     model_ps(b, m, n, k, s) < model_ps(b, m, n, k, 1),
