@@ -313,6 +313,14 @@ impl<'a> Px<'a> {
         self
     }
 
+    /// Loads the arena's base address (the entry's parameter) into `self.arena`.
+    fn load_arena(&mut self) {
+        let arena = self.fresh("rd");
+        self.line(format!("ld.param.u64 {arena}, [arena];"));
+        self.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+        self.arena = arena;
+    }
+
     /// The entry's text: header, register declarations, `shared` (declarations of shared
     /// arrays, one a line), then the body.
     fn finish(&self, shared: &str) -> String {
@@ -1827,10 +1835,7 @@ fn emit_kernel(
         px.block_reductions = top;
         px.group = group;
     }
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    px.load_arena();
     let (a, b, c) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {a}, %ctaid.x;"));
     px.line(format!("mov.u32 {b}, %ntid.x;"));
@@ -2350,10 +2355,7 @@ fn emit_vector_pointwise(
     let rank = k.domain.len();
     let last = rank - 1;
     let mut px = Px::new(k, offset_of, site, live);
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    px.load_arena();
     let (a, b, c) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {a}, %ctaid.x;"));
     px.line(format!("mov.u32 {b}, %ntid.x;"));
@@ -3678,10 +3680,7 @@ impl SgSlot {
 /// The start of every block-tiled kernel: the arena base, the block index and the thread
 /// index (`px.tid`).
 fn block_prologue(px: &mut Px) -> (String, String, String, String) {
-    let arena = px.fresh("rd");
-    px.arena = arena.clone();
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
+    px.load_arena();
     let (bx, by, bz, t) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {bx}, %ctaid.x;"));
     px.line(format!("mov.u32 {by}, %ctaid.y;"));

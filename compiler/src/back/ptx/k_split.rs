@@ -101,10 +101,7 @@ pub(super) fn reduce(
     px.line(format!("and.b32 {tx}, {t}, 15;"));
     px.line(format!("shr.u32 {ty}, {t}, 4;"));
     px.line(format!("mov.u32 {sbase}, mm_s;"));
-    let arena = px.fresh("rd");
-    px.line(format!("ld.param.u64 {arena}, [arena];"));
-    px.line(format!("cvta.to.global.u64 {arena}, {arena};"));
-    px.arena = arena;
+    px.load_arena();
     let (tx, ty, sbase) = (tx.as_str(), ty.as_str(), sbase.as_str());
     let per = 64 / blocks;
     let q = px.fresh("r");
@@ -127,7 +124,7 @@ pub(super) fn reduce(
     write_half(px, 0);
     // The read addresses once the first half's accumulators are free (computed before,
     // they took ptxas past 128 registers).
-    let (rbase, cbase, remote) = read_addresses(px, blocks, (tx, ty), sbase, &q);
+    let (rbase, cbase, remote) = read_addresses(px, blocks, &t, sbase, &q);
     let mut sums = Vec::new();
     for half in 0..2 {
         if half == 1 {
@@ -182,7 +179,7 @@ pub(super) fn reduce(
 fn read_addresses(
     px: &mut Px,
     blocks: usize,
-    (tx, ty): (&str, &str),
+    t: &str,
     sbase: &str,
     q: &str,
 ) -> (String, String, Vec<String>) {
@@ -190,11 +187,9 @@ fn read_addresses(
     let per = 64 / blocks;
     let (rbase, cbase) = (px.fresh("r"), px.fresh("r"));
     // Row q*per + t/32 + 8i of the half, columns (t%32)*4 .. +4.
-    // From tx and ty (t = ty*16 + tx): keeping t through the loop spilled.
     let (tr, tc) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("shr.u32 {tr}, {ty}, 1;"));
-    px.line(format!("and.b32 {tc}, {ty}, 1;"));
-    px.line(format!("mad.lo.u32 {tc}, {tc}, 16, {tx};"));
+    px.line(format!("shr.u32 {tr}, {t}, 5;"));
+    px.line(format!("and.b32 {tc}, {t}, 31;"));
     px.line(format!("mad.lo.u32 {rbase}, {q}, {per}, {tr};"));
     let rd = px.fresh("r");
     px.line(format!("mul.lo.u32 {rd}, {rbase}, {row_bytes};"));
