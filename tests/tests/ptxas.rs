@@ -273,6 +273,35 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{}",
         causal.code
     );
+    // `p @ v`'s k ranges grow with its row tiles: its blocks take the last rows first.
+    assert_eq!(
+        causal
+            .code
+            .matches("// tiles heaviest first: row tiles, stages growing along them")
+            .count(),
+        1,
+        "{}",
+        causal.code
+    );
+    // The gradients: `ds @ k` sums as `p @ v` does, `pᵀ @ do` and `dsᵀ @ q` sum the rows
+    // from the diagonal on (their first row tiles are the longest).
+    let grad = build(
+        "model m {
+            input w: f32[72, 256, 32]
+            param q: f32[72, 256, 32] = normal(0.0, 1.0)
+            param k: f32[72, 256, 32] = normal(0.0, 1.0)
+            param v: f32[72, 256, 32] = normal(0.0, 1.0)
+            let loss = mean(attention(q, k, v, causal: true) * w)
+            output loss
+            train sgd(lr: 0.1) minimize loss
+        }",
+        Target::Cuda,
+        false,
+    );
+    for (order, count) in [("growing", 2), ("shrinking", 2)] {
+        let line = format!("// tiles heaviest first: row tiles, stages {order} along them");
+        assert_eq!(grad.code.matches(&line).count(), count, "{}", grad.code);
+    }
     // Long rows: a block per row shares the row's reductions, then its threads stride
     // over the row's elements.
     let softmax = ptx(
