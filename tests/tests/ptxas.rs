@@ -312,6 +312,32 @@ fn ptx_paths_are_chosen_where_they_apply() {
         softmax.contains("shfl.sync.down") && softmax.contains("$L_ihead"),
         "{softmax}"
     );
+    // 512 = 2 × 256: each trip of the row's loops (its max, its sum, the stores) runs
+    // two copies of the body, the loads of both first; 520 runs one.
+    let loads_per_trip = |ptx: &str| -> Vec<usize> {
+        let mut out = Vec::new();
+        for line in ptx.lines() {
+            let Some(label) = line.strip_suffix(':') else {
+                continue;
+            };
+            if !(label.starts_with("$L_bhead") || label.starts_with("$L_ihead")) {
+                continue;
+            }
+            let from = ptx.find(line).unwrap_or(0);
+            let body = &ptx[from..];
+            let end = body
+                .find(&format!("bra.uni {label};"))
+                .unwrap_or(body.len());
+            out.push(body[..end].matches("ld.global").count());
+        }
+        out
+    };
+    assert_eq!(loads_per_trip(&softmax), [2, 2, 2], "{softmax}");
+    let ragged = ptx(
+        &model(" input x: f32[64, 520]", "softmax(x, axis: -1)"),
+        false,
+    );
+    assert_eq!(loads_per_trip(&ragged), [1, 1, 1], "{ragged}");
     // Short rows keep a thread per row.
     let short = ptx(
         &model(" input x: f32[64, 8]", "softmax(x, axis: -1)"),
