@@ -528,8 +528,25 @@ impl<'a> Px<'a> {
     /// Binds the variables `dims` (innermost last) to the digits of the linear index
     /// `lin` (u32), in 64-bit registers.
     fn bind_linear(&mut self, lin: &str, dims: &[(Var, usize)]) {
+        let exts: Vec<usize> = dims.iter().map(|d| d.1).collect();
+        self.digits(lin, &exts, |px, i, r| {
+            let r64 = px.fresh("rd");
+            px.line(format!("cvt.u64.u32 {r64}, {r};"));
+            px.vars.insert(dims[i].0, r64);
+        });
+    }
+
+    /// The digits of the linear index `lin` (u32) in the mixed radix `exts` (row-major:
+    /// the last digit varies fastest; the first is what is left), innermost first, each
+    /// handed to `each` with its position as soon as it is computed.
+    fn digits(
+        &mut self,
+        lin: &str,
+        exts: &[usize],
+        mut each: impl FnMut(&mut Self, usize, String),
+    ) {
         let mut rest = lin.to_string();
-        for (i, &(v, ext)) in dims.iter().enumerate().rev() {
+        for (i, &ext) in exts.iter().enumerate().rev() {
             let r = self.fresh("r");
             if i == 0 {
                 self.line(format!("mov.u32 {r}, {rest};"));
@@ -539,9 +556,7 @@ impl<'a> Px<'a> {
                 self.line(format!("div.u32 {q}, {rest}, {ext};"));
                 rest = q;
             }
-            let r64 = self.fresh("rd");
-            self.line(format!("cvt.u64.u32 {r64}, {r};"));
-            self.vars.insert(v, r64);
+            each(self, i, r);
         }
     }
 
@@ -2429,23 +2444,17 @@ fn emit_vector_pointwise(
         ));
         px.journal.push(Vec::new());
         // Vector index → domain variables (the innermost counts vectors).
-        let mut rest = q;
+        let exts: Vec<usize> = (0..rank)
+            .map(|d| {
+                if d == last {
+                    k.domain[d] / VEC
+                } else {
+                    k.domain[d]
+                }
+            })
+            .collect();
         let mut vars = vec![String::new(); rank];
-        for d in (0..rank).rev() {
-            let ext = if d == last {
-                k.domain[d] / VEC
-            } else {
-                k.domain[d]
-            };
-            let v32 = px.fresh("r");
-            if d == 0 {
-                px.line(format!("mov.u32 {v32}, {rest};"));
-            } else {
-                px.line(format!("rem.u32 {v32}, {rest}, {ext};"));
-                let nq = px.fresh("r");
-                px.line(format!("div.u32 {nq}, {rest}, {ext};"));
-                rest = nq;
-            }
+        px.digits(&q, &exts, |px, d, v32| {
             let v = px.fresh("rd");
             if d == last {
                 px.line(format!("mul.wide.u32 {v}, {v32}, {VEC};"));
@@ -2454,7 +2463,7 @@ fn emit_vector_pointwise(
             }
             px.vars.insert(d as Var, v.clone());
             vars[d] = v;
-        }
+        });
         for d in 0..last {
             px.emit_site(Some(d as Var))?;
         }
