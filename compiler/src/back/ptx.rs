@@ -1944,36 +1944,26 @@ fn emit_kernel(
     }
     // Thread index → the parallel axes (row-major), in 32-bit arithmetic when the index
     // fits (64-bit division is a long subroutine on the GPU).
-    let narrow = points < u32::MAX as u64;
-    let mut rest = tid.clone();
-    if narrow {
+    if points < u32::MAX as u64 {
         let r = px.fresh("r");
         px.line(format!("cvt.u32.u64 {r}, {tid};"));
-        rest = r;
-    }
-    for d in (0..par).rev() {
-        let ext = k.domain[d] as u64;
-        let v = px.fresh("rd");
-        if narrow {
-            let v32 = px.fresh("r");
+        let dims: Vec<(Var, usize)> = (0..par).map(|d| (d as Var, k.domain[d])).collect();
+        px.bind_linear(&r, &dims);
+    } else {
+        let mut rest = tid.clone();
+        for d in (0..par).rev() {
+            let ext = k.domain[d];
+            let v = px.fresh("rd");
             if d == 0 {
-                px.line(format!("mov.u32 {v32}, {rest};"));
+                px.line(format!("mov.u64 {v}, {rest};"));
             } else {
-                px.line(format!("rem.u32 {v32}, {rest}, {ext};"));
-                let q = px.fresh("r");
-                px.line(format!("div.u32 {q}, {rest}, {ext};"));
+                px.line(format!("rem.u64 {v}, {rest}, {ext};"));
+                let q = px.fresh("rd");
+                px.line(format!("div.u64 {q}, {rest}, {ext};"));
                 rest = q;
             }
-            px.line(format!("cvt.u64.u32 {v}, {v32};"));
-        } else if d == 0 {
-            px.line(format!("mov.u64 {v}, {rest};"));
-        } else {
-            px.line(format!("rem.u64 {v}, {rest}, {ext};"));
-            let q = px.fresh("rd");
-            px.line(format!("div.u64 {q}, {rest}, {ext};"));
-            rest = q;
+            px.vars.insert(d as Var, v);
         }
-        px.vars.insert(d as Var, v);
     }
     if let Some(mm) = &k.matmul {
         px.matmul_per_element(mm)?;
@@ -3825,8 +3815,9 @@ fn heavy_first(
     if gx.checked_mul(gy)?.checked_mul(batch)? > u32::MAX as usize {
         return None;
     }
-    // The linear index, then the axis's tile (the slowest part) and the rest.
-    let (lin, idx, rest) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    // The linear index, read back as (the axis's tile, the batch, the other axis's tile),
+    // the first the slowest.
+    let lin = px.fresh("r");
     px.line(format!(
         "// tiles heaviest first: {} tiles, stages {} along them",
         if rows { "row" } else { "column" },
@@ -3835,15 +3826,12 @@ fn heavy_first(
     px.line(format!("mad.lo.u32 {lin}, {bz}, {gy}, {by};"));
     px.line(format!("mad.lo.u32 {lin}, {lin}, {gx}, {bx};"));
     let (tiles, other) = if rows { (gy, gx) } else { (gx, gy) };
-    let per = other * batch;
-    px.line(format!("div.u32 {idx}, {lin}, {per};"));
-    px.line(format!("rem.u32 {rest}, {lin}, {per};"));
+    let mut digits = [String::new(), String::new(), String::new()];
+    px.digits(&lin, &[tiles, batch, other], |_, i, r| digits[i] = r);
+    let [idx, z, o] = digits;
     if grows {
         px.line(format!("sub.u32 {idx}, {}, {idx};", tiles - 1));
     }
-    let (o, z) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("rem.u32 {o}, {rest}, {other};"));
-    px.line(format!("div.u32 {z}, {rest}, {other};"));
     Some(if rows { (o, idx, z) } else { (idx, o, z) })
 }
 
