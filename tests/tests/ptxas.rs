@@ -302,6 +302,24 @@ fn ptx_paths_are_chosen_where_they_apply() {
         let line = format!("// tiles heaviest first: row tiles, stages {order} along them");
         assert_eq!(grad.code.matches(&line).count(), count, "{}", grad.code);
     }
+    // `ds = p * (do @ vᵀ - d)` (k = 32): its epilogue issues a batch of rows' loads before
+    // its first store: 4 rows of its 8×8 register tile, each 2 vectors of `p` and one `d`
+    // (read once a row). The other tiled kernels' epilogues load at most 1 before.
+    let ahead: Vec<(usize, usize)> = grad
+        .code
+        .split(".entry ")
+        .filter_map(|entry| {
+            let done = entry.match_indices("$L_sg_done").nth(1)?.0;
+            let epilogue = &entry[done..];
+            let before = &epilogue[..epilogue.find("st.global").unwrap_or(epilogue.len())];
+            Some((
+                before.matches("ld.global").count(),
+                before.matches("ld.global.v4.f32").count(),
+            ))
+        })
+        .filter(|&(loads, _)| loads > 1)
+        .collect();
+    assert_eq!(ahead, [(12, 8)], "{}", grad.code);
     // Long rows: a block per row shares the row's reductions, then its threads stride
     // over the row's elements.
     let softmax = ptx(

@@ -1772,6 +1772,7 @@ fn emit_tiled_matmul(
         &cols,
         &|r, c| accs[r * 4 + c].clone(),
         false,
+        0,
     )?;
     px.line("ret;");
     let tile = TILE_K * TILE_STRIDE;
@@ -2946,6 +2947,7 @@ fn emit_mma_matmul(
             accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
         },
         false,
+        0,
     )?;
     px.line("ret;");
     let shared = format!("\t.shared .align 128 .b8 mm_s[{}];\n", 2 * stage);
@@ -3414,7 +3416,7 @@ fn emit_sgemm(
         let r = k_split::reduce(&mut px, k_split, &accs, (m, n));
         let vectors = epilogue_vectors(&px, mm);
         let sum = |i: usize, c: usize| r.sums[i * 4 + c].clone();
-        epilogue(&mut px, mm, &r.rows, &r.cols, &sum, vectors)?;
+        epilogue(&mut px, mm, &r.rows, &r.cols, &sum, vectors, 0)?;
         k_split::wait_for_readers(&mut px);
         Some((BLOCK, SG_BLOCKS_PER_SM))
     } else {
@@ -3433,7 +3435,15 @@ fn emit_sgemm(
         // spills within two blocks an SM), and the 4096³ GEMM from 2.93 to 3.09–3.37 ms.
         let vectors = kd <= SG_VECTOR_STORES_MAX_K && epilogue_vectors(&px, mm);
         let acc = |r: usize, c: usize| accs[r * tc + c].clone();
-        epilogue(&mut px, mm, &rows, &cols, &acc, vectors)?;
+        // A short `k` leaves the epilogue's loads most of the time too: their latency
+        // is overlapped ([`EPILOGUE_PREFETCH_REGS`]). After a long `k` loop it was not
+        // worth their registers (gpt's gelu gradient spilled, its step +0.7 ms).
+        let prefetch = if kd <= SG_VECTOR_STORES_MAX_K {
+            EPILOGUE_PREFETCH_REGS
+        } else {
+            0
+        };
+        epilogue(&mut px, mm, &rows, &cols, &acc, vectors, prefetch)?;
         // With vector stores, launch bounds keep two blocks an SM (at most 128 registers a
         // thread). So do they with staged slots, whose stage pointers took some epilogues
         // to 129–136 registers (one block an SM): gpt's step 66.3 → 64.7 ms with staged
@@ -3940,11 +3950,20 @@ fn epilogue_coords(
 /// The kernel's stores at one output element, in a cache scope of their own: `at` are the
 /// domain coordinates after the batch axes (the row's, then the column's), `acc` the
 /// accumulator.
-fn store_point(px: &mut Px, mm: &Matmul, at: &[String], acc: String) -> Res<()> {
+fn store_point(
+    px: &mut Px,
+    mm: &Matmul,
+    at: &[String],
+    acc: String,
+    loaded: &[(ExprId, String)],
+) -> Res<()> {
     let nb = mm.batch.len();
     px.journal.push(Vec::new());
     for (q, x) in at.iter().enumerate() {
         px.vars.insert((nb + q) as Var, x.clone());
+    }
+    for (e, r) in loaded {
+        px.remember(*e, r.clone());
     }
     px.acc = Some(acc);
     px.stores()?;
@@ -3955,7 +3974,13 @@ fn store_point(px: &mut Px, mm: &Matmul, at: &[String], acc: String) -> Res<()> 
 /// The kernel's stores at `VEC` consecutive output elements of one row (the coordinates
 /// `ats`, the accumulators `accs`), as one vector store each: every lane's values are
 /// computed in a cache scope of its own, then each store writes them at lane 0's address.
-fn store_vector(px: &mut Px, mm: &Matmul, ats: &[Vec<String>], accs: &[String]) -> Res<()> {
+fn store_vector(
+    px: &mut Px,
+    mm: &Matmul,
+    ats: &[Vec<String>],
+    accs: &[String],
+    loaded: &[Vec<(ExprId, String)>],
+) -> Res<()> {
     let nb = mm.batch.len();
     let stores = px.k.stores.clone();
     let mut vals: Vec<Vec<String>> = vec![Vec::new(); stores.len()];
@@ -3964,6 +3989,9 @@ fn store_vector(px: &mut Px, mm: &Matmul, ats: &[Vec<String>], accs: &[String]) 
         px.journal.push(Vec::new());
         for (q, x) in at.iter().enumerate() {
             px.vars.insert((nb + q) as Var, x.clone());
+        }
+        for (e, r) in loaded.get(lane).into_iter().flatten() {
+            px.remember(*e, r.clone());
         }
         px.acc = Some(acc.clone());
         for (si, s) in stores.iter().enumerate() {
@@ -3998,10 +4026,143 @@ fn epilogue_vectors(px: &Px, mm: &Matmul) -> bool {
             .all(|s| !s.accumulate && vector_access(k, px.offset_of, s.buf, s.dtype, s.index, col))
 }
 
+/// Registers an epilogue gives to loads issued ahead of their use: rows of the register
+/// tile come in batches whose loads (all of them, or a row's where one row takes more) are
+/// issued before the batch's first store. Loaded where each value is computed, they waited
+/// for one another through the stores between them (ptxas does not move a load above a
+/// store that may alias it).
+const EPILOGUE_PREFETCH_REGS: usize = 64;
+
+/// The loads of the kernel's stored values outside reductions (a select over loads as one),
+/// in pool order, each with whether its index reads a column's variable.
+fn epilogue_loads(px: &Px, mm: &Matmul) -> Vec<(ExprId, bool)> {
+    let k = px.k;
+    let first_col = mm.batch.len() + mm.rows.len();
+    let by_col = first_col..first_col + mm.cols.len();
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    let mut stack: Vec<ExprId> = k.stores.iter().flat_map(|s| [s.value, s.index]).collect();
+    while let Some(e) = stack.pop() {
+        if !seen.insert(e) || px.cache.contains_key(&e) {
+            continue;
+        }
+        match k.pool.get(e) {
+            E::Reduce { .. } | E::ArgMax { .. } => {}
+            E::Load { .. } => out.push(e),
+            E::Select(..) if px.load_tree(e).is_some() => out.push(e),
+            node => stack.extend(crate::kernel::lower::children(node)),
+        }
+    }
+    if out.is_empty() {
+        return Vec::new();
+    }
+    out.sort();
+    let free = crate::kernel::lower::free_vars(&k.pool);
+    out.into_iter()
+        .map(|e| {
+            let cols = free[e.0 as usize]
+                .iter()
+                .any(|&v| by_col.contains(&(v as usize)));
+            (e, cols)
+        })
+        .collect()
+}
+
+/// The loads of [`epilogue_loads`] at every in-range point of `rows` (all columns, in groups
+/// of `width` sharing their first column's predicate), issued now: for each row and column
+/// the registers holding them, to seed that point's cache when its value is computed. A
+/// load that reads no column's variable is made once a row.
+#[allow(clippy::type_complexity)]
+fn prefetch_epilogue(
+    px: &mut Px,
+    mm: &Matmul,
+    loads: &[(ExprId, bool)],
+    rows: &[(&(String, String), &Vec<String>)],
+    cols: &[(String, String)],
+    col_at: &[Vec<String>],
+    width: usize,
+) -> Res<Vec<Vec<Vec<(ExprId, String)>>>> {
+    let nb = mm.batch.len();
+    // The column's variable where groups are vectors (one row and one column variable).
+    let col = (nb + 1) as Var;
+    let mut out = vec![vec![Vec::new(); cols.len()]; rows.len()];
+    if loads.is_empty() {
+        return Ok(out);
+    }
+    for (r, ((_, pi), row_at)) in rows.iter().enumerate() {
+        let skip_row = px.label("skip");
+        px.line(format!("@!{pi} bra {skip_row};"));
+        px.journal.push(Vec::new());
+        for (q, x) in row_at.iter().enumerate() {
+            px.vars.insert((nb + q) as Var, x.clone());
+        }
+        let mut row_loads = Vec::new();
+        for &(e, by_col) in loads {
+            if !by_col {
+                row_loads.push((e, px.emit(e)?));
+            }
+        }
+        px.pop_scope();
+        for g in (0..cols.len()).step_by(width) {
+            let skip = px.label("skip");
+            px.line(format!("@!{} bra {skip};", cols[g].1));
+            // Lane `l`'s element of each vector load of the group.
+            let mut lanes: Vec<(ExprId, Vec<String>)> = Vec::new();
+            for c in g..(g + width).min(cols.len()) {
+                px.journal.push(Vec::new());
+                for (q, x) in row_at.iter().chain(&col_at[c]).enumerate() {
+                    px.vars.insert((nb + q) as Var, x.clone());
+                }
+                let mut regs = row_loads.clone();
+                for (e, reg) in &row_loads {
+                    px.remember(*e, reg.clone());
+                }
+                if width == VEC && c == g {
+                    for &(e, by_col) in loads {
+                        match *px.k.pool.get(e) {
+                            E::Load { buf, dtype, index }
+                                if by_col
+                                    && vector_access(
+                                        px.k,
+                                        px.offset_of,
+                                        buf,
+                                        dtype,
+                                        index,
+                                        col,
+                                    ) =>
+                            {
+                                let i = px.emit(index)?;
+                                let a = px.address(buf, dtype, &i)?;
+                                lanes.push((e, px.vector_load(&a, dtype)));
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                for (e, vals) in &lanes {
+                    px.remember(*e, vals[c - g].clone());
+                    regs.push((*e, vals[c - g].clone()));
+                }
+                for &(e, by_col) in loads {
+                    if by_col && lanes.iter().all(|(x, _)| *x != e) {
+                        regs.push((e, px.emit(e)?));
+                    }
+                }
+                px.pop_scope();
+                out[r][c] = regs;
+            }
+            px.body.push_str(&format!("{skip}:\n"));
+        }
+        px.body.push_str(&format!("{skip_row}:\n"));
+    }
+    Ok(out)
+}
+
 /// The fused epilogue of a register-tiled matmul: the kernel's stores at every in-range
 /// (row, column) pair, with the accumulator `acc(r, c)`. `vectors`: the columns come in
 /// groups of `VEC` consecutive ones, the first of each a multiple of `VEC` (the FFMA SGEMM's
-/// layout), and [`epilogue_vectors`] holds: each group is stored as vectors.
+/// layout), and [`epilogue_vectors`] holds: each group is stored as vectors. The values'
+/// loads are issued ahead, a batch of rows at a time ([`EPILOGUE_PREFETCH_REGS`]).
 fn epilogue(
     px: &mut Px,
     mm: &Matmul,
@@ -4009,6 +4170,7 @@ fn epilogue(
     cols: &[(String, String)],
     acc: &dyn Fn(usize, usize) -> String,
     vectors: bool,
+    prefetch_regs: usize,
 ) -> Res<()> {
     // The domain coordinates of each row and column (an implicit GEMM's rows span
     // several axes).
@@ -4020,32 +4182,45 @@ fn epilogue(
         .iter()
         .map(|(j, _)| split_index(px, j, &mm.cols))
         .collect();
-    if vectors && cols.len().is_multiple_of(VEC) {
-        for (r, (_, pi)) in rows.iter().enumerate() {
-            for g in (0..cols.len()).step_by(VEC) {
+    let width = if vectors && cols.len().is_multiple_of(VEC) {
+        VEC
+    } else {
+        1
+    };
+    let loads = if prefetch_regs > 0 {
+        epilogue_loads(px, mm)
+    } else {
+        Vec::new()
+    };
+    let per_row: usize = loads
+        .iter()
+        .map(|&(_, by_col)| if by_col { cols.len() } else { 1 })
+        .sum();
+    let batch = (1..=rows.len())
+        .rev()
+        .find(|&d| rows.len().is_multiple_of(d) && d * per_row <= prefetch_regs)
+        .unwrap_or(1);
+    for r0 in (0..rows.len()).step_by(batch.max(1)) {
+        let these: Vec<_> = rows[r0..r0 + batch].iter().zip(&row_at[r0..]).collect();
+        let loaded = prefetch_epilogue(px, mm, &loads, &these, cols, &col_at, width)?;
+        for (r, ((_, pi), loaded)) in these.iter().map(|x| x.0).zip(&loaded).enumerate() {
+            let r = r0 + r;
+            for g in (0..cols.len()).step_by(width) {
                 let skip = px.label("skip");
                 let p = px.fresh("p");
                 px.line(format!("and.pred {p}, {pi}, {};", cols[g].1));
                 px.line(format!("@!{p} bra {skip};"));
-                let ats: Vec<Vec<String>> = (g..g + VEC)
+                let ats: Vec<Vec<String>> = (g..g + width)
                     .map(|c| row_at[r].iter().chain(&col_at[c]).cloned().collect())
                     .collect();
-                let accs: Vec<String> = (g..g + VEC).map(|c| acc(r, c)).collect();
-                store_vector(px, mm, &ats, &accs)?;
+                if width == VEC {
+                    let accs: Vec<String> = (g..g + width).map(|c| acc(r, c)).collect();
+                    store_vector(px, mm, &ats, &accs, &loaded[g..g + width])?;
+                } else {
+                    store_point(px, mm, &ats[0], acc(r, g), &loaded[g])?;
+                }
                 px.body.push_str(&format!("{skip}:\n"));
             }
-        }
-        return Ok(());
-    }
-    for (r, (_, pi)) in rows.iter().enumerate() {
-        for (c, (_, pj)) in cols.iter().enumerate() {
-            let skip = px.label("skip");
-            let p = px.fresh("p");
-            px.line(format!("and.pred {p}, {pi}, {pj};"));
-            px.line(format!("@!{p} bra {skip};"));
-            let at: Vec<String> = row_at[r].iter().chain(&col_at[c]).cloned().collect();
-            store_point(px, mm, &at, acc(r, c))?;
-            px.body.push_str(&format!("{skip}:\n"));
         }
     }
     Ok(())

@@ -474,7 +474,7 @@ pub(super) fn emit(
         px.line(format!("ld.shared.f32 {v}, [{at}];"));
         let mut coords = split_index(&mut px, &gr, &mm.rows);
         coords.extend(split_index(&mut px, &gc, &mm.cols));
-        store_point(&mut px, mm, &coords, v)?;
+        store_point(&mut px, mm, &coords, v, &[])?;
         px.body.push_str(&format!("{skip}:\n"));
     }
     px.line(format!("add.u32 {e}, {e}, {};", EPI_UNROLL * threads));
