@@ -194,3 +194,78 @@ fn attention_score_gradient_is_a_matmul_epilogue() {
     });
     assert!(epilogue, "no matmul computes dp with the ds epilogue");
 }
+
+/// An optimizer's new moments are computed and stored by the kernel of the new parameter
+/// that reads them where they are pointwise (one kernel an update: Adam's `m`, `v` and
+/// `w`, momentum's `v` and `w`), and a stacked parameter's gradient, a concat of its
+/// layers' gradients read by both moments, is read there in place rather than copied first. The CPU's parameters and
+/// moments after three steps are the interpreter's.
+#[test]
+fn optimizer_moments_are_stored_by_the_parameter_update() {
+    for (opt, stores) in [("adam(lr: 0.01)", 3), ("sgd(lr: 0.1, momentum: 0.9)", 2)] {
+        let src = format!(
+            "model m {{
+                input x: f32[4, 8]
+                param w: f32[3, 8, 8] = normal(0.0, 0.3)
+                param b: f32[8] = zeros
+                let h = x
+                for l in 0..3 {{
+                    h = tanh(h @ w[l] + b)
+                }}
+                let loss = mean(h * h)
+                output loss
+                train {opt} minimize loss
+            }}"
+        );
+        let g = compile_pipeline(&src, &Default::default()).unwrap();
+        let fused = fuse(&g, FuseOptions::default()).unwrap();
+        let text = print_kernels(&fused.kernels, None);
+        // One kernel writes `w`'s new value and its state's (`b`'s moments stay in the
+        // kernels summing its gradient).
+        let w = g
+            .params
+            .iter()
+            .copied()
+            .filter(|&p| matches!(&g.node(p).op, tcc::ir::Op::Param { name, .. } if name == "w"))
+            .collect::<Vec<_>>();
+        assert_eq!(w.len(), 1);
+        for p in w {
+            let value = g
+                .updates
+                .iter()
+                .find(|&&(t, _)| t == p)
+                .map(|&(_, v)| v)
+                .unwrap();
+            let k = fused
+                .kernels
+                .iter()
+                .find(|k| k.stores.iter().any(|s| s.buf == value))
+                .unwrap();
+            assert_eq!(k.stores.len(), stores, "{opt}: {}\n{text}", k.name);
+            let updated: Vec<tcc::ir::NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+            assert!(k.stores.iter().all(|s| updated.contains(&s.buf)), "{text}");
+        }
+        let concats = fused
+            .kernels
+            .iter()
+            .filter(|k| {
+                k.nodes
+                    .last()
+                    .is_some_and(|&n| g.node(n).op.name() == "concat")
+            })
+            .count();
+        assert_eq!(concats, 0, "{opt}: the stacked gradient is copied\n{text}");
+        let inputs = tcc::eager::random_inputs(&g, 3);
+        let want = eager_steps(&g, &inputs, 3, 0).unwrap();
+        let got = cpu_steps(&g, &inputs, 3, 0, true).unwrap();
+        for (name, t) in &want.outputs {
+            let e = rel_err(&got.outputs[name], t);
+            assert!(e <= 1e-5, "{opt}: output `{name}` differs by {e:e}");
+        }
+        assert_eq!(got.persistent.len(), want.persistent.len());
+        for (name, t) in &want.persistent {
+            let e = rel_err(&got.persistent[name], t);
+            assert!(e <= 1e-5, "{opt}: `{name}` differs by {e:e}");
+        }
+    }
+}

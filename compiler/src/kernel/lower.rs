@@ -123,6 +123,8 @@ pub struct Builder<'a> {
     domain: Vec<usize>,
     dvars: Vec<ExprId>,
     root: NodeId,
+    /// Further nodes this kernel computes and stores (never loads) beside `root`.
+    guests: Vec<NodeId>,
     pub matmul: Option<(NodeId, Matmul)>,
     memo: HashMap<(NodeId, Vec<ExprId>), ExprId>,
     /// Fused nodes visited (root excluded).
@@ -156,11 +158,19 @@ impl<'a> Builder<'a> {
             domain,
             dvars,
             root,
+            guests: Vec::new(),
             matmul: None,
             memo: HashMap::new(),
             fused: BTreeSet::new(),
             fused_reductions: Vec::new(),
         }
+    }
+
+    /// Lets the kernel compute `guests` too (each stored by the caller), where it would
+    /// load them from their buffers.
+    pub fn with_guests(mut self, guests: Vec<NodeId>) -> Self {
+        self.guests = guests;
+        self
     }
 
     pub fn domain_vars(&self) -> Vec<ExprId> {
@@ -294,7 +304,7 @@ impl<'a> Builder<'a> {
     fn value_uncached(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
         let g = self.d.g;
         let node = g.node(n);
-        let is_root = n == self.root;
+        let is_root = n == self.root || self.guests.contains(&n);
         if !is_root && self.d.materialized.contains(&n) {
             let index = self.buffer_index(n, idx);
             let index = self.pool.tidy(index);
@@ -1125,6 +1135,7 @@ impl<'a> Builder<'a> {
     /// Finishes the kernel with the given stores.
     pub fn finish(self, name: String, stores: Vec<Store>, parallel: bool) -> Kernel {
         let mut nodes: Vec<NodeId> = self.fused.iter().copied().collect();
+        nodes.extend(&self.guests);
         nodes.push(self.root);
         let describe = nodes
             .iter()
