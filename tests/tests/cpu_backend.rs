@@ -203,29 +203,37 @@ model m {
         .map(|k| k.name.clone())
         .collect();
     assert!(copies.is_empty(), "copy kernels: {copies:?}");
-    // The q/k/v gradients are stored with their heads merged (the key gradient through
-    // two permutes), so their concat reads each piece without a division.
+    // The q/k/v gradients are stored into their concat with their heads merged (the key
+    // gradient through two permutes), at indices without a division.
     let concat = c
+        .graph
+        .node_ids()
+        .find(|&n| c.graph.node(n).op.name() == "concat")
+        .expect("a concat");
+    let pieces: Vec<&tcc::kernel::Kernel> = c
         .fused
         .kernels
         .iter()
-        .find(|k| {
-            k.nodes
-                .iter()
-                .any(|&n| c.graph.node(n).op.name() == "concat")
-        })
-        .expect("a concat kernel");
-    let divisions = concat
-        .live_nodes()
-        .into_iter()
-        .filter(|&e| {
-            matches!(
-                concat.pool.get(e),
-                tcc::kernel::E::Bin(tcc::ir::BinaryOp::Div | tcc::ir::BinaryOp::Rem, ..)
-            )
-        })
-        .count();
-    assert_eq!(divisions, 0, "{}", concat.name);
+        .filter(|k| k.stores.iter().any(|s| s.buf == concat))
+        .collect();
+    assert_eq!(
+        pieces.len(),
+        3,
+        "the q, k and v gradients store into the concat"
+    );
+    for k in pieces {
+        let divisions = k
+            .live_nodes()
+            .into_iter()
+            .filter(|&e| {
+                matches!(
+                    k.pool.get(e),
+                    tcc::kernel::E::Bin(tcc::ir::BinaryOp::Div | tcc::ir::BinaryOp::Rem, ..)
+                )
+            })
+            .count();
+        assert_eq!(divisions, 0, "{}", k.name);
+    }
     let inputs = tcc::eager::random_inputs(&g, 3);
     let want = eager_steps(&g, &inputs, 2, 0).unwrap();
     let got = cpu_steps(&g, &inputs, 2, 0, true).unwrap();

@@ -269,3 +269,63 @@ fn optimizer_moments_are_stored_by_the_parameter_update() {
         }
     }
 }
+
+/// For CUDA, the pieces of a concat that are kernels' roots, read only through reshapes and
+/// permutes (attention's `q`, `k` and `v` gradients, heads merged, into the gradient of the
+/// fused projection), are stored straight into the concat's buffer: no kernel copies them.
+#[test]
+fn concat_pieces_are_stored_in_place_for_cuda() {
+    let src = "fn heads(t: f32[2, 16, 32]) -> f32[2, 4, 16, 8] {
+    permute(reshape(t, [2, 16, 4, 8]), [0, 2, 1, 3])
+}
+model m {
+ input x: f32[2, 16, 32]
+ param wqkv: f32[32, 96] = normal(0.0, 0.2)
+ let (q, k, v) = split(x @ wqkv, 3, axis: -1)
+ let a = attention(heads(q), heads(k), heads(v), causal: true)
+ let loss = mean(a * a)
+ output loss
+ train sgd(lr: 0.1) minimize loss
+}
+";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    for (target, pieces, writers) in [
+        (tcc::artifact::Target::Cuda, true, 3),
+        (tcc::artifact::Target::Cpu, false, 1),
+    ] {
+        let opts = tcc::artifact::CompileOptions {
+            target,
+            ..Default::default()
+        };
+        let compiled = tcc::artifact::compile(&g, &opts).unwrap();
+        let cg = &compiled.graph;
+        let concat: Vec<tcc::ir::NodeId> = cg
+            .node_ids()
+            .filter(|&n| cg.node(n).op.name() == "concat")
+            .collect();
+        assert_eq!(concat.len(), 1, "the q, k and v gradients' concat");
+        let c = concat[0];
+        let kernels = &compiled.fused.kernels;
+        let text = print_kernels(kernels, None);
+        let writing: Vec<&tcc::kernel::Kernel> = kernels
+            .iter()
+            .filter(|k| k.stores.iter().any(|s| s.buf == c))
+            .collect();
+        assert_eq!(writing.len(), writers, "{target:?}\n{text}");
+        let copies = kernels.iter().any(|k| k.nodes.contains(&c));
+        assert_eq!(
+            copies, !pieces,
+            "{target:?}: a kernel computes the concat\n{text}"
+        );
+        if pieces {
+            // Each is a matmul with its epilogue, storing only there.
+            for k in writing {
+                assert!(
+                    k.matmul.is_some() && k.stores.len() == 1,
+                    "{}\n{text}",
+                    k.name
+                );
+            }
+        }
+    }
+}

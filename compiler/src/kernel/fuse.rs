@@ -29,7 +29,10 @@
 //!   accumulating kernel;
 //! - an optimizer's pointwise state update read only by its parameter's pointwise update,
 //!   with no other kernel between them, is computed and stored by that update's kernel
-//!   ([`update_hosts`]): one kernel an Adam update instead of three.
+//!   ([`update_hosts`]): one kernel an Adam update instead of three;
+//! - for CUDA, a concat whose pieces are all kernels' roots read only through reshapes and
+//!   permutes has no kernel: each piece's kernel stores into the concat's buffer
+//!   ([`concat_pieces`]).
 //!
 //! Cost: a few passes over the graph; a kernel that cannot be built as decided (a matmul
 //! operand that is no strided view, a reduction evaluated too often, an in-place update
@@ -183,7 +186,11 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
         for (n, p) in super::layout::permuted_products(g, &materialized) {
             layouts.entry(n).or_insert(p);
         }
-        match build(g, &order, &materialized, &hosts, &layouts, &zeros, opts) {
+        let stores = StoreSites {
+            into: concat_pieces(g, &order, &materialized, opts),
+            hosts,
+        };
+        match build(g, &order, &materialized, &stores, &layouts, &zeros, opts) {
             Ok(kernels) => {
                 return Ok(Fused {
                     kernels,
@@ -352,6 +359,103 @@ fn decide(
     }
 }
 
+/// Kernels that store other nodes than their root: update hosts ([`update_hosts`]) and
+/// concat pieces ([`concat_pieces`]).
+struct StoreSites {
+    hosts: BTreeMap<NodeId, NodeId>,
+    into: BTreeMap<NodeId, Piece>,
+}
+
+/// Where a concat's piece is stored: a node whose one use is a chain of reshapes and
+/// permutes (`views`, in use order) ending in the concat, at `start` along `axis`.
+#[derive(Clone, Debug)]
+struct Piece {
+    concat: NodeId,
+    views: Vec<NodeId>,
+    axis: usize,
+    start: usize,
+}
+
+/// The pieces that are stored straight into their concat's buffer, by node: those of every
+/// materialized concat (not an output or update) whose pieces are all kernels' roots read
+/// only through reshapes and permutes on their way to it. The concat then needs no kernel
+/// (gpt's `q`, `k` and `v` gradients into the `[B, T, 3·D]` one of the fused projection:
+/// a 38 MB copy a layer, and the pieces' buffers, gone). CUDA only (the CPU runs every
+/// concat as it is): the pieces' matmul epilogues store there as into their own buffer.
+fn concat_pieces(
+    g: &Graph,
+    order: &[NodeId],
+    m: &BTreeSet<NodeId>,
+    opts: FuseOptions,
+) -> BTreeMap<NodeId, Piece> {
+    let mut out = BTreeMap::new();
+    if !opts.fuse || !opts.implicit_gemm {
+        return out;
+    }
+    let mut users: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for &n in order {
+        for &i in &g.node(n).inputs {
+            *users.entry(i).or_default() += 1;
+        }
+    }
+    let special: BTreeSet<NodeId> = g
+        .outputs
+        .iter()
+        .map(|(_, o)| *o)
+        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
+        .collect();
+    let single = |x: NodeId| users.get(&x) == Some(&1) && !special.contains(&x);
+    for &c in order {
+        let node = g.node(c);
+        let Op::Concat { axis } = node.op else {
+            continue;
+        };
+        if !m.contains(&c) || special.contains(&c) {
+            continue;
+        }
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        for &i in &node.inputs {
+            let mut views = Vec::new();
+            let mut x = i;
+            while matches!(g.node(x).op, Op::Reshape { .. } | Op::Permute { .. })
+                && !m.contains(&x)
+                && single(x)
+            {
+                views.push(x);
+                x = g.node(x).inputs[0];
+            }
+            let op = &g.node(x).op;
+            let ok = m.contains(&x)
+                && single(x)
+                && !is_leaf(op)
+                && !is_scatter(op)
+                && lower::conv_split_k(g, x) <= 1
+                && g.ty(x).dtype == node.ty.dtype
+                && !pieces.iter().any(|(y, _): &(NodeId, Piece)| *y == x);
+            if !ok {
+                pieces.clear();
+                break;
+            }
+            views.reverse();
+            pieces.push((
+                x,
+                Piece {
+                    concat: c,
+                    views,
+                    axis,
+                    start,
+                },
+            ));
+            start += g.ty(i).dims()[axis];
+        }
+        if !pieces.is_empty() && pieces.len() == node.inputs.len() {
+            out.extend(pieces);
+        }
+    }
+    out
+}
+
 /// Update values computed by the kernel of another one, its host: an elementwise update
 /// value whose every use ends in the kernel of an elementwise update value of its shape
 /// (an optimizer's new moments, read only by its new parameter). The host's kernel stores
@@ -504,11 +608,12 @@ fn build(
     g: &Graph,
     order: &[NodeId],
     m: &BTreeSet<NodeId>,
-    hosts: &BTreeMap<NodeId, NodeId>,
+    sites: &StoreSites,
     layouts: &BTreeMap<NodeId, Vec<usize>>,
     zeros: &Zeros,
     opts: FuseOptions,
 ) -> Result<Vec<Kernel>, Retry> {
+    let (hosts, into) = (&sites.hosts, &sites.into);
     let implicit_gemm = opts.implicit_gemm;
     let d = Decisions {
         g,
@@ -534,7 +639,8 @@ fn build(
     let mut pos_of_kernel: Vec<usize> = Vec::new();
     for (pos, &n) in order.iter().enumerate() {
         let node = g.node(n);
-        if !m.contains(&n) || is_leaf(&node.op) || hosted(n) {
+        let written_by_pieces = into.values().any(|p| p.concat == n);
+        if !m.contains(&n) || is_leaf(&node.op) || hosted(n) || written_by_pieces {
             continue;
         }
         let name = format!("k{}", kernels.len());
@@ -615,6 +721,13 @@ fn build(
         }
         if failed {
             continue;
+        }
+        // A concat's piece: stored into the concat's buffer at its place there.
+        if let (Some(p), [st]) = (into.get(&n), stores.as_mut_slice()) {
+            let mut at = b.view_up(n, &idx, &p.views);
+            at[p.axis] = b.pool.iadd_c(at[p.axis], p.start as i64);
+            st.buf = p.concat;
+            st.index = b.buffer_index(p.concat, &at);
         }
         // Fused reductions must be evaluated once per distinct value: their free domain
         // variables must be the outermost loops.

@@ -204,6 +204,27 @@ impl<'a> Builder<'a> {
         idx
     }
 
+    /// The index into the last node of `chain` (reshapes and permutes, each the next's
+    /// operand, the first reading `n`) of the element at `idx` in `n`: the views' index
+    /// maps run backwards.
+    pub fn view_up(&mut self, n: NodeId, idx: &[ExprId], chain: &[NodeId]) -> Vec<ExprId> {
+        let g = self.d.g;
+        let mut cur = idx.to_vec();
+        let mut dims = g.ty(n).dims().to_vec();
+        for &v in chain {
+            let out_dims = g.ty(v).dims().to_vec();
+            cur = match &g.node(v).op {
+                Op::Permute { perm } => perm.iter().map(|&p| cur[p]).collect(),
+                _ => {
+                    let lin = self.linear(&cur, &dims);
+                    self.unflatten(lin, &out_dims)
+                }
+            };
+            dims = out_dims;
+        }
+        cur
+    }
+
     /// Row-major linear index of `idx` in `dims`.
     pub fn linear(&mut self, idx: &[ExprId], dims: &[usize]) -> ExprId {
         let s = contiguous_strides(dims);
