@@ -430,6 +430,7 @@ fn concat_pieces(
                 && single(x)
                 && !is_leaf(op)
                 && !is_scatter(op)
+                && !matches!(op, Op::Concat { .. })
                 && lower::conv_split_k(g, x) <= 1
                 && g.ty(x).dtype == node.ty.dtype
                 && !pieces.iter().any(|(y, _): &(NodeId, Piece)| *y == x);
@@ -513,18 +514,11 @@ fn update_hosts(
                 .then_some((u, r))
         })
         .collect();
-    // Chains end at a host that has none (each step goes to a later node).
-    let guests: Vec<NodeId> = hosts.keys().copied().collect();
-    for u in guests {
-        let mut r = hosts[&u];
-        for _ in 0..hosts.len() {
-            match hosts.get(&r) {
-                Some(&next) if next != u => r = next,
-                _ => break,
-            }
-        }
-        hosts.insert(u, r);
-    }
+    // No chains: a host that is itself a guest keeps its own guests' kernels apart (a
+    // guest stored by the last host of a chain would be read stale by the middle one's
+    // kernel, were that one left out in `build`).
+    let guests: BTreeSet<NodeId> = hosts.keys().copied().collect();
+    hosts.retain(|_, r| !guests.contains(r));
     hosts
 }
 
@@ -692,14 +686,13 @@ fn build(
             let idx = b.logical_index(n);
             (b, idx)
         };
-        // The guests' stores, then the root's (whose value reads the guests' as computed).
+        // The root's store first (liveness names a kernel by it), then the guests' (the
+        // root's value reads theirs as computed here: one expression each).
         let mut stores = Vec::new();
         let mut failed = false;
-        for &x in guests
-            .get(&n)
-            .map_or(&[][..], Vec::as_slice)
-            .iter()
-            .chain([&n])
+        for &x in [&n]
+            .into_iter()
+            .chain(guests.get(&n).map_or(&[][..], Vec::as_slice))
         {
             let value = match b.value(x, &idx) {
                 Ok(v) => v,
@@ -770,9 +763,13 @@ fn build(
                 continue;
             }
             if pos_of_kernel[ki] > pos_of_kernel[kv] {
-                // Some fused node reads the old value too late: give it a buffer.
+                // Some fused node reads the old value too late: give it a buffer (one that
+                // has one already, a guest, cannot be helped so).
                 for &x in &k.nodes {
-                    if g.node(x).inputs.contains(&target) && x != *k.nodes.last().unwrap_or(&x) {
+                    if g.node(x).inputs.contains(&target)
+                        && x != *k.nodes.last().unwrap_or(&x)
+                        && !m.contains(&x)
+                    {
                         retry.push(x);
                     }
                 }
