@@ -529,34 +529,43 @@ impl<'a> Px<'a> {
     /// `lin` (u32), in 64-bit registers.
     fn bind_linear(&mut self, lin: &str, dims: &[(Var, usize)]) {
         let exts: Vec<usize> = dims.iter().map(|d| d.1).collect();
-        self.digits(lin, &exts, |px, i, r| {
+        self.digits(lin, &exts, false, |px, i, r| {
             let r64 = px.fresh("rd");
             px.line(format!("cvt.u64.u32 {r64}, {r};"));
             px.vars.insert(dims[i].0, r64);
         });
     }
 
-    /// The digits of the linear index `lin` (u32) in the mixed radix `exts` (row-major:
-    /// the last digit varies fastest; the first is what is left), innermost first, each
-    /// handed to `each` with its position as soon as it is computed.
+    /// The digits of the linear index `lin` (u32, or u64 where `wide`) in the mixed radix
+    /// `exts` (row-major: the last digit varies fastest; the first is what is left),
+    /// innermost first, each handed to `each` with its position as soon as it is computed.
     fn digits(
         &mut self,
         lin: &str,
         exts: &[usize],
+        wide: bool,
         mut each: impl FnMut(&mut Self, usize, String),
     ) {
+        let (ty, class) = if wide { ("u64", "rd") } else { ("u32", "r") };
         let mut rest = lin.to_string();
         for (i, &ext) in exts.iter().enumerate().rev() {
-            let r = self.fresh("r");
+            let r = self.fresh(class);
             if i == 0 {
-                self.line(format!("mov.u32 {r}, {rest};"));
+                self.line(format!("mov.{ty} {r}, {rest};"));
             } else {
-                self.line(format!("rem.u32 {r}, {rest}, {ext};"));
-                let q = self.fresh("r");
-                self.line(format!("div.u32 {q}, {rest}, {ext};"));
+                self.line(format!("rem.{ty} {r}, {rest}, {ext};"));
+                let q = self.fresh(class);
+                self.line(format!("div.{ty} {q}, {rest}, {ext};"));
                 rest = q;
             }
             each(self, i, r);
+        }
+    }
+
+    /// Binds the domain variables from `first` on to the registers `at`, in order.
+    fn bind_point<'s>(&mut self, first: usize, at: impl IntoIterator<Item = &'s String>) {
+        for (q, x) in at.into_iter().enumerate() {
+            self.vars.insert((first + q) as Var, x.clone());
         }
     }
 
@@ -1951,20 +1960,9 @@ fn emit_kernel(
         let dims: Vec<(Var, usize)> = (0..par).map(|d| (d as Var, k.domain[d])).collect();
         px.bind_linear(&r, &dims);
     } else {
-        let mut rest = tid.clone();
-        for d in (0..par).rev() {
-            let ext = k.domain[d];
-            let v = px.fresh("rd");
-            if d == 0 {
-                px.line(format!("mov.u64 {v}, {rest};"));
-            } else {
-                px.line(format!("rem.u64 {v}, {rest}, {ext};"));
-                let q = px.fresh("rd");
-                px.line(format!("div.u64 {q}, {rest}, {ext};"));
-                rest = q;
-            }
+        px.digits(&tid, &k.domain[..par], true, |px, d, v| {
             px.vars.insert(d as Var, v);
-        }
+        });
     }
     if let Some(mm) = &k.matmul {
         px.matmul_per_element(mm)?;
@@ -2445,7 +2443,7 @@ fn emit_vector_pointwise(
             })
             .collect();
         let mut vars = vec![String::new(); rank];
-        px.digits(&q, &exts, |px, d, v32| {
+        px.digits(&q, &exts, false, |px, d, v32| {
             let v = px.fresh("rd");
             if d == last {
                 px.line(format!("mul.wide.u32 {v}, {v32}, {VEC};"));
@@ -3837,7 +3835,7 @@ fn heavy_first(
     px.line(format!("mad.lo.u32 {lin}, {lin}, {gx}, {bx};"));
     let (tiles, other) = if rows { (gy, gx) } else { (gx, gy) };
     let mut digits = [String::new(), String::new(), String::new()];
-    px.digits(&lin, &[tiles, batch, other], |_, i, r| digits[i] = r);
+    px.digits(&lin, &[tiles, batch, other], false, |_, i, r| digits[i] = r);
     let [idx, z, o] = digits;
     if grows {
         px.line(format!("sub.u32 {idx}, {}, {idx};", tiles - 1));
@@ -3912,19 +3910,7 @@ fn split_index(px: &mut Px, lin: &str, dims: &[usize]) -> Vec<String> {
             out[d] = v;
         }
     } else {
-        let mut rest = lin.to_string();
-        for d in (0..dims.len()).rev() {
-            let v = px.fresh("rd");
-            if d == 0 {
-                px.line(format!("mov.u64 {v}, {rest};"));
-            } else {
-                let q = px.fresh("rd");
-                px.line(format!("rem.u64 {v}, {rest}, {};", dims[d]));
-                px.line(format!("div.u64 {q}, {rest}, {};", dims[d]));
-                rest = q;
-            }
-            out[d] = v;
-        }
+        px.digits(lin, dims, true, |_, d, v| out[d] = v);
     }
     out
 }
@@ -3959,9 +3945,7 @@ fn store_point(
 ) -> Res<()> {
     let nb = mm.batch.len();
     px.journal.push(Vec::new());
-    for (q, x) in at.iter().enumerate() {
-        px.vars.insert((nb + q) as Var, x.clone());
-    }
+    px.bind_point(nb, at);
     for (e, r) in loaded {
         px.remember(*e, r.clone());
     }
@@ -3987,9 +3971,7 @@ fn store_vector(
     let mut addrs = Vec::new();
     for (lane, (at, acc)) in ats.iter().zip(accs).enumerate() {
         px.journal.push(Vec::new());
-        for (q, x) in at.iter().enumerate() {
-            px.vars.insert((nb + q) as Var, x.clone());
-        }
+        px.bind_point(nb, at);
         for (e, r) in loaded.get(lane).into_iter().flatten() {
             px.remember(*e, r.clone());
         }
@@ -4093,9 +4075,7 @@ fn prefetch_epilogue(
         let skip_row = px.label("skip");
         px.line(format!("@!{pi} bra {skip_row};"));
         px.journal.push(Vec::new());
-        for (q, x) in row_at.iter().enumerate() {
-            px.vars.insert((nb + q) as Var, x.clone());
-        }
+        px.bind_point(nb, row_at.iter());
         let mut row_loads = Vec::new();
         for &(e, by_col) in loads {
             if !by_col {
@@ -4110,9 +4090,7 @@ fn prefetch_epilogue(
             let mut lanes: Vec<(ExprId, Vec<String>)> = Vec::new();
             for c in g..(g + width).min(cols.len()) {
                 px.journal.push(Vec::new());
-                for (q, x) in row_at.iter().chain(&col_at[c]).enumerate() {
-                    px.vars.insert((nb + q) as Var, x.clone());
-                }
+                px.bind_point(nb, row_at.iter().chain(&col_at[c]));
                 let mut regs = row_loads.clone();
                 for (e, reg) in &row_loads {
                     px.remember(*e, reg.clone());

@@ -627,14 +627,18 @@ fn build(
             }
         }
     }
-    let hosted = |n: NodeId| guests.values().any(|gs| gs.contains(&n));
+    let hosted: BTreeSet<NodeId> = guests.values().flatten().copied().collect();
+    let written_by_pieces: BTreeSet<NodeId> = into.values().map(|p| p.concat).collect();
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();
     let mut pos_of_kernel: Vec<usize> = Vec::new();
     for (pos, &n) in order.iter().enumerate() {
         let node = g.node(n);
-        let written_by_pieces = into.values().any(|p| p.concat == n);
-        if !m.contains(&n) || is_leaf(&node.op) || hosted(n) || written_by_pieces {
+        if !m.contains(&n)
+            || is_leaf(&node.op)
+            || hosted.contains(&n)
+            || written_by_pieces.contains(&n)
+        {
             continue;
         }
         let name = format!("k{}", kernels.len());
