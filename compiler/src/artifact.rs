@@ -89,6 +89,11 @@ impl Compiled {
 /// their verified plan.
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let g = with_output_copies(g);
+    let g = if o.target == Target::Cuda && o.fuse.fuse {
+        crate::passes::attention::fuse_attention(&g)
+    } else {
+        g
+    };
     let g = crate::passes::transpose_matmuls::transpose_matmuls(&g);
     let g = if o.target == Target::Cuda && !o.allow_tf32 {
         crate::passes::split_matmuls::split_matmuls(&g)

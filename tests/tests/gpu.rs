@@ -150,6 +150,31 @@ fn gpu_causal_attention_gradients_agree_with_eager() {
     agree(src, &Options::default(), "causal attention", 2, 1e-5);
 }
 
+/// The fused attention kernel (`passes::attention`) on ragged tiles: 70 queries against 90
+/// keys (causal: the diagonal shifted by 20), a value width other than the head's, and a
+/// plain one; outputs and gradients (rebuilt from its row statistics).
+#[test]
+fn gpu_fused_attention_agrees_with_eager() {
+    if !gpu() {
+        return;
+    }
+    for causal in [true, false] {
+        let src = format!(
+            "model m {{
+                input w: f32[3, 5, 70, 32]
+                param q: f32[3, 5, 70, 16] = normal(0.0, 1.0)
+                param k: f32[3, 5, 90, 16] = normal(0.0, 1.0)
+                param v: f32[3, 5, 90, 32] = normal(0.0, 1.0)
+                let a = attention(q, k, v, causal: {causal})
+                let loss = mean(a * a * w)
+                output loss
+                train sgd(lr: 100.0) minimize loss
+            }}"
+        );
+        agree(&src, &Options::default(), "fused attention", 2, 1e-5);
+    }
+}
+
 #[test]
 fn gpu_vector_and_matmul_paths_agree_with_eager() {
     if !gpu() {

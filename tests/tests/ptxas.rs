@@ -246,10 +246,11 @@ fn ptx_paths_are_chosen_where_they_apply() {
         !exact.code.contains("sg_done"),
         "no skips in a dense matmul"
     );
-    // Causal attention (`analysis::zeros`): the score tiles above the diagonal sum no `k`
+    // Causal attention as the prelude's composite (a head dimension of 40, which the fused
+    // attention kernel does not take; `analysis::zeros`): the score tiles above the diagonal sum no `k`
     // and `p @ v` sums `k` up to the diagonal; 44 = 300 keys - 256 queries.
     let att = model(
-        " input q: f32[72, 256, 32]\n input k: f32[72, 300, 32]\n input v: f32[72, 300, 32]",
+        " input q: f32[72, 256, 40]\n input k: f32[72, 300, 40]\n input v: f32[72, 300, 40]",
         "attention(q, k, v, causal: true)",
     );
     let causal = build(&att, Target::Cuda, false);
@@ -287,10 +288,10 @@ fn ptx_paths_are_chosen_where_they_apply() {
     // from the diagonal on (their first row tiles are the longest).
     let grad = build(
         "model m {
-            input w: f32[72, 256, 32]
-            param q: f32[72, 256, 32] = normal(0.0, 1.0)
-            param k: f32[72, 256, 32] = normal(0.0, 1.0)
-            param v: f32[72, 256, 32] = normal(0.0, 1.0)
+            input w: f32[72, 256, 40]
+            param q: f32[72, 256, 40] = normal(0.0, 1.0)
+            param k: f32[72, 256, 40] = normal(0.0, 1.0)
+            param v: f32[72, 256, 40] = normal(0.0, 1.0)
             let loss = mean(attention(q, k, v, causal: true) * w)
             output loss
             train sgd(lr: 0.1) minimize loss
@@ -302,7 +303,7 @@ fn ptx_paths_are_chosen_where_they_apply() {
         let line = format!("// tiles heaviest first: row tiles, stages {order} along them");
         assert_eq!(grad.code.matches(&line).count(), count, "{}", grad.code);
     }
-    // `ds = p * (do @ vᵀ - d)` (k = 32): its epilogue issues a batch of rows' loads before
+    // `ds = p * (do @ vᵀ - d)` (k = 40): its epilogue issues a batch of rows' loads before
     // its first store: 4 rows of its 8×8 register tile, each 2 vectors of `p` and one `d`
     // (read once a row). The other tiled kernels' epilogues load at most 1 before.
     let ahead: Vec<(usize, usize)> = grad

@@ -196,6 +196,8 @@ pub fn vjp(
         | Op::Conv2dGradInput { .. }
         | Op::Conv2dGradWeight { .. }
         | Op::EmbeddingGrad { .. }
+        | Op::Attention { .. }
+        | Op::AttentionLse { .. }
         | Op::Grad => {
             if wants.iter().any(|&w| w) {
                 return Err(TypeError::new(

@@ -58,6 +58,7 @@ use crate::kernel::{Affine, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Re
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
+mod attention;
 mod k_split;
 mod wgmma;
 
@@ -1803,6 +1804,9 @@ fn emit_kernel(
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
     opts: PtxOptions,
 ) -> Res<(String, LaunchShape)> {
+    if let Some(at) = &k.attention {
+        return attention::emit(k, at, offset_of);
+    }
     if let Some(mm) = &k.matmul {
         if let Some(plan) = wgmma::plan(mm, offset_of) {
             return wgmma::emit(k, mm, &plan, offset_of);

@@ -391,6 +391,14 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
             Ok(out)
         }
         Op::MatMul => matmul(ins[0], ins[1], ty, p),
+        Op::Attention { causal, scale } => {
+            let out = attention(ins[0], ins[1], Some(ins[2]), *causal, *scale)?;
+            Ok(store_f(ty, out, p))
+        }
+        Op::AttentionLse { causal, scale } => {
+            let out = attention(ins[0], ins[1], None, *causal, *scale)?;
+            Ok(store_f(ty, out, p))
+        }
         Op::Conv2d {
             stride,
             padding,
@@ -696,6 +704,67 @@ fn matmul(a: &Tensor, b: &Tensor, ty: &TensorType, p: Precision) -> Res {
         bi += 1;
     });
     Ok(store_f(ty, out, p))
+}
+
+/// Attention over `[q [.., T, D], k [.., S, D], v [.., S, E]]` as the prelude computes
+/// it (`softmax(mask(q kᵀ · scale)) v`, in f64): the `[.., T, E]` output, or without `v`
+/// the `[.., T]` row log-sum-exp of the masked, scaled scores.
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: Option<&Tensor>,
+    causal: bool,
+    scale: f32,
+) -> Result<Vec<f64>, EagerError> {
+    let (qd, kd) = (q.dims(), k.dims());
+    let r = qd.len();
+    if r < 2 || kd.len() != r {
+        return Err(internal("attention operands of the wrong rank"));
+    }
+    let (t, s, d) = (qd[r - 2], kd[r - 2], qd[r - 1]);
+    let e = v.map_or(0, |v| v.dims().last().copied().unwrap_or(0));
+    let batch: usize = qd[..r - 2].iter().product();
+    let (qv, kv) = (floats(q)?, floats(k)?);
+    let vv = match v {
+        Some(v) => floats(v)?,
+        None => &[],
+    };
+    let scale = f64::from(scale);
+    // `tril(ones([T, S]), k: S - T)` keeps `j <= i + S - T`.
+    let keep = |i: usize, j: usize| !causal || j + t <= i + s;
+    let mut out = Vec::with_capacity(batch * t * e.max(1));
+    let mut row = vec![0.0f64; s];
+    for b in 0..batch {
+        for i in 0..t {
+            let qi = &qv[(b * t + i) * d..(b * t + i + 1) * d];
+            let mut mx = f64::NEG_INFINITY;
+            for (j, rj) in row.iter_mut().enumerate() {
+                *rj = if keep(i, j) {
+                    let kj = &kv[(b * s + j) * d..(b * s + j + 1) * d];
+                    qi.iter().zip(kj).map(|(x, y)| x * y).sum::<f64>() * scale
+                } else {
+                    f64::NEG_INFINITY
+                };
+                mx = mx.max(*rj);
+            }
+            let sum: f64 = row.iter().map(|&x| (x - mx).exp()).sum();
+            if v.is_none() {
+                out.push(mx + sum.ln());
+                continue;
+            }
+            let mut o = vec![0.0f64; e];
+            for (j, &x) in row.iter().enumerate() {
+                let pj = (x - mx).exp() / sum;
+                if pj == 0.0 {
+                    continue;
+                }
+                let vj = &vv[(b * s + j) * e..(b * s + j + 1) * e];
+                o.iter_mut().zip(vj).for_each(|(o, &y)| *o += pj * y);
+            }
+            out.extend(o);
+        }
+    }
+    Ok(out)
 }
 
 fn floats_or_ints(t: &Tensor) -> std::borrow::Cow<'_, [f64]> {

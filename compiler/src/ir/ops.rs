@@ -379,6 +379,24 @@ pub enum Op {
     EmbeddingGrad {
         vocab: usize,
     },
+    /// Fused scaled dot-product attention `softmax(mask(q kᵀ · scale)) v` over
+    /// operands `[q [.., T, D], k [.., S, D], v [.., S, E]]` (equal leading dims), result
+    /// `[.., T, E]`. `causal` keeps the scores with `j - i <= S - T` (the prelude's
+    /// `tril(ones([T, S]), k: S - T)`). Not written by programs: `passes::attention`
+    /// introduces it on CUDA in place of the prelude's composite, whose probabilities it
+    /// never stores.
+    Attention {
+        causal: bool,
+        scale: f32,
+    },
+    /// The row log-sum-exp of attention's masked, scaled scores: operands `[q, k]` as for
+    /// [`Op::Attention`], result `[.., T]` (f32). The attention kernel over the same `q`
+    /// and `k` stores it alongside its output; the backward pass rebuilds the
+    /// probabilities from it (`exp(s - lse)`).
+    AttentionLse {
+        causal: bool,
+        scale: f32,
+    },
 }
 
 impl Op {
@@ -415,6 +433,8 @@ impl Op {
             Op::Conv2dGradWeight { .. } => "conv2d_grad_weight".into(),
             Op::Pool2dGrad { kind, .. } => format!("{}_pool2d_grad", kind.name()),
             Op::EmbeddingGrad { .. } => "embedding_grad".into(),
+            Op::Attention { .. } => "attention".into(),
+            Op::AttentionLse { .. } => "attention_lse".into(),
         }
     }
 
@@ -485,6 +505,9 @@ impl Op {
             Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
             Op::EmbeddingGrad { vocab } => format!("vocab={vocab}"),
             Op::Tri { k, .. } => format!("k={k}"),
+            Op::Attention { causal, scale } | Op::AttentionLse { causal, scale } => {
+                format!("causal={causal} scale={scale:?}")
+            }
             _ => String::new(),
         }
     }
@@ -518,8 +541,9 @@ impl Op {
             | Op::Conv2dGradInput { .. }
             | Op::Conv2dGradWeight { .. }
             | Op::Pool2dGrad { .. }
-            | Op::EmbeddingGrad { .. } => 2,
-            Op::Where => 3,
+            | Op::EmbeddingGrad { .. }
+            | Op::AttentionLse { .. } => 2,
+            Op::Where | Op::Attention { .. } => 3,
             Op::Concat { .. } => return None,
         })
     }
@@ -1074,7 +1098,47 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
                 vec![*vocab, dy.dims()[ids.rank()]],
             ))
         }
+        Op::Attention { .. } => {
+            let (q, k, v) = (ins[0], ins[1], ins[2]);
+            infer_attention(q, k, Some(v))
+        }
+        Op::AttentionLse { .. } => infer_attention(ins[0], ins[1], None),
     }
+}
+
+/// `[q [.., T, D], k [.., S, D], v [.., S, E]]` → `[.., T, E]`; without `v`, the row
+/// statistics `[.., T]`.
+fn infer_attention(
+    q: &TensorType,
+    k: &TensorType,
+    v: Option<&TensorType>,
+) -> Result<TensorType, TypeError> {
+    let r = q.rank();
+    let mismatch = || {
+        let v = v.map_or(String::new(), |v| format!(", v {v}"));
+        TypeError::new(
+            "E0301",
+            "attention operands do not match",
+            format!("q {q}, k {k}{v}"),
+        )
+    };
+    if q.dtype != DType::F32 || k.dtype != DType::F32 || v.is_some_and(|v| v.dtype != DType::F32) {
+        return Err(wrong_dtype("attention", q.dtype, "f32"));
+    }
+    if r < 2 || k.rank() != r || k.dims()[..r - 2] != q.dims()[..r - 2] {
+        return Err(mismatch());
+    }
+    if k.dims()[r - 1] != q.dims()[r - 1] {
+        return Err(mismatch());
+    }
+    let mut dims = q.dims()[..r - 1].to_vec();
+    if let Some(v) = v {
+        if v.rank() != r || v.dims()[..r - 1] != k.dims()[..r - 1] {
+            return Err(mismatch());
+        }
+        dims.push(v.dims()[r - 1]);
+    }
+    Ok(TensorType::new(DType::F32, dims))
 }
 
 fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, TypeError> {

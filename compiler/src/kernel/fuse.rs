@@ -145,7 +145,9 @@ fn heavy_read(op: &Op, k: usize) -> bool {
         | Op::Conv2dGradInput { .. }
         | Op::Conv2dGradWeight { .. }
         | Op::Pool2d { .. }
-        | Op::Pool2dGrad { .. } => true,
+        | Op::Pool2dGrad { .. }
+        | Op::Attention { .. }
+        | Op::AttentionLse { .. } => true,
         Op::Embedding => k == 0,
         _ => false,
     }
@@ -627,7 +629,23 @@ fn build(
             }
         }
     }
-    let hosted: BTreeSet<NodeId> = guests.values().flatten().copied().collect();
+    let mut hosted: BTreeSet<NodeId> = guests.values().flatten().copied().collect();
+    // An attention kernel stores the row statistics of the same scores.
+    let mut lse_of: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    for &n in order {
+        if let Op::AttentionLse { causal, scale } = g.node(n).op {
+            let host = order.iter().copied().find(|&a| {
+                g.node(a).op == Op::Attention { causal, scale }
+                    && g.node(a).inputs[..2] == g.node(n).inputs[..]
+                    && !lse_of.contains_key(&a)
+                    && m.contains(&a)
+            });
+            if let Some(a) = host {
+                lse_of.insert(a, n);
+                hosted.insert(n);
+            }
+        }
+    }
     let written_by_pieces: BTreeSet<NodeId> = into.values().map(|p| p.concat).collect();
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();
@@ -665,6 +683,17 @@ fn build(
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+        if matches!(node.op, Op::Attention { .. } | Op::AttentionLse { .. }) {
+            match lower::attention_kernel(&d, n, lse_of.get(&n).copied(), name) {
+                Ok(k) => {
+                    kernels.push(k);
+                    pos_of_kernel.push(pos);
+                }
+                Err(LowerError::Materialize(x)) => retry.push(x),
+                Err(e) => return Err(e.into()),
+            }
+            continue;
         }
         if is_scatter(&node.op) {
             kernels.push(fill_kernel(&d, n, name)?);

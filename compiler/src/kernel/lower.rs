@@ -12,7 +12,7 @@
 //! by the same `guarded`/`window`/`untap` arithmetic as the direct loops (`conv_gemm`).
 
 use super::{
-    ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Operand, Red, Skip, Store, VTy, Var, E,
+    Attn, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Operand, Red, Skip, Store, VTy, Var, E,
 };
 use crate::analysis::zeros::{Region, Zeros};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
@@ -686,6 +686,10 @@ impl<'a> Builder<'a> {
                 "`{}` is a scatter kernel, not an expression",
                 node.op.name()
             ))),
+            Op::Attention { .. } | Op::AttentionLse { .. } => Err(LowerError::Internal(format!(
+                "`{}` is an attention kernel, not an expression",
+                node.op.name()
+            ))),
         }
     }
 
@@ -1169,6 +1173,7 @@ impl<'a> Builder<'a> {
             pool: self.pool,
             stores,
             matmul: self.matmul.map(|m| m.1),
+            attention: None,
             nodes,
             parallel,
             describe,
@@ -1279,6 +1284,109 @@ pub fn split_k_kernel(
 
 /// Scatter kernels: `embedding_grad` and `max_pool2d_grad` accumulate into a zeroed
 /// buffer; this builds the accumulating kernel (the zero fill is a separate kernel).
+/// The kernel of attention node `n` (or of an `attention_lse` node no attention kernel
+/// stores), storing the row statistics `lse` too when given.
+pub fn attention_kernel(
+    d: &Decisions<'_>,
+    n: NodeId,
+    lse: Option<NodeId>,
+    name: String,
+) -> Res<Kernel> {
+    let g = d.g;
+    let node = g.node(n);
+    let (causal, scale, with_v) = match node.op {
+        Op::Attention { causal, scale } => (causal, scale, true),
+        Op::AttentionLse { causal, scale } => (causal, scale, false),
+        _ => {
+            return Err(LowerError::Internal(
+                "attention kernel of another op".into(),
+            ))
+        }
+    };
+    let (q, k) = (node.inputs[0], node.inputs[1]);
+    let qd = g.ty(q).dims().to_vec();
+    let r = qd.len();
+    if r < 2 {
+        return Err(LowerError::Internal("attention of rank < 2".into()));
+    }
+    let (t, dd, s) = (qd[r - 2], qd[r - 1], g.ty(k).dims()[r - 2]);
+    let batch = qd[..r - 2].to_vec();
+    let mut b = Builder::new(d, n, node.ty.dims().to_vec());
+    let qo = b.operand(q, &batch, t, dd)?;
+    let ko = b.operand(k, &batch, s, dd)?;
+    let (vo, e) = if with_v {
+        let v = node.inputs[2];
+        let e = g.ty(v).dims()[r - 1];
+        (Some(b.operand(v, &batch, s, e)?), e)
+    } else {
+        (None, 0)
+    };
+    let idx = b.domain_vars();
+    let acc = b.pool.add(E::Acc, VTy::F32);
+    let mut stores = Vec::new();
+    let mut out = |b: &mut Builder, x: NodeId, idx: &[ExprId]| -> Res<Operand> {
+        let index = b.buffer_index(x, idx);
+        stores.push(Store {
+            buf: x,
+            dtype: g.ty(x).dtype,
+            index,
+            value: acc,
+            accumulate: false,
+        });
+        let af = b
+            .pool
+            .affine(index)
+            .ok_or_else(|| LowerError::Internal("attention output is not strided".into()))?;
+        let coef = |i: usize| match b.pool.get(idx[i]) {
+            E::Var(v) => af.coef(*v),
+            _ => 0,
+        };
+        Ok(Operand {
+            buf: x,
+            dtype: g.ty(x).dtype,
+            base: af.c0,
+            batch_strides: (0..batch.len()).map(coef).collect(),
+            rs: coef(batch.len()),
+            cs: if idx.len() > batch.len() + 1 {
+                coef(batch.len() + 1)
+            } else {
+                0
+            },
+            gather: None,
+        })
+    };
+    let (o, lse_out) = if with_v {
+        let o = out(&mut b, n, &idx)?;
+        let l = match lse {
+            Some(l) => Some(out(&mut b, l, &idx[..r - 1])?),
+            None => None,
+        };
+        (Some(o), l)
+    } else {
+        (None, Some(out(&mut b, n, &idx)?))
+    };
+    let mut kernel = b.finish(name, stores, true);
+    if let Some(l) = lse.filter(|_| with_v) {
+        kernel.nodes.insert(kernel.nodes.len() - 1, l);
+        kernel.describe = format!("{}, attention_lse %{}", kernel.describe, l.index());
+    }
+    kernel.attention = Some(Attn {
+        batch,
+        t,
+        s,
+        d: dd,
+        e,
+        causal,
+        scale,
+        q: qo,
+        k: ko,
+        v: vo,
+        o,
+        lse: lse_out,
+    });
+    Ok(kernel)
+}
+
 pub fn scatter_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Res<Kernel> {
     let g = d.g;
     let node = g.node(n);

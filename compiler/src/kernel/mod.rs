@@ -839,6 +839,28 @@ impl Matmul {
     }
 }
 
+/// Fused attention (`graph::Op::Attention`): for every batch index and query row `i`,
+/// `o[i, :] = Σ_j softmax_j(mask(q[i] · k[j] · scale)) v[j, :]` and `lse[i]`, the row
+/// log-sum-exp, without storing the scores. Operands are strided views (`q`: rows `t`,
+/// columns `d`; `k`: `s` × `d`; `v`: `s` × `e`); outputs too (`lse`'s `cs` is unused).
+/// `causal` keeps `j - i <= s - t`. The back end owns the loops; the kernel's stores
+/// name the buffers written (for liveness), their values are not evaluated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attn {
+    pub batch: Vec<usize>,
+    pub t: usize,
+    pub s: usize,
+    pub d: usize,
+    pub e: usize,
+    pub causal: bool,
+    pub scale: f32,
+    pub q: Operand,
+    pub k: Operand,
+    pub v: Option<Operand>,
+    pub o: Option<Operand>,
+    pub lse: Option<Operand>,
+}
+
 /// One fused kernel.
 #[derive(Clone, Debug)]
 pub struct Kernel {
@@ -847,6 +869,8 @@ pub struct Kernel {
     pub pool: ExprPool,
     pub stores: Vec<Store>,
     pub matmul: Option<Matmul>,
+    /// A fused attention kernel (CUDA only).
+    pub attention: Option<Attn>,
     /// Graph nodes computed by this kernel (root last), for descriptions.
     pub nodes: Vec<NodeId>,
     /// False when stores accumulate (iterations of the outer loop may touch the same
@@ -893,6 +917,10 @@ impl Kernel {
     /// gather (unsorted, with repeats).
     pub fn operand_loads(&self) -> Vec<NodeId> {
         let mut v = Vec::new();
+        if let Some(at) = &self.attention {
+            v.extend([&at.q, &at.k].map(|o| o.buf));
+            v.extend(at.v.as_ref().map(|o| o.buf));
+        }
         if let Some(mm) = &self.matmul {
             for op in [&mm.a, &mm.b] {
                 match &op.gather {

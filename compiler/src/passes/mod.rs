@@ -2,6 +2,7 @@
 //! with why it sits there. `--print-after=PASS|all` and `--stop-after=PASS` come from it,
 //! and the IR verifier runs after every pass in tests and debug builds.
 
+pub mod attention;
 pub mod schedule;
 pub mod split_matmuls;
 pub mod split_reductions;

@@ -70,6 +70,13 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
         Op::Pool2dGrad { kernel, .. } => numel(1) * (kernel[0] * kernel[1]) as u64,
         Op::Reduce { .. } | Op::ArgMax { .. } => numel(0),
         Op::EmbeddingGrad { .. } => numel(1),
+        // Scores `q kᵀ` (2·T·S·D a batch), then `p v` (2·T·S·E) for the output.
+        Op::Attention { .. } | Op::AttentionLse { .. } => {
+            let (q, k) = (dims(0), dims(1));
+            let s = k.get(k.len().wrapping_sub(2)).copied().unwrap_or(1) as u64;
+            let e = dims(2).last().copied().unwrap_or(0) as u64;
+            2 * numel(0) * s + 2 * (numel(0) / q.last().copied().unwrap_or(1).max(1) as u64) * s * e
+        }
         _ => out,
     }
 }

@@ -1,0 +1,156 @@
+//! Fused attention (`passes::attention`, CUDA): which composites become one `attention`
+//! op, the graph it leaves, and the same numbers in the interpreter (outputs and the
+//! parameters after training steps). The CUDA kernel itself is checked against the
+//! interpreter by `gpu.rs` and assembled by `ptxas.rs`.
+
+use tcc::ir::Graph;
+use tcc::passes::attention::fuse_attention;
+use tcc_tests::{compile_pipeline, eager_steps, rel_err};
+
+fn count(g: &Graph, name: &str) -> usize {
+    g.node_ids()
+        .filter(|&n| g.node(n).op.name() == name)
+        .count()
+}
+
+/// A training step over attention of `t` queries and `s` keys of head dimension `d`. The
+/// loss is quadratic in the output, so its gradient comes after it (a gradient step that
+/// the schedule puts before the output keeps the composite).
+fn model(t: usize, s: usize, d: usize, causal: bool) -> String {
+    format!(
+        "model m {{
+            input w: f32[2, 3, {t}, {d}]
+            param q: f32[2, 3, {t}, {d}] = normal(0.0, 1.0)
+            param k: f32[2, 3, {s}, {d}] = normal(0.0, 1.0)
+            param v: f32[2, 3, {s}, {d}] = normal(0.0, 1.0)
+            let a = attention(q, k, v, causal: {causal})
+            let loss = mean(a * a * w)
+            output loss
+            train sgd(lr: 10.0) minimize loss
+        }}"
+    )
+}
+
+/// The interpreter gives the rewritten graph's step the composite's numbers.
+fn same_steps(g: &Graph, h: &Graph, what: &str) {
+    let inputs = tcc::eager::random_inputs(g, 5);
+    let a = eager_steps(g, &inputs, 2, 1).unwrap();
+    let b = eager_steps(h, &inputs, 2, 1).unwrap();
+    for (name, t) in a.outputs.iter().chain(&a.persistent) {
+        let other = b
+            .outputs
+            .get(name)
+            .or_else(|| b.persistent.get(name))
+            .unwrap_or_else(|| panic!("{what}: `{name}` missing"));
+        let e = rel_err(other, t);
+        assert!(e <= 1e-5, "{what}: `{name}` differs by {e:e}");
+    }
+}
+
+#[test]
+fn causal_attention_becomes_one_op_and_rebuilds_its_probabilities() {
+    for (t, s, causal) in [(70, 70, true), (40, 70, true), (70, 40, false)] {
+        let what = format!("T={t} S={s} causal={causal}");
+        let g = compile_pipeline(&model(t, s, 16, causal), &Default::default()).unwrap();
+        let h = fuse_attention(&g);
+        assert_eq!(count(&h, "attention"), 1, "{what}");
+        assert_eq!(count(&h, "attention_lse"), 1, "{what}");
+        // No softmax rows are left: the probabilities are `exp(s - lse)`.
+        assert_eq!(count(&h, "reduce.max"), 0, "{what}");
+        // The output's product is the attention's; the scores' is rebuilt.
+        assert_eq!(count(&g, "matmul"), count(&h, "matmul") + 1, "{what}");
+        // The rebuilt probabilities come after the attention, in the backward pass.
+        let order = h.topo_order().unwrap();
+        let at = |name: &str| {
+            order
+                .iter()
+                .position(|&n| h.node(n).op.name() == name)
+                .unwrap()
+        };
+        assert!(at("attention_lse") < at("exp"), "{what}");
+        same_steps(&g, &h, &what);
+    }
+}
+
+#[test]
+fn forward_only_attention_stores_no_statistics() {
+    let src = "model m {
+        input q: f32[4, 50, 32]
+        input k: f32[4, 60, 32]
+        input v: f32[4, 60, 16]
+        let y = attention(q, k, v, causal: true)
+        output y
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let h = fuse_attention(&g);
+    assert_eq!(count(&h, "attention"), 1);
+    assert_eq!(count(&h, "attention_lse"), 0);
+    assert_eq!(count(&h, "matmul"), 0);
+    same_steps(&g, &h, "forward only");
+}
+
+#[test]
+fn other_shapes_and_masks_keep_the_composite() {
+    // Head dimension not a multiple of 16, and larger than the kernel's registers hold.
+    for d in [8, 24, 144] {
+        let g = compile_pipeline(&model(20, 20, d, true), &Default::default()).unwrap();
+        let h = fuse_attention(&g);
+        assert_eq!(count(&h, "attention"), 0, "D={d}");
+        assert_eq!(g.node_count(), h.node_count(), "D={d}");
+    }
+    // A mask of another shape than the prelude's causal one.
+    let src = "model m {
+        input q: f32[2, 20, 16]
+        input k: f32[2, 20, 16]
+        input v: f32[2, 20, 16]
+        let s = (q @ transpose(k)) * 0.25
+        let p = softmax(where(triu(ones([20, 20], bool)), s, -inf), axis: -1)
+        let y = p @ v
+        output y
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    assert_eq!(count(&fuse_attention(&g), "attention"), 0);
+    // The same written out as the prelude writes it is fused.
+    let src = src.replace("triu(", "tril(");
+    let g = compile_pipeline(&src, &Default::default()).unwrap();
+    let h = fuse_attention(&g);
+    assert_eq!(count(&h, "attention"), 1);
+    same_steps(&g, &h, "written-out causal attention");
+}
+
+/// gpt's attention (a fused `qkv` projection split into heads: strided views) on CUDA:
+/// one attention kernel a layer, which stores the row statistics; the scores and
+/// probabilities of the forward pass are gone.
+#[test]
+fn gpt_runs_one_attention_kernel_a_layer_on_cuda() {
+    let src = std::fs::read_to_string(tcc_tests::root().join("examples/gpt.tdsl")).unwrap();
+    let src = src
+        .replace("const B = 8", "const B = 2")
+        .replace("const T = 512", "const T = 64")
+        .replace("const L = 12", "const L = 2")
+        .replace("const V = 8192", "const V = 256");
+    let g = compile_pipeline(&src, &Default::default()).unwrap();
+    let opts = tcc::artifact::CompileOptions {
+        target: tcc::artifact::Target::Cuda,
+        ..Default::default()
+    };
+    let planned = tcc::artifact::plan_step(&g, &opts).unwrap();
+    let att: Vec<_> = planned
+        .fused
+        .kernels
+        .iter()
+        .filter_map(|k| k.attention.as_ref())
+        .collect();
+    assert_eq!(att.len(), 2);
+    for a in att {
+        assert!(a.causal && a.lse.is_some() && a.o.is_some());
+        // q, k and v are read in place from the projection: 3·D apart a row.
+        assert_eq!(
+            (a.q.rs, a.k.rs, a.v.as_ref().map(|v| v.rs)),
+            (2304, 2304, Some(2304))
+        );
+    }
+    // The CPU keeps the composite.
+    let cpu = tcc::artifact::plan_step(&g, &Default::default()).unwrap();
+    assert!(cpu.fused.kernels.iter().all(|k| k.attention.is_none()));
+}
