@@ -25,7 +25,7 @@
 // Register tiles are emitted by (row, column) of the tile, as the comments index them.
 #![allow(clippy::needless_range_loop)]
 
-use super::{LaunchShape, PtxError, Px, Res, DYN_SHARED};
+use super::{operand_buffer, LaunchShape, PtxError, Px, Res, DYN_SHARED};
 use crate::ir::NodeId;
 use crate::kernel::{Attn, Kernel, Operand};
 
@@ -72,14 +72,6 @@ fn element(px: &mut Px, buf: &str, off: &str, o: &Operand, row: &str, col: Optio
     out
 }
 
-fn buffer(px: &mut Px, buf: NodeId) -> Res<String> {
-    let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
-    let r = px.fresh("rd");
-    let arena = px.arena.clone();
-    px.line(format!("add.s64 {r}, {arena}, {off};"));
-    Ok(r)
-}
-
 /// Copies a `rows × cols` tile of operand `o` (rows from `row0`, valid below `limit`) into
 /// shared memory at `dst`: transposed (`[cols][BM]`) or as it lies (`[rows][cols]`).
 /// Rows past `limit` read as zeros.
@@ -97,69 +89,29 @@ fn copy_tile(
     stride: usize,
     t: &str,
 ) {
-    // Four columns a load where they are contiguous and 16-byte aligned.
+    // Four columns a load where they are contiguous and 16-byte aligned, else one.
     let vec4 = o.cs == 1
         && cols.is_multiple_of(4)
         && o.base % 4 == 0
         && o.rs % 4 == 0
         && o.batch_strides.iter().all(|s| s % 4 == 0)
         && (px.offset_of)(o.buf).is_some_and(|off| off.is_multiple_of(16));
-    if vec4 {
-        let quads = cols / 4;
-        for n in 0..BM * quads / THREADS {
-            let idx = px.fresh("r");
-            px.line(format!("add.u32 {idx}, {t}, {};", n * THREADS));
-            let (r, q) = (px.fresh("r"), px.fresh("r"));
-            px.line(format!("div.u32 {r}, {idx}, {quads};"));
-            px.line(format!("rem.u32 {q}, {idx}, {quads};"));
-            let c = px.fresh("r");
-            px.line(format!("shl.b32 {c}, {q}, 2;"));
-            let row = px.fresh("r");
-            px.line(format!("add.u32 {row}, {row0}, {r};"));
-            let p = px.fresh("p");
-            px.line(format!("setp.lt.u32 {p}, {row}, {limit};"));
-            let safe = px.fresh("r");
-            px.line(format!("selp.u32 {safe}, {row}, 0, {p};"));
-            let a = element(px, buf, off, o, &safe, Some(&c));
-            let v: Vec<String> = (0..4).map(|_| px.fresh("f")).collect();
-            for x in &v {
-                px.line(format!("mov.f32 {x}, 0f00000000;"));
-            }
-            px.line(format!(
-                "@{p} ld.global.nc.v4.f32 {{{}, {}, {}, {}}}, [{a}];",
-                v[0], v[1], v[2], v[3]
-            ));
-            if transposed {
-                for (u, x) in v.iter().enumerate() {
-                    let w = px.fresh("r");
-                    let cu = px.fresh("r");
-                    px.line(format!("add.u32 {cu}, {c}, {u};"));
-                    px.line(format!("mad.lo.u32 {w}, {cu}, {stride}, {r};"));
-                    let sa = px.fresh("r");
-                    px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
-                    px.line(format!("st.shared.f32 [{sa}], {x};"));
-                }
-            } else {
-                let w = px.fresh("r");
-                px.line(format!("mad.lo.u32 {w}, {r}, {stride}, {c};"));
-                let sa = px.fresh("r");
-                px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
-                px.line(format!(
-                    "st.shared.v4.f32 [{sa}], {{{}, {}, {}, {}}};",
-                    v[0], v[1], v[2], v[3]
-                ));
-            }
-        }
-        return;
-    }
-    let per = BM * cols / THREADS;
-    for n in 0..per {
-        // Element `t + 256 n` of the tile, row-major over (row, col).
+    let width = if vec4 { 4 } else { 1 };
+    let units = cols / width;
+    for n in 0..BM * units / THREADS {
+        // Unit `t + 256 n` of the tile, row-major over (row, column unit).
         let idx = px.fresh("r");
         px.line(format!("add.u32 {idx}, {t}, {};", n * THREADS));
-        let (r, c) = (px.fresh("r"), px.fresh("r"));
-        px.line(format!("div.u32 {r}, {idx}, {cols};"));
-        px.line(format!("rem.u32 {c}, {idx}, {cols};"));
+        let (r, q) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("div.u32 {r}, {idx}, {units};"));
+        px.line(format!("rem.u32 {q}, {idx}, {units};"));
+        let c = if width == 1 {
+            q
+        } else {
+            let c = px.fresh("r");
+            px.line(format!("shl.b32 {c}, {q}, 2;"));
+            c
+        };
         let row = px.fresh("r");
         px.line(format!("add.u32 {row}, {row0}, {r};"));
         let p = px.fresh("p");
@@ -167,20 +119,58 @@ fn copy_tile(
         let safe = px.fresh("r");
         px.line(format!("selp.u32 {safe}, {row}, 0, {p};"));
         let a = element(px, buf, off, o, &safe, Some(&c));
-        let v = px.fresh("f");
-        px.line(format!("mov.f32 {v}, 0f00000000;"));
-        px.line(format!("@{p} ld.global.nc.f32 {v}, [{a}];"));
-        // Shared word: transposed c * stride + r, else r * stride + c.
-        let w = px.fresh("r");
-        if transposed {
-            px.line(format!("mad.lo.u32 {w}, {c}, {stride}, {r};"));
-        } else {
-            px.line(format!("mad.lo.u32 {w}, {r}, {stride}, {c};"));
+        let v: Vec<String> = (0..width).map(|_| px.fresh("f")).collect();
+        for x in &v {
+            px.line(format!("mov.f32 {x}, 0f00000000;"));
         }
-        let sa = px.fresh("r");
-        px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
-        px.line(format!("st.shared.f32 [{sa}], {v};"));
+        px.line(format!("@{p} ld.global.nc{} [{a}];", operands(&v)));
+        // Shared word: transposed (c + u) * stride + r, else r * stride + c.
+        if transposed {
+            for (u, x) in v.iter().enumerate() {
+                let w = px.fresh("r");
+                let cu = if width == 1 {
+                    c.clone()
+                } else {
+                    let cu = px.fresh("r");
+                    px.line(format!("add.u32 {cu}, {c}, {u};"));
+                    cu
+                };
+                px.line(format!("mad.lo.u32 {w}, {cu}, {stride}, {r};"));
+                let sa = px.fresh("r");
+                px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
+                px.line(format!("st.shared.f32 [{sa}], {x};"));
+            }
+        } else {
+            let w = px.fresh("r");
+            px.line(format!("mad.lo.u32 {w}, {r}, {stride}, {c};"));
+            let sa = px.fresh("r");
+            px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
+            px.line(format!("st.shared{} [{sa}], {};", kind(v.len()), list(&v)));
+        }
     }
+}
+
+/// `.f32` or `.v4.f32` for that many registers.
+fn kind(n: usize) -> &'static str {
+    if n == 4 {
+        ".v4.f32"
+    } else {
+        ".f32"
+    }
+}
+
+/// A register, or `{a, b, c, d}`.
+fn list(v: &[String]) -> String {
+    if v.len() == 1 {
+        v[0].clone()
+    } else {
+        format!("{{{}}}", v.join(", "))
+    }
+}
+
+/// The type and destination of a load into `v`: `.f32 r,` or `.v4.f32 {..},`.
+fn operands(v: &[String]) -> String {
+    format!("{} {},", kind(v.len()), list(v))
 }
 
 /// Butterfly reduction over the 16 lanes of a row (`max` or `add`).
@@ -194,17 +184,6 @@ fn row_reduce(px: &mut Px, op: &str, x: &str) -> String {
         v = n;
     }
     v
-}
-
-fn ex2(px: &mut Px, x: &str) -> String {
-    let t = px.fresh("f");
-    px.line(format!(
-        "mul.f32 {t}, {x}, {};",
-        super::f32_lit(std::f32::consts::LOG2_E)
-    ));
-    let r = px.fresh("f");
-    px.line(format!("ex2.approx.f32 {r}, {t};"));
-    r
 }
 
 /// The attention kernel's PTX and launch shape.
@@ -270,13 +249,13 @@ pub(super) fn emit(
         }
         bidx[i] = v;
     }
-    let qbuf = buffer(&mut px, at.q.buf)?;
+    let qbuf = operand_buffer(&mut px, at.q.buf)?.0;
     let qoff = batch_offset(&mut px, &at.q, &bidx);
-    let kbuf = buffer(&mut px, at.k.buf)?;
+    let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
     let koff = batch_offset(&mut px, &at.k, &bidx);
     let vparts = match &at.v {
         Some(v) => {
-            let b = buffer(&mut px, v.buf)?;
+            let b = operand_buffer(&mut px, v.buf)?.0;
             let o = batch_offset(&mut px, v, &bidx);
             Some((v, b, o))
         }
@@ -432,12 +411,12 @@ pub(super) fn emit(
         px.line(format!("selp.f32 {base}, 0f00000000, {mn}, {ninf};"));
         let dm = px.fresh("f");
         px.line(format!("sub.f32 {dm}, {}, {base};", m[a]));
-        let alpha = ex2(&mut px, &dm);
+        let alpha = px.exp(&dm);
         let mut sum = String::new();
         for b in 0..4 {
             let ds = px.fresh("f");
             px.line(format!("sub.f32 {ds}, {}, {base};", sc[a][b]));
-            let p = ex2(&mut px, &ds);
+            let p = px.exp(&ds);
             if b == 0 {
                 sum = p.clone();
             } else {
@@ -504,11 +483,19 @@ pub(super) fn emit(
     px.body.push_str(&format!("{exit}:\n"));
     // Rows 4ty + a: o / l to the output, m + log(l) to the statistics.
     let obuf = match &at.o {
-        Some(o) => Some((o, buffer(&mut px, o.buf)?, batch_offset(&mut px, o, &bidx))),
+        Some(o) => Some((
+            o,
+            operand_buffer(&mut px, o.buf)?.0,
+            batch_offset(&mut px, o, &bidx),
+        )),
         None => None,
     };
     let lbuf = match &at.lse {
-        Some(o) => Some((o, buffer(&mut px, o.buf)?, batch_offset(&mut px, o, &bidx))),
+        Some(o) => Some((
+            o,
+            operand_buffer(&mut px, o.buf)?.0,
+            batch_offset(&mut px, o, &bidx),
+        )),
         None => None,
     };
     let first_lane = px.fresh("p");
