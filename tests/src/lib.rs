@@ -461,6 +461,24 @@ pub fn builtin_program(expr: &str, wrt: &[&str]) -> Result<String, String> {
     Ok(src)
 }
 
+/// Configuration of the suite's property tests: `cases` cases from a fixed seed, so that a
+/// run of the suite (CI's included) draws the same programs every time and a failure
+/// reproduces. `PROPTEST_RNG_SEED=<u64>` explores other seeds; a failure's case is saved in
+/// the test's `.proptest-regressions` file, which is replayed before the seeded cases.
+pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
+    use proptest::test_runner::{Config, RngSeed};
+    let base = Config::default();
+    let rng_seed = match base.rng_seed {
+        RngSeed::Random => RngSeed::Fixed(0x7cc5_eed0),
+        fixed => fixed,
+    };
+    Config {
+        cases,
+        rng_seed,
+        ..base
+    }
+}
+
 /// `‖a − b‖ / ‖b‖` over all params and optimizer state taken as one vector (by name from
 /// `b`). A param whose gradient is mathematically zero (a norm's shift followed by another
 /// norm, a layer norm of two elements) holds only rounding noise, so its own relative

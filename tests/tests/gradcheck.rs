@@ -336,7 +336,7 @@ mod random_shapes {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+        #![proptest_config(tcc_tests::proptest_config(24))]
 
         #[test]
         fn broadcasting_binary_ops((sa, sb) in broadcast_pair(), op in prop::sample::select(vec!["a * b", "a - b", "maximum(a, b)", "a / (abs(b) + 1)", "where(a > b, a, b * 2)"])) {

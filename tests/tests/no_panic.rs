@@ -150,7 +150,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    #![proptest_config(tcc_tests::proptest_config(1000))]
 
     #[test]
     fn random_tokens_never_panic(tokens in prop::collection::vec(prop::sample::select(VOCAB), 0..80)) {
@@ -202,7 +202,7 @@ fn check_pipeline(bytes: &[u8]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+    #![proptest_config(tcc_tests::proptest_config(150))]
 
     #[test]
     fn mutated_small_models_never_panic_anywhere(which in 0usize..2, muts in prop::collection::vec(mutation(), 1..4)) {

@@ -161,7 +161,7 @@ fn intervals() -> impl Strategy<Value = Vec<Interval>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    #![proptest_config(tcc_tests::proptest_config(200))]
 
     #[test]
     fn random_interval_sets_plan_between_the_bounds(iv in intervals(), align in prop::sample::select(vec![1u64, 8, 256])) {
