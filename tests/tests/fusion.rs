@@ -329,3 +329,50 @@ model m {
         }
     }
 }
+
+/// A matmul operand that is a copy (`reshape(permute(a))` merges axes that are not
+/// adjacent in memory) read again through more views (its transpose, by a second matmul)
+/// is copied once: the second matmul reads the first copy in place instead of asking for
+/// a copy of its own view (`fuse::beneath_first`). Both give the interpreter's values.
+#[test]
+fn a_view_of_a_copied_operand_reads_the_copy() {
+    let src = "model m {
+        input x: f32[2, 4, 8, 16]
+        input w: f32[64, 32]
+        input dy: f32[2, 8, 32]
+        let a = tanh(x)
+        let merged = reshape(permute(a, [0, 2, 1, 3]), [2, 8, 64])
+        let y = merged @ w
+        let gw = transpose(reshape(merged, [16, 64])) @ reshape(dy, [16, 32])
+        output y, gw
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    for target in [tcc::artifact::Target::Cuda, tcc::artifact::Target::Cpu] {
+        let opts = tcc::artifact::CompileOptions {
+            target,
+            ..Default::default()
+        };
+        let planned = tcc::artifact::plan_step(&g, &opts).unwrap();
+        // One kernel computes and copies `merged`; the two matmuls read it.
+        let kinds: Vec<&str> = planned
+            .fused
+            .kernels
+            .iter()
+            .map(|k| k.describe.as_str())
+            .collect();
+        let copies = planned
+            .fused
+            .kernels
+            .iter()
+            .filter(|k| k.matmul.is_none())
+            .count();
+        assert_eq!((kinds.len(), copies), (3, 1), "{target:?}: {kinds:?}");
+    }
+    let inputs = tcc::eager::random_inputs(&g, 5);
+    let want = eager_steps(&g, &inputs, 1, 0).unwrap();
+    let got = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
+    for (name, t) in &want.outputs {
+        let e = rel_err(&got.outputs[name], t);
+        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
+    }
+}

@@ -203,7 +203,7 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
             }
             Err(Retry::Materialize(ns)) => {
                 let before = forced.len();
-                forced.extend(ns);
+                forced.extend(beneath_first(g, &ns));
                 if forced.len() == before {
                     return Err(FuseError::Lower(LowerError::Internal(
                         "fusion did not converge".into(),
@@ -216,6 +216,33 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
     Err(FuseError::Lower(LowerError::Internal(
         "fusion did not converge".into(),
     )))
+}
+
+/// The nodes of one retry to materialize: all but those that read another one of them
+/// through views only. A matmul operand viewed through a copy (`reshape(permute(x))`
+/// merging axes that are not adjacent in memory) and viewed again (say transposed for a
+/// weight gradient) fails twice in the same round: as the copy's own reader, which asks
+/// for the copy, and as the view's reader, which asks for the whole view. With the copy
+/// materialized the view reads it in place (gpt: one `[8, 768, 512]` transposing copy of
+/// every attention output fewer); if it still cannot, the next round asks again.
+fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
+    let wanted: BTreeSet<NodeId> = ns.iter().copied().collect();
+    ns.iter()
+        .copied()
+        .filter(|&n| {
+            let mut x = n;
+            while g.node(x).op.is_view_candidate() {
+                match g.node(x).inputs.first() {
+                    Some(&i) => x = i,
+                    None => break,
+                }
+                if wanted.contains(&x) {
+                    return false;
+                }
+            }
+            true
+        })
+        .collect()
 }
 
 /// Which nodes get a buffer, and which update values another one's kernel computes
