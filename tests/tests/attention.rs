@@ -149,7 +149,33 @@ fn gpt_runs_one_attention_kernel_a_layer_on_cuda() {
             (a.q.rs, a.k.rs, a.v.as_ref().map(|v| v.rs)),
             (2304, 2304, Some(2304))
         );
+        // The output is stored as the merged heads `[B, T, H·Dh]` the projection reads
+        // (`layout::permuted_products`): a row 768 floats, a head 64 floats over.
+        let o = a.o.as_ref().unwrap();
+        assert_eq!(
+            (o.rs, o.cs, o.batch_strides.clone()),
+            (768, 1, vec![64 * 768, 64])
+        );
     }
+    // No kernel only copies a view: neither the merged heads for the projection nor
+    // their transpose for its weight gradient (`fuse::beneath_first`).
+    let copies: Vec<&str> = planned
+        .fused
+        .kernels
+        .iter()
+        .filter(|k| {
+            k.matmul.is_none()
+                && k.attention.is_none()
+                && k.nodes.iter().all(|&n| {
+                    matches!(
+                        planned.graph.node(n).op,
+                        tcc::ir::Op::Permute { .. } | tcc::ir::Op::Reshape { .. }
+                    )
+                })
+        })
+        .map(|k| k.describe.as_str())
+        .collect();
+    assert!(copies.is_empty(), "copy kernels: {copies:?}");
     // The CPU keeps the composite.
     let cpu = tcc::artifact::plan_step(&g, &Default::default()).unwrap();
     assert!(cpu.fused.kernels.iter().all(|k| k.attention.is_none()));

@@ -84,10 +84,12 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
         .collect()
 }
 
-/// The matmuls stored in the order of the one permutation that reads them (every use is a
-/// permute, or a chain of them, by the same `perm` in all, which keeps the last axis last,
-/// or an elementwise op of the same shape, which reads any layout alike): `perm` as their
-/// layout.
+/// The matmuls and attention outputs stored in the order of the one permutation that
+/// reads them (every use is a permute, or a chain of them, by the same `perm` in all, which
+/// keeps the last axis last, or an elementwise op of the same shape, which reads any layout
+/// alike): `perm` as their layout. Attention's `[B, H, T, Dh]` output, read as
+/// `reshape(permute(o, [0, 2, 1, 3]), [B, T, H·Dh])`, is then stored as the merged heads
+/// the projection reads in place (gpt: one copy a layer fewer).
 pub fn permuted_products(
     g: &Graph,
     materialized: &BTreeSet<NodeId>,
@@ -96,7 +98,8 @@ pub fn permuted_products(
     let mut out = BTreeMap::new();
     for &n in materialized {
         let rank = g.ty(n).rank();
-        if !matmul_anchor_ok(g, n) || rank < 3 || read_by_caller.contains(&n) {
+        let product = matmul_anchor_ok(g, n) || matches!(g.node(n).op, Op::Attention { .. });
+        if !product || rank < 3 || read_by_caller.contains(&n) {
             continue;
         }
         let same_shape_elementwise = |u: NodeId| {
