@@ -376,3 +376,57 @@ fn a_view_of_a_copied_operand_reads_the_copy() {
         assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
     }
 }
+
+/// The partials of a split matmul are summed by adds of their slices: in order, by a
+/// pointwise kernel that moves four floats per load (the reduction over their leading
+/// axis it replaces loaded one), fused into the one elementwise op that reads the sum
+/// and stored once where several kernels read it.
+#[test]
+fn split_k_partials_are_summed_by_vector_loads() {
+    let src = "model m {
+        input a: f32[8, 512, 3072]
+        input w: f32[3072, 768]
+        input r: f32[8, 512, 768]
+        let y = a @ w
+        let z = y + r
+        let s = mean(y * y, axis: 2)
+        output z, s
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let opts = tcc::artifact::CompileOptions {
+        target: tcc::artifact::Target::Cuda,
+        ..Default::default()
+    };
+    let c = tcc::artifact::compile(&g, &opts).unwrap();
+    let sums: Vec<&tcc::kernel::Kernel> = c
+        .fused
+        .kernels
+        .iter()
+        .filter(|k| k.matmul.is_none() && k.describe.starts_with("select"))
+        .collect();
+    // Two partials (`choose_split` on 192 output tiles with k = 3072), their sum stored
+    // once by a kernel of its own, read by `z` and `s`.
+    let names: Vec<&str> = sums.iter().map(|k| k.describe.as_str()).collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(
+        !c.fused
+            .kernels
+            .iter()
+            .any(|k| k.describe.contains("reduce.sum")),
+        "{:?}",
+        c.fused
+            .kernels
+            .iter()
+            .map(|k| &k.describe)
+            .collect::<Vec<_>>()
+    );
+    let name = &sums[0].name;
+    let start = c.code.find(&format!(".entry {name}(")).unwrap();
+    let body = &c.code[start..];
+    let body = &body[..body.find("\n}").unwrap()];
+    assert_eq!(body.matches("ld.global.v4.f32").count() % 2, 0, "{body}");
+    assert!(
+        body.contains("ld.global.v4.f32") && body.contains("st.global.v4.f32"),
+        "{body}"
+    );
+}
