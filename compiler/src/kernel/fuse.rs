@@ -154,7 +154,9 @@ fn heavy_read(op: &Op, k: usize) -> bool {
 }
 
 /// Whether `n` adds a slice of split-K partials: `select(matmul, axis: 0)`, as
-/// `passes::split_matmuls` sums them.
+/// `passes::split_matmuls` sums them. (A program's own sum of one batch of a batched
+/// matmul and something else is taken alike: stored where a reduction reads it, as the
+/// matmul itself would be.)
 fn sums_partials(g: &Graph, n: NodeId) -> bool {
     matches!(g.node(n).op, Op::Binary(BinaryOp::Add))
         && g.node(n).inputs.iter().any(|&i| {
