@@ -461,6 +461,37 @@ pub fn builtin_program(expr: &str, wrt: &[&str]) -> Result<String, String> {
     Ok(src)
 }
 
+/// Asserts that one fused CPU step of `g` gives the interpreter's outputs within `tol`, on
+/// random inputs drawn with `seed`; `what` names the case in a failure.
+pub fn assert_cpu_like_eager(g: &tcc::ir::Graph, seed: u64, tol: f64, what: &str) {
+    let inputs = tcc::eager::random_inputs(g, seed);
+    let want = eager_steps(g, &inputs, 1, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = cpu_steps(g, &inputs, 1, 0, true).unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (name, t) in &want.outputs {
+        let e = rel_err(&got.outputs[name], t);
+        assert!(e <= tol, "{what}: output `{name}` differs by {e:e}");
+    }
+}
+
+/// The kernels (by description) that only copy views: every node they compute is an op
+/// whose name starts with one of `views`.
+pub fn view_copy_kernels(
+    g: &tcc::ir::Graph,
+    kernels: &[tcc::kernel::Kernel],
+    views: &[&str],
+) -> Vec<String> {
+    kernels
+        .iter()
+        .filter(|k| {
+            k.nodes.iter().all(|&n| {
+                let op = g.node(n).op.name();
+                views.iter().any(|v| op.starts_with(v))
+            })
+        })
+        .map(|k| k.describe.clone())
+        .collect()
+}
+
 /// Configuration of the suite's property tests: `cases` cases from a fixed seed, so that a
 /// run of the suite (CI's included) draws the same programs every time and a failure
 /// reproduces. `PROPTEST_RNG_SEED=<u64>` explores other seeds; a failure's case is saved in

@@ -159,22 +159,11 @@ fn gpt_runs_one_attention_kernel_a_layer_on_cuda() {
     }
     // No kernel only copies a view: neither the merged heads for the projection nor
     // their transpose for its weight gradient (`fuse::beneath_first`).
-    let copies: Vec<&str> = planned
-        .fused
-        .kernels
-        .iter()
-        .filter(|k| {
-            k.matmul.is_none()
-                && k.attention.is_none()
-                && k.nodes.iter().all(|&n| {
-                    matches!(
-                        planned.graph.node(n).op,
-                        tcc::ir::Op::Permute { .. } | tcc::ir::Op::Reshape { .. }
-                    )
-                })
-        })
-        .map(|k| k.describe.as_str())
-        .collect();
+    let copies = tcc_tests::view_copy_kernels(
+        &planned.graph,
+        &planned.fused.kernels,
+        &["permute", "reshape"],
+    );
     assert!(copies.is_empty(), "copy kernels: {copies:?}");
     // The CPU keeps the composite.
     let cpu = tcc::artifact::plan_step(&g, &Default::default()).unwrap();

@@ -145,13 +145,7 @@ fn large_multi_axis_reductions_are_split() {
             && c.graph.ty(node.inputs[0]).dims() == [256, 32, 16]
     });
     assert_eq!(chunked.count(), 3, "each sums chunks of 16 first");
-    let inputs = tcc::eager::random_inputs(&g, 4);
-    let want = eager_steps(&g, &inputs, 1, 0).unwrap();
-    let got = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
-    for (name, t) in &want.outputs {
-        let e = rel_err(&got.outputs[name], t);
-        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
-    }
+    tcc_tests::assert_cpu_like_eager(&g, 4, 1e-5, "split reductions");
 }
 
 /// Views are read in place rather than copied: attention's `p @ v` is stored with its heads
@@ -190,18 +184,7 @@ model m {
     };
     let c = tcc::artifact::compile(&g, &cuda).unwrap();
     let views = ["permute", "reshape", "transpose", "broadcast_to", "select"];
-    let copies: Vec<String> = c
-        .fused
-        .kernels
-        .iter()
-        .filter(|k| {
-            k.nodes.iter().all(|&n| {
-                let op = c.graph.node(n).op.name();
-                views.iter().any(|v| op.starts_with(v))
-            })
-        })
-        .map(|k| k.name.clone())
-        .collect();
+    let copies = tcc_tests::view_copy_kernels(&c.graph, &c.fused.kernels, &views);
     assert!(copies.is_empty(), "copy kernels: {copies:?}");
     // The q/k/v gradients are stored into their concat with their heads merged (the key
     // gradient through two permutes), at indices without a division.

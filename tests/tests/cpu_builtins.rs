@@ -5,19 +5,12 @@
 
 use tcc::front::Options;
 use tcc_tests::{
-    builtin_program, compile_pipeline, cpu_steps, eager_steps, half_cases, integer_program,
-    rel_err, BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, half_cases, integer_program, BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn agree(src: &str, what: &str, tol: f64) {
     let g = compile_pipeline(src, &Options::default()).unwrap_or_else(|e| panic!("{what}:\n{e}"));
-    let inputs = tcc::eager::random_inputs(&g, 5);
-    let want = eager_steps(&g, &inputs, 1, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let got = cpu_steps(&g, &inputs, 1, 0, true).unwrap_or_else(|e| panic!("{what}: {e}"));
-    for (name, t) in &want.outputs {
-        let e = rel_err(&got.outputs[name], t);
-        assert!(e <= tol, "{what}: output `{name}` differs by {e:e}");
-    }
+    tcc_tests::assert_cpu_like_eager(&g, 5, tol, what);
 }
 
 fn group(name: &str) {

@@ -38,13 +38,7 @@ fn fusion_cases() {
         .unwrap();
         assert!(unfused.kernels.len() >= fused.kernels.len(), "{name}");
         // Same numbers as the interpreter.
-        let inputs = tcc::eager::random_inputs(&g, 3);
-        let a = eager_steps(&g, &inputs, 1, 0).unwrap();
-        let b = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
-        for (out, t) in &a.outputs {
-            let e = rel_err(&b.outputs[out], t);
-            assert!(e <= 1e-5, "{name}: output `{out}` differs: {e:e}");
-        }
+        tcc_tests::assert_cpu_like_eager(&g, 3, 1e-5, &name);
     }
 }
 
@@ -368,13 +362,7 @@ fn a_view_of_a_copied_operand_reads_the_copy() {
             .count();
         assert_eq!((kinds.len(), copies), (3, 1), "{target:?}: {kinds:?}");
     }
-    let inputs = tcc::eager::random_inputs(&g, 5);
-    let want = eager_steps(&g, &inputs, 1, 0).unwrap();
-    let got = cpu_steps(&g, &inputs, 1, 0, true).unwrap();
-    for (name, t) in &want.outputs {
-        let e = rel_err(&got.outputs[name], t);
-        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
-    }
+    tcc_tests::assert_cpu_like_eager(&g, 5, 1e-5, "a view of a copy");
 }
 
 /// The partials of a split matmul are summed by adds of their slices: in order, by a

@@ -63,6 +63,14 @@ fn single_use(g: &Graph, n: NodeId, by: NodeId) -> bool {
     g.users(n) == [by] && g.node(by).inputs.iter().filter(|&&x| x == n).count() == 1
 }
 
+/// Whether `n` is read by `a` and `b` and nothing else.
+fn used_only_by(g: &Graph, n: NodeId, mut by: [NodeId; 2]) -> bool {
+    let mut users = g.users(n);
+    users.sort();
+    by.sort();
+    users == by
+}
+
 /// The last-axis row reduction `op` of `x`, kept.
 fn row_reduce(g: &Graph, n: NodeId, op: ReduceOp) -> Option<NodeId> {
     let node = g.node(n);
@@ -113,11 +121,7 @@ fn find(g: &Graph, o: NodeId) -> Option<Found> {
     if row_reduce(g, ssum, ReduceOp::Sum)? != e || !single_use(g, ssum, p) {
         return None;
     }
-    let mut eu = g.users(e);
-    eu.sort();
-    let mut want = vec![ssum, p];
-    want.sort();
-    if eu != want || !matches!(g.node(e).op, Op::Unary(UnaryOp::Exp)) {
+    if !used_only_by(g, e, [ssum, p]) || !matches!(g.node(e).op, Op::Unary(UnaryOp::Exp)) {
         return None;
     }
     let sub = g.node(e).inputs[0];
@@ -128,11 +132,7 @@ fn find(g: &Graph, o: NodeId) -> Option<Found> {
     if row_reduce(g, mx, ReduceOp::Max)? != m || !single_use(g, mx, sub) {
         return None;
     }
-    let mut mu = g.users(m);
-    mu.sort();
-    let mut want = vec![mx, sub];
-    want.sort();
-    if mu != want {
+    if !used_only_by(g, m, [mx, sub]) {
         return None;
     }
     // The scores, masked or not.
