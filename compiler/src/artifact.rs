@@ -84,9 +84,9 @@ impl Compiled {
 }
 
 /// What [`compile`] does before code generation: the graph the kernels compute (output
-/// copies added, matmuls read only transposed computed transposed, on CUDA f32 matmuls
-/// with few output tiles split along `k`, large reductions split), its fused kernels and
-/// their verified plan.
+/// copies added, matmuls read only transposed computed transposed, large reductions
+/// split), its fused kernels and their verified plan (on CUDA with the scratch region its
+/// stream-K matmuls share).
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let g = with_output_copies(g);
     let g = if o.target == Target::Cuda && o.fuse.fuse {
@@ -95,11 +95,6 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
         g
     };
     let g = crate::passes::transpose_matmuls::transpose_matmuls(&g);
-    let g = if o.target == Target::Cuda && !o.allow_tf32 {
-        crate::passes::split_matmuls::split_matmuls(&g)
-    } else {
-        g
-    };
     let g = crate::passes::split_reductions::split_reductions(&g);
     let mut timings = Vec::new();
     let t = Instant::now();
@@ -111,7 +106,16 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
     let fused = fuse::fuse(&g, fuse_opts)?;
     timings.push(("fuse", t.elapsed()));
     let t = Instant::now();
-    let plan = plan::plan_kernels(&g, &fused, o.plan_budget);
+    let mut plan = plan::plan_kernels(&g, &fused, o.plan_budget);
+    if o.target == Target::Cuda {
+        let scratch = fused
+            .kernels
+            .iter()
+            .map(|k| crate::back::ptx::scratch_bytes(k, ptx_options(o, 0)))
+            .max()
+            .unwrap_or(0);
+        plan.add_scratch(scratch);
+    }
     plan::verify(&g, &plan).map_err(|errs| {
         BuildError::Plan(
             errs.iter()
@@ -147,6 +151,7 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         mut timings,
     } = plan_step(g, o)?;
     let t = Instant::now();
+    let scratch_offset = plan.scratch_offset();
     let (code, launches) = match o.target {
         Target::Cpu => (
             clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
@@ -155,13 +160,23 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         Target::Cuda => crate::back::ptx::emit_module(
             &fused.kernels,
             &|n| plan.offset_of(n),
-            crate::back::ptx::PtxOptions {
-                allow_tf32: o.allow_tf32,
-            },
+            ptx_options(o, scratch_offset),
         )?,
     };
     timings.push(("codegen", t.elapsed()));
-    let deps = crate::analysis::launch_deps::launch_deps(&fused.kernels, &plan);
+    // The kernels that use the scratch region (stream-K matmuls) share it: they run one
+    // after another.
+    let mut scratch = Vec::with_capacity(launches.len());
+    for l in &launches {
+        if l.scratch_bytes > plan.scratch_bytes {
+            return Err(BuildError::Plan(format!(
+                "a kernel needs {} bytes of scratch, the plan has {}",
+                l.scratch_bytes, plan.scratch_bytes
+            )));
+        }
+        scratch.push((l.scratch_bytes > 0).then_some((scratch_offset, plan.arena_bytes)));
+    }
+    let deps = crate::analysis::launch_deps::launch_deps(&fused.kernels, &plan, &scratch);
     Ok(Compiled {
         graph,
         fused,
@@ -171,6 +186,13 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         deps,
         timings,
     })
+}
+
+fn ptx_options(o: &CompileOptions, scratch_offset: u64) -> crate::back::ptx::PtxOptions {
+    crate::back::ptx::PtxOptions {
+        allow_tf32: o.allow_tf32,
+        scratch_offset,
+    }
 }
 
 /// Outputs that name a param or state the step updates would read the new value at the end

@@ -666,32 +666,33 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
         "x @ w",
         1e-5,
     );
-    // Few output tiles and a long k: split along k (`passes::split_matmuls`) into a
-    // batched matmul and a sum that takes the epilogue.
+    // 128×128 tiles that fill their waves badly: stream-K (`back::ptx::stream_k`), blocks
+    // whose ranges of k stages start and end inside tiles, the tile's first block adding
+    // the others' partials before the epilogue. A weight gradient's shape (25 tiles of 512
+    // stages, about 8 blocks a tile).
     add(
-        "split-K f32 matmul: a weight gradient's shape, epilogue",
+        "stream-K f32 matmul: a weight gradient's shape, epilogue",
         " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
         "transpose(x) @ dy + b",
         1e-5,
     );
     add(
-        "split-K f32 matmul: batched A, ragged rows and columns",
+        "stream-K f32 matmul: batched A, ragged rows and columns",
         " input x: f32[4, 250, 2048]\n input w: f32[2048, 600]",
         "relu(x @ w)",
         1e-5,
     );
-    // Few tiles and a short k: pairs of blocks (a cluster) each sum half of k and add
-    // through distributed shared memory (`back::ptx::k_split`); ragged on every side.
+    // Tiles of a short k (gpt's output projection's shape, 88 stages, the last ragged): a
+    // block's range spans a tile's end and the next one's start.
     add(
-        "k split across a cluster: f32 matmul with a short k, ragged, epilogue",
+        "stream-K f32 matmul: a short ragged k, ragged, epilogue",
         " input x: f32[4000, 700]\n input w: f32[700, 760]\n input b: f32[760]",
         "tanh(x @ w + b)",
         1e-5,
     );
-    // The same batched, with whole stages loaded by number (k a multiple of 8) and an odd
-    // count of them (89: halves of 45 and 44 stages, the second starting in buffer 1).
+    // The same batched, with whole stages loaded by number (k a multiple of 8).
     add(
-        "k split across a cluster: batched, staged loads, odd stage count",
+        "stream-K f32 matmul: batched, staged loads",
         " input x: f32[8, 500, 712]\n input w: f32[712, 760]",
         "x @ w",
         1e-5,

@@ -105,54 +105,6 @@ fn channels_last_conv_chain() {
     }
 }
 
-/// Split-K (`passes::split_matmuls`, which CUDA builds apply to f32 matmuls with few output
-/// tiles): the batched matmul of `k`'s slices and their sum compute what the matmul did,
-/// in the interpreter and in compiled CPU code, forward and backward, for transposed,
-/// batched and ragged operands.
-#[test]
-fn split_k_matmuls_compute_the_same() {
-    let src = "model m {
-        input x: f32[3, 20, 48]
-        input y: f32[48, 36]
-        param w: f32[48, 24] = normal(0.0, 0.3)
-        param v: f32[60, 24] = normal(0.0, 0.3)
-        let h = tanh(reshape(x, [60, 48]) @ w)
-        let z = transpose(h) @ reshape(x @ y, [60, 36])
-        let loss = mean(z * z) + mean(transpose(v) @ h)
-        output loss
-        output z
-        train sgd(lr: 0.1) minimize loss
-    }";
-    let g = compile_pipeline(src, &Default::default()).unwrap();
-    let split = tcc::passes::split_matmuls::split_matmuls_by(&g, &|_, _, _, k| match k {
-        48 => 4,
-        60 => 3,
-        _ => 1,
-    });
-    let batched = |g: &tcc::ir::Graph| {
-        g.node_ids()
-            .filter(|&n| matches!(g.node(n).op, tcc::ir::Op::MatMul) && g.ty(n).rank() >= 3)
-            .count()
-    };
-    // x @ y, reshape(x) @ w and the gradients along k = 48 or 60 (transpose(h) @ .., and
-    // w's and v's gradients) split; before, only x @ y is batched.
-    assert_eq!(batched(&g), 1);
-    assert!(batched(&split) >= 5, "{}", batched(&split));
-    let inputs = tcc::eager::random_inputs(&g, 3);
-    let want = eager_steps(&g, &inputs, 2, 0).unwrap();
-    for (what, got) in [
-        ("interpreter", eager_steps(&split, &inputs, 2, 0).unwrap()),
-        ("cpu", cpu_steps(&split, &inputs, 2, 0, true).unwrap()),
-    ] {
-        for (name, t) in &want.outputs {
-            let e = rel_err(&got.outputs[name], t);
-            assert!(e <= 1e-5, "{what}: output `{name}` differs by {e:e}");
-        }
-        let e = tcc_tests::params_rel_err(&got.persistent, &want.persistent).unwrap();
-        assert!(e <= 1e-5, "{what}: params differ by {e:e}");
-    }
-}
-
 /// Attention's score gradient is a matmul epilogue: the softmax's row sums come from the
 /// output and its gradient (`[.., T, E]`), so no kernel other than the forward softmax
 /// reduces over the `[.., T, T]` scores, and the matmul computing `dp` also subtracts,
@@ -363,58 +315,4 @@ fn a_view_of_a_copied_operand_reads_the_copy() {
         assert_eq!((kinds.len(), copies), (3, 1), "{target:?}: {kinds:?}");
     }
     tcc_tests::assert_cpu_like_eager(&g, 5, 1e-5, "a view of a copy");
-}
-
-/// The partials of a split matmul are summed by adds of their slices: in order, by a
-/// pointwise kernel that moves four floats per load (the reduction over their leading
-/// axis it replaces loaded one), fused into the one elementwise op that reads the sum
-/// and stored once where several kernels read it.
-#[test]
-fn split_k_partials_are_summed_by_vector_loads() {
-    let src = "model m {
-        input a: f32[8, 512, 3072]
-        input w: f32[3072, 768]
-        input r: f32[8, 512, 768]
-        let y = a @ w
-        let z = y + r
-        let s = mean(y * y, axis: 2)
-        output z, s
-    }";
-    let g = compile_pipeline(src, &Default::default()).unwrap();
-    let opts = tcc::artifact::CompileOptions {
-        target: tcc::artifact::Target::Cuda,
-        ..Default::default()
-    };
-    let c = tcc::artifact::compile(&g, &opts).unwrap();
-    let sums: Vec<&tcc::kernel::Kernel> = c
-        .fused
-        .kernels
-        .iter()
-        .filter(|k| k.matmul.is_none() && k.describe.starts_with("select"))
-        .collect();
-    // Two partials (`choose_split` on 192 output tiles with k = 3072), their sum stored
-    // once by a kernel of its own, read by `z` and `s`.
-    let names: Vec<&str> = sums.iter().map(|k| k.describe.as_str()).collect();
-    assert_eq!(names.len(), 1, "{names:?}");
-    assert!(
-        !c.fused
-            .kernels
-            .iter()
-            .any(|k| k.describe.contains("reduce.sum")),
-        "{:?}",
-        c.fused
-            .kernels
-            .iter()
-            .map(|k| &k.describe)
-            .collect::<Vec<_>>()
-    );
-    let name = &sums[0].name;
-    let start = c.code.find(&format!(".entry {name}(")).unwrap();
-    let body = &c.code[start..];
-    let body = &body[..body.find("\n}").unwrap()];
-    assert_eq!(body.matches("ld.global.v4.f32").count() % 2, 0, "{body}");
-    assert!(
-        body.contains("ld.global.v4.f32") && body.contains("st.global.v4.f32"),
-        "{body}"
-    );
 }

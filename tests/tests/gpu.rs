@@ -219,3 +219,30 @@ fn gpu_tf32_matmuls_agree_with_eager() {
         }
     }
 }
+
+/// Stream-K matmuls (`back::ptx::stream_k`): tiles that fill their waves badly share
+/// their `k` stages between blocks, whose ranges start and end inside tiles; the tile's
+/// first block adds the others' partials. Ragged `m`, `n` and `k`, a batch, an epilogue,
+/// and a weight gradient (`[2999, 600] @ [600, 260]`) of a training step, over two steps
+/// (the flags are reset for the next launch).
+#[test]
+fn gpu_stream_k_matmuls_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    let src = "model m {
+        input x: f32[600, 2999]
+        input u: f32[3, 260, 1560]
+        input v: f32[1560, 300]
+        input t: f32[600, 260]
+        param w: f32[2999, 260] = normal(0.0, 0.05)
+        param b: f32[260] = normal(0.0, 1.0)
+        let y = relu(x @ w + b)
+        let z = u @ v
+        let loss = mean(y * t)
+        output loss
+        output z
+        train sgd(lr: 0.5) minimize loss
+    }";
+    agree(src, &Options::default(), "stream-K matmuls", 2, 1e-5);
+}

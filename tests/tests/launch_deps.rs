@@ -153,3 +153,32 @@ fn cnn_kernels_in_any_allowed_order_give_the_same_bytes() {
 fn mlp_kernels_in_any_allowed_order_give_the_same_bytes() {
     check("mlp.tdsl", "--set B=8 --set D=32", 2);
 }
+
+/// Stream-K matmuls (CUDA) share the scratch region after the plan's buffers, so they run
+/// one after another even where their buffers are independent (params, two outputs).
+#[test]
+fn stream_k_matmuls_run_one_after_another() {
+    let src = "model m {
+        param x: f32[4096, 768] = normal(0.0, 1.0)
+        param w: f32[768, 768] = normal(0.0, 1.0)
+        param u: f32[4096, 768] = normal(0.0, 1.0)
+        param v: f32[768, 768] = normal(0.0, 1.0)
+        let y = x @ w
+        let z = u @ v
+        output y, z
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let opts = CompileOptions {
+        target: Target::Cuda,
+        ..Default::default()
+    };
+    let c = artifact::compile(&g, &opts).unwrap();
+    let scratch: Vec<bool> = c.launches.iter().map(|l| l.scratch_bytes > 0).collect();
+    assert_eq!(scratch, [true, true]);
+    assert_eq!(c.deps, [vec![], vec![0u32]]);
+    let buffers_only = tcc::analysis::launch_deps::launch_deps(&c.fused.kernels, &c.plan, &[]);
+    assert!(
+        buffers_only.iter().all(|d| d.is_empty()),
+        "{buffers_only:?}"
+    );
+}

@@ -515,8 +515,7 @@ fn ptx_paths_are_chosen_where_they_apply() {
         false,
     );
     assert!(deep.contains("mm_s[16896]"), "{deep}");
-    // The matmul's own entry (the first; `k` = 512 over 128 output tiles is split in two,
-    // and the partials' sum is a vectorized pointwise kernel after it).
+    // The matmul's entry (128 output tiles of 64 stages: stream-K).
     let deep = match deep.match_indices(".visible .entry").nth(1) {
         Some((at, _)) => deep[..at].to_string(),
         None => deep,
@@ -554,8 +553,9 @@ fn ptx_paths_are_chosen_where_they_apply() {
         .collect();
     assert!(narrow.contains("mm_s[33792]"), "{narrow}");
     assert_eq!(clamps, ["1023;", "28;"], "{narrow}");
-    // A weight gradient's shape (25 tiles, k = 4096) splits k on CUDA: a batched matmul
-    // on the large tiles, then a sum with the epilogue; the CPU keeps it whole.
+    // A weight gradient's shape (25 tiles of 512 stages) runs stream-K on CUDA: one
+    // kernel (with the epilogue's `+ b`) on a wave of 264 blocks, whose flags and partial
+    // tiles lie in the scratch region after the plan's buffers; the CPU has none.
     let wgrad = model(
         " input x: f32[4096, 640]\n input dy: f32[4096, 640]\n input b: f32[640]",
         "transpose(x) @ dy + b",
@@ -572,37 +572,36 @@ fn ptx_paths_are_chosen_where_they_apply() {
             .map(|m| (m.batch.clone(), m.k))
             .collect()
     };
-    assert_eq!(mms(&cuda), vec![(vec![8], 512)]);
+    assert_eq!(mms(&cuda), vec![(vec![], 4096)]);
     assert_eq!(mms(&cpu), vec![(vec![], 4096)]);
-    assert!(cuda.code.contains("mm_s[16896]"), "the large tiles");
-    assert_eq!(
-        cuda.fused.kernels.len(),
-        2,
-        "the matmul, then the sum and + b"
-    );
-    // Few tiles and a short k (gpt's output projection): pairs of blocks in a cluster sum
-    // the two halves of k, then add them through distributed shared memory, half a tile
-    // at a time, in rank order; no partial sums in global memory, one kernel.
-    let proj = model(" input x: f32[4096, 768]\n input w: f32[768, 768]", "x @ w");
-    let c = build(&proj, Target::Cuda, false);
-    assert_eq!(c.fused.kernels.len(), 1);
-    assert_eq!(c.launches[0].grid, [6, 32, 2]);
-    assert!(c.code.contains(".reqnctapercluster 1, 1, 2"), "{}", c.code);
-    assert_eq!(c.code.matches("mapa.shared::cluster.u32").count(), 2);
-    assert!(c.code.contains("mm_s[33792]"), "{}", c.code);
-    // The exchange in order, after the k loop: a half written (32 scalar stores), a
-    // barrier, 8 remote loads (4 rows of this block's share, from each block), a barrier
-    // before the second half overwrites the first, the second half, its loads, an arrive;
-    // the epilogue's stores; the wait before returning.
-    let after_loop = c.code.split("$L_sg_done").nth(2).unwrap_or_default();
+    assert_eq!(cuda.fused.kernels.len(), 1, "the matmul and + b");
+    assert_eq!(cuda.launches[0].grid, [264, 1, 1]);
+    let (plan, used) = (&cuda.plan, cuda.launches[0].scratch_bytes);
+    assert!(used >= 264 * 128 * 128 * 4 && plan.scratch_bytes >= used);
+    assert_eq!(plan.scratch_offset() % 256, 0);
+    assert_eq!(plan.scratch_offset() + plan.scratch_bytes, plan.arena_bytes);
+    assert_eq!(cpu.plan.scratch_bytes, 0);
+    assert!(cuda.code.contains(&format!(", {};", plan.scratch_offset())));
+    // After the k loop: a later part's partial (64 floats a thread) and its flag, raised
+    // after a barrier and a fence; a tile's first part waits on each later block's flag,
+    // resets it and adds its partial; then the epilogue's stores.
+    let after_loop = cuda.code.rsplit("$L_sg_done").next().unwrap_or_default();
     let mut ops: Vec<(&str, usize)> = Vec::new();
     for l in after_loop.lines() {
-        let op = match l.trim().split(' ').next().unwrap_or_default() {
-            o @ ("st.shared.f32"
-            | "ld.shared::cluster.v4.f32"
-            | "barrier.cluster.arrive.release.aligned;"
-            | "barrier.cluster.wait.acquire.aligned;"
-            | "st.global.v4.f32"
+        // The instruction, past its predicate if any.
+        let l = l.trim();
+        let l = match l.strip_prefix('@') {
+            Some(p) => p.split_once(' ').map_or(p, |(_, rest)| rest),
+            None => l,
+        };
+        let op = match l.split(' ').next().unwrap_or_default() {
+            o @ ("st.global.cg.f32"
+            | "bar.sync"
+            | "fence.acq_rel.gpu;"
+            | "st.relaxed.gpu.global.u32"
+            | "ld.acquire.gpu.global.u32"
+            | "ld.global.cg.f32"
+            | "st.global.f32"
             | "ret;") => o,
             _ => continue,
         };
@@ -611,41 +610,50 @@ fn ptx_paths_are_chosen_where_they_apply() {
             _ => ops.push((op, 1)),
         }
     }
-    let (arrive, wait) = (
-        "barrier.cluster.arrive.release.aligned;",
-        "barrier.cluster.wait.acquire.aligned;",
-    );
     assert_eq!(
         ops,
         [
-            ("st.shared.f32", 32),
-            (arrive, 1),
-            (wait, 1),
-            ("ld.shared::cluster.v4.f32", 8),
-            (arrive, 1),
-            (wait, 1),
-            ("st.shared.f32", 32),
-            (arrive, 1),
-            (wait, 1),
-            ("ld.shared::cluster.v4.f32", 8),
-            (arrive, 1),
-            ("st.global.v4.f32", 8),
-            (wait, 1),
+            ("st.global.cg.f32", 64),
+            ("bar.sync", 1),
+            ("fence.acq_rel.gpu;", 1),
+            ("st.relaxed.gpu.global.u32", 1),
+            ("ld.acquire.gpu.global.u32", 1),
+            ("st.relaxed.gpu.global.u32", 1),
+            ("bar.sync", 1),
+            ("ld.global.cg.f32", 64),
+            ("st.global.f32", 64),
+            ("bar.sync", 1),
             ("ret;", 1),
         ],
         "{}",
-        c.code
+        cuda.code
     );
-    // The GPU tests' cluster cases take this path.
+    // gpt's output projection's shape (192 tiles of 96 stages) too; a product with many
+    // tiles, or with too little work for a block an SM, runs whole tiles.
+    let proj = model(" input x: f32[4096, 768]\n input w: f32[768, 768]", "x @ w");
+    let c = build(&proj, Target::Cuda, false);
+    assert_eq!(c.launches[0].grid, [264, 1, 1]);
+    assert!(c
+        .code
+        .contains("stream-K: 192 tiles of 96 stages over 264 blocks"));
+    assert!(!big.contains("stream-K") && !few.contains("stream-K"));
+    let whole = build(
+        &model(
+            " input x: f32[4096, 768]\n input w: f32[768, 3072]",
+            "x @ w",
+        ),
+        Target::Cuda,
+        false,
+    );
+    assert_eq!(whole.launches[0].grid, [24, 32, 1]);
+    assert_eq!(whole.plan.scratch_bytes, 0);
+    // The GPU tests' stream-K cases take this path.
     for (what, src, _) in tcc_tests::gpu_path_cases() {
-        if what.starts_with("k split across a cluster") {
+        if what.starts_with("stream-K") {
             let code = build(&src, Target::Cuda, false).code;
-            assert!(code.contains(".reqnctapercluster 1, 1, 2"), "{what}");
+            assert!(code.contains("// stream-K"), "{what}");
         }
     }
-    // What the graph split divided (the weight gradient above) and products with many
-    // tiles run without clusters.
-    assert!(!cuda.code.contains("reqnctapercluster") && !big.contains("reqnctapercluster"));
     // Many rows of one output each: a warp per row; a softmax over fewer, longer rows
     // keeps a block per row.
     let warp = ptx(

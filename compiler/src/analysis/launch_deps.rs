@@ -65,14 +65,16 @@ struct Footprint {
     writes: Ranges,
 }
 
-fn footprint(k: &Kernel, plan: &Plan) -> Footprint {
+fn footprint(k: &Kernel, plan: &Plan, scratch: Option<(u64, u64)>) -> Footprint {
     let range = |n: NodeId| {
         let b = *plan.liveness.buffer_of.get(&n)?;
         let off = *plan.offsets.get(b)?;
         Some((off, off + plan.liveness.buffers.get(b)?.bytes))
     };
     let mut reads: Vec<(u64, u64)> = k.loads().into_iter().filter_map(range).collect();
-    let mut writes = Vec::new();
+    // Scratch bytes are read and written.
+    let mut writes: Vec<(u64, u64)> = scratch.into_iter().collect();
+    reads.extend(scratch);
     for s in &k.stores {
         if let Some(r) = range(s.buf) {
             writes.push(r);
@@ -95,9 +97,18 @@ fn conflict(later: &Footprint, earlier: &Footprint) -> bool {
 
 /// For each kernel (in launch order), the earlier kernels it must wait for, ascending:
 /// every conflicting earlier kernel is one of them or an ancestor of one of them, and none
-/// of them is an ancestor of another.
-pub fn launch_deps(kernels: &[Kernel], plan: &Plan) -> Vec<Vec<u32>> {
-    let prints: Vec<Footprint> = kernels.iter().map(|k| footprint(k, plan)).collect();
+/// of them is an ancestor of another. `scratch[i]`: arena bytes kernel `i` uses besides
+/// its buffers' (the stream-K matmuls' shared scratch region), if any.
+pub fn launch_deps(
+    kernels: &[Kernel],
+    plan: &Plan,
+    scratch: &[Option<(u64, u64)>],
+) -> Vec<Vec<u32>> {
+    let prints: Vec<Footprint> = kernels
+        .iter()
+        .enumerate()
+        .map(|(i, k)| footprint(k, plan, scratch.get(i).copied().flatten()))
+        .collect();
     let words = kernels.len().div_ceil(64);
     // ancestors[i]: bit j set when kernel j must finish before kernel i starts.
     let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(kernels.len());

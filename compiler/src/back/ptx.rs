@@ -32,10 +32,9 @@
 //! - exact f32 runs on FFMA: 128×128 tiles with 8×8 per thread (128×64 with 8×4, or 64×128
 //!   with 4×8, where `n` or `m` is at most 64) when the output is large enough for at least
 //!   132 such blocks (`emit_sgemm`), else 64×64 tiles with 4×4 per thread (`k` staged 16
-//!   deep; grid `(⌈n/64⌉, ⌈m/64⌉, batch)`); f32 matmuls with few tiles and a long `k` were
-//!   split along `k` before (`passes::split_matmuls`), those with a short `k` run each
-//!   128×128 tile as a cluster of two blocks that add their halves of `k` through
-//!   distributed shared memory ([`k_split`]);
+//!   deep; grid `(⌈n/64⌉, ⌈m/64⌉, batch)`); 128×128 tiles that would fill their waves
+//!   badly run stream-K: one wave of blocks shares their `k` stages evenly, and a tile's
+//!   first block adds the others' partials in a fixed order ([`stream_k`]);
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
 //!   element per thread with an FMA loop over `k`;
 //! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
@@ -59,7 +58,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 mod attention;
-mod k_split;
+mod stream_k;
 mod wgmma;
 
 /// The module's dynamic shared memory (declared when a kernel launches with some).
@@ -68,7 +67,7 @@ const DYN_SHARED: &str = "tcc_dyn_s";
 /// Threads per block of every kernel.
 pub const BLOCK: u32 = 256;
 /// Streaming multiprocessors of the GPU whose waves the tile choices count (an H100 or
-/// H200 has 132); `passes::split_matmuls` models the same GPU.
+/// H200 has 132).
 pub const SMS: usize = 132;
 /// Threads of a warp: in block mode, the group that takes one point when points are many
 /// and each reads a row along its reduction (a softmax's row statistics, its gradient's
@@ -91,6 +90,9 @@ pub struct LaunchShape {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub shared_bytes: u32,
+    /// Bytes of the scratch region at [`PtxOptions::scratch_offset`] the kernel uses (0:
+    /// none). Kernels that use it must not overlap.
+    pub scratch_bytes: u64,
 }
 
 /// Options of the PTX back end.
@@ -99,6 +101,9 @@ pub struct PtxOptions {
     /// f32 matmuls may run on TF32 tensor cores (operands rounded to 10-bit mantissas,
     /// f32 accumulation); otherwise they stay exact f32 FFMA.
     pub allow_tf32: bool,
+    /// Arena offset of the scratch region that stream-K matmuls share (after the plan's
+    /// buffers; [`LaunchShape::scratch_bytes`]).
+    pub scratch_offset: u64,
 }
 
 /// Translates kernels to one PTX module; returns the text and each kernel's launch shape.
@@ -129,6 +134,19 @@ pub fn emit_module(
     }
     out.push_str(&body);
     Ok((out, launches))
+}
+
+/// Bytes of the scratch region (after the plan's buffers, at
+/// [`PtxOptions::scratch_offset`]) the kernel's code will use: a stream-K matmul's flags and
+/// partial tiles ([`stream_k`]), or 0. Known before the arena's offsets (the f32 matmuls
+/// that take the SGEMM do not depend on them), so the plan can make room first.
+pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
+    match &k.matmul {
+        Some(mm) if k.attention.is_none() && MmaKind::of(mm, opts).is_none() => sgemm_grid(mm)
+            .and_then(|g| g.stream_k)
+            .map_or(0, stream_k::scratch_bytes),
+        _ => 0,
+    }
 }
 
 fn f32_lit(v: f32) -> String {
@@ -331,19 +349,10 @@ impl<'a> Px<'a> {
     /// [`Self::finish`] with launch bounds `(threads a block, blocks an SM)`: ptxas keeps
     /// the registers within what that many blocks leave each thread.
     fn finish_bounded(&self, shared: &str, bounds: Option<(u32, u32)>) -> String {
-        self.finish_clustered(shared, bounds, 1)
-    }
-
-    /// [`Self::finish_bounded`] for blocks launched in clusters of `cluster` along `z`
-    /// (1: no clusters).
-    fn finish_clustered(&self, shared: &str, bounds: Option<(u32, u32)>, cluster: u32) -> String {
         let k = self.k;
-        let mut bounds = bounds
+        let bounds = bounds
             .map(|(t, b)| format!(".maxntid {t}, 1, 1\n.minnctapersm {b}\n"))
             .unwrap_or_default();
-        if cluster > 1 {
-            let _ = writeln!(bounds, ".reqnctapercluster 1, 1, {cluster}");
-        }
         let mut text = format!(
             "// {}\n.visible .entry {}(\n\t.param .u64 arena\n)\n{bounds}{{\n",
             k.describe, k.name
@@ -1795,6 +1804,7 @@ fn emit_tiled_matmul(
             grid,
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
+            scratch_bytes: 0,
         },
     ))
 }
@@ -1815,7 +1825,7 @@ fn emit_kernel(
             return emit_mma_matmul(k, mm, kind, grid, offset_of);
         }
         if let Some(sg) = sgemm_grid(mm) {
-            return emit_sgemm(k, mm, sg, offset_of);
+            return emit_sgemm(k, mm, sg, offset_of, opts.scratch_offset);
         }
         if let Some(grid) = tiled_grid(mm) {
             return emit_tiled_matmul(k, mm, grid, offset_of);
@@ -2039,6 +2049,7 @@ fn emit_kernel(
             grid: [grid.max(1), 1, 1],
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
+            scratch_bytes: 0,
         },
     ))
 }
@@ -2531,6 +2542,7 @@ fn emit_vector_pointwise(
             grid: [grid.max(1), 1, 1],
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
+            scratch_bytes: 0,
         },
     ))
 }
@@ -2959,6 +2971,7 @@ fn emit_mma_matmul(
             grid,
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
+            scratch_bytes: 0,
         },
     ))
 }
@@ -3055,7 +3068,7 @@ fn chunk_copy(px: &mut Px, dst: &str, buf: &str, idx: &str, p: &str, eb: usize) 
 
 /// Large-tile FFMA SGEMM: rows and columns of the block tile (one of them is 64 where the
 /// matmul's `m` or `n` is at most 64, as in attention's `[T, T] @ [T, 64]`).
-pub(crate) const SG_BM: usize = 128;
+const SG_BM: usize = 128;
 const SG_BN: usize = 128;
 /// Depth of one `k` stage.
 const SG_BK: usize = 8;
@@ -3082,9 +3095,8 @@ fn sgemm_slices(bm: usize, bn: usize) -> usize {
 struct SgGrid {
     grid: [u32; 3],
     tile: (usize, usize),
-    /// Blocks (a cluster, consecutive along `z`) that share one tile, each summing a part
-    /// of `k`: [`k_split`].
-    k_split: usize,
+    /// Stream-K: the blocks (the grid's `x`) that share the tiles' stages ([`stream_k`]).
+    stream_k: Option<usize>,
 }
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
@@ -3104,14 +3116,19 @@ fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
         return None;
     };
     let batch: usize = mm.batch.iter().product();
-    // `k` split across a cluster for 128×128 tiles that would leave SMs idle (and skip no
-    // terms).
-    let k_split = if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
-        k_split::choose(batch, mm.m, mm.n, mm.k)
-    } else {
-        1
-    };
-    let (gx, gy, gz) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm), batch * k_split);
+    let (gx, gy) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm));
+    // Stream-K for 128×128 tiles that fill their waves badly (and skip no terms).
+    if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
+        let tiles = gx.saturating_mul(gy).saturating_mul(batch);
+        if let Some(ctas) = stream_k::choose(tiles, mm.k.div_ceil(SG_BK)) {
+            return Some(SgGrid {
+                grid: [ctas as u32, 1, 1],
+                tile: (bm, bn),
+                stream_k: Some(ctas),
+            });
+        }
+    }
+    let gz = batch;
     if batch == 0 || gz > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
@@ -3123,14 +3140,14 @@ fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
     Some(SgGrid {
         grid: [gx as u32, gy as u32, gz as u32],
         tile: (bm, bn),
-        k_split,
+        stream_k: None,
     })
 }
 
 /// Fewest blocks for the large-tile SGEMM: one per SM. Requiring two waves (264) was
 /// measured slower: the gpt step went from 116.6 to 118.9 ms on an H100 (its weight
 /// gradients of 144 tiles then took the 64×64 path).
-pub(crate) const SG_MIN_BLOCKS: usize = SMS;
+const SG_MIN_BLOCKS: usize = SMS;
 
 /// Blocks of the large-tile SGEMM that share an SM (its launch bounds).
 const SG_BLOCKS_PER_SM: u32 = 2;
@@ -3153,9 +3170,10 @@ fn emit_sgemm(
     SgGrid {
         grid,
         tile: (bm, bn),
-        k_split,
+        stream_k,
     }: SgGrid,
     offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    scratch: u64,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let mut px = Px::new(k, offset_of, sites(k), live);
@@ -3167,6 +3185,26 @@ fn emit_sgemm(
     let bk = SG_BK * sub;
     let tile = SG_TILE * sub;
 
+    let nk = kd.div_ceil(bk);
+    let (tile_of, seg) = match stream_k {
+        None => (ffma_tile(&mut px, mm, (bm, bn), 1, true)?, None),
+        Some(ctas) => {
+            let (c, _, _, t) = block_prologue(&mut px);
+            let (tx, ty) = thread_xy(&mut px, &t);
+            let batch = mm.batch.iter().product();
+            let tiles = (n.div_ceil(bn), m.div_ceil(bm), batch);
+            let (seg, [x, y, z]) = stream_k::open(&mut px, &c, ctas, tiles, nk);
+            let origin = tile_origin(&mut px, mm, &x, &y, &z, bm, bn)?;
+            let tile = FfmaTile {
+                t,
+                tx,
+                ty,
+                origin,
+                split: None,
+            };
+            (tile, Some(seg))
+        }
+    };
     let FfmaTile {
         t,
         tx,
@@ -3182,8 +3220,8 @@ fn emit_sgemm(
                 row0,
                 col0,
             },
-        split,
-    } = ffma_tile(&mut px, mm, (bm, bn), k_split, k_split == 1)?;
+        split: _,
+    } = tile_of;
     // Rows and columns of the thread's register tile: groups of 4, 64 apart.
     let (tr, tc) = (bm / 16, bn / 16);
     let sbase = px.fresh("r");
@@ -3303,19 +3341,10 @@ fn emit_sgemm(
     let av: Vec<String> = (0..tr).map(|_| px.fresh("f")).collect();
     let bv: Vec<String> = (0..tc).map(|_| px.fresh("f")).collect();
 
-    let nk = kd.div_ceil(bk);
-    // The stages this tile sums: all of them, those its skips leave, or its part of a
-    // split `k`.
-    let range = match &split {
-        Some(z) => {
-            let per = nk.div_ceil(k_split);
-            let (kb, ke) = (px.fresh("r"), px.fresh("r"));
-            px.line(format!("cvt.u32.u64 {kb}, {z};"));
-            px.line(format!("mul.lo.u32 {kb}, {kb}, {per};"));
-            px.line(format!("add.u32 {ke}, {kb}, {per};"));
-            px.line(format!("min.u32 {ke}, {ke}, {nk};"));
-            Some((kb, ke))
-        }
+    // The stages this tile sums: all of them, those its skips leave, or its stream-K
+    // segment.
+    let range = match &seg {
+        Some(s) => Some((s.kb.clone(), s.ke.clone())),
         None => stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk),
     };
     let done = range.as_ref().map(|_| px.label("sg_done"));
@@ -3405,23 +3434,11 @@ fn emit_sgemm(
     if let Some(done) = done {
         px.body.push_str(&format!("{done}:\n"));
     }
-    let shared_bytes = if k_split > 1 {
-        (4 * tile).max(k_split::EXCHANGE_BYTES)
-    } else {
-        4 * tile
-    };
-    let shared = format!("\t.shared .align 16 .b8 mm_s[{shared_bytes}];\n");
-    let bounds = if k_split > 1 {
-        // The cluster's sum of its blocks' parts, then the epilogue on this block's share
-        // of it. Its sums come from vector loads, in consecutive registers: vector stores
-        // cost the loop nothing here, whatever `k`.
-        let r = k_split::reduce(&mut px, k_split, &accs, (m, n));
-        let vectors = epilogue_vectors(&px, mm);
-        let sum = |i: usize, c: usize| r.sums[i * 4 + c].clone();
-        epilogue(&mut px, mm, &r.rows, &r.cols, &sum, vectors, 0)?;
-        k_split::wait_for_readers(&mut px);
-        Some((BLOCK, SG_BLOCKS_PER_SM))
-    } else {
+    let shared = format!("\t.shared .align 16 .b8 mm_s[{}];\n", 4 * tile);
+    if let Some(seg) = &seg {
+        stream_k::finish_tile(&mut px, seg, &accs, scratch);
+    }
+    let bounds = {
         // Epilogue: acc[r][c] is row ty*4 + r%4 + 64*(r/4), column tx*4 + c%4 + 64*(c/4).
         let (rb0, cb0) = (px.fresh("rd"), px.fresh("rd"));
         px.line(format!("mul.wide.u32 {rb0}, {ty}, 4;"));
@@ -3453,15 +3470,19 @@ fn emit_sgemm(
         // without bounds). Otherwise ptxas stays under 128 by itself, and bounds were
         // measured slower (4096³: 2.93 → 3.09 ms; gpt's k = 512 attention matmuls +20%,
         // both before staged slots).
-        (vectors || a.staged() || b.staged()).then_some((BLOCK, SG_BLOCKS_PER_SM))
+        if let Some(seg) = &seg {
+            stream_k::close(&mut px, seg);
+        }
+        (vectors || a.staged() || b.staged() || seg.is_some()).then_some((BLOCK, SG_BLOCKS_PER_SM))
     };
     px.line("ret;");
     Ok((
-        px.finish_clustered(&shared, bounds, k_split as u32),
+        px.finish_bounded(&shared, bounds),
         LaunchShape {
             grid,
             block: [BLOCK, 1, 1],
             shared_bytes: 0,
+            scratch_bytes: stream_k.map_or(0, stream_k::scratch_bytes),
         },
     ))
 }
@@ -3764,6 +3785,14 @@ struct FfmaTile {
     split: Option<String>,
 }
 
+/// The thread's column and row (`tx`, `ty`) of the 16×16 threads of an FFMA tile.
+fn thread_xy(px: &mut Px, t: &str) -> (String, String) {
+    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {tx}, {t}, 15;"));
+    px.line(format!("shr.u32 {ty}, {t}, 4;"));
+    (tx, ty)
+}
+
 /// `k_split`: blocks along `z` that share an output tile, each summing a part of `k`.
 /// `balance`: the tiles' `k` ranges come from the matmul's skips, and the blocks take the
 /// tiles in [`heavy_first`] order.
@@ -3775,9 +3804,7 @@ fn ffma_tile(
     balance: bool,
 ) -> Res<FfmaTile> {
     let (bx, by, bz, t) = block_prologue(px);
-    let (tx, ty) = (px.fresh("r"), px.fresh("r"));
-    px.line(format!("and.b32 {tx}, {t}, 15;"));
-    px.line(format!("shr.u32 {ty}, {t}, 4;"));
+    let (tx, ty) = thread_xy(px, &t);
     let (bx, by, bz) = match balance.then(|| heavy_first(px, mm, (bm, bn), [&bx, &by, &bz])) {
         Some(Some(b)) => b,
         _ => (bx, by, bz),

@@ -43,7 +43,7 @@ use super::lower::{
 };
 use super::{ExprId, Kernel, Store, E};
 use crate::analysis::zeros::Zeros;
-use crate::ir::{BinaryOp, Graph, NodeId, Op, PoolKind};
+use crate::ir::{Graph, NodeId, Op, PoolKind};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Options of the fusion pass.
@@ -151,21 +151,6 @@ fn heavy_read(op: &Op, k: usize) -> bool {
         Op::Embedding => k == 0,
         _ => false,
     }
-}
-
-/// Whether `n` adds a slice of split-K partials: `select(matmul, axis: 0)`, as
-/// `passes::split_matmuls` sums them. (A program's own sum of one batch of a batched
-/// matmul and something else is taken alike: stored where a reduction reads it, as the
-/// matmul itself would be.)
-fn sums_partials(g: &Graph, n: NodeId) -> bool {
-    matches!(g.node(n).op, Op::Binary(BinaryOp::Add))
-        && g.node(n).inputs.iter().any(|&i| {
-            matches!(g.node(i).op, Op::Select { axis: 0, .. })
-                && g.node(i)
-                    .inputs
-                    .first()
-                    .is_some_and(|&p| matches!(g.node(p).op, Op::MatMul))
-        })
 }
 
 /// Whether `u` reads a matmul or convolution result directly (so may be its epilogue).
@@ -312,11 +297,7 @@ fn decide(
         }
         if is_pointwise(op) {
             let constant = matches!(op, Op::Full { .. } | Op::Arange { .. });
-            // A sum of split-K partials fuses only into one elementwise user, as the sum
-            // of a matmul's epilogue (else the partials would live on to a later kernel).
-            let partials_stored = sums_partials(g, n)
-                && !matches!(us.as_slice(), [(u, _)] if elementwise(&g.node(*u).op));
-            if (is_heavy && !constant) || partials_stored {
+            if is_heavy && !constant {
                 m.insert(n);
             }
             continue;
@@ -368,9 +349,6 @@ fn decide(
         let c = match &node.op {
             Op::Literal { .. } => 0,
             op if is_reduction_like(op) => 1000,
-            // A sum of split-K partials (`passes::split_matmuls`) is the matmul's result:
-            // read by several kernels it is stored once, as the unsplit product would be.
-            _ if sums_partials(g, n) => 1000,
             _ => {
                 1 + node
                     .inputs
@@ -381,10 +359,7 @@ fn decide(
         };
         let nusers = users.get(&n).map_or(0, |u| u.len());
         if is_pointwise(&node.op) && nusers > 1 && c > 8 {
-            if shared_root(g, n, &m, &users, &hosts).is_some()
-                && local_cost(g, n, &m) <= 8
-                && !sums_partials(g, n)
-            {
+            if shared_root(g, n, &m, &users, &hosts).is_some() && local_cost(g, n, &m) <= 8 {
                 // Every use ends in one kernel: computed there once per use, and a row
                 // statistic below it once per row (softmax's `exp(x - max(x))`, read by
                 // its sum and its division; layer norm's `x - mean(x)`).

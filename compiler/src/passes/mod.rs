@@ -4,7 +4,6 @@
 
 pub mod attention;
 pub mod schedule;
-pub mod split_matmuls;
 pub mod split_reductions;
 pub mod transpose_matmuls;
 

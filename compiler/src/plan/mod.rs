@@ -30,6 +30,9 @@ pub struct Plan {
     /// Offset of each buffer (index as in `liveness.buffers`).
     pub offsets: Vec<u64>,
     pub arena_bytes: u64,
+    /// Bytes at the arena's end, after every buffer, that stream-K matmuls share
+    /// (`back::ptx::PtxOptions::scratch_offset`); part of `arena_bytes`.
+    pub scratch_bytes: u64,
     /// Bytes of the persistent region (aligned).
     pub persistent_bytes: u64,
     /// Persistent region + the max-live of the transient buffers (aligned sizes): no plan
@@ -49,6 +52,26 @@ impl Plan {
     /// Arena offset of a node's result (`None` for scalar literals).
     pub fn offset_of(&self, n: NodeId) -> Option<u64> {
         self.liveness.buffer_of.get(&n).map(|&b| self.offsets[b])
+    }
+
+    /// Where the scratch region starts: after every buffer.
+    pub fn scratch_offset(&self) -> u64 {
+        self.arena_bytes - self.scratch_bytes
+    }
+
+    /// Makes room for `bytes` of scratch at the arena's end (aligned), replacing any; the
+    /// bounds count it too (no plan of the step does without).
+    pub fn add_scratch(&mut self, bytes: u64) {
+        let old = self.scratch_bytes;
+        let start = if bytes == 0 {
+            self.scratch_offset()
+        } else {
+            align_up(self.scratch_offset())
+        };
+        self.scratch_bytes = align_up(bytes);
+        self.arena_bytes = start + self.scratch_bytes;
+        self.lower_bound = self.lower_bound - old + self.scratch_bytes;
+        self.no_reuse_bytes = self.no_reuse_bytes - old + self.scratch_bytes;
     }
 
     /// `arena / lower bound - 1`.
@@ -133,6 +156,7 @@ pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
     Plan {
         offsets,
         arena_bytes: persistent + transient_bytes,
+        scratch_bytes: 0,
         persistent_bytes: persistent,
         lower_bound: persistent + report.lower_bound,
         no_reuse_bytes: persistent + no_reuse,

@@ -538,6 +538,7 @@ pub(super) fn emit(
         grid: [row_tiles as u32, grid_y, 1],
         block: [THREADS as u32, 1, 1],
         shared_bytes: shared as u32,
+        scratch_bytes: 0,
     };
     Ok((px.finish(""), launch))
 }

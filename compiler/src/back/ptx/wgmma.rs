@@ -489,6 +489,7 @@ pub(super) fn emit(
             block: [plan.threads() as u32, 1, 1],
             // The stages, or the epilogue's f32 tile where larger; 1024 bytes of alignment.
             shared_bytes: ((stages * stage).max(a.tile * (bn + 8) * 4) + 1024) as u32,
+            scratch_bytes: 0,
         },
     ))
 }
