@@ -48,7 +48,9 @@ pub(super) fn scratch_bytes(ctas: usize) -> u64 {
     FLAG_BYTES + ctas as u64 * PARTIAL_BYTES
 }
 /// Stream-K is used where the tiles fill their waves' slots to less than this share (in
-/// percent).
+/// percent). Well-filled waves run faster whole: gpt's `[4096, 768] @ [768, 3072]` (768
+/// tiles, 97%) took 0.435 ms whole and 0.456 stream-K on an H100, the gpt step 59.46 and
+/// 59.89 ms.
 const MAX_FILL_PCT: usize = 90;
 /// The fewest stages a tile needs, and a block's range (shorter ones leave the partials
 /// too large a share).
