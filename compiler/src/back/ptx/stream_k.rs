@@ -23,9 +23,11 @@
 //! `[768, 4096] @ [4096, 3072]` 0.474 → 0.425, `[768, 4096] @ [4096, 2304]` 0.374 →
 //! 0.325, `[4096, 768] @ [768, 2304]` 0.362 → 0.349.
 //!
-//! Progress does not need the blocks to be resident together: a block waits only on
-//! later blocks' first segments, which wait on nothing, and blocks start in the order of
-//! their index; so the lowest waiting block's partials come from blocks that can run. The
+//! Waiting cannot deadlock: the launch is one wave (two blocks an SM, [`MAX_CTAS`] on an
+//! H100 or H200), so every block is resident; and where fewer fit (a GPU with fewer SMs,
+//! or other kernels of the step running beside it), a block waits only on later blocks'
+//! first segments, which wait on nothing, while the hardware starts blocks in the order of
+//! their index, so the lowest waiting block's partials come from blocks that can run. The
 //! owner resets each flag it consumed, so the flags are zero between launches (the arena
 //! is zeroed when a session starts). Stream-K kernels share the scratch region, and
 //! `analysis::launch_deps` orders them (they all write it).
