@@ -66,11 +66,13 @@ pub(super) fn choose(tiles: usize, stages: usize) -> Option<usize> {
     if tiles == 0 || stages < MIN_STAGES {
         return None;
     }
-    let waves = tiles.div_ceil(MAX_CTAS);
-    let fill = tiles * 100 / (waves * MAX_CTAS);
-    let units = tiles.checked_mul(stages)?;
     // Unit indices stay within 32 bits.
-    if fill >= MAX_FILL_PCT || units > u32::MAX as usize / 2 {
+    let units = tiles.checked_mul(stages)?;
+    if units > u32::MAX as usize / 2 {
+        return None;
+    }
+    let waves = tiles.div_ceil(MAX_CTAS);
+    if tiles * 100 / (waves * MAX_CTAS) >= MAX_FILL_PCT {
         return None;
     }
     let ctas = MAX_CTAS.min(units / MIN_STAGES);
@@ -270,5 +272,6 @@ mod tests {
         assert_eq!(choose(15, 375), Some(175));
         assert_eq!(choose(0, 100), None);
         assert_eq!(choose(usize::MAX, 100), None);
+        assert_eq!(choose(1 << 30, 64), None);
     }
 }
