@@ -246,7 +246,9 @@ pub(super) fn close(px: &mut Px, s: &Segment) {
     px.line(format!("sub.u32 {len}, {}, {};", s.ke, s.kb));
     px.line(format!("add.u32 {}, {}, {len};", s.u, s.u));
     px.line(format!("setp.lt.u32 {p}, {}, {};", s.u, s.end));
-    // The next segment's first stage overwrites the shared stage the last one read.
+    // The next segment's first stage overwrites a shared stage this one read: the k
+    // loop's last barrier already orders them, this one keeps it so if the epilogue or
+    // the partial path ever use shared memory (one barrier a segment, 1 to 3 a block).
     px.line("bar.sync 0;");
     px.line(format!("@{p} bra.uni {};", s.head));
 }
