@@ -1,7 +1,8 @@
 //! From a scheduled graph to a compiled program and its artifact file.
 //!
-//! [`compile`] runs fusion (`kernel::fuse`), plans the buffers that remain into one arena
-//! (`plan::plan_kernels`) and translates every kernel for the target. [`write_artifact`]
+//! [`compile`] runs the stages of [`crate::pipeline::PIPELINE`] after `remat`: the lowering
+//! rewrites, fusion, the one-arena plan and code generation; [`plan_kernels`] and
+//! [`codegen`] are the `plan` and `codegen` stages. [`write_artifact`]
 //! packs the result with the params' initial bytes into the format the runtime owns
 //! (`runtime/ARTIFACT.md`).
 
@@ -9,9 +10,9 @@ use crate::analysis::liveness::BufferKind;
 use crate::back::clif;
 use crate::eager;
 use crate::ir::{DType, Graph, NodeId, Op};
-use crate::kernel::fuse::{self, FuseError, FuseOptions, Fused};
+use crate::kernel::fuse::{FuseError, FuseOptions, Fused};
 use crate::plan::{self, Plan};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tcc_runtime::artifact as fmt;
 
 /// What to compile for.
@@ -55,6 +56,8 @@ pub enum BuildError {
     Ptx(#[from] crate::back::ptx::PtxError),
     #[error("param `{0}` has no initialiser and no value was given")]
     External(String),
+    #[error("internal compiler error: {0}")]
+    Internal(String),
 }
 
 /// A compiled program.
@@ -83,30 +86,51 @@ impl Compiled {
     }
 }
 
-/// What [`compile`] does before code generation: the graph the kernels compute (output
-/// copies added, matmuls read only transposed computed transposed, large reductions
-/// split), its fused kernels and their verified plan (on CUDA with the scratch region its
-/// stream-K matmuls share).
+/// The stages from `outputs` to `plan` of [`crate::pipeline::PIPELINE`] on a step that went
+/// through `remat`: the graph the kernels compute (output copies added, attention fused on
+/// CUDA, matmuls read only transposed computed transposed, large reductions split), its
+/// fused kernels and their verified plan (on CUDA with the scratch region its stream-K
+/// matmuls share). `remat` weighs its choices with it.
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
-    let g = with_output_copies(g);
-    let g = if o.target == Target::Cuda && o.fuse.fuse {
-        crate::passes::attention::fuse_attention(&g)
-    } else {
-        g
+    let (p, report) = run_stages(g, "plan", o)?;
+    match p {
+        crate::pipeline::Product::Planned(mut p) => {
+            p.timings = report.timings;
+            Ok(p)
+        }
+        other => Err(BuildError::Internal(format!(
+            "the pipeline gave {} where planned kernels were due",
+            other.form()
+        ))),
+    }
+}
+
+fn run_stages(
+    g: &Graph,
+    last: &str,
+    o: &CompileOptions,
+) -> Result<(crate::pipeline::Product, crate::pipeline::Report), BuildError> {
+    use crate::pipeline::{self, Product, StageError};
+    let opts = pipeline::Options {
+        compile: *o,
+        ..pipeline::Options::default()
     };
-    let g = crate::passes::transpose_matmuls::transpose_matmuls(&g);
-    let g = crate::passes::split_reductions::split_reductions(&g);
-    let mut timings = Vec::new();
-    let t = Instant::now();
-    let fuse_opts = fuse::FuseOptions {
-        implicit_gemm: o.target == Target::Cuda,
-        k_major_f32: o.target == Target::Cuda && !o.allow_tf32,
-        ..o.fuse
-    };
-    let fused = fuse::fuse(&g, fuse_opts)?;
-    timings.push(("fuse", t.elapsed()));
-    let t = Instant::now();
-    let mut plan = plan::plan_kernels(&g, &fused, o.plan_budget);
+    pipeline::run(
+        Product::Graph(g.clone()),
+        "outputs",
+        last,
+        &opts,
+        &mut |_, _| {},
+    )
+    .map_err(|e| match e {
+        StageError::Build(b) => b,
+        other => BuildError::Internal(other.to_string()),
+    })
+}
+
+/// The `plan` stage: plans the buffers the kernels use into one arena and verifies the plan.
+pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Planned, BuildError> {
+    let mut plan = plan::plan_kernels(&graph, &fused, o.plan_budget);
     if o.target == Target::Cuda {
         let scratch = fused
             .kernels
@@ -116,7 +140,7 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
             .unwrap_or(0);
         plan.add_scratch(scratch);
     }
-    plan::verify(&g, &plan).map_err(|errs| {
+    plan::verify(&graph, &plan).map_err(|errs| {
         BuildError::Plan(
             errs.iter()
                 .map(|e| e.to_string())
@@ -124,33 +148,46 @@ pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
                 .join("; "),
         )
     })?;
-    timings.push(("plan", t.elapsed()));
     Ok(Planned {
-        graph: g,
+        graph,
         fused,
         plan,
-        timings,
+        timings: Vec::new(),
     })
 }
 
-/// The result of [`plan_step`].
+/// The result of [`plan_step`] (the product of the `plan` stage).
 #[derive(Clone, Debug)]
 pub struct Planned {
     pub graph: Graph,
     pub fused: Fused,
     pub plan: Plan,
+    /// Wall time of each stage (filled in by [`plan_step`]).
     pub timings: Vec<(&'static str, Duration)>,
 }
 
-/// Compiles a graph that went through the pass pipeline.
+/// Compiles a step that went through `remat`: the stages from `outputs` to `codegen` of
+/// [`crate::pipeline::PIPELINE`].
 pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
+    let (p, report) = run_stages(g, "codegen", o)?;
+    match p {
+        crate::pipeline::Product::Code(mut c) => {
+            c.timings = report.timings;
+            Ok(c)
+        }
+        other => Err(BuildError::Internal(format!(
+            "the pipeline gave {} where code was due",
+            other.form()
+        ))),
+    }
+}
+
+/// The `codegen` stage: translates every planned kernel for the target and orders their
+/// launches.
+pub fn codegen(p: Planned, o: &CompileOptions) -> Result<Compiled, BuildError> {
     let Planned {
-        graph,
-        fused,
-        plan,
-        mut timings,
-    } = plan_step(g, o)?;
-    let t = Instant::now();
+        graph, fused, plan, ..
+    } = p;
     let scratch_offset = plan.scratch_offset();
     let (code, launches) = match o.target {
         Target::Cpu => (
@@ -163,7 +200,6 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
             ptx_options(o, scratch_offset),
         )?,
     };
-    timings.push(("codegen", t.elapsed()));
     // The kernels that use the scratch region (stream-K matmuls) share it: they run one
     // after another.
     let mut scratch = Vec::with_capacity(launches.len());
@@ -184,7 +220,7 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
         code,
         launches,
         deps,
-        timings,
+        timings: Vec::new(),
     })
 }
 
@@ -193,51 +229,6 @@ fn ptx_options(o: &CompileOptions, scratch_offset: u64) -> crate::back::ptx::Ptx
         allow_tf32: o.allow_tf32,
         scratch_offset,
     }
-}
-
-/// Outputs that name a param or state the step updates would read the new value at the end
-/// of the step; they get a copy made before any update, so they return the value the step
-/// used (as the eager interpreter does).
-fn with_output_copies(g: &Graph) -> Graph {
-    let targets: std::collections::BTreeSet<NodeId> = g.updates.iter().map(|u| u.0).collect();
-    if !g.outputs.iter().any(|(_, n)| targets.contains(n)) {
-        return g.clone();
-    }
-    let mut h = g.clone();
-    let mut copies = Vec::new();
-    for k in 0..h.outputs.len() {
-        let n = h.outputs[k].1;
-        if !targets.contains(&n) {
-            continue;
-        }
-        let node = h.node(n).clone();
-        let to = node.ty.dtype;
-        if let Ok(c) = h.add(Op::Cast { to }, vec![n], node.span, None) {
-            h.outputs[k].1 = c;
-            copies.push(c);
-        }
-    }
-    let Some(rest) = h.topo_order() else {
-        return h;
-    };
-    // Leaves, then the copies, then everything else in its scheduled order.
-    let leaves: Vec<NodeId> = rest
-        .iter()
-        .copied()
-        .filter(|&n| {
-            matches!(
-                h.node(n).op,
-                Op::Param { .. } | Op::State { .. } | Op::Input { .. }
-            )
-        })
-        .collect();
-    let mut order = leaves.clone();
-    order.extend(copies.iter().copied());
-    order.extend(
-        rest.into_iter()
-            .filter(|n| !leaves.contains(n) && !copies.contains(n)),
-    );
-    h.reordered(&order)
 }
 
 fn dtype(d: DType) -> fmt::DType {

@@ -14,6 +14,7 @@ pub mod front;
 pub mod ir;
 pub mod kernel;
 pub mod passes;
+pub mod pipeline;
 pub mod plan;
 pub mod remat;
 

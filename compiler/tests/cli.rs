@@ -415,7 +415,8 @@ fn print_after_and_stop_after() {
         "fuse-everything",
     ]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(stderr(&o).contains("unknown pass"));
+    assert!(stderr(&o).contains("invalid value 'fuse-everything'"));
+    assert!(stderr(&o).contains("split_reductions"), "{}", stderr(&o));
 }
 
 #[test]

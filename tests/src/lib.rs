@@ -104,16 +104,49 @@ pub fn tdsl_files(rel_dir: &str) -> Vec<PathBuf> {
     v
 }
 
-/// Compiles a source and runs the pass pipeline (autodiff) on its single model.
+/// Compiles a source and runs the pipeline from `lower` to `schedule` (the program stages
+/// before `remat`) on its single model, verifying after every stage.
 pub fn compile_pipeline(src: &str, opts: &Options) -> Result<tcc::ir::Graph, String> {
+    compile_to(src, opts, "schedule")
+}
+
+/// Compiles a source and runs the pipeline from `lower` to `last` (a graph stage) on its
+/// single model, verifying after every stage.
+pub fn compile_to(src: &str, opts: &Options, last: &str) -> Result<tcc::ir::Graph, String> {
     let (sources, mut lowered) = compile_bytes("case.tdsl", src.as_bytes(), opts)?;
-    let mut g = lowered.graphs.remove(0);
-    let popts = tcc::passes::PipelineOptions {
+    let g = lowered.graphs.remove(0);
+    let popts = tcc::pipeline::Options {
         verify: true,
         ..Default::default()
     };
-    tcc::passes::run(&mut g, &popts, |_, _| {}).map_err(|d| render_all(&d, &sources.map))?;
-    Ok(g)
+    match tcc::pipeline::lowered(g, Default::default(), last, &popts, &mut |_, _| {}) {
+        Ok((tcc::pipeline::Product::Graph(g), _)) => Ok(g),
+        Ok((p, _)) => Err(format!("stage `{last}` gave {}, not a graph", p.form())),
+        Err(e) => Err(render_all(&e.diagnostics(), &sources.map)),
+    }
+}
+
+/// Runs the pipeline's stages `first..=last` on a graph, verifying after each.
+pub fn run_stages(
+    g: &tcc::ir::Graph,
+    first: &str,
+    last: &str,
+    compile: tcc::artifact::CompileOptions,
+) -> Result<tcc::pipeline::Product, String> {
+    let popts = tcc::pipeline::Options {
+        compile,
+        verify: true,
+        ..Default::default()
+    };
+    tcc::pipeline::run(
+        tcc::pipeline::Product::Graph(g.clone()),
+        first,
+        last,
+        &popts,
+        &mut |_, _| {},
+    )
+    .map(|(p, _)| p)
+    .map_err(|e| e.to_string())
 }
 
 /// Result of running a compiled (or eager) program for some steps.

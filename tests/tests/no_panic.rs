@@ -182,14 +182,17 @@ fn check_pipeline(bytes: &[u8]) {
     let Ok((_, mut lowered)) = compile_bytes("fuzz.tdsl", bytes, &Options::default()) else {
         return;
     };
-    for mut g in lowered.graphs.drain(..) {
+    for g in lowered.graphs.drain(..) {
         if g.node_count() > 400 {
             continue;
         }
-        let popts = tcc::passes::PipelineOptions::default();
-        if tcc::passes::run(&mut g, &popts, |_, _| {}).is_err() {
+        let popts = tcc::pipeline::Options::default();
+        let Ok((p, _)) =
+            tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+        else {
             continue;
-        }
+        };
+        let g = p.graph().clone();
         let p = tcc::plan::plan(&g, std::time::Duration::from_millis(20));
         assert!(tcc::plan::verify(&g, &p).is_ok());
         let numel: usize = g.node_ids().map(|n| g.ty(n).shape.numel()).sum();

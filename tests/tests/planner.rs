@@ -14,19 +14,10 @@ use tcc_tests::*;
 
 /// The graph after autodiff (program order) and after the whole pipeline (scheduled).
 fn graphs(src: &str, opts: &Options) -> (Graph, Graph) {
-    let (sources, mut lowered) =
-        compile_bytes("case.tdsl", src.as_bytes(), opts).unwrap_or_else(|e| panic!("{e}"));
-    let mut g = lowered.graphs.remove(0);
-    let stop = tcc::passes::PipelineOptions {
-        stop_after: Some("autodiff".into()),
-        verify: true,
-        ..Default::default()
-    };
-    tcc::passes::run(&mut g, &stop, |_, _| {})
-        .unwrap_or_else(|d| panic!("{}", tcc_grammar::diag::render_all(&d, &sources.map)));
-    let mut s = g.clone();
-    tcc::passes::schedule::schedule(&mut s).unwrap();
-    (g, s)
+    let g = tcc_tests::compile_to(src, opts, "autodiff").unwrap_or_else(|e| panic!("{e}"));
+    let s = tcc_tests::run_stages(&g, "schedule", "schedule", Default::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    (g, s.graph().clone())
 }
 
 #[test]

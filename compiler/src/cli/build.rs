@@ -1,11 +1,11 @@
-//! `tcc build --emit kernels|clif|artifact`: fusion, plan and code generation with a
-//! timing line per stage.
+//! `tcc build`: what `--emit` asks for from the pipeline's product, and the compile line
+//! (kernels, arena, time per stage).
 
 use super::{Emit, Layout, Target};
 use crate::artifact::{self, CompileOptions};
-use crate::ir::Graph;
 use crate::kernel::fuse::FuseOptions;
 use crate::kernel::print::print_kernels;
+use crate::pipeline::{Product, Report};
 use codespan_reporting::term::termcolor::StandardStream;
 use std::io::Write;
 use std::time::Instant;
@@ -35,74 +35,77 @@ pub fn compile_options(t: Target, no_fuse: bool, layout: Layout) -> CompileOptio
     }
 }
 
-/// Compiles `g` and returns the bytes `emit` asks for; errors are printed.
-#[allow(clippy::too_many_arguments)]
-pub fn build(
-    g: &Graph,
-    emit: Emit,
-    t: Target,
-    no_fuse: bool,
-    layout: Layout,
-    allow_tf32: bool,
-    seed: u64,
-    front_ms: f64,
-    stderr: &mut StandardStream,
-) -> Option<Vec<u8>> {
-    let opts = CompileOptions {
-        allow_tf32,
-        ..compile_options(t, no_fuse, layout)
+/// The last stage `--emit` needs.
+pub fn last_stage(emit: Emit) -> &'static str {
+    match emit {
+        Emit::Ir => "remat",
+        Emit::Kernels => "plan",
+        Emit::Clif | Emit::Ptx | Emit::Artifact => "codegen",
+    }
+}
+
+/// Whether `--emit` fits `--target`; prints the error when not.
+pub fn check_emit(emit: Emit, t: Target, stderr: &mut StandardStream) -> bool {
+    let want = match emit {
+        Emit::Clif => Target::Cpu,
+        Emit::Ptx => Target::Cuda,
+        _ => return true,
     };
-    let target_of_emit = match emit {
-        Emit::Clif => Some(Target::Cpu),
-        Emit::Ptx => Some(Target::Cuda),
-        _ => None,
-    };
-    if let Some(want) = target_of_emit.filter(|&w| w != t) {
+    if want != t {
         let _ = writeln!(
             stderr,
             "error: `--emit {}` needs `--target {}`",
             if want == Target::Cpu { "clif" } else { "ptx" },
             if want == Target::Cpu { "cpu" } else { "cuda" }
         );
-        return None;
+        return false;
     }
-    let c = match artifact::compile(g, &opts) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = writeln!(stderr, "error: {e}");
-            return None;
-        }
+    true
+}
+
+/// The line a compile ends with: kernels, arena and every stage's time.
+pub fn compile_line(p: &Product, report: &Report) -> Option<String> {
+    let (name, kernels, plan, chain) = match p {
+        Product::Planned(p) => (&p.graph.name, p.fused.kernels.len(), &p.plan, None),
+        Product::Code(c) => (
+            &c.graph.name,
+            c.fused.kernels.len(),
+            &c.plan,
+            Some(crate::analysis::launch_deps::critical_path(&c.deps)),
+        ),
+        _ => return None,
     };
-    let stages: Vec<String> = c
-        .timings
-        .iter()
-        .map(|(s, d)| format!("{s} {:.1} ms", d.as_secs_f64() * 1e3))
-        .collect();
-    let _ = writeln!(
-        stderr,
-        "compiled `{}`: {} kernels (longest dependency chain {}), arena {} (lower bound {}); front end + passes {front_ms:.1} ms, {}",
-        g.name,
-        c.fused.kernels.len(),
-        crate::analysis::launch_deps::critical_path(&c.deps),
-        super::run::bytes(c.plan.arena_bytes),
-        super::run::bytes(c.plan.lower_bound),
-        stages.join(", ")
-    );
-    match emit {
-        Emit::Kernels => {
-            Some(print_kernels(&c.fused.kernels, Some(&|n| c.offset_of(n))).into_bytes())
-        }
-        Emit::Clif | Emit::Ptx => Some(c.code.into_bytes()),
-        Emit::Artifact => {
+    Some(format!(
+        "compiled `{name}`: {kernels} kernels{}, arena {} (lower bound {}); {}",
+        chain
+            .map(|c| format!(" (longest dependency chain {c})"))
+            .unwrap_or_default(),
+        super::run::bytes(plan.arena_bytes),
+        super::run::bytes(plan.lower_bound),
+        report.timing_line()
+    ))
+}
+
+/// The bytes `emit` asks for from the pipeline's product; errors are printed.
+pub fn emit_bytes(
+    p: &Product,
+    emit: Emit,
+    t: Target,
+    seed: u64,
+    locations: Option<&crate::SourceMap>,
+    stderr: &mut StandardStream,
+) -> Option<Vec<u8>> {
+    match (emit, p) {
+        (Emit::Artifact, Product::Code(c)) => {
             let t0 = Instant::now();
-            let img = match artifact::persistent_image(&c, seed, &Default::default()) {
+            let img = match artifact::persistent_image(c, seed, &Default::default()) {
                 Ok(i) => i,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");
                     return None;
                 }
             };
-            let bytes = artifact::write_artifact(&c, target(t), &img);
+            let bytes = artifact::write_artifact(c, target(t), &img);
             let _ = writeln!(
                 stderr,
                 "artifact: {} ({:.1} ms)",
@@ -111,6 +114,20 @@ pub fn build(
             );
             Some(bytes)
         }
-        Emit::Ir => None,
+        (Emit::Artifact, other) => {
+            let _ = writeln!(
+                stderr,
+                "error: an artifact needs code; the pipeline stopped at {}",
+                other.form()
+            );
+            None
+        }
+        (Emit::Kernels, Product::Code(c)) => {
+            Some(print_kernels(&c.fused.kernels, Some(&|n| c.offset_of(n))).into_bytes())
+        }
+        (Emit::Kernels, Product::Planned(p)) => {
+            Some(print_kernels(&p.fused.kernels, Some(&|n| p.plan.offset_of(n))).into_bytes())
+        }
+        _ => Some(p.render(locations).into_bytes()),
     }
 }

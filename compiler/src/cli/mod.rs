@@ -8,7 +8,6 @@ pub mod remat_cmd;
 pub mod run;
 
 use crate::front::{self, ModelSelection, Options, Sources};
-use crate::ir::printer;
 use clap::{Parser, Subcommand, ValueEnum};
 use codespan_reporting::term::termcolor::{ColorChoice, StandardStream};
 pub use remat_cmd::{RematArgs, RematMode};
@@ -213,32 +212,28 @@ pub struct ArenaArgs {
     pub capacity: Option<u64>,
 }
 
-/// Pipeline debugging options.
+/// Pipeline debugging options: the stages are the rows of `tcc::pipeline::PIPELINE`.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PipelineArgs {
-    /// Print the graph after a pass (`lower`, a pass of the pipeline, or `all`), to stderr.
-    #[arg(long, value_name = "PASS", value_parser = parse_pass_or_all)]
+    /// Print the product after a stage (the graph IR, the kernel IR after `fuse`, the
+    /// kernels with their arena offsets after `plan`, the code after `codegen`), or after
+    /// `all`, to stderr (repeatable).
+    #[arg(long, value_name = "STAGE", value_parser = stage_or_all())]
     pub print_after: Vec<String>,
-    /// Stop the pipeline after this pass.
-    #[arg(long, value_name = "PASS", value_parser = parse_pass)]
+    /// Stop after this stage and write its product (as `--print-after` shows it) instead
+    /// of what `--emit` asks for.
+    #[arg(long, value_name = "STAGE", value_parser = stages())]
     pub stop_after: Option<String>,
 }
 
-fn parse_pass(s: &str) -> Result<String, String> {
-    let names = crate::passes::pass_names();
-    if names.contains(&s) {
-        Ok(s.to_string())
-    } else {
-        Err(format!("unknown pass `{s}`; passes: {}", names.join(", ")))
-    }
+fn stages() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(crate::pipeline::stage_names())
 }
 
-fn parse_pass_or_all(s: &str) -> Result<String, String> {
-    if s == "all" {
-        Ok(s.to_string())
-    } else {
-        parse_pass(s)
-    }
+fn stage_or_all() -> clap::builder::PossibleValuesParser {
+    let mut names = crate::pipeline::stage_names();
+    names.push("all");
+    clap::builder::PossibleValuesParser::new(names)
 }
 
 /// Compilation targets.
@@ -338,66 +333,60 @@ pub fn run(cli: Cli) -> ExitCode {
                 (Emit::Artifact, None) => Some(program.file.with_extension("tcc")),
                 (_, o) => o,
             };
-            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+            if pipeline.stop_after.is_none() && !build::check_emit(emit, target, &mut stderr) {
+                return ExitCode::from(1);
+            }
+            let Ok(remat) = remat.options().map_err(|e| {
+                let _ = writeln!(stderr, "error: {e}");
+            }) else {
                 return ExitCode::from(1);
             };
-            let Some((sources, graph, ms)) =
-                load_one(&program, &pipeline, locations, clear, &mut stderr)
+            let opts = crate::pipeline::Options {
+                compile: crate::artifact::CompileOptions {
+                    allow_tf32,
+                    ..build::compile_options(target, no_fuse, layout)
+                },
+                remat,
+                ..Default::default()
+            };
+            let last = pipeline
+                .stop_after
+                .clone()
+                .unwrap_or_else(|| build::last_stage(emit).to_string());
+            let Some((sources, product, report)) =
+                load_one(&program, &pipeline, opts, &last, locations, &mut stderr)
             else {
                 return ExitCode::from(1);
             };
-            let graph = if pipeline.stop_after.is_none() {
-                match remat_cmd::decide(
-                    &graph,
-                    &remat,
-                    build::compile_options(target, no_fuse, layout),
-                ) {
-                    Ok((g, _)) => g,
-                    Err(e) => {
-                        let _ = writeln!(stderr, "error: {e}");
-                        return ExitCode::from(1);
-                    }
-                }
+            if let Some(line) = build::compile_line(&product, &report) {
+                let _ = writeln!(stderr, "{line}");
+            }
+            let map = locations.then_some(&sources.map);
+            let bytes = if pipeline.stop_after.is_some() {
+                product.render(map).into_bytes()
             } else {
-                graph
-            };
-            let graph = &graph;
-            let bytes: Vec<u8> = match emit {
-                Emit::Ir => printer::print(graph, locations.then_some(&sources.map)).into_bytes(),
-                Emit::Kernels | Emit::Clif | Emit::Ptx | Emit::Artifact => {
-                    match build::build(
-                        graph,
-                        emit,
-                        target,
-                        no_fuse,
-                        layout,
-                        allow_tf32,
-                        seed,
-                        ms,
-                        &mut stderr,
-                    ) {
-                        Some(b) => b,
-                        None => return ExitCode::from(1),
-                    }
+                match build::emit_bytes(&product, emit, target, seed, map, &mut stderr) {
+                    Some(b) => b,
+                    None => return ExitCode::from(1),
                 }
             };
-            let text = bytes;
             match output {
                 Some(path) => {
-                    if let Err(e) = std::fs::write(&path, text) {
+                    if let Err(e) = std::fs::write(&path, bytes) {
                         let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                         return ExitCode::from(1);
                     }
                     let _ = writeln!(
                         stderr,
-                        "wrote {} ({} nodes, front end {ms:.1} ms)",
+                        "wrote {} ({} nodes, {:.1} ms)",
                         display(&path),
-                        graph.node_count()
+                        product.graph().node_count(),
+                        report.ms_through("codegen")
                     );
                 }
                 None => {
                     let mut out = std::io::stdout().lock();
-                    if out.write_all(&text).is_err() {
+                    if out.write_all(&bytes).is_err() {
                         return ExitCode::from(1);
                     }
                 }
@@ -411,34 +400,39 @@ pub fn run(cli: Cli) -> ExitCode {
             budget_ms,
             remat,
         } => {
-            let upto = PipelineArgs {
-                stop_after: Some("autodiff".into()),
-                ..PipelineArgs::default()
-            };
-            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+            let Ok(remat_opts) = remat.options().map_err(|e| {
+                let _ = writeln!(stderr, "error: {e}");
+            }) else {
                 return ExitCode::from(1);
             };
-            let Some((sources, program_graph, _)) =
-                load_one(&program, &upto, false, clear, &mut stderr)
-            else {
+            let opts = crate::pipeline::Options {
+                remat: remat_opts,
+                ..Default::default()
+            };
+            // The program in program order (what eager runs), then the scheduled step
+            // after `remat`; `mem::report` plans it with the stages after `remat`.
+            let Some((sources, product, _)) = load_one(
+                &program,
+                &PipelineArgs::default(),
+                opts.clone(),
+                "autodiff",
+                false,
+                &mut stderr,
+            ) else {
                 return ExitCode::from(1);
             };
-            let mut scheduled = program_graph.clone();
-            if let Err(diags) = crate::passes::schedule::schedule(&mut scheduled) {
-                emit_all(&diags, &sources, &mut stderr);
-                return ExitCode::from(1);
+            let program_graph = product.graph().clone();
+            let (scheduled, decision) =
+                match crate::pipeline::run(product, "schedule", "remat", &opts, &mut |_, _| {}) {
+                    Ok((p, report)) => (p.graph().clone(), report.remat),
+                    Err(e) => {
+                        emit_all(&e.diagnostics(), &sources, &mut stderr);
+                        return ExitCode::from(1);
+                    }
+                };
+            if let (Some((d, _)), Some(b)) = (&decision, remat.mem_budget) {
+                eprintln!("{}", remat_cmd::summary(d, b));
             }
-            let (scheduled, decision) = match remat_cmd::decide(
-                &scheduled,
-                &remat,
-                crate::artifact::CompileOptions::default(),
-            ) {
-                Ok((g, d)) => (g, d.map(|d| (d, scheduled))),
-                Err(e) => {
-                    let _ = writeln!(stderr, "error: {e}");
-                    return ExitCode::from(1);
-                }
-            };
             match mem::report(
                 &program_graph,
                 &scheduled,
@@ -533,7 +527,9 @@ pub fn run(cli: Cli) -> ExitCode {
             save_params,
             remat,
         } => {
-            let Some(clear) = clear_checkpoints(&remat, &mut stderr) else {
+            let Ok(remat_opts) = remat.options().map_err(|e| {
+                let _ = writeln!(stderr, "error: {e}");
+            }) else {
                 return ExitCode::from(1);
             };
             let opts = run::RunOptions {
@@ -547,18 +543,29 @@ pub fn run(cli: Cli) -> ExitCode {
                 allow_tf32,
             };
             if !eager {
-                return run_compiled(&program, target, &opts, &remat, clear, &mut stderr);
+                return run_compiled(&program, target, &opts, remat_opts, &mut stderr);
             }
             // The interpreter runs the step in program order (eager semantics).
-            let upto = PipelineArgs {
-                stop_after: Some("autodiff".into()),
-                ..PipelineArgs::default()
+            let popts = crate::pipeline::Options {
+                remat: remat_opts,
+                ..Default::default()
             };
-            let Some((sources, graph, ms)) = load_one(&program, &upto, false, clear, &mut stderr)
-            else {
+            let Some((sources, product, report)) = load_one(
+                &program,
+                &PipelineArgs::default(),
+                popts,
+                "autodiff",
+                false,
+                &mut stderr,
+            ) else {
                 return ExitCode::from(1);
             };
-            match run::run_eager(&graph, &sources, &opts, ms) {
+            match run::run_eager(
+                product.graph(),
+                &sources,
+                &opts,
+                report.ms_through("autodiff"),
+            ) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");
@@ -574,8 +581,7 @@ fn run_compiled(
     program: &ProgramArgs,
     target: Target,
     opts: &run::RunOptions,
-    remat: &RematArgs,
-    clear: bool,
+    remat: crate::pipeline::RematOptions,
     stderr: &mut StandardStream,
 ) -> ExitCode {
     let is_artifact = program.file.extension().is_some_and(|e| e == "tcc");
@@ -588,39 +594,35 @@ fn run_compiled(
             }
         }
     } else {
-        let Some((_sources, graph, ms)) =
-            load_one(program, &PipelineArgs::default(), false, clear, stderr)
-        else {
-            return ExitCode::from(1);
-        };
-        let t = Instant::now();
-        let graph = match remat_cmd::decide(
-            &graph,
+        let popts = crate::pipeline::Options {
+            compile: crate::artifact::CompileOptions {
+                allow_tf32: opts.allow_tf32,
+                ..build::compile_options(target, false, Layout::Auto)
+            },
             remat,
-            build::compile_options(target, false, Layout::Auto),
-        ) {
-            Ok((g, _)) => g,
-            Err(e) => {
-                let _ = writeln!(stderr, "error: {e}");
-                return ExitCode::from(1);
-            }
+            ..Default::default()
         };
-        let Some(bytes) = build::build(
-            &graph,
-            Emit::Artifact,
-            target,
+        let Some((_sources, product, report)) = load_one(
+            program,
+            &PipelineArgs::default(),
+            popts,
+            "codegen",
             false,
-            Layout::Auto,
-            opts.allow_tf32,
-            opts.seed,
-            ms,
             stderr,
         ) else {
             return ExitCode::from(1);
         };
-        let ms = ms + t.elapsed().as_secs_f64() * 1e3;
+        if let Some(line) = build::compile_line(&product, &report) {
+            let _ = writeln!(stderr, "{line}");
+        }
+        let Some(bytes) =
+            build::emit_bytes(&product, Emit::Artifact, target, opts.seed, None, stderr)
+        else {
+            return ExitCode::from(1);
+        };
+        let ms = report.ms_through("codegen");
         match tcc_runtime::Model::from_bytes(bytes) {
-            Ok(m) => (m, Some(graph), ms),
+            Ok(m) => (m, Some(product.graph().clone()), ms),
             Err(e) => {
                 let _ = writeln!(stderr, "error: {e}");
                 return ExitCode::from(1);
@@ -636,15 +638,19 @@ fn run_compiled(
     }
 }
 
-/// Loads one model and runs the pass pipeline on it.
+/// Loads one model and runs the pipeline on it up to `last` (or `--stop-after`), printing
+/// what `--print-after` asks for and, under `--mem-budget` with `auto`, remat's summary.
+/// Errors are printed.
 fn load_one(
     program: &ProgramArgs,
     pipeline: &PipelineArgs,
+    mut opts: crate::pipeline::Options,
+    last: &str,
     locations: bool,
-    clear_checkpoints: bool,
     stderr: &mut StandardStream,
-) -> Option<(Sources, crate::ir::Graph, f64)> {
-    let (sources, mut lowered, ms) = load(
+) -> Option<(Sources, crate::pipeline::Product, crate::pipeline::Report)> {
+    let start = Instant::now();
+    let (sources, mut lowered, _) = load(
         program,
         ModelSelection::One(program.model.clone()),
         stderr,
@@ -653,39 +659,29 @@ fn load_one(
     if lowered.graphs.is_empty() {
         return None;
     }
-    let mut graph = lowered.graphs.remove(0);
-    if clear_checkpoints {
-        graph.clear_checkpoints();
-    }
-    let opts = crate::passes::PipelineOptions {
-        print_after: pipeline.print_after.clone(),
-        stop_after: pipeline.stop_after.clone(),
-        verify: false,
-    };
+    let graph = lowered.graphs.remove(0);
+    opts.print_after = pipeline.print_after.clone();
+    opts.stop_after = pipeline.stop_after.clone();
     let map = &sources.map;
-    let result = crate::passes::run(&mut graph, &opts, |pass, g| {
-        eprintln!("// ----- IR after {pass} -----");
-        eprint!("{}", printer::print(g, locations.then_some(map)));
+    let result = crate::pipeline::lowered(graph, start.elapsed(), last, &opts, &mut |stage, p| {
+        let what = match p.form() {
+            crate::pipeline::Form::Graph | crate::pipeline::Form::Source => "IR",
+            crate::pipeline::Form::Kernels => "kernel IR",
+            crate::pipeline::Form::Planned => "planned kernel IR",
+            crate::pipeline::Form::Code => "code",
+        };
+        eprintln!("// ----- {what} after {stage} -----");
+        eprint!("{}", p.render(locations.then_some(map)));
     });
     match result {
-        Ok(times) => {
-            let total: f64 = ms + times.iter().map(|t| t.1).sum::<f64>();
-            Some((sources, graph, total))
+        Ok((p, report)) => {
+            if let (Some((d, _)), Some(b)) = (&report.remat, opts.remat.budget) {
+                let _ = writeln!(stderr, "{}", remat_cmd::summary(d, b));
+            }
+            Some((sources, p, report))
         }
-        Err(diags) => {
-            emit_all(&diags, &sources, stderr);
-            None
-        }
-    }
-}
-
-/// Whether the flags drop `checkpoint { }` blocks (`none`, and `auto`, which decides
-/// everything itself); `None` after printing a flag error.
-fn clear_checkpoints(remat: &RematArgs, stderr: &mut StandardStream) -> Option<bool> {
-    match remat.mode() {
-        Ok(m) => Some(m != crate::remat::step::Mode::Manual),
         Err(e) => {
-            let _ = writeln!(stderr, "error: {e}");
+            emit_all(&e.diagnostics(), &sources, stderr);
             None
         }
     }

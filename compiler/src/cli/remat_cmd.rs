@@ -5,6 +5,7 @@
 use crate::artifact::CompileOptions;
 use crate::front::{self, ModelSelection, Options, Sources};
 use crate::ir::Graph;
+use crate::pipeline;
 use crate::plan::human_bytes;
 use crate::remat::step::{self, AutoOptions, Decision, Mode};
 use crate::remat::{self, RematGraph};
@@ -53,39 +54,14 @@ impl RematArgs {
     }
 }
 
-/// Applies the flags to a scheduled step: the step to compile and, with `auto`, the
-/// decision. A summary goes to standard error. Without `auto`, a budget is checked.
-pub fn decide(
-    g: &Graph,
-    args: &RematArgs,
-    compile: CompileOptions,
-) -> Result<(Graph, Option<Decision>), String> {
-    let mode = args.mode()?;
-    let Some(budget) = args.mem_budget else {
-        return Ok((g.clone(), None));
-    };
-    if mode != Mode::Auto {
-        let m = step::measure(g, &BTreeSet::new(), &compile).map_err(|e| e.to_string())?;
-        if m.arena > budget {
-            return Err(format!(
-                "the arena is {}, over --mem-budget {}; `--remat auto` recomputes activations to fit",
-                human_bytes(m.arena),
-                human_bytes(budget)
-            ));
-        }
-        return Ok((g.clone(), None));
-    }
-    let d = step::auto(g, &auto_options(args, budget, compile)).map_err(|e| e.to_string())?;
-    eprintln!("{}", summary(&d, budget));
-    Ok((d.chosen.graph.clone(), Some(d)))
-}
-
-fn auto_options(args: &RematArgs, budget: u64, compile: CompileOptions) -> AutoOptions {
-    AutoOptions {
-        budget,
-        compile,
-        time_limit: Duration::from_millis(args.remat_time_ms.max(1)),
-        rounds: 6,
+impl RematArgs {
+    /// The `remat` stage's options the flags ask for.
+    pub fn options(&self) -> Result<crate::pipeline::RematOptions, String> {
+        Ok(crate::pipeline::RematOptions {
+            mode: self.mode()?,
+            budget: self.mem_budget,
+            time_limit: Duration::from_millis(self.remat_time_ms.max(1)),
+        })
     }
 }
 
@@ -183,22 +159,31 @@ pub fn step_graph(
         sets: sets.to_vec(),
         models: ModelSelection::One(model.clone()),
     };
+    let t = Instant::now();
     let mut lowered = front::compile(&mut sources, &opts)
         .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
     if lowered.graphs.is_empty() {
         return Err("no model to compile".into());
     }
-    let mut g = lowered.graphs.remove(0);
-    if clear {
-        g.clear_checkpoints();
+    let g = lowered.graphs.remove(0);
+    let popts = pipeline::Options {
+        remat: pipeline::RematOptions {
+            mode: if clear { Mode::None } else { Mode::Manual },
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match pipeline::lowered(g, t.elapsed(), "schedule", &popts, &mut |_, _| {}) {
+        Ok((pipeline::Product::Graph(g), _)) => Ok(g),
+        Ok((p, _)) => Err(format!(
+            "internal compiler error: the pipeline gave {}",
+            p.form()
+        )),
+        Err(e) => Err(tcc_grammar::diag::render_all(
+            &e.diagnostics(),
+            &sources.map,
+        )),
     }
-    crate::passes::run(
-        &mut g,
-        &crate::passes::PipelineOptions::default(),
-        |_, _| {},
-    )
-    .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
-    Ok(g)
 }
 
 /// `tcc remat FILE...`: external graphs (`.json`) or TDSL programs.

@@ -57,11 +57,11 @@ pub struct FuseOptions {
     /// Lower f32 convolutions and their gradients as implicit GEMMs ([`super::Gather`]
     /// operands), which only the CUDA back end runs, and let large f16/bf16 matmuls read a
     /// B contiguous along `k` in place (Hopper's wgmma reads it K-major); set by
-    /// `artifact::plan_step` for CUDA.
+    /// the pipeline's `fuse` stage for CUDA.
     pub implicit_gemm: bool,
     /// Let f32 matmuls read a B contiguous along `k` (a transposed view: a weight in a
     /// backward pass, attention's `k^T`) in place instead of copying it; set by
-    /// `artifact::plan_step` for CUDA without TF32, whose FFMA tiles load such a B along `k`.
+    /// the pipeline's `fuse` stage for CUDA without TF32, whose FFMA tiles load such a B along `k`.
     pub k_major_f32: bool,
 }
 

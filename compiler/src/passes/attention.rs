@@ -16,7 +16,7 @@
 //! probabilities no longer live from the forward pass to the backward pass (gpt: 100 MB a
 //! layer), and the forward pass reads and writes none of them.
 //!
-//! The pass runs in `artifact::plan_step` for CUDA only, on the shapes the back end's
+//! The pipeline runs it as the `attention` stage, for CUDA with fusion only, on the shapes the back end's
 //! kernel takes ([`supported`]); elsewhere the composite stays as it is.
 
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceOp, Scalar, UnaryOp};

@@ -9,7 +9,7 @@
 //! per row: gpt's RMSNorm gain gradients `sum(dy * x̂, axes: [0, 1])` of `[8, 512, 768]`
 //! left 6144 rows of 512 strided loads each (55 µs a kernel on an H100); chunks of 16 give
 //! 196 608 rows. Sum, max and min are associative; a mean of equal-sized means is the
-//! mean. The result type and every user are unchanged. Used by `artifact::compile`, so
+//! mean. The result type and every user are unchanged. The pipeline's last graph stage, so
 //! back ends never face one long serial reduction (a whole-tensor loss on a GPU is
 //! otherwise one block of threads). Cost: one pass over the nodes; at most four new nodes
 //! per split.

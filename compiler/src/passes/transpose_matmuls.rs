@@ -8,7 +8,7 @@
 //! `[.., d, t]` and read across its rows by the concatenation of the q, k and v gradients
 //! (1.3 ms of uncoalesced loads a gpt step on an H100). Operands that are themselves
 //! swaps are read through (`transpose(transpose(x))` is `x`). Used by
-//! `artifact::plan_step`, before matmuls are split. Cost: one pass over the nodes; three
+//! the pipeline as the `transpose_matmuls` stage, after `attention`. Cost: one pass over the nodes; three
 //! new nodes per rewrite.
 
 use crate::ir::{Graph, NodeId, Op};

@@ -804,3 +804,38 @@ fn solve_model(
     let bb = super::solve_from(g, target, rest, warm.clone());
     bb.best.or(warm)
 }
+
+/// The `remat` stage ([`crate::pipeline`]): applies the options to a scheduled step and
+/// returns the step to compile and, with `auto`, the decision. Without `auto`, a budget is
+/// only checked.
+pub fn decide(
+    g: &Graph,
+    o: &crate::pipeline::RematOptions,
+    compile: CompileOptions,
+) -> Result<(Graph, Option<Decision>), String> {
+    if o.mode == Mode::Auto && o.budget.is_none() {
+        return Err("`--remat auto` needs a budget: add `--mem-budget SIZE`".into());
+    }
+    let Some(budget) = o.budget else {
+        return Ok((g.clone(), None));
+    };
+    if o.mode != Mode::Auto {
+        let m = measure(g, &BTreeSet::new(), &compile).map_err(|e| e.to_string())?;
+        if m.arena > budget {
+            return Err(format!(
+                "the arena is {}, over --mem-budget {}; `--remat auto` recomputes activations to fit",
+                human(m.arena),
+                human(budget)
+            ));
+        }
+        return Ok((g.clone(), None));
+    }
+    let opts = AutoOptions {
+        budget,
+        compile,
+        time_limit: o.time_limit.max(Duration::from_millis(1)),
+        rounds: 6,
+    };
+    let d = auto(g, &opts).map_err(|e| e.to_string())?;
+    Ok((d.chosen.graph.clone(), Some(d)))
+}
