@@ -36,7 +36,9 @@
 //! 128×128 f32 tile a block, in the order of the block's registers (accumulator `i` of
 //! thread `t` at float `i·256 + t`: each store of a warp is 128 consecutive bytes).
 
-use super::{Px, SG_BM, SG_BN, SMS};
+use super::px::Px;
+use super::sgemm::{SG_BM, SG_BN};
+use super::SMS;
 use crate::plan::ALIGN;
 
 /// Blocks of a stream-K launch: two an SM (the SGEMM's launch bounds).
