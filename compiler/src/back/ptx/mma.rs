@@ -3,7 +3,9 @@
 
 use super::epilogue::{epilogue, epilogue_coords};
 use super::px::{f32_lit, Px};
-use super::staging::chunk_copy;
+use super::staging::{
+    chunk_copy, copy_elements, next_stage, stage_chunk, stage_k0, ChunkSlot, ElementChunk,
+};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, PtxOptions, Res, BLOCK};
 use crate::back::clif::sites;
@@ -209,45 +211,40 @@ pub(super) fn emit_mma_matmul(
 
     // Moves the stage of `k0` (i64 register) into the buffer at shared byte `st` (u32).
     let load_stage = |px: &mut Px, st: &str, k0: &str| {
-        let ld = if eb == 2 { "b16" } else { "b32" };
-        let cls = if eb == 2 { "h" } else { "r" };
         // A: chunk at row, k = k0 + kk .. + ch.
         for (so, kk, base, ok) in &a_sm {
-            let dst = px.fresh("r");
-            px.line(format!("add.u32 {dst}, {st}, {so};"));
-            let kg = px.fresh("rd");
-            px.line(format!("add.s64 {kg}, {k0}, {kk};"));
-            let idx = px.fresh("rd");
-            px.line(format!("mad.lo.s64 {idx}, {k0}, {}, {base};", mm.a.cs));
+            let slot = ChunkSlot {
+                smem: so,
+                kk,
+                base,
+                k_stride: mm.a.cs,
+            };
+            let (dst, kg, idx) = stage_chunk(px, st, k0, slot);
             if a_fast {
                 let p = px.fresh("p");
                 px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {ok};"));
                 chunk_copy(px, &dst, &abuf, &idx, &p, eb);
             } else {
-                for e in 0..ch {
-                    let p = px.fresh("p");
-                    let ke = px.fresh("rd");
-                    px.line(format!("add.s64 {ke}, {kg}, {e};"));
-                    px.line(format!("setp.lt.and.s64 {p}, {ke}, {kd}, {ok};"));
-                    let ie = px.fresh("rd");
-                    px.line(format!("mad.lo.s64 {ie}, {e}, {}, {idx};", mm.a.cs));
-                    let addr = px.fresh("rd");
-                    px.line(format!("mad.lo.s64 {addr}, {ie}, {eb}, {abuf};"));
-                    let v = px.fresh(cls);
-                    px.line(format!("mov.{ld} {v}, 0;"));
-                    px.line(format!("@{p} ld.global.{ld} {v}, [{addr}];"));
-                    px.line(format!("st.shared.{ld} [{dst}+{}], {v};", e * eb));
-                }
+                let c = ElementChunk {
+                    dst: &dst,
+                    buf: &abuf,
+                    idx: &idx,
+                    stride: mm.a.cs,
+                    eb,
+                    count: ch,
+                };
+                copy_elements(px, &c, (&kg, kd, ok));
             }
         }
         // B: chunk at k = k0 + kk, columns col .. + ch.
         for (so, kk, base, ok, g_col) in &b_sm {
-            let dst = px.fresh("r");
-            px.line(format!("add.u32 {dst}, {st}, {so};"));
-            let kg = px.fresh("rd");
-            px.line(format!("add.s64 {kg}, {k0}, {kk};"));
-            let idx = px.fresh("rd");
-            px.line(format!("mad.lo.s64 {idx}, {k0}, {}, {base};", mm.b.rs));
+            let slot = ChunkSlot {
+                smem: so,
+                kk,
+                base,
+                k_stride: mm.b.rs,
+            };
+            let (dst, kg, idx) = stage_chunk(px, st, k0, slot);
             let pk = px.fresh("p");
             px.line(format!("setp.lt.s64 {pk}, {kg}, {kd};"));
             if b_fast {
@@ -255,20 +252,15 @@ pub(super) fn emit_mma_matmul(
                 px.line(format!("and.pred {p}, {pk}, {ok};"));
                 chunk_copy(px, &dst, &bbuf, &idx, &p, eb);
             } else {
-                for e in 0..ch {
-                    let p = px.fresh("p");
-                    let ce = px.fresh("rd");
-                    px.line(format!("add.s64 {ce}, {g_col}, {e};"));
-                    px.line(format!("setp.lt.and.s64 {p}, {ce}, {n}, {pk};"));
-                    let ie = px.fresh("rd");
-                    px.line(format!("mad.lo.s64 {ie}, {e}, {}, {idx};", mm.b.cs));
-                    let addr = px.fresh("rd");
-                    px.line(format!("mad.lo.s64 {addr}, {ie}, {eb}, {bbuf};"));
-                    let v = px.fresh(cls);
-                    px.line(format!("mov.{ld} {v}, 0;"));
-                    px.line(format!("@{p} ld.global.{ld} {v}, [{addr}];"));
-                    px.line(format!("st.shared.{ld} [{dst}+{}], {v};", e * eb));
-                }
+                let c = ElementChunk {
+                    dst: &dst,
+                    buf: &bbuf,
+                    idx: &idx,
+                    stride: mm.b.cs,
+                    eb,
+                    count: ch,
+                };
+                copy_elements(px, &c, (g_col, n, &pk));
             }
         }
         px.line("cp.async.commit_group;");
@@ -323,17 +315,12 @@ pub(super) fn emit_mma_matmul(
     let wait0 = px.label("mma_wait0");
     let synced = px.label("mma_sync");
     px.body.push_str(&format!("{head}:\n"));
-    let ktn = px.fresh("r");
-    px.line(format!("add.u32 {ktn}, {kt}, 1;"));
-    let pn = px.fresh("p");
-    px.line(format!("setp.ge.u32 {pn}, {ktn}, {nk};"));
-    px.line(format!("@{pn} bra.uni {wait0};"));
+    let (ktn, _) = next_stage(&mut px, &kt, 1, nk, &wait0);
     {
         let st = px.fresh("r");
         px.line(format!("and.b32 {st}, {ktn}, 1;"));
         px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
-        let k0 = px.fresh("rd");
-        px.line(format!("mul.wide.u32 {k0}, {ktn}, {bk};"));
+        let k0 = stage_k0(&mut px, &ktn, bk);
         load_stage(&mut px, &st, &k0);
         px.line("cp.async.wait_group 1;");
         px.line(format!("bra.uni {synced};"));

@@ -17,6 +17,92 @@ pub(super) fn chunk_copy(px: &mut Px, dst: &str, buf: &str, idx: &str, p: &str, 
     ));
 }
 
+/// Where one thread's chunk of an operand tile lives: its shared offset within a stage
+/// (u32), its first `k` within the stage (u64) and its element index at `k = 0` (u64),
+/// with the operand's stride along `k`.
+pub(super) struct ChunkSlot<'a> {
+    pub(super) smem: &'a str,
+    pub(super) kk: &'a str,
+    pub(super) base: &'a str,
+    pub(super) k_stride: i64,
+}
+
+/// The chunk of `slot` in the stage of `k0` (i64 register) whose buffer starts at shared
+/// byte `st` (u32): its shared address, its first `k` and its element index.
+pub(super) fn stage_chunk(
+    px: &mut Px,
+    st: &str,
+    k0: &str,
+    slot: ChunkSlot,
+) -> (String, String, String) {
+    let dst = px.fresh("r");
+    px.line(format!("add.u32 {dst}, {st}, {};", slot.smem));
+    let kg = px.fresh("rd");
+    px.line(format!("add.s64 {kg}, {k0}, {};", slot.kk));
+    let idx = px.fresh("rd");
+    px.line(format!(
+        "mad.lo.s64 {idx}, {k0}, {}, {};",
+        slot.k_stride, slot.base
+    ));
+    (dst, kg, idx)
+}
+
+/// A chunk of `count` elements of `eb` bytes, `stride` elements apart from element `idx`
+/// of the buffer at `buf`, for shared byte `dst`.
+pub(super) struct ElementChunk<'a> {
+    pub(super) dst: &'a str,
+    pub(super) buf: &'a str,
+    pub(super) idx: &'a str,
+    pub(super) stride: i64,
+    pub(super) eb: usize,
+    pub(super) count: usize,
+}
+
+/// Copies `c` element by element (where a 16-byte `cp.async` does not apply): element `e`
+/// is loaded when `from + e < end` and `also` hold, and is 0 otherwise.
+pub(super) fn copy_elements(px: &mut Px, c: &ElementChunk, (from, end, also): (&str, usize, &str)) {
+    let ld = if c.eb == 2 { "b16" } else { "b32" };
+    let cls = if c.eb == 2 { "h" } else { "r" };
+    for e in 0..c.count {
+        let p = px.fresh("p");
+        let at = px.fresh("rd");
+        px.line(format!("add.s64 {at}, {from}, {e};"));
+        px.line(format!("setp.lt.and.s64 {p}, {at}, {end}, {also};"));
+        let ie = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {ie}, {e}, {}, {};", c.stride, c.idx));
+        let addr = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {addr}, {ie}, {}, {};", c.eb, c.buf));
+        let v = px.fresh(cls);
+        px.line(format!("mov.{ld} {v}, 0;"));
+        px.line(format!("@{p} ld.global.{ld} {v}, [{addr}];"));
+        px.line(format!("st.shared.{ld} [{}+{}], {v};", c.dst, e * c.eb));
+    }
+}
+
+/// The head of a pipelined `k` loop's copy: stage `kt + ahead` (u32 register), and a jump
+/// to `skip` when it lies past the `nk` stages (the predicate is returned).
+pub(super) fn next_stage(
+    px: &mut Px,
+    kt: &str,
+    ahead: usize,
+    nk: usize,
+    skip: &str,
+) -> (String, String) {
+    let ktn = px.fresh("r");
+    px.line(format!("add.u32 {ktn}, {kt}, {ahead};"));
+    let none = px.fresh("p");
+    px.line(format!("setp.ge.u32 {none}, {ktn}, {nk};"));
+    px.line(format!("@{none} bra.uni {skip};"));
+    (ktn, none)
+}
+
+/// The first `k` (i64 register) of stage `kt` (u32 register) of `bk` elements.
+pub(super) fn stage_k0(px: &mut Px, kt: &str, bk: usize) -> String {
+    let k0 = px.fresh("rd");
+    px.line(format!("mul.wide.u32 {k0}, {kt}, {bk};"));
+    k0
+}
+
 /// One operand of the SGEMM as [`SgSlot::new`] sets it up.
 pub(super) struct SgSide<'a> {
     /// The slot runs along `k` (4 consecutive `k` of one row or column, stored transposed)

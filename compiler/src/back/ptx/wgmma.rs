@@ -28,7 +28,7 @@
 use super::epilogue::{split_index, store_point};
 use super::mma::MmaKind;
 use super::px::Px;
-use super::staging::chunk_copy;
+use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, Res};
 use crate::back::clif::sites;
@@ -283,15 +283,13 @@ pub(super) fn emit(
     // Moves the stage of `k0` (i64) into the buffer at shared byte `st` (u32).
     let load_stage = |px: &mut Px, st: &str, k0: &str| {
         for (side, sl, buf) in [(a, &a_slots, &abuf), (b, &b_slots, &bbuf)] {
-            let dst0 = px.fresh("r");
-            px.line(format!("add.u32 {dst0}, {st}, {};", sl.smem));
-            let kg = px.fresh("rd");
-            px.line(format!("add.s64 {kg}, {k0}, {};", sl.kk));
-            let idx0 = px.fresh("rd");
-            px.line(format!(
-                "mad.lo.s64 {idx0}, {k0}, {}, {};",
-                side.k_stride, sl.base
-            ));
+            let slot = ChunkSlot {
+                smem: &sl.smem,
+                kk: &sl.kk,
+                base: &sl.base,
+                k_stride: side.k_stride,
+            };
+            let (dst0, kg, idx0) = stage_chunk(px, st, k0, slot);
             for i in 0..sl.count {
                 // Chunk i: `i·step` rows further along m/n (K-major) or k (MN-major).
                 let rows = (i * sl.step) as i64;
@@ -365,15 +363,10 @@ pub(super) fn emit(
     px.line("bar.sync 0;");
     {
         // Stage `kt + ahead` into buffer `(kt + ahead) % stages`, that of stage `kt - 2`.
-        let ktn = px.fresh("r");
-        px.line(format!("add.u32 {ktn}, {kt}, {ahead};"));
-        let none = px.fresh("p");
-        px.line(format!("setp.ge.u32 {none}, {ktn}, {nk};"));
-        px.line(format!("@{none} bra.uni {skip};"));
+        let (ktn, none) = next_stage(&mut px, &kt, ahead, nk, &skip);
         let st = px.fresh("r");
         px.line(format!("mad.lo.u32 {st}, {next_buf}, {stage}, {sbase};"));
-        let k0 = px.fresh("rd");
-        px.line(format!("mul.wide.u32 {k0}, {ktn}, {BK};"));
+        let k0 = stage_k0(&mut px, &ktn, BK);
         load_stage(&mut px, &st, &k0);
         px.body.push_str(&format!("{skip}:\n"));
         // Keeps the group count the same on every iteration (an empty group past the end).
