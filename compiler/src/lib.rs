@@ -16,6 +16,8 @@ pub mod kernel;
 pub mod passes;
 pub mod plan;
 pub mod remat;
+pub mod rng;
+pub mod target;
 
 pub use tcc_grammar::diag::Diagnostic;
 pub use tcc_grammar::span::{SourceMap, Span};

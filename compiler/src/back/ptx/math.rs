@@ -8,7 +8,7 @@ use crate::kernel::VTy;
 
 impl Px<'_> {
     pub(super) fn uniform(&mut self, seed: u64, i: &str) -> String {
-        let s0 = crate::eager::kernels::splitmix64(seed ^ 0xD1B5_4A32_D192_ED03);
+        let s0 = crate::rng::splitmix64(seed ^ 0xD1B5_4A32_D192_ED03);
         let z = self.fresh("rd");
         self.line(format!("add.u64 {z}, {i}, 0x{s0:016X};"));
         self.line(format!(

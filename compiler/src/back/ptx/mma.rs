@@ -8,8 +8,8 @@ use super::staging::{
 };
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, PtxOptions, Res, BLOCK};
-use crate::back::clif::sites;
 use crate::ir::{DType, NodeId};
+use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul};
 
 /// Precision of the tensor-core matmul.

@@ -4,8 +4,8 @@
 use super::px::Px;
 use super::vector::{emit_vector_pointwise, vector_plan};
 use super::{LaunchShape, PtxError, Res, BLOCK, WARP};
-use crate::back::clif::sites;
 use crate::ir::NodeId;
+use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, VTy, Var, E};
 
 /// How many leading domain axes are spread over threads: all of them, unless a reduction

@@ -7,8 +7,8 @@ use super::staging::{SgSide, SgSlot};
 use super::stream_k;
 use super::tile::{block_prologue, ffma_tile, thread_xy, tile_origin, FfmaTile, TileOrigin};
 use super::{LaunchShape, Res, BLOCK, SMS};
-use crate::back::clif::sites;
 use crate::ir::{DType, NodeId};
+use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul, MmAxis};
 
 /// Large-tile FFMA SGEMM: rows and columns of the block tile (one of them is 64 where the

@@ -5,8 +5,8 @@ use super::epilogue::epilogue;
 use super::px::{f32_lit, Px};
 use super::tile::{ffma_tile, FfmaTile, TileOrigin};
 use super::{LaunchShape, Res, BLOCK};
-use crate::back::clif::sites;
 use crate::ir::{DType, NodeId};
+use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, Matmul};
 use std::collections::HashMap;
 

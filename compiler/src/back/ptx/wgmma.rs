@@ -31,8 +31,8 @@ use super::px::Px;
 use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, Res};
-use crate::back::clif::sites;
 use crate::ir::NodeId;
+use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul, Operand};
 
 /// Rows of the block tile of one warpgroup.
