@@ -17,6 +17,8 @@ pub mod passes;
 pub mod pipeline;
 pub mod plan;
 pub mod remat;
+pub mod rng;
+pub mod target;
 
 pub use tcc_grammar::diag::Diagnostic;
 pub use tcc_grammar::span::{SourceMap, Span};

@@ -205,7 +205,7 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
 /// inputs) and every node a kernel stores get a buffer; an update's new value is stored
 /// into its target's buffer; nothing else has one. A buffer lives from the first kernel
 /// that writes it to one past the last kernel that reads it.
-pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::fuse::Fused) -> Liveness {
+pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::Fused) -> Liveness {
     let n = fused.kernels.len();
     let outputs: std::collections::BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
     let update_target: BTreeMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();

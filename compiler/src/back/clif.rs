@@ -14,7 +14,8 @@
 //! runtime receives is well-formed.
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
-use crate::kernel::lower::{free_vars, reachable};
+use crate::kernel::lower::reachable;
+use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
@@ -25,7 +26,7 @@ use cranelift_codegen::ir::{
 use cranelift_codegen::isa::CallConv;
 use cranelift_codegen::settings;
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
 /// Slots of the helper table (runtime/ARTIFACT.md).
 mod slot {
@@ -751,7 +752,7 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 
     fn uniform(&mut self, seed: u64, i: Value) -> Value {
-        let s0 = crate::eager::kernels::splitmix64(seed ^ 0xD1B5_4A32_D192_ED03);
+        let s0 = crate::rng::splitmix64(seed ^ 0xD1B5_4A32_D192_ED03);
         let s = self.iconst(s0 as i64);
         let z = self.b.ins().iadd(s, i);
         let h = self.splitmix(z);
@@ -1516,57 +1517,4 @@ fn simd_binary(op: BinaryOp) -> bool {
             | B::Gt
             | B::Ge
     )
-}
-
-/// The loop each node is computed in: the bound variable of greatest depth among its free
-/// variables (`None` for constants).
-pub(crate) fn sites(k: &Kernel) -> Vec<Option<Var>> {
-    let pool = &k.pool;
-    let free = free_vars(pool);
-    // Binder of each reduction variable: (reduction node, position).
-    let mut binder: HashMap<Var, (ExprId, usize)> = HashMap::new();
-    for (i, e) in pool.nodes.iter().enumerate() {
-        if let E::Reduce { vars, .. } | E::ArgMax { vars, .. } = e {
-            for (p, (v, _)) in vars.iter().enumerate() {
-                binder.insert(*v, (ExprId(i as u32), p));
-            }
-        }
-    }
-    let rank = k.domain.len() as Var;
-    let mut depth: HashMap<Var, usize> = HashMap::new();
-    fn var_depth(
-        v: Var,
-        rank: Var,
-        binder: &HashMap<Var, (ExprId, usize)>,
-        free: &[BTreeSet<Var>],
-        depth: &mut HashMap<Var, usize>,
-        guard: usize,
-    ) -> usize {
-        if let Some(&d) = depth.get(&v) {
-            return d;
-        }
-        let d = if v < rank || guard > 64 {
-            v as usize + 1
-        } else if let Some(&(r, p)) = binder.get(&v) {
-            let base = free[r.0 as usize]
-                .iter()
-                .map(|&u| var_depth(u, rank, binder, free, depth, guard + 1))
-                .max()
-                .unwrap_or(0);
-            base + p + 1
-        } else {
-            0
-        };
-        depth.insert(v, d);
-        d
-    }
-    (0..pool.nodes.len())
-        .map(|i| {
-            free[i]
-                .iter()
-                .map(|&v| (var_depth(v, rank, &binder, &free, &mut depth, 0), v))
-                .max()
-                .map(|(_, v)| v)
-        })
-        .collect()
 }

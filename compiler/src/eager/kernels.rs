@@ -17,6 +17,7 @@ use super::tensor::{
 };
 use super::EagerError;
 use crate::ir::{BinaryOp, DType, Op, PoolKind, ReduceOp, Scalar, TensorType, UnaryOp};
+pub use crate::rng::splitmix64;
 
 type Res = Result<Tensor, EagerError>;
 
@@ -75,14 +76,6 @@ fn offsets(shape: &[usize], strides: &[usize], base: usize) -> Vec<usize> {
     let mut out = Vec::with_capacity(shape.iter().product());
     for_each_offset(shape, &[strides], &[base], |_, o| out.push(o[0]));
     out
-}
-
-/// A splitmix64 step: the hash behind dropout masks and parameter initialisation.
-pub fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// The dropout draw for element `i` of a dropout with `seed`: uniform in [0, 1) with 24 bits.

@@ -41,6 +41,7 @@
 use super::lower::{
     self, free_vars, is_scatter, matmul_anchor_ok, reachable, Builder, Decisions, LowerError,
 };
+pub use super::Fused;
 use super::{ExprId, Kernel, Store, E};
 use crate::analysis::zeros::Zeros;
 use crate::ir::{Graph, NodeId, Op, PoolKind};
@@ -74,18 +75,6 @@ impl Default for FuseOptions {
             k_major_f32: false,
         }
     }
-}
-
-/// Kernels of one step in launch order.
-#[derive(Clone, Debug)]
-pub struct Fused {
-    pub kernels: Vec<Kernel>,
-    /// Nodes with a buffer (leaves included).
-    pub materialized: BTreeSet<NodeId>,
-    /// The node order the kernels follow.
-    pub order: Vec<NodeId>,
-    /// Buffers laid out other than row-major (see `lower::Decisions::layouts`).
-    pub layouts: BTreeMap<NodeId, Vec<usize>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

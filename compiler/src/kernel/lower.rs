@@ -72,7 +72,7 @@ pub fn matmul_anchor_ok(g: &Graph, n: NodeId) -> bool {
 }
 
 /// Output tiles of the FFMA implicit GEMM below which a weight gradient splits its `k`.
-const SPLIT_K_TILES: usize = crate::back::ptx::SMS;
+const SPLIT_K_TILES: usize = crate::target::TARGET.sms;
 /// The least `k` each split of a weight gradient sums.
 const SPLIT_K_MIN_DEPTH: usize = 1024;
 

@@ -23,9 +23,23 @@ pub mod fuse;
 pub mod layout;
 pub mod lower;
 pub mod print;
+pub mod sites;
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// Kernels of one step in launch order: what the fusion (`fuse`) gives the analyses, the
+/// plan and the back ends.
+#[derive(Clone, Debug)]
+pub struct Fused {
+    pub kernels: Vec<Kernel>,
+    /// Nodes with a buffer (leaves included).
+    pub materialized: BTreeSet<NodeId>,
+    /// The node order the kernels follow.
+    pub order: Vec<NodeId>,
+    /// Buffers laid out other than row-major (see `lower::Decisions::layouts`).
+    pub layouts: BTreeMap<NodeId, Vec<usize>>,
+}
 
 /// Type of a value inside a kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

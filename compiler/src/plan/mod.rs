@@ -16,8 +16,8 @@ use crate::analysis::liveness::{liveness, BufferKind, Liveness};
 use crate::ir::{Graph, NodeId};
 use std::time::Duration;
 
-/// Offset alignment of every buffer, in bytes.
-pub const ALIGN: u64 = 256;
+/// Offset alignment of every buffer, in bytes ([`TargetInfo::align`](crate::target::TargetInfo::align)).
+pub const ALIGN: u64 = crate::target::TARGET.align;
 
 fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
@@ -97,7 +97,7 @@ pub fn plan_order(g: &Graph, order: &[NodeId], budget: Duration) -> Plan {
 
 /// Plans the buffers of fused kernels (`crate::kernel::fuse`): one step per kernel; fused
 /// intermediates have no buffer.
-pub fn plan_kernels(g: &Graph, fused: &crate::kernel::fuse::Fused, budget: Duration) -> Plan {
+pub fn plan_kernels(g: &Graph, fused: &crate::kernel::Fused, budget: Duration) -> Plan {
     plan_liveness(crate::analysis::liveness::kernel_liveness(g, fused), budget)
 }
 

@@ -25,7 +25,9 @@
 // Register tiles are emitted by (row, column) of the tile, as the comments index them.
 #![allow(clippy::needless_range_loop)]
 
-use super::{operand_buffer, LaunchShape, PtxError, Px, Res, DYN_SHARED};
+use super::px::Px;
+use super::tile::operand_buffer;
+use super::{LaunchShape, PtxError, Res, DYN_SHARED};
 use crate::ir::NodeId;
 use crate::kernel::{Attn, Kernel, Operand};
 
@@ -365,7 +367,7 @@ pub(super) fn emit(
     }
     // Scale and mask: keys past S, and (causal) `j > i + S - T`.
     let diag = s as i64 - t as i64;
-    let scale = super::f32_lit(at.scale);
+    let scale = super::px::f32_lit(at.scale);
     for a in 0..4 {
         let i = px.fresh("r");
         px.line(format!("mad.lo.u32 {i}, {ty}, 4, {row0};"));
@@ -526,7 +528,7 @@ pub(super) fn emit(
             let y = px.fresh("f");
             px.line(format!(
                 "fma.rn.f32 {y}, {lg}, {}, {};",
-                super::f32_lit(std::f32::consts::LN_2),
+                super::px::f32_lit(std::f32::consts::LN_2),
                 m[a]
             ));
             px.line(format!("@{first_lane} st.global.f32 [{addr}], {y};"));

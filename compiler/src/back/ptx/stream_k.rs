@@ -36,13 +36,15 @@
 //! 128×128 f32 tile a block, in the order of the block's registers (accumulator `i` of
 //! thread `t` at float `i·256 + t`: each store of a warp is 128 consecutive bytes).
 
-use super::{Px, SG_BM, SG_BN, SMS};
-use crate::plan::ALIGN;
+use super::px::Px;
+use super::sgemm::{SG_BM, SG_BN};
+use super::SMS;
+use crate::target::TARGET;
 
 /// Blocks of a stream-K launch: two an SM (the SGEMM's launch bounds).
 pub(super) const MAX_CTAS: usize = 2 * SMS;
 /// Bytes of the flags, aligned.
-const FLAG_BYTES: u64 = (MAX_CTAS as u64 * 4).div_ceil(ALIGN) * ALIGN;
+const FLAG_BYTES: u64 = (MAX_CTAS as u64 * 4).div_ceil(TARGET.align) * TARGET.align;
 /// Bytes of one block's partial tile.
 const PARTIAL_BYTES: u64 = (SG_BM * SG_BN * 4) as u64;
 /// Bytes of the scratch region a stream-K launch of `ctas` blocks uses.

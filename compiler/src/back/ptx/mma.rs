@@ -1,0 +1,427 @@
+//! The `mma.sync` tensor-core matmul (f16/bf16, or TF32 with `--allow-tf32`): 128×128 block
+//! tiles, `cp.async` double buffering, `ldmatrix` fragments.
+
+use super::epilogue::{epilogue, epilogue_coords};
+use super::px::{f32_lit, Px};
+use super::staging::{
+    chunk_copy, copy_elements, next_stage, stage_chunk, stage_k0, ChunkSlot, ElementChunk,
+};
+use super::tile::{warp_tile, TileOrigin, WarpTile};
+use super::{LaunchShape, PtxOptions, Res, BLOCK};
+use crate::ir::{DType, NodeId};
+use crate::kernel::sites::sites;
+use crate::kernel::{Kernel, Matmul};
+
+/// Precision of the tensor-core matmul.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum MmaKind {
+    F16,
+    Bf16,
+    /// f32 operands rounded to TF32 (`--allow-tf32` only).
+    Tf32,
+}
+
+/// Tensor-core matmul: rows and columns of the block tile (8 warps, each 64×32).
+const MMA_BM: usize = 128;
+const MMA_BN: usize = 128;
+/// Bytes of one row of the A tile in shared memory (`k` staged 32 halves or 16 floats
+/// deep, plus 16 bytes of padding so that `ldmatrix`'s eight 16-byte rows fall in distinct
+/// banks).
+const MMA_A_ROW: usize = 80;
+/// Bytes of the A tile of one stage.
+const MMA_A_BYTES: usize = MMA_BM * MMA_A_ROW;
+
+impl MmaKind {
+    pub(super) fn of(mm: &Matmul, opts: PtxOptions) -> Option<MmaKind> {
+        if !mm.is_plain() {
+            return None;
+        }
+        match (mm.a.dtype, mm.b.dtype) {
+            (DType::F16, DType::F16) => Some(MmaKind::F16),
+            (DType::BF16, DType::BF16) => Some(MmaKind::Bf16),
+            (DType::F32, DType::F32) if opts.allow_tf32 => Some(MmaKind::Tf32),
+            _ => None,
+        }
+    }
+
+    fn elem_bytes(self) -> usize {
+        if self == MmaKind::Tf32 {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// Elements of `k` per stage.
+    fn bk(self) -> usize {
+        64 / self.elem_bytes()
+    }
+
+    /// Elements per 16-byte chunk.
+    fn chunk(self) -> usize {
+        16 / self.elem_bytes()
+    }
+
+    /// Bytes of one row (one `k`) of the B tile in shared memory, padded so that the
+    /// fragment reads hit distinct banks: 16 bytes for `ldmatrix` (eight 16-byte rows),
+    /// 32 for TF32's 32-bit loads (rows `tg = 0..4` eight banks apart, columns `g = 0..8`).
+    fn b_row(self) -> usize {
+        MMA_BN * self.elem_bytes() + if self == MmaKind::Tf32 { 32 } else { 16 }
+    }
+
+    fn stage_bytes(self) -> usize {
+        MMA_A_BYTES + self.bk() * self.b_row()
+    }
+
+    fn instr(self) -> &'static str {
+        match self {
+            MmaKind::F16 => "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+            MmaKind::Bf16 => "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+            MmaKind::Tf32 => "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+        }
+    }
+}
+
+/// The grid of the tensor-core matmul, or `None` where it does not apply.
+pub(super) fn mma_grid(mm: &Matmul, opts: PtxOptions) -> Option<(MmaKind, [u32; 3])> {
+    let kind = MmaKind::of(mm, opts)?;
+    if mm.m < 16 || mm.n < 16 || mm.m * mm.n < 4096 || mm.k == 0 {
+        return None;
+    }
+    let batch: usize = mm.batch.iter().product();
+    let (gx, gy) = (mm.n.div_ceil(MMA_BN), mm.m.div_ceil(MMA_BM));
+    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+        return None;
+    }
+    Some((kind, [gx as u32, gy as u32, batch as u32]))
+}
+
+/// Tensor-core matmul (`mma.sync`, f32 accumulation) with the fused epilogue: 128×128 block
+/// tiles of 256 threads (8 warps of 64×32, each 4×4 `mma` tiles of 16×8), `k` staged 64
+/// bytes deep through two shared-memory buffers, the next stage's copies
+/// (`cp.async` 16-byte chunks where the operand is contiguous and aligned, else element
+/// loads) overlapping the current stage's math. A fragments come from `ldmatrix`; B
+/// fragments from `ldmatrix.trans` (f16/bf16) or 32-bit shared loads (TF32, rounded with
+/// `cvt.rna.tf32.f32`, as are the A fragments). Out-of-range chunks read zeros; every
+/// thread runs every barrier and only out-of-range elements skip their epilogue.
+pub(super) fn emit_mma_matmul(
+    k: &Kernel,
+    mm: &Matmul,
+    kind: MmaKind,
+    grid: [u32; 3],
+    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+) -> Res<(String, LaunchShape)> {
+    let live = k.live_nodes();
+    let mut px = Px::new(k, offset_of, sites(k), live);
+    let (m, n, kd) = (mm.m, mm.n, mm.k);
+    let eb = kind.elem_bytes();
+    let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
+    let stage = kind.stage_bytes();
+
+    let WarpTile {
+        t,
+        lane,
+        warp,
+        g,
+        tg,
+        origin:
+            TileOrigin {
+                abase,
+                bbase,
+                abuf,
+                aoff,
+                bbuf,
+                boff,
+                row0,
+                col0,
+            },
+    } = warp_tile(&mut px, mm, MMA_BM, MMA_BN)?;
+    let (wm, wn) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("and.b32 {wm}, {warp}, 1;"));
+    px.line(format!("shr.u32 {wn}, {warp}, 1;"));
+    let sbase = px.fresh("r");
+    px.line(format!("mov.u32 {sbase}, mm_s;"));
+
+    // Whole 16-byte chunks (`cp.async`) where the operand is contiguous along the chunk and
+    // every chunk starts aligned; otherwise element by element.
+    let c = ch as i64;
+    let aligned = |o: &crate::kernel::Operand, off: u64| {
+        o.base % c == 0 && o.batch_strides.iter().all(|s| s % c == 0) && off.is_multiple_of(16)
+    };
+    let a_fast = mm.a.cs == 1 && kd % ch == 0 && mm.a.rs % c == 0 && aligned(&mm.a, aoff);
+    let b_fast = mm.b.cs == 1 && n % ch == 0 && mm.b.rs % c == 0 && aligned(&mm.b, boff);
+
+    // Each thread moves chunks `t` and `t + 256` of each tile. A: 4 chunks a row of 128
+    // rows; B: `bk` rows of `MMA_BN / ch` chunks.
+    let mut a_slots = Vec::new();
+    let mut b_slots = Vec::new();
+    for i in 0..2u32 {
+        let cidx = px.fresh("r");
+        px.line(format!("add.u32 {cidx}, {t}, {};", 256 * i));
+        // A.
+        let (row, kc) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("shr.u32 {row}, {cidx}, 2;"));
+        px.line(format!("and.b32 {kc}, {cidx}, 3;"));
+        let g_row = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {g_row}, {row};"));
+        px.line(format!("add.s64 {g_row}, {g_row}, {row0};"));
+        let ok = px.fresh("p");
+        px.line(format!("setp.lt.s64 {ok}, {g_row}, {m};"));
+        let base = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {base}, {g_row}, {}, {abase};", mm.a.rs));
+        a_slots.push((row, kc, base, ok));
+        // B.
+        let cpr = (MMA_BN / ch) as u32;
+        let (krow, nc) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
+        px.line(format!("rem.u32 {nc}, {cidx}, {cpr};"));
+        let g_col = px.fresh("rd");
+        px.line(format!("mul.wide.u32 {g_col}, {nc}, {ch};"));
+        px.line(format!("add.s64 {g_col}, {g_col}, {col0};"));
+        let ok = px.fresh("p");
+        px.line(format!("setp.lt.s64 {ok}, {g_col}, {n};"));
+        let base = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {base}, {g_col}, {}, {bbase};", mm.b.cs));
+        b_slots.push((krow, nc, base, ok, g_col));
+    }
+    // Shared offsets and the k offset of each slot (registers, since they depend on %tid).
+    let mut a_sm = Vec::new();
+    for (row, kc, base, ok) in &a_slots {
+        let so = px.fresh("r");
+        px.line(format!("mul.lo.u32 {so}, {row}, {MMA_A_ROW};"));
+        px.line(format!("mad.lo.u32 {so}, {kc}, 16, {so};"));
+        let kk = px.fresh("rd");
+        px.line(format!("mul.wide.u32 {kk}, {kc}, {ch};"));
+        let b2 = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.a.cs));
+        a_sm.push((so, kk, b2, ok.clone()));
+    }
+    let mut b_sm = Vec::new();
+    for (krow, nc, base, ok, g_col) in &b_slots {
+        let so = px.fresh("r");
+        px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
+        px.line(format!("mad.lo.u32 {so}, {nc}, 16, {so};"));
+        px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+        let kk = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {kk}, {krow};"));
+        let b2 = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.b.rs));
+        b_sm.push((so, kk, b2, ok.clone(), g_col.clone()));
+    }
+
+    // Moves the stage of `k0` (i64 register) into the buffer at shared byte `st` (u32).
+    let load_stage = |px: &mut Px, st: &str, k0: &str| {
+        // A: chunk at row, k = k0 + kk .. + ch.
+        for (so, kk, base, ok) in &a_sm {
+            let slot = ChunkSlot {
+                smem: so,
+                kk,
+                base,
+                k_stride: mm.a.cs,
+            };
+            let (dst, kg, idx) = stage_chunk(px, st, k0, slot);
+            if a_fast {
+                let p = px.fresh("p");
+                px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {ok};"));
+                chunk_copy(px, &dst, &abuf, &idx, &p, eb);
+            } else {
+                let c = ElementChunk {
+                    dst: &dst,
+                    buf: &abuf,
+                    idx: &idx,
+                    stride: mm.a.cs,
+                    eb,
+                    count: ch,
+                };
+                copy_elements(px, &c, (&kg, kd, ok));
+            }
+        }
+        // B: chunk at k = k0 + kk, columns col .. + ch.
+        for (so, kk, base, ok, g_col) in &b_sm {
+            let slot = ChunkSlot {
+                smem: so,
+                kk,
+                base,
+                k_stride: mm.b.rs,
+            };
+            let (dst, kg, idx) = stage_chunk(px, st, k0, slot);
+            let pk = px.fresh("p");
+            px.line(format!("setp.lt.s64 {pk}, {kg}, {kd};"));
+            if b_fast {
+                let p = px.fresh("p");
+                px.line(format!("and.pred {p}, {pk}, {ok};"));
+                chunk_copy(px, &dst, &bbuf, &idx, &p, eb);
+            } else {
+                let c = ElementChunk {
+                    dst: &dst,
+                    buf: &bbuf,
+                    idx: &idx,
+                    stride: mm.b.cs,
+                    eb,
+                    count: ch,
+                };
+                copy_elements(px, &c, (g_col, n, &pk));
+            }
+        }
+        px.line("cp.async.commit_group;");
+    };
+
+    // Fragment addresses (relative to the stage). A (`ldmatrix.x4`): lane l reads row
+    // `l % 16` of the warp's 16-row tile at k offset `(l / 16) * 16` bytes.
+    let a_ld = px.fresh("r");
+    let tmp = px.fresh("r");
+    px.line(format!("and.b32 {tmp}, {lane}, 15;"));
+    px.line(format!("mad.lo.u32 {tmp}, {wm}, 64, {tmp};"));
+    px.line(format!("mul.lo.u32 {a_ld}, {tmp}, {MMA_A_ROW};"));
+    let hi = px.fresh("r");
+    px.line(format!("shr.u32 {hi}, {lane}, 4;"));
+    px.line(format!("mad.lo.u32 {a_ld}, {hi}, 16, {a_ld};"));
+    px.line(format!("add.u32 {a_ld}, {a_ld}, {sbase};"));
+    let b_ld = px.fresh("r");
+    if kind == MmaKind::Tf32 {
+        // B (32-bit loads): b0 at (k = tg, n = g), b1 at k + 4.
+        let col = px.fresh("r");
+        px.line(format!("mad.lo.u32 {col}, {wn}, 32, {g};"));
+        px.line(format!("mul.lo.u32 {b_ld}, {tg}, {b_row};"));
+        px.line(format!("mad.lo.u32 {b_ld}, {col}, 4, {b_ld};"));
+    } else {
+        // B (`ldmatrix.x4.trans`): lane l reads k row `l % 16` at column
+        // `wn*32 + (l / 16) * 8` (two 8-column tiles).
+        let col = px.fresh("r");
+        px.line(format!("mad.lo.u32 {col}, {wn}, 32, 0;"));
+        px.line(format!("mad.lo.u32 {col}, {hi}, 8, {col};"));
+        px.line(format!("and.b32 {tmp}, {lane}, 15;"));
+        px.line(format!("mul.lo.u32 {b_ld}, {tmp}, {b_row};"));
+        px.line(format!("mad.lo.u32 {b_ld}, {col}, 2, {b_ld};"));
+    }
+    px.line(format!("add.u32 {b_ld}, {b_ld}, {};", MMA_A_BYTES));
+    px.line(format!("add.u32 {b_ld}, {b_ld}, {sbase};"));
+
+    // Accumulators acc[mi][nj][r].
+    let accs: Vec<String> = (0..64).map(|_| px.fresh("f")).collect();
+    for a in &accs {
+        px.line(format!("mov.f32 {a}, {};", f32_lit(0.0)));
+    }
+    let af: Vec<String> = (0..16).map(|_| px.fresh("r")).collect();
+    let bf: Vec<String> = (0..8).map(|_| px.fresh("r")).collect();
+
+    let nk = kd.div_ceil(bk);
+    let zero = px.fresh("rd");
+    px.line(format!("mov.s64 {zero}, 0;"));
+    load_stage(&mut px, &sbase, &zero);
+    let kt = px.fresh("r");
+    px.line(format!("mov.u32 {kt}, 0;"));
+    let head = px.label("mma_k");
+    let wait0 = px.label("mma_wait0");
+    let synced = px.label("mma_sync");
+    px.body.push_str(&format!("{head}:\n"));
+    let (ktn, _) = next_stage(&mut px, &kt, 1, nk, &wait0);
+    {
+        let st = px.fresh("r");
+        px.line(format!("and.b32 {st}, {ktn}, 1;"));
+        px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
+        let k0 = stage_k0(&mut px, &ktn, bk);
+        load_stage(&mut px, &st, &k0);
+        px.line("cp.async.wait_group 1;");
+        px.line(format!("bra.uni {synced};"));
+    }
+    px.body.push_str(&format!("{wait0}:\n"));
+    px.line("cp.async.wait_group 0;");
+    px.body.push_str(&format!("{synced}:\n"));
+    px.line("bar.sync 0;");
+    let cur = px.fresh("r");
+    px.line(format!("and.b32 {cur}, {kt}, 1;"));
+    px.line(format!("mul.lo.u32 {cur}, {cur}, {stage};"));
+    let (ac, bc) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("add.u32 {ac}, {a_ld}, {cur};"));
+    px.line(format!("add.u32 {bc}, {b_ld}, {cur};"));
+    let mk = if kind == MmaKind::Tf32 { 8 } else { 16 };
+    for ks in 0..bk / mk {
+        let kbytes = ks * mk * eb;
+        for mi in 0..4 {
+            let r = &af[mi * 4..mi * 4 + 4];
+            px.line(format!(
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}}}, [{ac}+{}];",
+                r.join(", "),
+                mi * 16 * MMA_A_ROW + kbytes
+            ));
+            if kind == MmaKind::Tf32 {
+                for x in r {
+                    px.line(format!("cvt.rna.tf32.f32 {x}, {x};"));
+                }
+            }
+        }
+        if kind == MmaKind::Tf32 {
+            for nj in 0..4 {
+                for h in 0..2 {
+                    let x = &bf[nj * 2 + h];
+                    let off = (ks * 8 + 4 * h) * b_row + nj * 8 * 4;
+                    px.line(format!("ld.shared.b32 {x}, [{bc}+{off}];"));
+                    px.line(format!("cvt.rna.tf32.f32 {x}, {x};"));
+                }
+            }
+        } else {
+            for p in 0..2 {
+                px.line(format!(
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{}}}, [{bc}+{}];",
+                    bf[p * 4..p * 4 + 4].join(", "),
+                    ks * 16 * b_row + p * 16 * 2
+                ));
+            }
+        }
+        for mi in 0..4 {
+            for nj in 0..4 {
+                let d = accs[(mi * 4 + nj) * 4..(mi * 4 + nj) * 4 + 4].join(", ");
+                px.line(format!(
+                    "{} {{{d}}}, {{{}}}, {{{}, {}}}, {{{d}}};",
+                    kind.instr(),
+                    af[mi * 4..mi * 4 + 4].join(", "),
+                    bf[nj * 2],
+                    bf[nj * 2 + 1]
+                ));
+            }
+        }
+    }
+    px.line("bar.sync 0;");
+    px.line(format!("mov.u32 {kt}, {ktn};"));
+    let more = px.fresh("p");
+    px.line(format!("setp.lt.u32 {more}, {kt}, {nk};"));
+    px.line(format!("@{more} bra.uni {head};"));
+
+    // Epilogue: acc[mi][nj][2h + c] is row wm*64 + mi*16 + g + 8h, column
+    // wn*32 + nj*8 + 2tg + c of the block tile.
+    let (rb, cb) = (px.fresh("rd"), px.fresh("rd"));
+    let t32 = px.fresh("r");
+    px.line(format!("mad.lo.u32 {t32}, {wm}, 64, {g};"));
+    px.line(format!("cvt.u64.u32 {rb}, {t32};"));
+    px.line(format!("add.s64 {rb}, {rb}, {row0};"));
+    px.line(format!("mad.lo.u32 {t32}, {wn}, 32, 0;"));
+    px.line(format!("mad.lo.u32 {t32}, {tg}, 2, {t32};"));
+    px.line(format!("cvt.u64.u32 {cb}, {t32};"));
+    px.line(format!("add.s64 {cb}, {cb}, {col0};"));
+    let rows = epilogue_coords(&mut px, &rb, m, 8, &|ri| (ri / 2) * 16 + (ri % 2) * 8);
+    let cols = epilogue_coords(&mut px, &cb, n, 8, &|ci| (ci / 2) * 8 + ci % 2);
+    epilogue(
+        &mut px,
+        mm,
+        &rows,
+        &cols,
+        &|ri, ci| {
+            let (mi, h, nj, c) = (ri / 2, ri % 2, ci / 2, ci % 2);
+            accs[(mi * 4 + nj) * 4 + h * 2 + c].clone()
+        },
+        false,
+        0,
+    )?;
+    px.line("ret;");
+    let shared = format!("\t.shared .align 128 .b8 mm_s[{}];\n", 2 * stage);
+    Ok((
+        px.finish(&shared),
+        LaunchShape {
+            grid,
+            block: [BLOCK, 1, 1],
+            shared_bytes: 0,
+            scratch_bytes: 0,
+        },
+    ))
+}
