@@ -23,6 +23,7 @@ pub mod fuse;
 pub mod layout;
 pub mod lower;
 pub mod print;
+pub mod verify;
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use std::collections::HashMap;
