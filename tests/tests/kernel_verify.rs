@@ -5,7 +5,7 @@ use std::time::Duration;
 use tcc::artifact::{plan_step, CompileOptions, Planned, Target};
 use tcc::ir::NodeId;
 use tcc::kernel::fuse::FuseOptions;
-use tcc::kernel::verify::{verify_kernels, verify_planned, KernelError};
+use tcc::kernel::verify::{check_kernels, verify_kernels, verify_planned, KernelError};
 use tcc::kernel::E;
 use tcc_tests::{compile_pipeline, options_from_args, root};
 
@@ -550,4 +550,41 @@ fn misplaced_buffers_are_reported() {
         "{}",
         lines(&errs)
     );
+}
+
+/// Full-size gpt (about 410 kernels for CUDA): both verifiers accept it, each in well
+/// under a second (they are linear in the kernels' pools, `n log n` in the buffers).
+#[test]
+fn full_size_gpt_verifies_fast() {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let g = compile_pipeline(&src, &Default::default()).unwrap();
+    for target in [Target::Cuda, Target::Cpu] {
+        let opts = CompileOptions {
+            target,
+            plan_budget: Duration::from_millis(20),
+            ..Default::default()
+        };
+        let p = plan_step(&g, &opts).unwrap();
+        assert!(p.fused.kernels.len() > 300, "{}", p.fused.kernels.len());
+        let t = std::time::Instant::now();
+        let report = check_kernels(&p.graph, &p.fused);
+        let kernels = t.elapsed();
+        let t = std::time::Instant::now();
+        let planned = verify_planned(&p.graph, &p.fused, &p.plan);
+        let plan = t.elapsed();
+        eprintln!(
+            "gpt {target:?}: {} kernels, verify_kernels {kernels:?}, verify_planned {plan:?}, \
+             {} accesses unproven",
+            p.fused.kernels.len(),
+            report.unproven.len()
+        );
+        assert!(report.errors.is_empty(), "{}", lines(&report.errors));
+        if let Err(e) = planned {
+            panic!("{}", lines(&e));
+        }
+        assert!(
+            kernels + plan < Duration::from_millis(500),
+            "{kernels:?} + {plan:?}"
+        );
+    }
 }

@@ -14,7 +14,10 @@
 //!   where it stores the new value, never through a matmul or attention operand;
 //! - no kernel stores into a leaf directly; every output and update value is stored by some
 //!   kernel (or is a leaf);
-//! - every access stays inside its buffer, and loads and stores use the buffer's dtype.
+//! - every access stays inside its buffer, and loads and stores use the buffer's dtype (a
+//!   stored value has the buffer's compute type);
+//! - every expression id is a node of the kernel's pool, built after its operands (the
+//!   verifier never panics on a malformed pool: it reports it).
 //!
 //! Index bounds are proved, not guessed: an index that is affine in the loop variables
 //! gets its exact range over the domain ([`ExprPool::affine`]); any other index gets a
@@ -24,6 +27,12 @@
 //! entirely outside); one whose interval cannot be bounded, or is wider than the buffer
 //! without being affine, is skipped (counted in [`KernelReport::unproven`]).
 //!
+//! Not checked: a gather operand's `buf` (the node it views, which may have no buffer: its
+//! loads are checked instead); an attention kernel's `o`/`lse` operand strides against its
+//! stores (the stores' indices are checked); whether a stored node is in
+//! `Fused::materialized` (the plan's buffers are the stored nodes); races between
+//! iterations of one kernel (`Kernel::parallel`).
+//!
 //! Cost: linear in the kernels' expression pools, plus `n log n` in the buffers for the
 //! plan's overlap sweep.
 
@@ -31,7 +40,7 @@ use super::fuse::Fused;
 use super::{ExprId, ExprPool, Kernel, Operand, VTy, Var, E};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op};
 use crate::plan::{Plan, ALIGN};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// A broken invariant of the kernels or of their memory plan. `kernel` is the kernel's
 /// index in launch order, `name` its name; buffers are graph node ids (`%id`).
@@ -271,7 +280,8 @@ impl PoolFacts {
         let mut iv = vec![UNKNOWN; n];
         for i in 0..n {
             let e = &pool.nodes[i];
-            let mut good = true;
+            // A node needs its type too (`ExprPool::affine` reads it).
+            let mut good = i < pool.tys.len();
             for_children(e, |c| {
                 let c = c.0 as usize;
                 good &= c < i && ok[c];
@@ -287,12 +297,12 @@ impl PoolFacts {
             };
             iv[i] = match e {
                 E::Int(v) => exact(*v),
-                E::Var(v) => match ext.get(v) {
-                    Some(&d) if d > 0 => Iv {
+                E::Var(v) => match ext.get(v).and_then(|&d| last_index(d)) {
+                    Some(h) => Iv {
                         lo: Some(0),
-                        hi: Some(d as i64 - 1),
+                        hi: Some(h),
                     },
-                    _ => UNKNOWN,
+                    None => UNKNOWN,
                 },
                 E::Bin(BinaryOp::Add, a, b) => {
                     let (a, b) = (get(a), get(b));
@@ -399,11 +409,7 @@ impl PoolFacts {
         let af = pool.affine(e)?;
         let (mut lo, mut hi) = (af.c0, af.c0);
         for &(v, c) in &af.terms {
-            let d = *self.ext.get(&v)?;
-            if d == 0 {
-                return None;
-            }
-            let span = c.checked_mul(d as i64 - 1)?;
+            let span = c.checked_mul(last_index(*self.ext.get(&v)?)?)?;
             if span < 0 {
                 lo = lo.checked_add(span)?;
             } else {
@@ -412,6 +418,11 @@ impl PoolFacts {
         }
         Some((lo, hi))
     }
+}
+
+/// The last index `d - 1` of an extent (`None` for an empty or huge one).
+fn last_index(d: usize) -> Option<i64> {
+    i64::try_from(d).ok()?.checked_sub(1).filter(|&h| h >= 0)
 }
 
 fn mul(a: Iv, b: Iv) -> Iv {
@@ -483,10 +494,7 @@ fn operand_range(op: &Operand, batch: &[usize], rows: usize, cols: usize) -> Opt
         .zip(batch)
         .chain([(&op.rs, &rows), (&op.cs, &cols)]);
     for (&s, &d) in axes {
-        if d == 0 {
-            return None;
-        }
-        let span = s.checked_mul(d as i64 - 1)?;
+        let span = s.checked_mul(last_index(d)?)?;
         if span < 0 {
             lo = lo.checked_add(span)?;
         } else {
@@ -838,9 +846,9 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
     }
     // `Plan::scratch_offset`, without underflow on a broken plan.
     let scratch = plan.arena_bytes.saturating_sub(plan.scratch_bytes);
-    // Per node checks, at the first kernel naming it.
+    // Per storage checks, at the first kernel naming it (or its update value).
+    let mut checked: BTreeSet<NodeId> = BTreeSet::new();
     for (&n, &ki) in &first_access {
-        let s = storage(n);
         let Some(offset) = offset_of(n) else {
             errs.push(KernelError::Unplanned {
                 kernel: ki,
@@ -849,8 +857,9 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
             });
             continue;
         };
-        if s != n {
-            if let Some(to) = offset_of(s).filter(|&to| to != offset) {
+        let s = storage(n);
+        let offset = match offset_of(s) {
+            Some(to) if to != offset => {
                 errs.push(KernelError::UpdateNotInPlace {
                     kernel: ki,
                     name: kname(ki),
@@ -859,7 +868,23 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
                     target: s.index(),
                     target_offset: to,
                 });
+                to
             }
+            Some(to) => to,
+            None => {
+                // An update value planned, its target not: reported once.
+                if checked.insert(s) {
+                    errs.push(KernelError::Unplanned {
+                        kernel: ki,
+                        name: kname(ki),
+                        buf: s.index(),
+                    });
+                }
+                continue;
+            }
+        };
+        let n = s;
+        if !checked.insert(n) {
             continue;
         }
         if !offset.is_multiple_of(ALIGN) {
