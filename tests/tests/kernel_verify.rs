@@ -588,3 +588,56 @@ fn full_size_gpt_verifies_fast() {
         );
     }
 }
+
+/// The fusion and layout cases and LANGUAGE.md's programs (those that compile to one
+/// model), every way: CPU and CUDA, fused, unfused and channels-last.
+#[test]
+fn every_case_and_language_program_verifies() {
+    let mut sources: Vec<(String, String)> = Vec::new();
+    for dir in ["tests/cases/fusion", "tests/cases/layout"] {
+        for f in tcc_tests::tdsl_files(dir) {
+            let src = std::fs::read_to_string(&f).unwrap();
+            sources.push((f.display().to_string(), src));
+        }
+    }
+    let cases = sources.len();
+    assert!(cases >= 9, "{cases}");
+    if tcc_tests::language_md().exists() {
+        for (i, src) in tcc_tests::language_examples().into_iter().enumerate() {
+            sources.push((format!("LANGUAGE.md block {i}"), src));
+        }
+    }
+    let mut checked = 0;
+    for (i, (what, src)) in sources.iter().enumerate() {
+        let g = match compile_pipeline(src, &Default::default()) {
+            Ok(g) => g,
+            // A LANGUAGE.md block may be a fragment or a program meant to fail.
+            Err(_) if i >= cases => continue,
+            Err(e) => panic!("{what}: {e}"),
+        };
+        for target in [Target::Cpu, Target::Cuda] {
+            for (fuse, channels_last) in [(true, false), (false, false), (true, true)] {
+                let opts = CompileOptions {
+                    target,
+                    fuse: FuseOptions {
+                        fuse,
+                        channels_last,
+                        ..Default::default()
+                    },
+                    plan_budget: Duration::from_millis(20),
+                    ..Default::default()
+                };
+                let p = plan_step(&g, &opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+                let how = format!("{what} {target:?} fuse={fuse} channels_last={channels_last}");
+                if let Err(e) = verify_kernels(&p.graph, &p.fused) {
+                    panic!("{how}: {}", lines(&e));
+                }
+                if let Err(e) = verify_planned(&p.graph, &p.fused, &p.plan) {
+                    panic!("{how}: {}", lines(&e));
+                }
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked >= cases, "{checked}");
+}
