@@ -24,6 +24,7 @@ pub mod layout;
 pub mod lower;
 pub mod print;
 pub mod sites;
+pub mod verify;
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
