@@ -179,7 +179,7 @@ impl Model {
         for (i, &id) in order.iter().enumerate() {
             let node = g.node(id);
             rg.names.push(format!("{} {}", node.op.name(), node.ty));
-            let persistent = matches!(node.op, Op::Param { .. } | Op::State { .. });
+            let persistent = node.op.is_persistent();
             let alias = alias_set.contains(&id);
             let scalar = matches!(node.op, Op::Literal { .. });
             if !persistent && !alias && !scalar {
