@@ -853,3 +853,40 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
     );
     v
 }
+
+/// The one-argument elementwise builtins as builtin cases (an expression over `a`, the
+/// input to differentiate), enumerated rather than listed: every unary op of the op table
+/// (`tcc::ir::UnaryOp`, on `abs(a) + 0.5` where it is defined on positive numbers only) and
+/// every prelude function of the form `fn f(x: F[..]) -> F[..]` (on `a`: such a composite
+/// must be defined on all reals). A new op or prelude activation is tested without editing
+/// any list.
+pub fn unary_builtin_cases() -> Vec<(String, &'static [&'static str])> {
+    use tcc_grammar::ast::{DimExpr, Item, TypeExpr};
+    let mut cases = Vec::new();
+    for op in tcc::ir::UnaryOp::ALL {
+        if tcc::ir::UnaryOp::from_builtin(op.name()) != Some(op) {
+            continue;
+        }
+        let arg = if op.on_all_reals() {
+            "a"
+        } else {
+            "abs(a) + 0.5"
+        };
+        cases.push(format!("{}({arg})", op.name()));
+    }
+    let any_float =
+        |t: &TypeExpr| t.dtype.name == "F" && matches!(t.dims.as_deref(), Some([DimExpr::Rest(_)]));
+    let prelude = tcc_grammar::parse(tcc::front::PRELUDE, tcc_grammar::span::FileId(0))
+        .unwrap_or_else(|e| panic!("the prelude does not parse: {e:?}"));
+    for item in &prelude.items {
+        if let Item::Fn(f) = item {
+            if let [p] = f.params.as_slice() {
+                if any_float(&p.ty) && any_float(&f.ret) {
+                    cases.push(format!("{}(a)", f.name.name));
+                }
+            }
+        }
+    }
+    const A: &[&str] = &["a"];
+    cases.into_iter().map(|c| (c, A)).collect()
+}

@@ -5,7 +5,8 @@
 
 use tcc::front::Options;
 use tcc_tests::{
-    builtin_program, compile_pipeline, half_cases, integer_program, BUILTIN_CASES, INTEGER_CASES,
+    builtin_program, compile_pipeline, half_cases, integer_program, unary_builtin_cases,
+    BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn agree(src: &str, what: &str, tol: f64) {
@@ -21,9 +22,16 @@ fn group(name: &str) {
     }
 }
 
+/// Every unary op of the table and every one-argument activation of the prelude
+/// (enumerated: see `unary_builtin_cases`).
 #[test]
 fn unary() {
-    group("unary");
+    let cases = unary_builtin_cases();
+    assert!(cases.len() >= tcc::ir::UnaryOp::ALL.len() - 1, "{cases:?}");
+    for (expr, wrt) in &cases {
+        let src = builtin_program(expr, wrt).unwrap_or_else(|e| panic!("{expr}: {e}"));
+        agree(&src, expr, 1e-5);
+    }
 }
 
 #[test]

@@ -205,3 +205,29 @@ fn param_initialisers_are_seeded_and_distributed() {
     let u = a.values["u"].to_f64();
     assert!(u.iter().all(|&x| (-2.0..2.0).contains(&x)));
 }
+
+/// `softplus` (a prelude composite) against `ln(1 + e^x)` computed by hand, including
+/// arguments where the naive formula overflows (e^100 is inf in f32) or loses everything to
+/// rounding (1 + e^-100 == 1).
+#[test]
+fn softplus_matches_its_definition_without_overflow() {
+    let xs = [-100.0, -3.0, -0.5, 0.0, 0.5, 3.0, 100.0];
+    let x = f32s(vec![xs.len()], &xs);
+    let y = eval("input x: f32[7]", "softplus(x)", vec![("x", x)]).unwrap();
+    let want = [
+        3.720_075_976_020_836e-44,
+        0.048_587_351_573_741_98,
+        0.474_076_984_180_746_4,
+        std::f64::consts::LN_2,
+        0.974_076_984_180_746_4,
+        3.048_587_351_573_742,
+        100.0,
+    ];
+    for ((got, want), x) in y.to_f64().iter().zip(want).zip(xs) {
+        let tol = 1e-6 * want.abs().max(1e-30);
+        assert!(
+            (got - want).abs() <= tol.max(1e-12),
+            "softplus({x}) = {got}, expected {want}"
+        );
+    }
+}

@@ -95,14 +95,6 @@ impl Liveness {
     }
 }
 
-/// True for elementwise ops that may write their result over an operand.
-fn elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
-    )
-}
-
 /// Computes buffers and lifetimes of `g` executed in `order` (a topological order).
 pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
     let n = order.len();
@@ -144,7 +136,8 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
                 .get(&x)
                 .and_then(|tg| lv.buffer_of.get(tg).copied()),
             op if op.is_view_candidate() => lv.buffer_of.get(&node.inputs[0]).copied(),
-            op if elementwise(op) => {
+            // Elementwise ops may write their result over an operand.
+            op if op.is_elementwise() => {
                 // In place over an operand that dies here?
                 let cand = node.inputs.iter().copied().find(|&i| {
                     let Some(&b) = lv.buffer_of.get(&i) else {

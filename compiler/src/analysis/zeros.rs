@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Scalar, UnaryOp};
+use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Scalar};
 
 /// The elements of a tensor with `idx[hi] - idx[lo] > c`, over two distinct axes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,21 +173,9 @@ fn forward(g: &Graph, z: &Zeros, n: NodeId) -> Option<(Region, Fill)> {
         }
         Op::Unary(op) => {
             let (rx, fx) = operand(g, z, *ins.first()?, n)?;
-            let keeps_zero = matches!(
-                op,
-                UnaryOp::Neg
-                    | UnaryOp::Abs
-                    | UnaryOp::Sqrt
-                    | UnaryOp::Tanh
-                    | UnaryOp::Relu
-                    | UnaryOp::Gelu
-                    | UnaryOp::Silu
-                    | UnaryOp::Sin
-                    | UnaryOp::Erf
-            );
-            match (op, fx) {
-                (UnaryOp::Exp | UnaryOp::Relu, Fill::NegInf) => Some((rx, Fill::Zero)),
-                (_, Fill::Zero) if keeps_zero => Some((rx, Fill::Zero)),
+            match fx {
+                Fill::NegInf if op.zero_at_neg_inf() => Some((rx, Fill::Zero)),
+                Fill::Zero if op.preserves_zero() => Some((rx, Fill::Zero)),
                 _ => None,
             }
         }
@@ -344,10 +332,7 @@ fn backward(g: &Graph, z: &Zeros, n: NodeId) -> Option<Region> {
 fn unread_through(g: &Graph, z: &Zeros, u: NodeId, pos: usize) -> Option<Region> {
     let un = g.node(u);
     let x = *un.inputs.get(pos)?;
-    let elementwise = matches!(
-        un.op,
-        Op::Unary(_) | Op::Binary(_) | Op::Cast { .. } | Op::Where
-    );
+    let elementwise = un.op.is_elementwise();
     // Where `u` selects another operand, or multiplies by a known zero, `x` is not read.
     let masked = match un.op {
         Op::Where if pos == 1 => match operand(g, z, un.inputs[0], u) {

@@ -16,7 +16,7 @@ use super::tensor::{
     broadcast_strides, contiguous_strides, for_each_offset, round, Data, Precision, Tensor,
 };
 use super::EagerError;
-use crate::ir::{BinaryOp, DType, Op, PoolKind, ReduceOp, Scalar, TensorType, UnaryOp};
+use crate::ir::{BinaryOp, DType, IntFault, Op, PoolKind, ReduceOp, Scalar, TensorType, UnaryOp};
 pub use crate::rng::splitmix64;
 
 type Res = Result<Tensor, EagerError>;
@@ -84,101 +84,11 @@ pub fn dropout_uniform(seed: u64, i: u64) -> f64 {
     (h >> 40) as f64 / (1u64 << 24) as f64
 }
 
-fn gelu(x: f64) -> f64 {
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
-}
-
-fn unary_f(u: UnaryOp, x: f64) -> f64 {
-    match u {
-        UnaryOp::Neg => -x,
-        UnaryOp::Abs => x.abs(),
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-        UnaryOp::Recip => 1.0 / x,
-        UnaryOp::Tanh => x.tanh(),
-        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
-        UnaryOp::Relu => {
-            if x > 0.0 {
-                x
-            } else {
-                0.0
-            }
-        }
-        UnaryOp::Gelu => gelu(x),
-        UnaryOp::Silu => x / (1.0 + (-x).exp()),
-        UnaryOp::Sin => x.sin(),
-        UnaryOp::Cos => x.cos(),
-        UnaryOp::Erf => libm::erf(x),
-        UnaryOp::Not => x,
-    }
-}
-
-fn binary_f(b: BinaryOp, x: f64, y: f64) -> f64 {
-    let t = |c: bool| if c { 1.0 } else { 0.0 };
-    match b {
-        BinaryOp::Add => x + y,
-        BinaryOp::Sub => x - y,
-        BinaryOp::Mul => x * y,
-        BinaryOp::Div => x / y,
-        BinaryOp::Rem => x - y * (x / y).floor(),
-        BinaryOp::Pow => x.powf(y),
-        BinaryOp::Maximum => {
-            if x.is_nan() || y.is_nan() {
-                f64::NAN
-            } else {
-                x.max(y)
-            }
-        }
-        BinaryOp::Minimum => {
-            if x.is_nan() || y.is_nan() {
-                f64::NAN
-            } else {
-                x.min(y)
-            }
-        }
-        BinaryOp::Eq => t(x == y),
-        BinaryOp::Ne => t(x != y),
-        BinaryOp::Lt => t(x < y),
-        BinaryOp::Le => t(x <= y),
-        BinaryOp::Gt => t(x > y),
-        BinaryOp::Ge => t(x >= y),
-        BinaryOp::And => t(x != 0.0 && y != 0.0),
-        BinaryOp::Or => t(x != 0.0 || y != 0.0),
-    }
-}
-
+/// The table's integer formula, with its fault as the interpreter reports it.
 fn binary_i(b: BinaryOp, x: i32, y: i32) -> Result<i64, EagerError> {
-    let t = |c: bool| i64::from(c);
-    Ok(match b {
-        BinaryOp::Add => x.wrapping_add(y) as i64,
-        BinaryOp::Sub => x.wrapping_sub(y) as i64,
-        BinaryOp::Mul => x.wrapping_mul(y) as i64,
-        BinaryOp::Div | BinaryOp::Rem if y == 0 => return Err(EagerError::DivisionByZero),
-        BinaryOp::Div => {
-            (x as i64).div_euclid(y as i64)
-                - i64::from(y < 0 && (x as i64).rem_euclid(y as i64) != 0)
-        }
-        BinaryOp::Rem => {
-            let r = (x as i64) % (y as i64);
-            if r != 0 && ((r < 0) != (y < 0)) {
-                r + y as i64
-            } else {
-                r
-            }
-        }
-        BinaryOp::Pow => (x as f64).powf(y as f64) as i64,
-        BinaryOp::Maximum => x.max(y) as i64,
-        BinaryOp::Minimum => x.min(y) as i64,
-        BinaryOp::Eq => t(x == y),
-        BinaryOp::Ne => t(x != y),
-        BinaryOp::Lt => t(x < y),
-        BinaryOp::Le => t(x <= y),
-        BinaryOp::Gt => t(x > y),
-        BinaryOp::Ge => t(x >= y),
-        BinaryOp::And | BinaryOp::Or => return Err(internal("logical op on i32")),
+    b.eval_i32(x, y).map_err(|f| match f {
+        IntFault::DivisionByZero => EagerError::DivisionByZero,
+        IntFault::NotInteger => internal(format!("`{}` on i32", b.name())),
     })
 }
 
@@ -211,17 +121,15 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
                     data: Data::B(v.iter().map(|b| !b).collect()),
                 }),
                 (Data::I(v), _) => {
-                    let f = |a: i32| match u {
-                        UnaryOp::Neg => a.wrapping_neg(),
-                        UnaryOp::Abs => a.wrapping_abs(),
-                        _ => a.max(0),
-                    };
+                    let data = v.iter().map(|&a| u.eval_i32(a)).collect::<Option<_>>();
                     Ok(Tensor {
                         ty: ty.clone(),
-                        data: Data::I(v.iter().map(|&a| f(a)).collect()),
+                        data: Data::I(
+                            data.ok_or_else(|| internal(format!("`{}` on i32", u.name())))?,
+                        ),
                     })
                 }
-                (Data::F(v), _) => Ok(store_f(ty, v.iter().map(|&a| unary_f(*u, a)).collect(), p)),
+                (Data::F(v), _) => Ok(store_f(ty, v.iter().map(|&a| u.eval(a)).collect(), p)),
                 _ => Err(internal("unary op on wrong data")),
             }
         }
@@ -234,7 +142,7 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
                 (Data::F(a), Data::F(c)) => {
                     let mut out = Vec::with_capacity(n);
                     for_each_offset(ty.dims(), &[&sx, &sy], &[0, 0], |_, o| {
-                        out.push(binary_f(*b, a[o[0]], c[o[1]]))
+                        out.push(b.eval(a[o[0]], c[o[1]]))
                     });
                     Ok(store_f(ty, out, p))
                 }
@@ -266,13 +174,8 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
                 (Data::B(a), Data::B(c)) => {
                     let mut out = Vec::with_capacity(n);
                     for_each_offset(ty.dims(), &[&sx, &sy], &[0, 0], |_, o| {
-                        let (u, v) = (a[o[0]], c[o[1]]);
-                        out.push(match b {
-                            BinaryOp::And => u && v,
-                            BinaryOp::Or => u || v,
-                            BinaryOp::Eq => u == v,
-                            _ => u != v,
-                        })
+                        let bit = |v: bool| f64::from(u8::from(v));
+                        out.push(b.eval(bit(a[o[0]]), bit(c[o[1]])) != 0.0)
                     });
                     Ok(Tensor {
                         ty: ty.clone(),

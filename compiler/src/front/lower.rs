@@ -1065,7 +1065,6 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         b: Value,
         span: Span,
     ) -> Value {
-        use crate::ir::BinaryOp as B;
         match (&a, &b) {
             (Value::Poison, _) | (_, Value::Poison) => Value::Poison,
             (Value::Tensor(x), Value::Tensor(y)) => self.add(Op::Binary(op), vec![*x, *y], span),
@@ -1082,28 +1081,7 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                 self.add(Op::Binary(op), vec![l, r], span)
             }
             (x, y) if x.is_scalar() && y.is_scalar() => {
-                let folded = match op {
-                    B::Pow => match (x.as_f64(), y.as_f64()) {
-                        (Some(p), Some(q)) => Ok(Value::Float(p.powf(q))),
-                        _ => Err("`pow` needs numbers".to_string()),
-                    },
-                    B::Maximum | B::Minimum => match (x, y) {
-                        (Value::Int(p), Value::Int(q)) => Ok(Value::Int(if op == B::Maximum {
-                            *p.max(q)
-                        } else {
-                            *p.min(q)
-                        })),
-                        _ => match (x.as_f64(), y.as_f64()) {
-                            (Some(p), Some(q)) => Ok(Value::Float(if op == B::Maximum {
-                                p.max(q)
-                            } else {
-                                p.min(q)
-                            })),
-                            _ => Err(format!("`{what}` needs numbers")),
-                        },
-                    },
-                    _ => fold_binary(ast_op(op), x, y),
-                };
+                let folded = fold_binary(op, what, x, y);
                 match folded {
                     Ok(v) => v,
                     Err(m) => {
@@ -1959,26 +1937,6 @@ fn dim_pairs<'e>(dims: &'e [DimExpr], actual: &[usize]) -> Option<Vec<(&'e Expr,
 
 /// Reads the source text of a span.
 pub type SourceTexts<'a> = Box<dyn Fn(Span) -> Option<String> + 'a>;
-
-fn ast_op(op: crate::ir::BinaryOp) -> BinOp {
-    use crate::ir::BinaryOp as B;
-    match op {
-        B::Add => BinOp::Add,
-        B::Sub => BinOp::Sub,
-        B::Mul => BinOp::Mul,
-        B::Div => BinOp::Div,
-        B::Rem => BinOp::Rem,
-        B::Eq => BinOp::Eq,
-        B::Ne => BinOp::Ne,
-        B::Lt => BinOp::Lt,
-        B::Le => BinOp::Le,
-        B::Gt => BinOp::Gt,
-        B::Ge => BinOp::Ge,
-        B::And => BinOp::And,
-        B::Or => BinOp::Or,
-        B::Pow | B::Maximum | B::Minimum => BinOp::Mul,
-    }
-}
 
 /// The closest candidate to `name` by edit distance, if close enough to be a likely typo.
 pub fn suggest<'s>(name: &str, candidates: impl Iterator<Item = &'s str>) -> Option<String> {

@@ -7,7 +7,8 @@
 use super::types::{DType, Scalar, Shape, TensorType};
 use std::fmt;
 
-/// Elementwise one-operand ops.
+/// Elementwise one-operand ops. Their names, dtypes, formulas and facts are in
+/// [`super::op_table`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum UnaryOp {
     Neg,
@@ -47,54 +48,9 @@ impl UnaryOp {
         UnaryOp::Erf,
         UnaryOp::Not,
     ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Rsqrt => "rsqrt",
-            UnaryOp::Recip => "recip",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Relu => "relu",
-            UnaryOp::Gelu => "gelu",
-            UnaryOp::Silu => "silu",
-            UnaryOp::Sin => "sin",
-            UnaryOp::Cos => "cos",
-            UnaryOp::Erf => "erf",
-            UnaryOp::Not => "not",
-        }
-    }
-
-    /// The builtin of that name (`not` is spelled `!` in TDSL and is no builtin).
-    pub fn from_builtin(name: &str) -> Option<UnaryOp> {
-        UnaryOp::ALL
-            .into_iter()
-            .find(|op| op.name() == name && *op != UnaryOp::Not)
-    }
-
-    /// Which dtypes the op accepts.
-    fn accepts(self, dtype: DType) -> bool {
-        match self {
-            UnaryOp::Not => dtype == DType::Bool,
-            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu => dtype.is_numeric(),
-            _ => dtype.is_float(),
-        }
-    }
-
-    fn accepted(self) -> &'static str {
-        match self {
-            UnaryOp::Not => "bool",
-            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Relu => "a numeric dtype (f32, f16, bf16, i32)",
-            _ => "a float dtype (f32, f16, bf16)",
-        }
-    }
 }
 
-/// Elementwise two-operand ops (NumPy broadcasting).
+/// Elementwise two-operand ops (NumPy broadcasting); their table is in [`super::op_table`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BinaryOp {
     Add,
@@ -134,60 +90,6 @@ impl BinaryOp {
         BinaryOp::And,
         BinaryOp::Or,
     ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Rem => "rem",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-            BinaryOp::Eq => "eq",
-            BinaryOp::Ne => "ne",
-            BinaryOp::Lt => "lt",
-            BinaryOp::Le => "le",
-            BinaryOp::Gt => "gt",
-            BinaryOp::Ge => "ge",
-            BinaryOp::And => "and",
-            BinaryOp::Or => "or",
-        }
-    }
-
-    pub fn is_comparison(self) -> bool {
-        matches!(
-            self,
-            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
-        )
-    }
-
-    pub fn is_logical(self) -> bool {
-        matches!(self, BinaryOp::And | BinaryOp::Or)
-    }
-
-    fn accepts(self, dtype: DType) -> bool {
-        if self.is_logical() {
-            dtype == DType::Bool
-        } else if matches!(self, BinaryOp::Eq | BinaryOp::Ne) {
-            true
-        } else if self == BinaryOp::Pow {
-            dtype.is_float()
-        } else {
-            dtype.is_numeric()
-        }
-    }
-
-    fn accepted(self) -> &'static str {
-        if self.is_logical() {
-            "bool"
-        } else if self == BinaryOp::Pow {
-            "a float dtype (f32, f16, bf16)"
-        } else {
-            "a numeric dtype (f32, f16, bf16, i32)"
-        }
-    }
 }
 
 /// Reductions over a set of axes.
@@ -547,19 +449,6 @@ impl Op {
             Op::Concat { .. } => return None,
         })
     }
-
-    /// True for ops whose result can be a view of their operand (no data movement when the
-    /// layout allows): the layout pass decides.
-    pub fn is_view_candidate(&self) -> bool {
-        matches!(
-            self,
-            Op::Reshape { .. }
-                | Op::Permute { .. }
-                | Op::BroadcastTo { .. }
-                | Op::Slice { .. }
-                | Op::Select { .. }
-        )
-    }
 }
 
 /// Why an op cannot take the operands it was given. `message` is the headline,
@@ -704,7 +593,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
         Op::Unary(u) => {
             let x = ins[0];
             if !u.accepts(x.dtype) {
-                return Err(wrong_dtype(u.name(), x.dtype, u.accepted()));
+                return Err(wrong_dtype(u.name(), x.dtype, u.spec().takes.describe()));
             }
             Ok(x.clone())
         }
@@ -712,7 +601,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             let (x, y) = (ins[0], ins[1]);
             same_dtype(&format!("`{}`", b.name()), x.dtype, y.dtype)?;
             if !b.accepts(x.dtype) {
-                return Err(wrong_dtype(b.name(), x.dtype, b.accepted()));
+                return Err(wrong_dtype(b.name(), x.dtype, b.spec().takes.describe()));
             }
             let shape = broadcast_shapes(&x.shape, &y.shape).map_err(|e| {
                 let detail = format!("{x} and {y}: {}", broadcast_axis_detail(&e));

@@ -101,7 +101,7 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<VerifyError>> {
     for (target, value) in &graph.updates {
         match (graph.get(*target), graph.get(*value)) {
             (Some(t), Some(v)) => {
-                if !matches!(t.op, Op::Param { .. } | Op::State { .. }) {
+                if !t.op.is_persistent() {
                     err(format!(
                         "update target {} is not a param or state",
                         target.index()

@@ -38,13 +38,11 @@
 //! operand that is no strided view, a reduction evaluated too often, an in-place update
 //! hazard) materializes the offending node and fusion runs again (at most once per node).
 
-use super::lower::{
-    self, free_vars, is_scatter, matmul_anchor_ok, reachable, Builder, Decisions, LowerError,
-};
+use super::lower::{self, free_vars, matmul_anchor_ok, reachable, Builder, Decisions, LowerError};
 pub use super::Fused;
 use super::{ExprId, Kernel, Store, E};
 use crate::analysis::zeros::Zeros;
-use crate::ir::{Graph, NodeId, Op, PoolKind};
+use crate::ir::{Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Options of the fusion pass.
@@ -89,77 +87,12 @@ pub enum FuseError {
     UpdateHazard(String),
 }
 
-fn is_leaf(op: &Op) -> bool {
-    matches!(op, Op::Input { .. } | Op::Param { .. } | Op::State { .. })
-}
-
-fn is_pointwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_)
-            | Op::Binary(_)
-            | Op::Where
-            | Op::Cast { .. }
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Tri { .. }
-            | Op::Dropout { .. }
-            | Op::Concat { .. }
-            | Op::Embedding
-    )
-}
-
-fn is_reduction_like(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Reduce { .. }
-            | Op::ArgMax { .. }
-            | Op::MatMul
-            | Op::Conv2d { .. }
-            | Op::Conv2dGradInput { .. }
-            | Op::Conv2dGradWeight { .. }
-            | Op::Pool2d { .. }
-            | Op::Pool2dGrad {
-                kind: PoolKind::Avg,
-                ..
-            }
-    )
-}
-
-/// True when `user` reads operand slot `k` many times per element.
-fn heavy_read(op: &Op, k: usize) -> bool {
-    match op {
-        Op::MatMul
-        | Op::Conv2d { .. }
-        | Op::Conv2dGradInput { .. }
-        | Op::Conv2dGradWeight { .. }
-        | Op::Pool2d { .. }
-        | Op::Pool2dGrad { .. }
-        | Op::Attention { .. }
-        | Op::AttentionLse { .. } => true,
-        Op::Embedding => k == 0,
-        _ => false,
-    }
-}
-
 /// Whether `u` reads a matmul or convolution result directly (so may be its epilogue).
 fn reads_a_product(g: &Graph, u: NodeId) -> bool {
-    g.node(u).inputs.iter().any(|&i| {
-        matches!(
-            g.node(i).op,
-            Op::MatMul
-                | Op::Conv2d { .. }
-                | Op::Conv2dGradInput { .. }
-                | Op::Conv2dGradWeight { .. }
-        )
-    })
-}
-
-fn elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
-    )
+    g.node(u)
+        .inputs
+        .iter()
+        .any(|&i| g.node(i).op.is_contraction())
 }
 
 /// Runs fusion on a scheduled graph.
@@ -254,7 +187,7 @@ fn decide(
     let no_users = Vec::new();
     for &n in order {
         let op = &g.node(n).op;
-        if is_leaf(op) || outputs.contains(&n) || updates.contains(&n) || is_scatter(op) {
+        if op.is_leaf() || outputs.contains(&n) || updates.contains(&n) || op.is_scatter() {
             m.insert(n);
         }
         // A weight gradient split along k accumulates into a buffer of its own.
@@ -268,13 +201,13 @@ fn decide(
         let op = &g.node(n).op;
         let us = users.get(&n).unwrap_or(&no_users);
         let is_heavy = us.iter().any(|&(u, k)| {
-            heavy_read(&g.node(u).op, k)
+            g.node(u).op.reads_operand_repeatedly(k)
                 || (g.node(u).op.is_view_candidate() && heavy.contains(&u) && !m.contains(&u))
         });
         if is_heavy {
             heavy.insert(n);
         }
-        if m.contains(&n) || is_leaf(op) || matches!(op, Op::Literal { .. }) {
+        if m.contains(&n) || op.is_leaf() || matches!(op, Op::Literal { .. }) {
             continue;
         }
         if op.is_view_candidate() {
@@ -284,21 +217,21 @@ fn decide(
             m.insert(n);
             continue;
         }
-        if is_pointwise(op) {
+        if op.is_pointwise() {
             let constant = matches!(op, Op::Full { .. } | Op::Arange { .. });
             if is_heavy && !constant {
                 m.insert(n);
             }
             continue;
         }
-        if is_reduction_like(op) {
+        if op.is_reduction_like() {
             let single = us.len() == 1;
             let ok = single
                 && !is_heavy
                 && match op {
                     Op::MatMul if matmul_anchor_ok(g, n) => {
                         let (u, _) = us[0];
-                        elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
+                        g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape
                     }
                     // An implicit GEMM is an anchor too: only an elementwise epilogue.
                     Op::Conv2d { .. }
@@ -307,13 +240,13 @@ fn decide(
                         if opts.implicit_gemm =>
                     {
                         let (u, _) = us[0];
-                        elementwise(&g.node(u).op) && g.ty(u).shape == g.ty(n).shape
+                        g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape
                     }
                     // A reduction read by a matmul's epilogue would be recomputed for every
                     // element there (an epilogue has no loop over rows to hoist it to):
                     // attention's row sums `sum(dO * O)` read by `dS = P * (dP - D)`.
                     Op::Reduce { .. } if reads_a_product(g, us[0].0) => false,
-                    _ => !is_scatter(&g.node(us[0].0).op),
+                    _ => !g.node(us[0].0).op.is_scatter(),
                 };
             if !ok {
                 m.insert(n);
@@ -331,13 +264,13 @@ fn decide(
     let mut kept = Vec::new();
     for &n in order {
         let node = g.node(n);
-        if m.contains(&n) || is_leaf(&node.op) {
+        if m.contains(&n) || node.op.is_leaf() {
             cost.insert(n, 1);
             continue;
         }
         let c = match &node.op {
             Op::Literal { .. } => 0,
-            op if is_reduction_like(op) => 1000,
+            op if op.is_reduction_like() => 1000,
             _ => {
                 1 + node
                     .inputs
@@ -347,7 +280,7 @@ fn decide(
             }
         };
         let nusers = users.get(&n).map_or(0, |u| u.len());
-        if is_pointwise(&node.op) && nusers > 1 && c > 8 {
+        if node.op.is_pointwise() && nusers > 1 && c > 8 {
             if shared_root(g, n, &m, &users, &hosts).is_some() && local_cost(g, n, &m) <= 8 {
                 // Every use ends in one kernel: computed there once per use, and a row
                 // statistic below it once per row (softmax's `exp(x - max(x))`, read by
@@ -446,8 +379,8 @@ fn concat_pieces(
             let op = &g.node(x).op;
             let ok = m.contains(&x)
                 && single(x)
-                && !is_leaf(op)
-                && !is_scatter(op)
+                && !op.is_leaf()
+                && !op.is_scatter()
                 && !matches!(op, Op::Concat { .. })
                 && lower::conv_split_k(g, x) <= 1
                 && g.ty(x).dtype == node.ty.dtype
@@ -496,10 +429,10 @@ fn update_hosts(
         let mut stack = g.node(x).inputs.clone();
         let mut seen = BTreeSet::new();
         while let Some(y) = stack.pop() {
-            if !seen.insert(y) || m.contains(&y) || is_leaf(&g.node(y).op) {
+            if !seen.insert(y) || m.contains(&y) || g.node(y).op.is_leaf() {
                 continue;
             }
-            if is_reduction_like(&g.node(y).op) || is_scatter(&g.node(y).op) {
+            if g.node(y).op.is_reduction_like() || g.node(y).op.is_scatter() {
                 return false;
             }
             stack.extend(g.node(y).inputs.iter().copied());
@@ -517,10 +450,10 @@ fn update_hosts(
         };
         order[a.min(b) + 1..a.max(b)]
             .iter()
-            .all(|&x| !m.contains(&x) || is_leaf(&g.node(x).op) || updates.contains(&x))
+            .all(|&x| !m.contains(&x) || g.node(x).op.is_leaf() || updates.contains(&x))
     };
     let hostable = |x: NodeId| {
-        updates.contains(&x) && m.contains(&x) && elementwise(&g.node(x).op) && pointwise(x)
+        updates.contains(&x) && m.contains(&x) && g.node(x).op.is_elementwise() && pointwise(x)
     };
     let mut hosts: BTreeMap<NodeId, NodeId> = updates
         .iter()
@@ -562,7 +495,10 @@ fn shared_root(
                 _ => return None,
             }
         }
-        if !m.contains(&at) || heavy_read(&g.node(at).op, 0) || is_scatter(&g.node(at).op) {
+        if !m.contains(&at)
+            || g.node(at).op.reads_operand_repeatedly(0)
+            || g.node(at).op.is_scatter()
+        {
             return None;
         }
         let at = hosts.get(&at).copied().unwrap_or(at);
@@ -586,12 +522,12 @@ fn local_cost(g: &Graph, n: NodeId, m: &BTreeSet<NodeId>) -> usize {
             continue;
         }
         let node = g.node(x);
-        if (x != n && m.contains(&x)) || is_leaf(&node.op) {
+        if (x != n && m.contains(&x)) || node.op.is_leaf() {
             continue;
         }
         match &node.op {
             Op::Literal { .. } => {}
-            op if is_reduction_like(op) => total += 1,
+            op if op.is_reduction_like() => total += 1,
             op if op.is_view_candidate() => stack.extend(node.inputs.iter().copied()),
             _ => {
                 total += 1;
@@ -669,7 +605,7 @@ fn build(
     for (pos, &n) in order.iter().enumerate() {
         let node = g.node(n);
         if !m.contains(&n)
-            || is_leaf(&node.op)
+            || node.op.is_leaf()
             || hosted.contains(&n)
             || written_by_pieces.contains(&n)
         {
@@ -711,7 +647,7 @@ fn build(
             }
             continue;
         }
-        if is_scatter(&node.op) {
+        if node.op.is_scatter() {
             kernels.push(fill_kernel(&d, n, name)?);
             pos_of_kernel.push(pos);
             let name = format!("k{}", kernels.len());

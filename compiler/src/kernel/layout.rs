@@ -26,22 +26,9 @@ use super::lower::matmul_anchor_ok;
 use crate::ir::{Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
-fn conv_family(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Conv2d { .. }
-            | Op::Conv2dGradInput { .. }
-            | Op::Conv2dGradWeight { .. }
-            | Op::Pool2d { .. }
-            | Op::Pool2dGrad { .. }
-    )
-}
-
+/// Ops a channels-last layout passes through unchanged.
 fn passes_layout(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::BroadcastTo { .. }
-    )
+    op.is_elementwise() || matches!(op, Op::BroadcastTo { .. })
 }
 
 /// NHWC for every materialized 4-D intermediate of a convolution chain.
@@ -52,7 +39,7 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
     let mut in_chain: BTreeSet<NodeId> = BTreeSet::new();
     let mut stack: Vec<NodeId> = Vec::new();
     for n in g.node_ids() {
-        if conv_family(&g.node(n).op) {
+        if g.node(n).op.is_spatial() {
             stack.push(n);
             stack.extend(g.node(n).inputs.iter().copied());
         }
@@ -62,11 +49,11 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
             continue;
         }
         let node = g.node(n);
-        if passes_layout(&node.op) || conv_family(&node.op) {
+        if passes_layout(&node.op) || node.op.is_spatial() {
             stack.extend(node.inputs.iter().copied());
         }
         for u in g.users(n) {
-            if passes_layout(&g.node(u).op) || conv_family(&g.node(u).op) {
+            if passes_layout(&g.node(u).op) || g.node(u).op.is_spatial() {
                 stack.push(u);
             }
         }
@@ -76,7 +63,7 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
         .filter(|n| {
             let op = &g.node(*n).op;
             materialized.contains(n)
-                && (passes_layout(op) || conv_family(op))
+                && (passes_layout(op) || op.is_spatial())
                 && !outputs.contains(n)
                 && !updates.contains(n)
         })
@@ -102,12 +89,8 @@ pub fn permuted_products(
         if !product || rank < 3 || read_by_caller.contains(&n) {
             continue;
         }
-        let same_shape_elementwise = |u: NodeId| {
-            matches!(
-                g.node(u).op,
-                Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. }
-            ) && g.ty(u).shape == g.ty(n).shape
-        };
+        let same_shape_elementwise =
+            |u: NodeId| g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape;
         let mut perms = g
             .users(n)
             .into_iter()

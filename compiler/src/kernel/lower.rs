@@ -1457,15 +1457,3 @@ pub fn scatter_kernel(d: &Decisions<'_>, n: NodeId, name: String) -> Res<Kernel>
         ))),
     }
 }
-
-/// Whether a node is computed by accumulating into a zeroed buffer.
-pub fn is_scatter(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::EmbeddingGrad { .. }
-            | Op::Pool2dGrad {
-                kind: PoolKind::Max,
-                ..
-            }
-    )
-}

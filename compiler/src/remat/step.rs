@@ -58,7 +58,7 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
     // Taps per output element of a convolution with weight dims [O, I/groups, KH, KW].
     let taps = |w: &[usize]| -> u64 { w.iter().skip(1).product::<usize>() as u64 };
     match &node.op {
-        op if is_source(op) || op.is_view_candidate() => 0,
+        op if op.is_source() || op.is_view_candidate() => 0,
         Op::MatMul => {
             let k = dims(0).last().copied().unwrap_or(1) as u64;
             2 * out * k
@@ -81,20 +81,6 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
     }
 }
 
-/// Leaves and constants: no FLOPs, and nothing to recompute.
-fn is_source(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Input { .. }
-            | Op::Param { .. }
-            | Op::State { .. }
-            | Op::Literal { .. }
-            | Op::Full { .. }
-            | Op::Arange { .. }
-            | Op::Grad
-    )
-}
-
 /// FLOPs of a whole step.
 pub fn step_flops(g: &Graph) -> u64 {
     g.node_ids().map(|n| flops(g, n)).sum()
@@ -107,7 +93,7 @@ fn evictable(g: &Graph, n: NodeId, alias: bool) -> bool {
     let node = g.node(n);
     !node.backward
         && !alias
-        && !is_source(&node.op)
+        && !node.op.is_source()
         && !g.outputs.iter().any(|(_, o)| *o == n)
         && g.train.as_ref().is_none_or(|t| t.loss != n)
         && !g.updates.iter().any(|(t, v)| *t == n || *v == n)
@@ -193,7 +179,7 @@ impl Model {
         for (i, &id) in order.iter().enumerate() {
             let node = g.node(id);
             rg.names.push(format!("{} {}", node.op.name(), node.ty));
-            let persistent = matches!(node.op, Op::Param { .. } | Op::State { .. });
+            let persistent = node.op.is_persistent();
             let alias = alias_set.contains(&id);
             let scalar = matches!(node.op, Op::Literal { .. });
             if !persistent && !alias && !scalar {
@@ -297,10 +283,7 @@ pub fn apply(g: &Graph, evict: &BTreeSet<NodeId>) -> Graph {
     impl Cloner<'_> {
         /// Whether a reader at position `at` needs `n` recomputed.
         fn needs(&self, n: NodeId, at: usize) -> bool {
-            let leaf = matches!(
-                self.g.node(n).op,
-                Op::Input { .. } | Op::Param { .. } | Op::State { .. }
-            );
+            let leaf = self.g.node(n).op.is_leaf();
             self.evict.contains(&n)
                 || (!leaf
                     && !self.g.node(n).backward
