@@ -482,16 +482,21 @@ fn wants(opts: &Options, stage: &str) -> bool {
 fn check(stage: &'static str, p: &Product) -> Result<(), StageError> {
     let fail = |message: String| StageError::Verify { stage, message };
     match p {
-        Product::Graph(g) => verify(g).map_err(|errs| {
-            fail(
-                errs.iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        }),
-        Product::Kernels(_) | Product::Planned(_) | Product::Code(_) => Ok(()),
+        Product::Graph(g) => verify(g).map_err(|e| fail(join(&e))),
+        Product::Kernels(k) => {
+            crate::kernel::verify::verify_kernels(&k.graph, &k.fused).map_err(|e| fail(join(&e)))
+        }
+        Product::Planned(p) => crate::kernel::verify::verify_planned(&p.graph, &p.fused, &p.plan)
+            .map_err(|e| fail(join(&e))),
+        Product::Code(_) => Ok(()),
     }
+}
+
+fn join<E: std::fmt::Display>(errs: &[E]) -> String {
+    errs.iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn graph_of(p: Product, stage: &str) -> Result<Graph, StageError> {
