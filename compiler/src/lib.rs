@@ -1,8 +1,12 @@
 //! `tcc`: a tensor-program compiler that runs a whole inference or training step in one
 //! static memory arena.
 //!
-//! The pipeline (see DESIGN.md): [`front`] lowers TDSL source to the graph [`ir`]; later
-//! stages (autodiff, passes, planner, back ends) transform that graph.
+//! The pipeline is one table, [`pipeline::PIPELINE`]: [`front`] lowers TDSL source to the
+//! graph [`ir`]; [`autodiff`], the graph stages of [`passes`] and [`remat`] transform it;
+//! [`kernel`] fuses it into kernels, [`plan`] places their buffers in one arena, and
+//! [`back`] translates them (Cranelift for the CPU, PTX for CUDA). Layers import only
+//! downwards: `kernel`, `plan` and `analysis` never import a back end; facts about the
+//! target machine come from [`target`].
 
 pub mod analysis;
 pub mod artifact;

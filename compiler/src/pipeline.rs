@@ -619,6 +619,24 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_and_this_module_list_the_stages_in_order() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let readme = std::fs::read_to_string(root.join("README.md")).unwrap_or_default();
+        let here = include_str!("pipeline.rs");
+        for (what, text) in [("README.md", readme.as_str()), ("pipeline.rs", here)] {
+            let rows: Vec<&str> = text
+                .lines()
+                .filter_map(|l| {
+                    let l = l.trim_start_matches("//!").trim();
+                    l.strip_prefix("| `")?.split('`').next()
+                })
+                .filter(|n| stage(n).is_some())
+                .collect();
+            assert_eq!(rows, stage_names(), "the stage table of {what}");
+        }
+    }
+
+    #[test]
     fn a_product_of_the_wrong_form_is_an_error() {
         let g = Graph::new("m");
         let opts = Options::default();

@@ -4,6 +4,7 @@ mod arena_cmd;
 mod build;
 pub mod fit;
 pub mod mem;
+pub mod plan_svg;
 pub mod remat_cmd;
 pub mod run;
 
@@ -455,7 +456,7 @@ pub fn run(cli: Cli) -> ExitCode {
                         }
                     }
                     if let Some(path) = svg {
-                        let doc = crate::plan::svg::render(&scheduled, &plan, &eager, &sources.map);
+                        let doc = plan_svg::render(&scheduled, &plan, &eager, &sources.map);
                         if let Err(e) = std::fs::write(&path, doc) {
                             let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                             return ExitCode::from(1);

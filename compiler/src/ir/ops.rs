@@ -1124,3 +1124,15 @@ fn infer_conv(
     }
     Ok(TensorType::new(x.dtype, dims))
 }
+
+/// Largest head dimension (`D` and `E`) of an [`Op::Attention`]: the fused kernel's register
+/// tiles hold a row block's output, `E / 16` columns a thread.
+pub const MAX_ATTENTION_HEAD_DIM: usize = 128;
+
+/// Head dimensions an [`Op::Attention`] takes (the graph rewrite makes one only for these,
+/// and the PTX back end implements exactly these): multiples of 16 up to
+/// [`MAX_ATTENTION_HEAD_DIM`].
+pub fn attention_supported(d: usize, e: usize) -> bool {
+    let ok = |x: usize| x > 0 && x <= MAX_ATTENTION_HEAD_DIM && x.is_multiple_of(16);
+    ok(d) && ok(e)
+}

@@ -955,7 +955,7 @@ impl Kernel {
     }
 
     /// The live nodes computed in the loop of variable `v` (`None`: before every loop),
-    /// given each node's loop (see `back::clif::sites`).
+    /// given each node's loop (see `kernel::sites`).
     pub fn at_site(live: &[ExprId], site: &[Option<Var>], v: Option<Var>) -> Vec<ExprId> {
         live.iter()
             .copied()

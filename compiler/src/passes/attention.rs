@@ -21,16 +21,9 @@
 
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceOp, Scalar, UnaryOp};
 
-/// Largest head dimension (`D` and `E`) the fused kernel takes: its register tiles hold
-/// a row block's output, `E / 16` columns a thread.
-pub const MAX_HEAD_DIM: usize = 128;
-
-/// Shapes the CUDA attention kernel takes: f32, head dimensions multiples of 16 up to
-/// [`MAX_HEAD_DIM`].
-pub fn supported(d: usize, e: usize) -> bool {
-    let ok = |x: usize| x > 0 && x <= MAX_HEAD_DIM && x.is_multiple_of(16);
-    ok(d) && ok(e)
-}
+pub use crate::ir::ops::{
+    attention_supported as supported, MAX_ATTENTION_HEAD_DIM as MAX_HEAD_DIM,
+};
 
 /// One match of the composite.
 struct Found {

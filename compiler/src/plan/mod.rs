@@ -8,8 +8,6 @@
 //! ([`crate::analysis::arena::plan`]: greedy by size and by lifetime, then a search towards
 //! the max-live lower bound).
 
-pub mod svg;
-
 use crate::analysis::arena::{self, Interval};
 use crate::analysis::interference;
 use crate::analysis::liveness::{liveness, BufferKind, Liveness};

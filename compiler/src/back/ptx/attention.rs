@@ -201,7 +201,7 @@ pub(super) fn emit(
     };
     let (t, s, d) = (at.t, at.s, at.d);
     let e = if at.v.is_some() { at.e } else { 0 };
-    if !crate::passes::attention::supported(d, e.max(16)) || t == 0 || s == 0 {
+    if !crate::ir::ops::attention_supported(d, e.max(16)) || t == 0 || s == 0 {
         return Err(unsupported(
             "attention head dimensions outside the kernel's",
         ));

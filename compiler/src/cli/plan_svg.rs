@@ -2,10 +2,10 @@
 //! with a hover title (node, type, source line); lines mark the arena size and the max-live
 //! lower bound; a second panel draws the eager live-bytes curve at the same byte scale.
 
-use super::Plan;
 use crate::analysis::liveness::BufferKind;
 use crate::eager::memory::EagerMemory;
 use crate::ir::Graph;
+use crate::plan::Plan;
 use std::fmt::Write;
 use tcc_grammar::span::SourceMap;
 
