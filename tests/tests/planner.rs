@@ -200,7 +200,7 @@ fn mem_text(ex: &str, set: &str) -> (String, String) {
     let (program, scheduled) = graphs(&src, &opts);
     let (r, p, e) =
         tcc::cli::mem::report(&program, &scheduled, &sources, Duration::from_millis(500)).unwrap();
-    let svg = tcc::plan::svg::render(&scheduled, &p, &e, &sources.map);
+    let svg = tcc::cli::plan_svg::render(&scheduled, &p, &e, &sources.map);
     (tcc::cli::mem::text(&r, false), svg)
 }
 
