@@ -11,6 +11,7 @@ use crate::back::clif;
 use crate::eager;
 use crate::ir::{DType, Graph, NodeId, Op};
 use crate::kernel::fuse::{FuseError, FuseOptions, Fused};
+use crate::kernel::offsets::{NoOffset, Offsets};
 use crate::plan::{self, Plan};
 use std::time::Duration;
 use tcc_runtime::artifact as fmt;
@@ -52,6 +53,8 @@ pub enum BuildError {
     Clif(#[from] clif::ClifError),
     #[error("the memory plan is invalid: {0}")]
     Plan(String),
+    #[error("the memory plan is invalid: {0}")]
+    NoOffset(#[from] NoOffset),
     #[error("PTX generation: {0}")]
     Ptx(#[from] crate::back::ptx::PtxError),
     #[error("param `{0}` has no initialiser and no value was given")]
@@ -68,6 +71,8 @@ pub struct Compiled {
     pub graph: Graph,
     pub fused: Fused,
     pub plan: Plan,
+    /// The arena offset of every buffer the kernels access (from `plan`).
+    pub offsets: Offsets,
     /// Code of every kernel (CLIF text for the CPU, PTX for CUDA).
     pub code: String,
     /// CUDA launch shapes, one per kernel (empty on the CPU).
@@ -128,7 +133,8 @@ fn run_stages(
     })
 }
 
-/// The `plan` stage: plans the buffers the kernels use into one arena and verifies the plan.
+/// The `plan` stage: plans the buffers the kernels use into one arena, verifies the plan and
+/// gives every access of the kernels its offset ([`Offsets`]).
 pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Planned, BuildError> {
     let mut plan = plan::plan_kernels(&graph, &fused, o.plan_budget);
     if o.target == Target::Cuda {
@@ -148,10 +154,12 @@ pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Pl
                 .join("; "),
         )
     })?;
+    let offsets = Offsets::new(&fused.kernels, &plan)?;
     Ok(Planned {
         graph,
         fused,
         plan,
+        offsets,
         timings: Vec::new(),
     })
 }
@@ -162,6 +170,9 @@ pub struct Planned {
     pub graph: Graph,
     pub fused: Fused,
     pub plan: Plan,
+    /// The arena offset of every buffer the kernels access (from `plan`): what the printer
+    /// and the back ends read.
+    pub offsets: Offsets,
     /// Wall time of each stage (filled in by [`plan_step`]).
     pub timings: Vec<(&'static str, Duration)>,
 }
@@ -186,19 +197,18 @@ pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
 /// launches.
 pub fn codegen(p: Planned, o: &CompileOptions) -> Result<Compiled, BuildError> {
     let Planned {
-        graph, fused, plan, ..
+        graph,
+        fused,
+        plan,
+        offsets,
+        ..
     } = p;
     let scratch_offset = plan.scratch_offset();
     let (code, launches) = match o.target {
-        Target::Cpu => (
-            clif::emit_module(&fused.kernels, &|n| plan.offset_of(n))?,
-            Vec::new(),
-        ),
-        Target::Cuda => crate::back::ptx::emit_module(
-            &fused.kernels,
-            &|n| plan.offset_of(n),
-            ptx_options(o, scratch_offset),
-        )?,
+        Target::Cpu => (clif::emit_module(&fused.kernels, &offsets)?, Vec::new()),
+        Target::Cuda => {
+            crate::back::ptx::emit_module(&fused.kernels, &offsets, ptx_options(o, scratch_offset))?
+        }
     };
     // The kernels that use the scratch region (stream-K matmuls) share it: they run one
     // after another.
@@ -217,6 +227,7 @@ pub fn codegen(p: Planned, o: &CompileOptions) -> Result<Compiled, BuildError> {
         graph,
         fused,
         plan,
+        offsets,
         code,
         launches,
         deps,

@@ -116,7 +116,7 @@ impl Product {
                     p.plan.scratch_offset(),
                     p.plan.liveness.buffers.len(),
                     p.plan.method,
-                    print_kernels(&p.fused.kernels, Some(&|n| p.plan.offset_of(n)))
+                    print_kernels(&p.fused.kernels, Some(&p.offsets))
                 )
             }
             Product::Code(c) => c.code.clone(),

@@ -5,6 +5,7 @@ use std::time::Duration;
 use tcc::artifact::{plan_step, CompileOptions, Planned, Target};
 use tcc::ir::NodeId;
 use tcc::kernel::fuse::FuseOptions;
+use tcc::kernel::offsets::Offsets;
 use tcc::kernel::verify::{check_kernels, verify_kernels, verify_planned, KernelError};
 use tcc::kernel::E;
 use tcc_tests::{compile_pipeline, options_from_args, root};
@@ -537,6 +538,12 @@ fn misplaced_buffers_are_reported() {
         "{}",
         lines(&errs)
     );
+    // The `plan` stage's offset table refuses it too, naming the same first access.
+    match Offsets::new(&p.fused.kernels, &p.plan) {
+        Err(e) => assert_eq!((e.kernel, e.buf), (first, b.index()), "{e}"),
+        Ok(_) => panic!("an access without an offset went unnoticed"),
+    }
+    assert_eq!(base.offsets.get(b), base.plan.offset_of(b));
     // An update's new value somewhere else than over its param.
     let mut p = base;
     let (t, v) = p.graph.updates[0];

@@ -15,6 +15,7 @@
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::reachable;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
@@ -85,12 +86,12 @@ struct SimdPlan {
     invariants: Vec<ExprId>,
 }
 
-/// Translates kernels to CLIF text, in order. `offset_of` gives each buffer's arena offset.
-pub fn emit_module(kernels: &[Kernel], offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Res<String> {
+/// Translates kernels to CLIF text, in order. `offsets` gives each buffer's arena offset.
+pub fn emit_module(kernels: &[Kernel], offsets: &Offsets) -> Res<String> {
     let mut out = String::new();
     let mut fctx = FunctionBuilderContext::new();
     for k in kernels {
-        let f = emit_kernel(k, offset_of, &mut fctx)?;
+        let f = emit_kernel(k, offsets, &mut fctx)?;
         out.push_str(&f.display().to_string());
         out.push('\n');
     }
@@ -118,13 +119,13 @@ fn signature() -> Signature {
 /// Translates one kernel into a verified Cranelift function.
 pub fn emit_kernel(
     k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     fctx: &mut FunctionBuilderContext,
 ) -> Res<Function> {
     let mut func = Function::with_name_signature(UserFuncName::testcase(&k.name), signature());
     {
         let b = FunctionBuilder::new(&mut func, fctx);
-        let mut cg = Cg::new(b, k, offset_of)?;
+        let mut cg = Cg::new(b, k, offsets)?;
         match &k.matmul {
             Some(mm) => cg.matmul(mm)?,
             None => cg.loops()?,
@@ -150,7 +151,7 @@ struct LoopCtx {
 struct Cg<'a, 'b> {
     b: FunctionBuilder<'b>,
     k: &'a Kernel,
-    offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+    offsets: &'a Offsets,
     arena: Value,
     lo: Value,
     hi: Value,
@@ -170,11 +171,7 @@ struct Cg<'a, 'b> {
 }
 
 impl<'a, 'b> Cg<'a, 'b> {
-    fn new(
-        mut b: FunctionBuilder<'b>,
-        k: &'a Kernel,
-        offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
-    ) -> Res<Cg<'a, 'b>> {
+    fn new(mut b: FunctionBuilder<'b>, k: &'a Kernel, offsets: &'a Offsets) -> Res<Cg<'a, 'b>> {
         let entry = b.create_block();
         b.append_block_params_for_function_params(entry);
         b.switch_to_block(entry);
@@ -184,7 +181,7 @@ impl<'a, 'b> Cg<'a, 'b> {
         Ok(Cg {
             b,
             k,
-            offset_of,
+            offsets,
             arena: p[0],
             lo: p[1],
             hi: p[2],
@@ -314,7 +311,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             if a.coef(inner) != 1 {
                 return None;
             }
-            stores.push(((self.offset_of)(s.buf)?, a));
+            stores.push((self.offsets.get(s.buf)?, a));
         }
         let mut seen = vec![false; pool.nodes.len()];
         let mut invariants = Vec::new();
@@ -342,7 +339,7 @@ impl<'a, 'b> Cg<'a, 'b> {
                     if !matches!(a.coef(inner), 0 | 1) {
                         return None;
                     }
-                    let off = (self.offset_of)(*buf)?;
+                    let off = self.offsets.get(*buf)?;
                     if stores.iter().any(|(so, sa)| *so == off && *sa != a) {
                         return None;
                     }
@@ -520,7 +517,10 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 
     fn address(&mut self, buf: NodeId, dtype: DType, idx: Value) -> Res<Value> {
-        let off = (self.offset_of)(buf).ok_or(ClifError::NoOffset(buf.index()))?;
+        let off = self
+            .offsets
+            .get(buf)
+            .ok_or(ClifError::NoOffset(buf.index()))?;
         let scaled = self.b.ins().imul_imm_s(idx, dtype.size_bytes() as i64);
         let base = self.b.ins().iadd_imm_s(self.arena, off as i64);
         Ok(self.b.ins().iadd(base, scaled))
@@ -1399,7 +1399,10 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 
     fn elem_addr(&mut self, buf: NodeId, idx: Value, size: i64) -> Res<Value> {
-        let off = (self.offset_of)(buf).ok_or(ClifError::NoOffset(buf.index()))?;
+        let off = self
+            .offsets
+            .get(buf)
+            .ok_or(ClifError::NoOffset(buf.index()))?;
         let s = self.b.ins().imul_imm_s(idx, size);
         let base = self.b.ins().iadd_imm_s(self.arena, off as i64);
         Ok(self.b.ins().iadd(base, s))

@@ -123,10 +123,10 @@ pub fn emit_bytes(
             None
         }
         (Emit::Kernels, Product::Code(c)) => {
-            Some(print_kernels(&c.fused.kernels, Some(&|n| c.offset_of(n))).into_bytes())
+            Some(print_kernels(&c.fused.kernels, Some(&c.offsets)).into_bytes())
         }
         (Emit::Kernels, Product::Planned(p)) => {
-            Some(print_kernels(&p.fused.kernels, Some(&|n| p.plan.offset_of(n))).into_bytes())
+            Some(print_kernels(&p.fused.kernels, Some(&p.offsets)).into_bytes())
         }
         _ => Some(p.render(locations).into_bytes()),
     }

@@ -16,12 +16,13 @@
 //! Matmul kernels are a structured form ([`Matmul`]): the back end owns the loop nest (tiled,
 //! vectorised) and the stores read its accumulator through [`E::Acc`] (the fused epilogue).
 //!
-//! Buffers are named by the graph node that owns them; [`Program`] pairs the kernels with
-//! the memory plan that gives every buffer its arena offset.
+//! Buffers are named by the graph node that owns them; once planned, [`offsets::Offsets`]
+//! gives every buffer the kernels access its arena offset.
 
 pub mod fuse;
 pub mod layout;
 pub mod lower;
+pub mod offsets;
 pub mod print;
 pub mod sites;
 pub mod verify;

@@ -11,25 +11,23 @@
 //! same graph); `@offset` follows when a plan is given.
 
 use super::lower::reachable;
+use super::offsets::Offsets;
 use super::{ExprId, Kernel, Operand, E};
 use crate::ir::NodeId;
 use std::collections::HashMap;
 use std::fmt::Write;
 
-/// Prints kernels; `offset_of` adds arena offsets to buffer names when given.
-pub fn print_kernels(
-    kernels: &[Kernel],
-    offset_of: Option<&dyn Fn(NodeId) -> Option<u64>>,
-) -> String {
+/// Prints kernels; `offsets` adds arena offsets to buffer names when given.
+pub fn print_kernels(kernels: &[Kernel], offsets: Option<&Offsets>) -> String {
     let mut out = String::new();
     for k in kernels {
-        print_kernel(&mut out, k, offset_of);
+        print_kernel(&mut out, k, offsets);
     }
     out
 }
 
-fn buf_name(n: NodeId, offset_of: Option<&dyn Fn(NodeId) -> Option<u64>>) -> String {
-    match offset_of.and_then(|f| f(n)) {
+fn buf_name(n: NodeId, offsets: Option<&Offsets>) -> String {
+    match offsets.and_then(|o| o.get(n)) {
         Some(o) => format!("%{}@{}", n.index(), o),
         None => format!("%{}", n.index()),
     }
@@ -39,7 +37,7 @@ fn operand(
     o: &Operand,
     rows: &str,
     cols: &str,
-    offset_of: Option<&dyn Fn(NodeId) -> Option<u64>>,
+    offsets: Option<&Offsets>,
     name: &dyn Fn(&ExprId) -> String,
 ) -> String {
     if let Some(g) = &o.gather {
@@ -51,7 +49,7 @@ fn operand(
             if g.k_fast { ", k fastest" } else { "" }
         );
     }
-    let mut s = format!("{}:{}[{}", buf_name(o.buf, offset_of), o.dtype, o.base);
+    let mut s = format!("{}:{}[{}", buf_name(o.buf, offsets), o.dtype, o.base);
     for (i, st) in o.batch_strides.iter().enumerate() {
         if *st != 0 {
             let _ = write!(s, " + b{i}*{st}");
@@ -61,7 +59,7 @@ fn operand(
     s
 }
 
-fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) -> Option<u64>>) {
+fn print_kernel(out: &mut String, k: &Kernel, offsets: Option<&Offsets>) {
     let _ = writeln!(
         out,
         "kernel {} {:?}{}  ; {}",
@@ -103,8 +101,8 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
             mm.m,
             mm.n,
             mm.k,
-            operand(&mm.a, "i", "k", offset_of, &n),
-            operand(&mm.b, "k", "j", offset_of, &n)
+            operand(&mm.a, "i", "k", offsets, &n),
+            operand(&mm.b, "k", "j", offsets, &n)
         );
     }
     for &e in &live {
@@ -116,7 +114,7 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
             E::I32(v) => format!("{v}i32"),
             E::Bool(v) => format!("{v}"),
             E::Load { buf, dtype, index } => {
-                format!("load {}:{}[{}]", buf_name(*buf, offset_of), dtype, n(index))
+                format!("load {}:{}[{}]", buf_name(*buf, offsets), dtype, n(index))
             }
             E::Un(op, a) => format!("{} {}", op.name(), n(a)),
             E::Bin(op, a, b) => format!("{} {}, {}", op.name(), n(a), n(b)),
@@ -150,7 +148,7 @@ fn print_kernel(out: &mut String, k: &Kernel, offset_of: Option<&dyn Fn(NodeId) 
         let _ = writeln!(
             out,
             "  store {}:{}[{}] {} {}",
-            buf_name(s.buf, offset_of),
+            buf_name(s.buf, offsets),
             s.dtype,
             n(&s.index),
             if s.accumulate { "+=" } else { "=" },

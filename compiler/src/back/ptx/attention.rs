@@ -28,7 +28,7 @@
 use super::px::Px;
 use super::tile::operand_buffer;
 use super::{LaunchShape, PtxError, Res, DYN_SHARED};
-use crate::ir::NodeId;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::{Attn, Kernel, Operand};
 
 /// Query rows of a block.
@@ -97,7 +97,10 @@ fn copy_tile(
         && o.base % 4 == 0
         && o.rs % 4 == 0
         && o.batch_strides.iter().all(|s| s % 4 == 0)
-        && (px.offset_of)(o.buf).is_some_and(|off| off.is_multiple_of(16));
+        && px
+            .offsets
+            .get(o.buf)
+            .is_some_and(|off| off.is_multiple_of(16));
     let width = if vec4 { 4 } else { 1 };
     let units = cols / width;
     for n in 0..BM * units / THREADS {
@@ -189,12 +192,8 @@ fn row_reduce(px: &mut Px, op: &str, x: &str) -> String {
 }
 
 /// The attention kernel's PTX and launch shape.
-pub(super) fn emit(
-    k: &Kernel,
-    at: &Attn,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
-) -> Res<(String, LaunchShape)> {
-    let mut px = Px::new(k, offset_of, Vec::new(), Vec::new());
+pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, LaunchShape)> {
+    let mut px = Px::new(k, offsets, Vec::new(), Vec::new());
     let unsupported = |m: &str| PtxError::Unsupported {
         kernel: k.name.clone(),
         message: m.to_string(),

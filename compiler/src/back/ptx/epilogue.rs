@@ -128,7 +128,7 @@ pub(super) fn epilogue_vectors(px: &Px, mm: &Matmul) -> bool {
     !k.stores.is_empty()
         && k.stores
             .iter()
-            .all(|s| !s.accumulate && vector_access(k, px.offset_of, s.buf, s.dtype, s.index, col))
+            .all(|s| !s.accumulate && vector_access(k, px.offsets, s.buf, s.dtype, s.index, col))
 }
 
 /// Registers an epilogue gives to loads issued ahead of their use: rows of the register
@@ -223,14 +223,7 @@ fn prefetch_epilogue(
                         match *px.k.pool.get(e) {
                             E::Load { buf, dtype, index }
                                 if by_col
-                                    && vector_access(
-                                        px.k,
-                                        px.offset_of,
-                                        buf,
-                                        dtype,
-                                        index,
-                                        col,
-                                    ) =>
+                                    && vector_access(px.k, px.offsets, buf, dtype, index, col) =>
                             {
                                 let i = px.emit(index)?;
                                 let a = px.address(buf, dtype, &i)?;

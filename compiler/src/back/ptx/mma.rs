@@ -8,7 +8,8 @@ use super::staging::{
 };
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, PtxOptions, Res, BLOCK};
-use crate::ir::{DType, NodeId};
+use crate::ir::DType;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul};
 
@@ -109,10 +110,10 @@ pub(super) fn emit_mma_matmul(
     mm: &Matmul,
     kind: MmaKind,
     grid: [u32; 3],
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
-    let mut px = Px::new(k, offset_of, sites(k), live);
+    let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let eb = kind.elem_bytes();
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());

@@ -87,7 +87,7 @@ mod tiled;
 mod vector;
 mod wgmma;
 
-use crate::ir::NodeId;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::Kernel;
 use crate::target::TARGET;
 use mma::{emit_mma_matmul, mma_grid, MmaKind};
@@ -143,13 +143,13 @@ pub struct PtxOptions {
 /// Translates kernels to one PTX module; returns the text and each kernel's launch shape.
 pub fn emit_module(
     kernels: &[Kernel],
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     opts: PtxOptions,
 ) -> Res<(String, Vec<LaunchShape>)> {
     let mut body = String::new();
     let mut launches = Vec::new();
     for k in kernels {
-        let (text, launch) = emit_kernel(k, offset_of, opts)?;
+        let (text, launch) = emit_kernel(k, offsets, opts)?;
         body.push_str(&text);
         body.push('\n');
         launches.push(launch);
@@ -183,27 +183,23 @@ pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
     }
 }
 
-fn emit_kernel(
-    k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
-    opts: PtxOptions,
-) -> Res<(String, LaunchShape)> {
+fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, LaunchShape)> {
     if let Some(at) = &k.attention {
-        return attention::emit(k, at, offset_of);
+        return attention::emit(k, at, offsets);
     }
     if let Some(mm) = &k.matmul {
-        if let Some(plan) = wgmma::plan(mm, offset_of) {
-            return wgmma::emit(k, mm, &plan, offset_of);
+        if let Some(plan) = wgmma::plan(mm, offsets) {
+            return wgmma::emit(k, mm, &plan, offsets);
         }
         if let Some((kind, grid)) = mma_grid(mm, opts) {
-            return emit_mma_matmul(k, mm, kind, grid, offset_of);
+            return emit_mma_matmul(k, mm, kind, grid, offsets);
         }
         if let Some(sg) = sgemm_grid(mm) {
-            return emit_sgemm(k, mm, sg, offset_of, opts.scratch_offset);
+            return emit_sgemm(k, mm, sg, offsets, opts.scratch_offset);
         }
         if let Some(grid) = tiled_grid(mm) {
-            return emit_tiled_matmul(k, mm, grid, offset_of);
+            return emit_tiled_matmul(k, mm, grid, offsets);
         }
     }
-    pointwise::emit(k, offset_of)
+    pointwise::emit(k, offsets)
 }

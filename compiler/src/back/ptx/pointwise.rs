@@ -4,7 +4,7 @@
 use super::px::Px;
 use super::vector::{emit_vector_pointwise, vector_plan};
 use super::{LaunchShape, PtxError, Res, BLOCK, WARP};
-use crate::ir::NodeId;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, VTy, Var, E};
 
@@ -48,10 +48,7 @@ pub(super) fn rows_along_reduction(k: &Kernel, top: &[ExprId], point: Option<Var
 
 /// A pointwise or reduction kernel on the scalar path (or the vector path where
 /// [`vector_plan`] allows), or a matmul on the per-element path.
-pub(super) fn emit(
-    k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
-) -> Res<(String, LaunchShape)> {
+pub(super) fn emit(k: &Kernel, offsets: &Offsets) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let site = sites(k);
     let rank = k.domain.len();
@@ -144,11 +141,11 @@ pub(super) fn emit(
         points
     };
     if !block_mode && k.matmul.is_none() && par == rank {
-        if let Some(plan) = vector_plan(k, &site, &live, offset_of) {
-            return emit_vector_pointwise(k, offset_of, site, live, &plan);
+        if let Some(plan) = vector_plan(k, &site, &live, offsets) {
+            return emit_vector_pointwise(k, offsets, site, live, &plan);
         }
     }
-    let mut px = Px::new(k, offset_of, site, live);
+    let mut px = Px::new(k, offsets, site, live);
     if block_mode {
         px.block_reductions = top;
         px.group = group;

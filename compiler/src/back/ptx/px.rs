@@ -7,6 +7,7 @@ use super::expr::index_ranges;
 use super::vector::{select_trees, tree_readers};
 use super::{PtxError, Res, BLOCK};
 use crate::ir::{DType, NodeId};
+use crate::kernel::offsets::Offsets;
 use crate::kernel::{ExprId, Kernel, VTy, Var, E};
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
@@ -23,7 +24,7 @@ pub(super) struct LoopCtx {
 
 pub(super) struct Px<'a> {
     pub(super) k: &'a Kernel,
-    pub(super) offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+    pub(super) offsets: &'a Offsets,
     pub(super) body: String,
     counts: HashMap<&'static str, u32>,
     labels: u32,
@@ -63,13 +64,13 @@ fn class(t: VTy) -> &'static str {
 impl<'a> Px<'a> {
     pub(super) fn new(
         k: &'a Kernel,
-        offset_of: &'a dyn Fn(NodeId) -> Option<u64>,
+        offsets: &'a Offsets,
         site: Vec<Option<Var>>,
         live: Vec<ExprId>,
     ) -> Self {
         Px {
             k,
-            offset_of,
+            offsets,
             body: String::new(),
             counts: HashMap::new(),
             labels: 0,
@@ -218,7 +219,10 @@ impl<'a> Px<'a> {
     }
 
     pub(super) fn address(&mut self, buf: NodeId, dtype: DType, idx: &str) -> Res<String> {
-        let off = (self.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
+        let off = self
+            .offsets
+            .get(buf)
+            .ok_or(PtxError::NoOffset(buf.index()))?;
         let base = self.fresh("rd");
         let arena = self.arena.clone();
         self.line(format!("add.s64 {base}, {arena}, {off};"));

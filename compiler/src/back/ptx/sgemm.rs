@@ -7,7 +7,8 @@ use super::staging::{SgSide, SgSlot};
 use super::stream_k;
 use super::tile::{block_prologue, ffma_tile, thread_xy, tile_origin, FfmaTile, TileOrigin};
 use super::{LaunchShape, Res, BLOCK, SMS};
-use crate::ir::{DType, NodeId};
+use crate::ir::DType;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul, MmAxis};
 
@@ -117,11 +118,11 @@ pub(super) fn emit_sgemm(
         tile: (bm, bn),
         stream_k,
     }: SgGrid,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     scratch: u64,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
-    let mut px = Px::new(k, offset_of, sites(k), live);
+    let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = SG_STRIDE * 4;
     // A stage is `sub` slices of 8 `k`, each thread moving 4 elements of each operand per

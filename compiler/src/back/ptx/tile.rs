@@ -230,7 +230,7 @@ fn batch_bases(px: &mut Px, mm: &Matmul, bz: &str) -> (String, String) {
 
 /// The byte address of an operand's buffer, and its arena offset.
 pub(super) fn operand_buffer(px: &mut Px, buf: NodeId) -> Res<(String, u64)> {
-    let off = (px.offset_of)(buf).ok_or(PtxError::NoOffset(buf.index()))?;
+    let off = px.offsets.get(buf).ok_or(PtxError::NoOffset(buf.index()))?;
     let r = px.fresh("rd");
     let arena = px.arena.clone();
     px.line(format!("add.s64 {r}, {arena}, {off};"));

@@ -5,7 +5,8 @@ use super::epilogue::epilogue;
 use super::px::{f32_lit, Px};
 use super::tile::{ffma_tile, FfmaTile, TileOrigin};
 use super::{LaunchShape, Res, BLOCK};
-use crate::ir::{DType, NodeId};
+use crate::ir::DType;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{ExprId, Kernel, Matmul};
 use std::collections::HashMap;
@@ -54,10 +55,10 @@ pub(super) fn emit_tiled_matmul(
     k: &Kernel,
     mm: &Matmul,
     grid: [u32; 3],
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
-    let mut px = Px::new(k, offset_of, sites(k), live);
+    let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let row_bytes = TILE_STRIDE * 4;
 

@@ -4,6 +4,7 @@
 use super::px::Px;
 use super::{LaunchShape, Res, BLOCK};
 use crate::ir::{BinaryOp, DType, NodeId};
+use crate::kernel::offsets::Offsets;
 use crate::kernel::{Affine, ExprId, ExprPool, Kernel, Var, E};
 use std::collections::{HashMap, HashSet};
 
@@ -38,7 +39,7 @@ pub(super) fn vector_plan(
     k: &Kernel,
     site: &[Option<Var>],
     live: &[ExprId],
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
 ) -> Option<VecPlan> {
     let rank = k.domain.len();
     let last = rank.checked_sub(1)? as Var;
@@ -47,7 +48,7 @@ pub(super) fn vector_plan(
         return None;
     }
     let aligned = |buf: NodeId, dtype: DType, index: ExprId| {
-        vector_access(k, offset_of, buf, dtype, index, last)
+        vector_access(k, offsets, buf, dtype, index, last)
     };
     for s in &k.stores {
         if s.accumulate || !aligned(s.buf, s.dtype, s.index) {
@@ -67,7 +68,7 @@ pub(super) fn vector_plan(
             E::Load { buf, dtype, index } if site[e.0 as usize] == Some(last) => {
                 if !aligned(*buf, *dtype, *index) {
                     let af = unclamped_affine(&k.pool, *index)?;
-                    if !vector_affine(k, offset_of, *buf, *dtype, &af, last) {
+                    if !vector_affine(k, offsets, *buf, *dtype, &af, last) {
                         return None;
                     }
                     clamped.push(e);
@@ -163,7 +164,7 @@ pub(super) fn tree_readers(
 /// domain variables) is a multiple of `VEC`.
 pub(super) fn vector_access(
     k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     buf: NodeId,
     dtype: DType,
     index: ExprId,
@@ -171,20 +172,22 @@ pub(super) fn vector_access(
 ) -> bool {
     k.pool
         .affine(index)
-        .is_some_and(|af| vector_affine(k, offset_of, buf, dtype, &af, along))
+        .is_some_and(|af| vector_affine(k, offsets, buf, dtype, &af, along))
 }
 
 /// [`vector_access`] for the affine index `af`.
 fn vector_affine(
     k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     buf: NodeId,
     dtype: DType,
     af: &Affine,
     along: Var,
 ) -> bool {
     matches!(dtype, DType::F32 | DType::I32 | DType::F16 | DType::BF16)
-        && offset_of(buf).is_some_and(|off| off % (VEC * dtype.size_bytes()) as u64 == 0)
+        && offsets
+            .get(buf)
+            .is_some_and(|off| off % (VEC * dtype.size_bytes()) as u64 == 0)
         && whole_vectors(k, af, along)
 }
 
@@ -350,14 +353,14 @@ impl Px<'_> {
 /// point at a time, and each store writes one vector.
 pub(super) fn emit_vector_pointwise(
     k: &Kernel,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
     site: Vec<Option<Var>>,
     live: Vec<ExprId>,
     plan: &VecPlan,
 ) -> Res<(String, LaunchShape)> {
     let rank = k.domain.len();
     let last = rank - 1;
-    let mut px = Px::new(k, offset_of, site, live);
+    let mut px = Px::new(k, offsets, site, live);
     px.load_arena();
     let (a, b, c) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {a}, %ctaid.x;"));

@@ -31,7 +31,7 @@ use super::px::Px;
 use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, Res};
-use crate::ir::NodeId;
+use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{Kernel, Matmul, Operand};
 
@@ -121,7 +121,7 @@ impl Plan {
 /// The wgmma plan of `mm`, or `None` where the `mma.sync` path (or another) is used: only
 /// f16/bf16, plain matmuls of at least one 128×128 tile whose operands are contiguous along
 /// `k` or along `m`/`n`.
-pub(super) fn plan(mm: &Matmul, offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Option<Plan> {
+pub(super) fn plan(mm: &Matmul, offsets: &Offsets) -> Option<Plan> {
     let kind = match MmaKind::of(mm, super::PtxOptions::default())? {
         k @ (MmaKind::F16 | MmaKind::Bf16) => k,
         MmaKind::Tf32 => return None,
@@ -142,8 +142,8 @@ pub(super) fn plan(mm: &Matmul, offset_of: &dyn Fn(NodeId) -> Option<u64>) -> Op
     if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
-    let a = Side::of(&mm.a, offset_of(mm.a.buf)?, mm.m, mm.k, true, bm)?;
-    let b = Side::of(&mm.b, offset_of(mm.b.buf)?, mm.n, mm.k, false, bn)?;
+    let a = Side::of(&mm.a, offsets.get(mm.a.buf)?, mm.m, mm.k, true, bm)?;
+    let b = Side::of(&mm.b, offsets.get(mm.b.buf)?, mm.n, mm.k, false, bn)?;
     Some(Plan {
         kind,
         a,
@@ -240,10 +240,10 @@ pub(super) fn emit(
     k: &Kernel,
     mm: &Matmul,
     plan: &Plan,
-    offset_of: &dyn Fn(NodeId) -> Option<u64>,
+    offsets: &Offsets,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
-    let mut px = Px::new(k, offset_of, sites(k), live);
+    let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let (a, b, bn) = (plan.a, plan.b, plan.bn);
     let eb = 2;
