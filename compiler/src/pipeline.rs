@@ -288,7 +288,7 @@ pub const PIPELINE: &[Stage] = &[
         gives: Form::Graph,
         file: "compiler/src/passes/outputs.rs",
         invariant: "the graph verifier; no output names a param or state the step updates",
-        why: "first of the lowering rewrites, once the program is final: an output that names an updated param or state gets a copy made before the update, as the interpreter returns it",
+        why: "first of the lowering rewrites, which turn the final program (after remat) into the forms the kernels implement: an output that names an updated param or state gets a copy made before the update, as the interpreter returns it. Run before schedule instead (measured), remat would weigh fused attention ops it cannot recompute (gpt's --mem-budget 1.85GiB build no longer fits: 1.93 GiB at best) and cnn's kernels would change",
         run: Some(|p, o, _| graph_rewrite(p, o, "outputs", crate::passes::outputs::with_output_copies)),
     },
     Stage {
