@@ -427,7 +427,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 match crate::pipeline::run(product, "schedule", "remat", &opts, &mut |_, _| {}) {
                     Ok((p, report)) => (p.graph().clone(), report.remat),
                     Err(e) => {
-                        emit_all(&e.diagnostics(), &sources, &mut stderr);
+                        stage_error(&e, &sources, &mut stderr);
                         return ExitCode::from(1);
                     }
                 };
@@ -682,7 +682,7 @@ fn load_one(
             Some((sources, p, report))
         }
         Err(e) => {
-            emit_all(&e.diagnostics(), &sources, stderr);
+            stage_error(&e, &sources, stderr);
             None
         }
     }
@@ -734,6 +734,16 @@ fn load(
                 if n == 1 { "" } else { "s" }
             );
             None
+        }
+    }
+}
+
+/// A stage's error: the program's diagnostics with their spans, or one `error:` line.
+fn stage_error(e: &crate::pipeline::StageError, sources: &Sources, stderr: &mut StandardStream) {
+    match e {
+        crate::pipeline::StageError::Program(diags) => emit_all(diags, sources, stderr),
+        other => {
+            let _ = writeln!(stderr, "error: {other}");
         }
     }
 }

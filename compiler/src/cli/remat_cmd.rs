@@ -179,10 +179,10 @@ pub fn step_graph(
             "internal compiler error: the pipeline gave {}",
             p.form()
         )),
-        Err(e) => Err(tcc_grammar::diag::render_all(
-            &e.diagnostics(),
-            &sources.map,
-        )),
+        Err(pipeline::StageError::Program(d)) => {
+            Err(tcc_grammar::diag::render_all(&d, &sources.map))
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
 
