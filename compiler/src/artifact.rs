@@ -80,8 +80,6 @@ pub struct Compiled {
     /// The earlier kernels each kernel must wait for
     /// ([`crate::analysis::launch_deps`]).
     pub deps: Vec<Vec<u32>>,
-    /// Wall time of each stage.
-    pub timings: Vec<(&'static str, Duration)>,
 }
 
 impl Compiled {
@@ -97,12 +95,8 @@ impl Compiled {
 /// fused kernels and their verified plan (on CUDA with the scratch region its stream-K
 /// matmuls share). `remat` weighs its choices with it.
 pub fn plan_step(g: &Graph, o: &CompileOptions) -> Result<Planned, BuildError> {
-    let (p, report) = run_stages(g, "plan", o)?;
-    match p {
-        crate::pipeline::Product::Planned(mut p) => {
-            p.timings = report.timings;
-            Ok(p)
-        }
+    match run_stages(g, "plan", o)? {
+        crate::pipeline::Product::Planned(p) => Ok(p),
         other => Err(BuildError::Internal(format!(
             "the pipeline gave {} where planned kernels were due",
             other.form()
@@ -114,7 +108,7 @@ fn run_stages(
     g: &Graph,
     last: &str,
     o: &CompileOptions,
-) -> Result<(crate::pipeline::Product, crate::pipeline::Report), BuildError> {
+) -> Result<crate::pipeline::Product, BuildError> {
     use crate::pipeline::{self, Product, StageError};
     let opts = pipeline::Options {
         compile: *o,
@@ -127,6 +121,7 @@ fn run_stages(
         &opts,
         &mut |_, _| {},
     )
+    .map(|(p, _)| p)
     .map_err(|e| match e {
         StageError::Build(b) => b,
         other => BuildError::Internal(other.to_string()),
@@ -160,7 +155,6 @@ pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Pl
         fused,
         plan,
         offsets,
-        timings: Vec::new(),
     })
 }
 
@@ -173,19 +167,13 @@ pub struct Planned {
     /// The arena offset of every buffer the kernels access (from `plan`): what the printer
     /// and the back ends read.
     pub offsets: Offsets,
-    /// Wall time of each stage (filled in by [`plan_step`]).
-    pub timings: Vec<(&'static str, Duration)>,
 }
 
 /// Compiles a step that went through `remat`: the stages from `outputs` to `codegen` of
 /// [`crate::pipeline::PIPELINE`].
 pub fn compile(g: &Graph, o: &CompileOptions) -> Result<Compiled, BuildError> {
-    let (p, report) = run_stages(g, "codegen", o)?;
-    match p {
-        crate::pipeline::Product::Code(mut c) => {
-            c.timings = report.timings;
-            Ok(c)
-        }
+    match run_stages(g, "codegen", o)? {
+        crate::pipeline::Product::Code(c) => Ok(c),
         other => Err(BuildError::Internal(format!(
             "the pipeline gave {} where code was due",
             other.form()
@@ -231,7 +219,6 @@ pub fn codegen(p: Planned, o: &CompileOptions) -> Result<Compiled, BuildError> {
         code,
         launches,
         deps,
-        timings: Vec::new(),
     })
 }
 

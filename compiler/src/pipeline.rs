@@ -165,21 +165,15 @@ pub struct Report {
     pub timings: Vec<(&'static str, Duration)>,
     /// `remat`'s decision under `--mem-budget` with `auto`, and the step it started from.
     pub remat: Option<(Decision, Graph)>,
-    /// The last stage that ran.
-    pub last: Option<&'static str>,
 }
 
 impl Report {
-    /// Milliseconds spent in the stages up to and including `upto`.
-    pub fn ms_through(&self, upto: &str) -> f64 {
-        let mut ms = 0.0;
-        for (s, d) in &self.timings {
-            ms += d.as_secs_f64() * 1e3;
-            if *s == upto {
-                break;
-            }
-        }
-        ms
+    /// Milliseconds spent in all the stages that ran.
+    pub fn total_ms(&self) -> f64 {
+        self.timings
+            .iter()
+            .map(|(_, d)| d.as_secs_f64() * 1e3)
+            .sum()
     }
 
     /// `lower 1.2 ms, autodiff 3.4 ms, ...`.
@@ -262,7 +256,7 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/autodiff/",
         invariant: "the graph verifier; no `grad` node is left",
         why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node",
-        run: Some(|p, o, _| graph_stage(p, o, "autodiff", crate::autodiff::expand)),
+        run: Some(|p, _, _| graph_stage(p, "autodiff", crate::autodiff::expand)),
     },
     Stage {
         name: "schedule",
@@ -271,7 +265,7 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/passes/schedule.rs",
         invariant: "the graph verifier; max-live never above program order's",
         why: "before remat, which evaluates and reorders a scheduled step; the order it fixes is kept by every later graph stage (they replace nodes in place)",
-        run: Some(|p, o, _| graph_stage(p, o, "schedule", crate::passes::schedule::schedule)),
+        run: Some(|p, _, _| graph_stage(p, "schedule", crate::passes::schedule::schedule)),
     },
     Stage {
         name: "remat",
@@ -289,7 +283,9 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/passes/outputs.rs",
         invariant: "the graph verifier; no output names a param or state the step updates",
         why: "first of the lowering rewrites, which turn the final program (after remat) into the forms the kernels implement: an output that names an updated param or state gets a copy made before the update, as the interpreter returns it. Run before schedule instead (measured), remat would weigh fused attention ops it cannot recompute (gpt's --mem-budget 1.85GiB build no longer fits: 1.93 GiB at best) and cnn's kernels would change",
-        run: Some(|p, o, _| graph_rewrite(p, o, "outputs", crate::passes::outputs::with_output_copies)),
+        run: Some(|p, _, _| {
+            graph_rewrite(p, "outputs", crate::passes::outputs::with_output_copies)
+        }),
     },
     Stage {
         name: "attention",
@@ -307,13 +303,8 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/passes/transpose_matmuls.rs",
         invariant: "the graph verifier; types of replaced nodes unchanged",
         why: "a matmul read only transposed is computed transposed; after attention (whose matmuls it would otherwise rewrite) and before fusion, which then reads the product in place",
-        run: Some(|p, o, _| {
-            graph_rewrite(
-                p,
-                o,
-                "transpose_matmuls",
-                crate::passes::transpose_matmuls::transpose_matmuls,
-            )
+        run: Some(|p, _, _| {
+            graph_rewrite(p, "transpose_matmuls", crate::passes::transpose_matmuls::transpose_matmuls)
         }),
     },
     Stage {
@@ -323,13 +314,8 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/passes/split_reductions.rs",
         invariant: "the graph verifier; types of replaced nodes unchanged",
         why: "last graph stage: splits large reductions into two so that both stages have parallel work; fusion then sees the final ops",
-        run: Some(|p, o, _| {
-            graph_rewrite(
-                p,
-                o,
-                "split_reductions",
-                crate::passes::split_reductions::split_reductions,
-            )
+        run: Some(|p, _, _| {
+            graph_rewrite(p, "split_reductions", crate::passes::split_reductions::split_reductions)
         }),
     },
     Stage {
@@ -427,7 +413,6 @@ pub fn run_into(
         let t = Instant::now();
         p = f(p, opts, report)?;
         report.timings.push((stage.name, t.elapsed()));
-        report.last = Some(stage.name);
         if verifying(opts) {
             check(stage.name, &p)?;
         }
@@ -453,7 +438,6 @@ pub fn lowered(
     }
     let mut report = Report {
         timings: vec![(LOWER, front_time)],
-        last: Some(LOWER),
         ..Report::default()
     };
     let p = Product::Graph(graph);
@@ -512,7 +496,6 @@ fn graph_of(p: Product, stage: &str) -> Result<Graph, StageError> {
 /// A pass that rewrites the graph in place.
 fn graph_stage(
     p: Product,
-    _: &Options,
     stage: &str,
     pass: fn(&mut Graph) -> Result<(), Vec<Diagnostic>>,
 ) -> Result<Product, StageError> {
@@ -524,7 +507,6 @@ fn graph_stage(
 /// A rewrite that returns a new graph (the lowering rewrites, which cannot fail).
 fn graph_rewrite(
     p: Product,
-    _: &Options,
     stage: &str,
     pass: fn(&Graph) -> Graph,
 ) -> Result<Product, StageError> {

@@ -382,7 +382,7 @@ pub fn run(cli: Cli) -> ExitCode {
                         "wrote {} ({} nodes, {:.1} ms)",
                         display(&path),
                         product.graph().node_count(),
-                        report.ms_through("codegen")
+                        report.total_ms()
                     );
                 }
                 None => {
@@ -561,12 +561,7 @@ pub fn run(cli: Cli) -> ExitCode {
             ) else {
                 return ExitCode::from(1);
             };
-            match run::run_eager(
-                product.graph(),
-                &sources,
-                &opts,
-                report.ms_through("autodiff"),
-            ) {
+            match run::run_eager(product.graph(), &sources, &opts, report.total_ms()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");
@@ -621,7 +616,7 @@ fn run_compiled(
         else {
             return ExitCode::from(1);
         };
-        let ms = report.ms_through("codegen");
+        let ms = report.total_ms();
         match tcc_runtime::Model::from_bytes(bytes) {
             Ok(m) => (m, Some(product.graph().clone()), ms),
             Err(e) => {
