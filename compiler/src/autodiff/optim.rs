@@ -60,6 +60,7 @@ pub fn lower(
     };
     for &p in params {
         let Some(&grad) = grads.get(&p) else { continue };
+        b.g.grads.push((p, grad));
         let name = param_name(b.g, p);
         let ty = b.ty(p);
         let dt = ty.dtype;

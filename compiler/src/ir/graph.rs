@@ -124,6 +124,9 @@ pub struct Graph {
     /// End-of-step assignments `(param or state, new value)`, made by autodiff for `train`:
     /// after every node has run, each target takes its new value (in place).
     pub updates: Vec<(NodeId, NodeId)>,
+    /// `(param, gradient)` for every param `train` updates: the gradient the optimizer
+    /// applies (after any loss-scale unscaling). Mixed precision keeps these f32.
+    pub grads: Vec<(NodeId, NodeId)>,
 }
 
 impl Graph {
@@ -293,7 +296,7 @@ impl Graph {
                 t.loss = new;
             }
         }
-        for (_, v) in &mut self.updates {
+        for (_, v) in self.updates.iter_mut().chain(self.grads.iter_mut()) {
             if *v == old {
                 *v = new;
             }
@@ -306,6 +309,7 @@ impl Graph {
         self.inputs.retain(|&i| i != id);
         self.params.retain(|&i| i != id);
         self.states.retain(|&i| i != id);
+        self.grads.retain(|&(p, d)| p != id && d != id);
     }
 
     /// A copy with nodes renumbered in topological order (ids become execution order).
@@ -363,6 +367,11 @@ impl Graph {
             .updates
             .iter()
             .filter_map(|(t, v)| Some((m(t)?, m(v)?)))
+            .collect();
+        out.grads = self
+            .grads
+            .iter()
+            .filter_map(|(p, d)| Some((m(p)?, m(d)?)))
             .collect();
         out
     }
