@@ -38,7 +38,8 @@ mod slot {
     pub const POW: usize = 6;
     pub const F16_TO_F32: usize = 7;
     pub const F32_TO_F16: usize = 8;
-    pub const BF16_TO_F32: usize = 9;
+    // Slot 9 (bf16 -> f32) stays in the runtime's table for artifacts built before loads
+    // widened bf16 inline.
     pub const F32_TO_BF16: usize = 10;
 }
 
@@ -548,14 +549,15 @@ impl<'a, 'b> Cg<'a, 'b> {
             DType::F32 => self.b.ins().load(F32, flags(), addr, 0),
             DType::I32 => self.b.ins().load(I32, flags(), addr, 0),
             DType::Bool => self.b.ins().load(I8, flags(), addr, 0),
-            DType::F16 | DType::BF16 => {
+            DType::BF16 => {
+                // A bf16 is the top half of the f32 with the same bits: exact, no call.
                 let bits = self.b.ins().uload16(I32, flags(), addr, 0);
-                let s = if dtype == DType::F16 {
-                    slot::F16_TO_F32
-                } else {
-                    slot::BF16_TO_F32
-                };
-                self.helper(s, &[bits], &[I32], F32)
+                let wide = self.b.ins().ishl_imm_u(bits, 16);
+                self.b.ins().bitcast(F32, MemFlagsData::new(), wide)
+            }
+            DType::F16 => {
+                let bits = self.b.ins().uload16(I32, flags(), addr, 0);
+                self.helper(slot::F16_TO_F32, &[bits], &[I32], F32)
             }
         })
     }
@@ -629,6 +631,22 @@ impl<'a, 'b> Cg<'a, 'b> {
             E::Cast(to, a) => {
                 let x = self.emit(a)?;
                 self.cast(self.k.pool.ty(a), to, x)
+            }
+            E::Round(d, a) => {
+                let x = self.emit(a)?;
+                let (to, back) = if d == DType::F16 {
+                    (slot::F32_TO_F16, Some(slot::F16_TO_F32))
+                } else {
+                    (slot::F32_TO_BF16, None)
+                };
+                let bits = self.helper(to, &[x], &[F32], I32);
+                match back {
+                    Some(s) => self.helper(s, &[bits], &[I32], F32),
+                    None => {
+                        let wide = self.b.ins().ishl_imm_u(bits, 16);
+                        self.b.ins().bitcast(F32, MemFlagsData::new(), wide)
+                    }
+                }
             }
             E::Uniform { seed, index } => {
                 let i = self.emit(index)?;

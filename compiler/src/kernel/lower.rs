@@ -318,6 +318,14 @@ impl<'a> Builder<'a> {
             return Ok(e);
         }
         let e = self.value_uncached(n, idx)?;
+        // A 16-bit value computed here (not stored by this kernel) is rounded as the
+        // interpreter rounds it; what the kernel stores is rounded by the store.
+        let stored = n == self.root || self.guests.contains(&n);
+        let e = if stored {
+            e
+        } else {
+            self.pool.round(self.d.g.node(n).ty.dtype, e)
+        };
         self.memo.insert(key, e);
         Ok(e)
     }
@@ -1195,7 +1203,7 @@ pub fn free_vars(pool: &ExprPool) -> Vec<BTreeSet<Var>> {
             }
             E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => {}
             E::Load { index, .. } => take(index, &mut s),
-            E::Un(_, a) | E::Cast(_, a) => take(a, &mut s),
+            E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => take(a, &mut s),
             E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => {
                 take(a, &mut s);
                 take(b, &mut s);
@@ -1240,7 +1248,7 @@ pub fn children(e: &E) -> Vec<ExprId> {
     match e {
         E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => vec![],
         E::Load { index, .. } => vec![*index],
-        E::Un(_, a) | E::Cast(_, a) => vec![*a],
+        E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => vec![*a],
         E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => vec![*a, *b],
         E::Select(c, a, b) => vec![*c, *a, *b],
         E::Reduce { body, .. } | E::ArgMax { body, .. } => vec![*body],

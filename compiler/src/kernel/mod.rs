@@ -127,6 +127,10 @@ pub enum E {
     IMax(ExprId, ExprId),
     Select(ExprId, ExprId, ExprId),
     Cast(VTy, ExprId),
+    /// An f32 rounded to the nearest value of a 16-bit float dtype (f16 or bf16), as a
+    /// store and load of that dtype would give: a 16-bit value computed inside a kernel
+    /// holds what the interpreter's 16-bit op gives.
+    Round(DType, ExprId),
     /// Reduction of `body` over fresh variables `vars` (extents), row-major order.
     Reduce {
         op: Red,
@@ -450,6 +454,7 @@ impl ExprPool {
             }),
             E::Un(op, a) => Some(E::Un(op, sub(self, a))),
             E::Cast(t, a) => Some(E::Cast(t, sub(self, a))),
+            E::Round(d, a) => Some(E::Round(d, sub(self, a))),
             E::Bin(op, a, b) => Some(E::Bin(op, sub(self, a), sub(self, b))),
             E::IMin(a, b) => Some(E::IMin(sub(self, a), sub(self, b))),
             E::IMax(a, b) => Some(E::IMax(sub(self, a), sub(self, b))),
@@ -518,6 +523,15 @@ impl ExprPool {
             (_, E::Bool(true)) => a,
             _ => self.add(E::Bin(BinaryOp::And, a, b), VTy::Bool),
         }
+    }
+
+    /// `a` (f32) rounded to 16-bit `dtype`; other dtypes leave it as it is.
+    pub fn round(&mut self, dtype: DType, a: ExprId) -> ExprId {
+        let exact = matches!(self.get(a), E::Load { dtype: d, .. } | E::Round(d, _) if *d == dtype);
+        if !matches!(dtype, DType::F16 | DType::BF16) || self.ty(a) != VTy::F32 || exact {
+            return a;
+        }
+        self.add(E::Round(dtype, a), VTy::F32)
     }
 
     pub fn cast(&mut self, to: VTy, a: ExprId) -> ExprId {

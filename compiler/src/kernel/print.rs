@@ -122,6 +122,7 @@ fn print_kernel(out: &mut String, k: &Kernel, offsets: Option<&Offsets>) {
             E::IMax(a, b) => format!("imax {}, {}", n(a), n(b)),
             E::Select(c, a, b) => format!("select {}, {}, {}", n(c), n(a), n(b)),
             E::Cast(t, a) => format!("cast.{} {}", t.name(), n(a)),
+            E::Round(d, a) => format!("round.{} {}", d.name(), n(a)),
             E::Reduce { op, vars, body } => format!(
                 "reduce.{} {} over {}",
                 op.name(),

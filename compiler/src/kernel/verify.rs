@@ -231,7 +231,7 @@ fn for_children(e: &E, mut f: impl FnMut(ExprId)) {
     match e {
         E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => {}
         E::Load { index, .. } | E::Uniform { index, .. } => f(*index),
-        E::Un(_, a) | E::Cast(_, a) => f(*a),
+        E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => f(*a),
         E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => {
             f(*a);
             f(*b);

@@ -188,6 +188,15 @@ impl Px<'_> {
                 let x = self.emit(a)?;
                 self.cast(self.k.pool.ty(a), to, &x)
             }
+            E::Round(d, a) => {
+                let x = self.emit(a)?;
+                let t = if d == DType::F16 { "f16" } else { "bf16" };
+                let h = self.fresh("h");
+                self.line(format!("cvt.rn.{t}.f32 {h}, {x};"));
+                let r = self.fresh("f");
+                self.line(format!("cvt.f32.{t} {r}, {h};"));
+                r
+            }
             E::Uniform { seed, index } => {
                 let i = self.emit(index)?;
                 self.uniform(seed, &i)
