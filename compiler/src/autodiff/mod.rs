@@ -22,6 +22,7 @@
 mod builder;
 pub mod optim;
 mod rules;
+pub mod scale;
 
 use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, TypeError, UnaryOp};
 use builder::Builder;
@@ -345,6 +346,17 @@ pub fn backward(
     y: NodeId,
     targets: &[NodeId],
 ) -> Result<BTreeMap<NodeId, NodeId>, Diagnostic> {
+    backward_from(g, y, targets, None)
+}
+
+/// [`backward`] starting from `seed` (the gradient of `y` with respect to itself, `1` when
+/// `None`; the loss scale under mixed precision).
+fn backward_from(
+    g: &mut Graph,
+    y: NodeId,
+    targets: &[NodeId],
+    seed: Option<NodeId>,
+) -> Result<BTreeMap<NodeId, NodeId>, Diagnostic> {
     let anc = ancestors(g, y);
     let desc = descendants(g, targets);
     let special = softmaxes(g, y, targets);
@@ -378,7 +390,10 @@ pub fn backward(
         pieces: BTreeMap::new(),
     };
     let mut adj: BTreeMap<NodeId, NodeId> = BTreeMap::new();
-    let seed = ad.b.full(1.0, ydt).map_err(|e| internal(e, ad.b.g, y))?;
+    let seed = match seed {
+        Some(s) => s,
+        None => ad.b.full(1.0, ydt).map_err(|e| internal(e, ad.b.g, y))?,
+    };
     adj.insert(y, seed);
     for &n in order.iter().rev() {
         if !relevant.contains(&n) {
@@ -442,6 +457,15 @@ pub fn backward(
 /// Expands `grad` nodes and `train` (see the module doc). The graph is compacted afterwards
 /// so node ids follow execution order.
 pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
+    expand_scaled(g, None)
+}
+
+/// [`expand`], with dynamic loss scaling of `train` when `loss_scale` is given
+/// ([`scale`]).
+pub fn expand_scaled(
+    g: &mut Graph,
+    loss_scale: Option<scale::LossScale>,
+) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
         .filter(|&n| matches!(g.node(n).op, Op::Grad))
@@ -496,8 +520,25 @@ pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
             .copied()
             .filter(|&p| g.ty(p).dtype.is_float())
             .collect();
-        let grads = backward(g, train.loss, &params).map_err(|d| vec![d])?;
-        optim::lower(g, &train, &params, &grads).map_err(|e| vec![internal(e, g, train.loss)])?;
+        let at = |e, g: &Graph| vec![internal(e, g, train.loss)];
+        match loss_scale {
+            None => {
+                let grads = backward(g, train.loss, &params).map_err(|d| vec![d])?;
+                optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+            }
+            Some(settings) => {
+                let scaler = scale::begin(g, settings, train.span).map_err(|e| at(e, g))?;
+                let ty = g.ty(train.loss).clone();
+                let seed = scaler.seed(g, &ty, train.span).map_err(|e| at(e, g))?;
+                let grads =
+                    backward_from(g, train.loss, &params, Some(seed)).map_err(|d| vec![d])?;
+                let (grads, finite) = scaler
+                    .unscale(g, &grads, train.span)
+                    .map_err(|e| at(e, g))?;
+                optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+                scaler.finish(g, finite, train.span).map_err(|e| at(e, g))?;
+            }
+        }
     }
     *g = g.compacted();
     Ok(())
