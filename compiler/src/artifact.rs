@@ -32,6 +32,8 @@ pub struct CompileOptions {
     pub plan_budget: Duration,
     /// f32 matmuls may use TF32 tensor cores (CUDA only; PyTorch's `allow_tf32`).
     pub allow_tf32: bool,
+    /// Mixed precision (`--amp`): the policy of [`crate::passes::amp`] and loss scaling.
+    pub amp: crate::passes::amp::Amp,
 }
 
 impl Default for CompileOptions {
@@ -41,6 +43,7 @@ impl Default for CompileOptions {
             fuse: FuseOptions::default(),
             plan_budget: Duration::from_millis(500),
             allow_tf32: false,
+            amp: Default::default(),
         }
     }
 }

@@ -17,6 +17,7 @@
 //! | `attention` | graph → graph | `passes/attention.rs` | graph verifier |
 //! | `transpose_matmuls` | graph → graph | `passes/transpose_matmuls.rs` | graph verifier |
 //! | `split_reductions` | graph → graph | `passes/split_reductions.rs` | graph verifier |
+//! | `amp` | graph → graph | `passes/amp.rs` | graph verifier |
 //! | `fuse` | graph → kernels | `kernel/fuse.rs`, `kernel/layout.rs`, `kernel/lower.rs` | kernel-IR verifier |
 //! | `plan` | kernels → planned | `plan/`, `analysis/` | plan verifier, kernel-IR verifier with offsets |
 //! | `codegen` | planned → code | `back/clif.rs`, `back/ptx/` | the code's own checks (ptxas in tests) |
@@ -256,7 +257,10 @@ pub const PIPELINE: &[Stage] = &[
         file: "compiler/src/autodiff/",
         invariant: "the graph verifier; no `grad` node is left",
         why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node",
-        run: Some(|p, _, _| graph_stage(p, "autodiff", crate::autodiff::expand)),
+        run: Some(|p, o, _| {
+            let scale = o.compile.amp.loss_scale;
+            graph_stage(p, "autodiff", |g| crate::autodiff::expand_scaled(g, scale))
+        }),
     },
     Stage {
         name: "schedule",
@@ -317,6 +321,15 @@ pub const PIPELINE: &[Stage] = &[
         run: Some(|p, _, _| {
             graph_rewrite(p, "split_reductions", crate::passes::split_reductions::split_reductions)
         }),
+    },
+    Stage {
+        name: "amp",
+        takes: Form::Graph,
+        gives: Form::Graph,
+        file: "compiler/src/passes/amp.rs",
+        invariant: "the graph verifier; outputs and updated values keep their dtypes",
+        why: "`--amp` only: gives every value the dtype of the mixed-precision policy (16-bit tensor-core operands, f32 reductions and master weights) with casts made visible; after the other rewrites, which match the program as written, and before fusion, which stores each value in the dtype it is given",
+        run: Some(amp_stage),
     },
     Stage {
         name: "fuse",
@@ -497,7 +510,7 @@ fn graph_of(p: Product, stage: &str) -> Result<Graph, StageError> {
 fn graph_stage(
     p: Product,
     stage: &str,
-    pass: fn(&mut Graph) -> Result<(), Vec<Diagnostic>>,
+    pass: impl FnOnce(&mut Graph) -> Result<(), Vec<Diagnostic>>,
 ) -> Result<Product, StageError> {
     let mut g = graph_of(p, stage)?;
     pass(&mut g).map_err(StageError::Program)?;
@@ -533,6 +546,18 @@ fn attention_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, S
         Ok(Product::Graph(crate::passes::attention::fuse_attention(&g)))
     } else {
         Ok(Product::Graph(g))
+    }
+}
+
+fn amp_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageError> {
+    let g = graph_of(p, "amp")?;
+    match o.compile.amp.dtype {
+        Some(low) => crate::passes::amp::apply(&g, low)
+            .map(Product::Graph)
+            .map_err(|e| {
+                StageError::Internal(format!("mixed precision: {}: {}", e.message, e.detail))
+            }),
+        None => Ok(Product::Graph(g)),
     }
 }
 

@@ -433,6 +433,17 @@ fn find_slot<'m>(
 /// Number of CUDA devices this build can use: `Ok(0)` when the driver reports none, an
 /// [`Error::Cuda`] when the driver library is missing or fails, and
 /// [`Error::UnsupportedDevice`] when tcc-runtime was built without the `cuda` feature.
+/// Dynamic loss scaling's state after the last step ([`Session::loss_scale`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScaleState {
+    /// The scale the next step multiplies the loss by.
+    pub scale: f32,
+    /// Clean steps in a row since the scale last changed.
+    pub growth_tracker: f32,
+    /// Steps whose updates were skipped because a gradient was not finite.
+    pub skipped_steps: f32,
+}
+
 pub fn cuda_device_count() -> Result<usize> {
     #[cfg(feature = "cuda")]
     {
@@ -953,6 +964,24 @@ impl<'a> Session<'a> {
     pub fn output_bytes(&self, name: &str) -> Result<&[u8]> {
         let (index, slot) = self.model.output_slot(name)?;
         self.output_source(index, slot.range())
+    }
+
+    /// Dynamic loss scaling's state, for a step compiled with it (`--amp f16`; the
+    /// `amp.*` optimizer state), or `None`. The scale reads 0 until the first step, which
+    /// uses the compiled initial scale.
+    pub fn loss_scale(&self) -> Result<Option<LossScaleState>> {
+        let names = ["amp.loss_scale", "amp.growth_tracker", "amp.skipped_steps"];
+        if !names.iter().all(|n| self.model.persistent_slot(n).is_ok()) {
+            return Ok(None);
+        }
+        let one = |name: &str| -> Result<f32> {
+            Ok(self.param::<f32>(name)?.first().copied().unwrap_or(0.0))
+        };
+        Ok(Some(LossScaleState {
+            scale: one(names[0])?,
+            growth_tracker: one(names[1])?,
+            skipped_steps: one(names[2])?,
+        }))
     }
 
     /// Reads persistent tensor `name` (a param or optimizer state).

@@ -15,7 +15,7 @@ fn graph(file: &str, sets: &[(&str, &str)]) -> tcc::ir::Graph {
         .iter()
         .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
-    step_graph(&p, &bytes, &sets, &None, true).unwrap()
+    step_graph(&p, &bytes, &sets, &None, true, Default::default()).unwrap()
 }
 
 const GPT: &[(&str, &str)] = &[
@@ -225,7 +225,20 @@ fn fit_finds_a_larger_batch_with_remat() {
     let base = step::measure(&g, &BTreeSet::new(), &CompileOptions::default()).unwrap();
     // The B=2 arena: without remat B=2 is the answer; recomputation fits more.
     let budget = base.arena;
-    let fit = |remat| tcc::cli::fit::run(&file, &sets, &None, budget, "B", 64, remat, 200).unwrap();
+    let fit = |remat| {
+        tcc::cli::fit::run(
+            &file,
+            &sets,
+            &None,
+            budget,
+            "B",
+            64,
+            remat,
+            200,
+            Default::default(),
+        )
+        .unwrap()
+    };
     let plain = fit(RematMode::None);
     let with = fit(RematMode::Auto);
     assert_eq!(plain, 2);

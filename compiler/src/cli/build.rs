@@ -35,9 +35,11 @@ pub fn compile_options(t: Target, no_fuse: bool, layout: Layout) -> CompileOptio
     }
 }
 
-/// The last stage `--emit` needs.
-pub fn last_stage(emit: Emit) -> &'static str {
+/// The last stage `--emit` needs: the IR is the program after `remat`, or under `--amp`
+/// after `amp`, so that its casts show.
+pub fn last_stage(emit: Emit, amp: bool) -> &'static str {
     match emit {
+        Emit::Ir if amp => "amp",
         Emit::Ir => "remat",
         Emit::Kernels => "plan",
         Emit::Clif | Emit::Ptx | Emit::Artifact => "codegen",

@@ -3,6 +3,7 @@
 
 use super::remat_cmd::{step_graph, RematMode};
 use crate::artifact::CompileOptions;
+use crate::passes::amp::Amp;
 use crate::remat::step;
 use std::time::Duration;
 
@@ -65,12 +66,16 @@ fn try_value(
     budget: u64,
     remat: RematMode,
     time_ms: u64,
+    amp: Amp,
 ) -> Result<Try, String> {
     let mut sets = sets.to_vec();
     sets.retain(|(n, _)| n != name);
     sets.push((name.to_string(), value.to_string()));
-    let g = step_graph(file, bytes, &sets, model, remat != RematMode::Manual)?;
-    let copts = CompileOptions::default();
+    let g = step_graph(file, bytes, &sets, model, remat != RematMode::Manual, amp)?;
+    let copts = CompileOptions {
+        amp,
+        ..Default::default()
+    };
     let base = step::measure(&g, &Default::default(), &copts).map_err(|e| e.to_string())?;
     if base.arena <= budget || remat != RematMode::Auto {
         return Ok(Try {
@@ -108,6 +113,7 @@ pub fn run(
     max: u64,
     remat: RematMode,
     time_ms: u64,
+    amp: Amp,
 ) -> Result<u64, String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
@@ -117,7 +123,9 @@ pub fn run(
         if let Some(&a) = tried.get(&v) {
             return Ok(a);
         }
-        let t = try_value(name, &bytes, file, sets, model, v, budget, remat, time_ms)?;
+        let t = try_value(
+            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp,
+        )?;
         let what = match t.remat {
             Some((a, f, total)) => format!(
                 "arena {} -> {} with remat (+{:.2}% FLOPs)",

@@ -19,10 +19,22 @@ pub struct LiveTensor {
     pub source: String,
 }
 
+/// Bytes of one dtype in the compiled plan.
+#[derive(Serialize, Debug)]
+pub struct DtypeBytes {
+    pub dtype: String,
+    /// Params and optimizer state of this dtype.
+    pub persistent_bytes: u64,
+    /// Transient buffers of this dtype live at the plan's peak.
+    pub peak_transient_bytes: u64,
+}
+
 /// Everything `tcc mem` reports (also its `--json` form).
 #[derive(Serialize, Debug)]
 pub struct MemReport {
     pub model: String,
+    /// `--amp`: `off`, `bf16` or `f16`.
+    pub amp: String,
     pub nodes: usize,
     pub eager_peak_bytes: u64,
     pub eager_param_bytes: u64,
@@ -51,6 +63,51 @@ pub struct MemReport {
     pub fused_lower_bound_bytes: u64,
     pub fused_over_eager: f64,
     pub live_at_peak: Vec<LiveTensor>,
+    /// The compiled plan's bytes by dtype.
+    pub fused_bytes_by_dtype: Vec<DtypeBytes>,
+}
+
+/// The step at which the transient buffers of `lv` peak.
+fn peak_step(lv: &crate::analysis::liveness::Liveness) -> usize {
+    let steps = lv.order.len() + 1;
+    let mut live = vec![0u64; steps + 1];
+    for b in lv
+        .buffers
+        .iter()
+        .filter(|b| b.kind != crate::analysis::liveness::BufferKind::Persistent)
+    {
+        for l in &mut live[b.start..b.end.min(steps)] {
+            *l += b.bytes;
+        }
+    }
+    live.iter()
+        .enumerate()
+        .max_by_key(|&(i, &v)| (v, std::cmp::Reverse(i)))
+        .map(|(i, _)| i)
+        .unwrap_or(0)
+}
+
+/// Persistent bytes and bytes live at the peak, by the dtype of each buffer's owner.
+fn by_dtype(g: &Graph, lv: &crate::analysis::liveness::Liveness) -> Vec<DtypeBytes> {
+    use crate::analysis::liveness::BufferKind;
+    let peak = peak_step(lv);
+    let mut rows: std::collections::BTreeMap<&'static str, (u64, u64)> = Default::default();
+    for b in &lv.buffers {
+        let Some(node) = g.get(b.owner) else { continue };
+        let row = rows.entry(node.ty.dtype.name()).or_default();
+        if b.kind == BufferKind::Persistent {
+            row.0 += b.bytes;
+        } else if b.start <= peak && peak < b.end {
+            row.1 += b.bytes;
+        }
+    }
+    rows.into_iter()
+        .map(|(d, (p, t))| DtypeBytes {
+            dtype: d.to_string(),
+            persistent_bytes: p,
+            peak_transient_bytes: t,
+        })
+        .collect()
 }
 
 /// Plans `scheduled`; `program` is the same step in program order (after autodiff, before
@@ -60,7 +117,16 @@ pub fn report(
     scheduled: &Graph,
     sources: &Sources,
     budget: Duration,
+    amp: crate::passes::amp::Amp,
 ) -> Result<(MemReport, Plan, EagerMemory), String> {
+    // Under `--amp` both the eager baseline and the plans are of the mixed-precision step
+    // (eager: autocast's op-by-op execution of it).
+    let mixed = |g: &Graph| match amp.dtype {
+        Some(low) => crate::passes::amp::apply(g, low)
+            .map_err(|e| format!("internal error: mixed precision: {}", e.message)),
+        None => Ok(g.clone()),
+    };
+    let (program, scheduled) = (&mixed(program)?, &mixed(scheduled)?);
     let eager = memory::account(program);
     let porder = program
         .topo_order()
@@ -73,23 +139,7 @@ pub fn report(
         .map_err(|e| format!("internal error: the plan does not verify: {e:?}"))?;
     // Buffers live at the step where the plan's transient bytes peak.
     let lv = &p.liveness;
-    let steps = lv.order.len() + 1;
-    let mut live = vec![0u64; steps + 1];
-    for b in lv
-        .buffers
-        .iter()
-        .filter(|b| b.kind != crate::analysis::liveness::BufferKind::Persistent)
-    {
-        for l in &mut live[b.start..b.end.min(steps)] {
-            *l += b.bytes;
-        }
-    }
-    let peak_step = live
-        .iter()
-        .enumerate()
-        .max_by_key(|&(i, &v)| (v, std::cmp::Reverse(i)))
-        .map(|(i, _)| i)
-        .unwrap_or(0);
+    let peak_step = peak_step(lv);
     let mut at_peak: Vec<&crate::analysis::liveness::Buffer> = lv
         .buffers
         .iter()
@@ -122,9 +172,11 @@ pub fn report(
         },
     )
     .map_err(|e| e.to_string())?;
+    let fused_bytes_by_dtype = by_dtype(&planned.graph, &planned.plan.liveness);
     let (fused, fp) = (planned.fused, planned.plan);
     let r = MemReport {
         model: scheduled.name.clone(),
+        amp: amp.name().to_string(),
         nodes: scheduled.node_count(),
         eager_peak_bytes: eager.peak_bytes(),
         eager_param_bytes: eager.param_bytes,
@@ -151,6 +203,7 @@ pub fn report(
         fused_lower_bound_bytes: fp.lower_bound,
         fused_over_eager: fp.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
         live_at_peak,
+        fused_bytes_by_dtype,
     };
     Ok((r, p, eager))
 }
@@ -237,6 +290,17 @@ pub fn text(r: &MemReport, timing: bool) -> String {
             String::new()
         }
     ));
+    if r.amp != "off" {
+        s.push_str(&format!("  by dtype (fused plan, --amp {}):\n", r.amp));
+        for d in &r.fused_bytes_by_dtype {
+            s.push_str(&format!(
+                "    {:<6} persistent {:>12}  live at the peak {:>12}\n",
+                d.dtype,
+                bytes(d.persistent_bytes),
+                bytes(d.peak_transient_bytes)
+            ));
+        }
+    }
     s.push_str("  largest tensors live at the peak:\n");
     for t in &r.live_at_peak {
         s.push_str(&format!(

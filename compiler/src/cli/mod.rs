@@ -91,6 +91,8 @@ pub enum Command {
         pipeline: PipelineArgs,
         #[command(flatten)]
         remat: RematArgs,
+        #[command(flatten)]
+        amp: AmpArgs,
     },
     /// Show the memory plan: eager peak, lower bound, arena, fragmentation, what is live at
     /// the peak.
@@ -108,6 +110,8 @@ pub enum Command {
         budget_ms: u64,
         #[command(flatten)]
         remat: RematArgs,
+        #[command(flatten)]
+        amp: AmpArgs,
     },
     /// Rematerialization at memory budgets: on TDSL programs (no remat, per-block, √n and
     /// the automatic choice, as real plans) and on external graphs (Checkmate / Moccasin
@@ -128,6 +132,8 @@ pub enum Command {
         /// Time limit of the exact search per graph and budget, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         time_ms: u64,
+        #[command(flatten)]
+        amp: AmpArgs,
     },
     /// The largest value of a constant (e.g. the batch `B`) whose planned arena fits a
     /// memory budget, with or without rematerialization.
@@ -150,6 +156,8 @@ pub enum Command {
         /// Time for each round of the remat search, in milliseconds.
         #[arg(long, default_value_t = 1000, value_name = "MS")]
         remat_time_ms: u64,
+        #[command(flatten)]
+        amp: AmpArgs,
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
@@ -191,6 +199,8 @@ pub enum Command {
         save_params: Option<PathBuf>,
         #[command(flatten)]
         remat: RematArgs,
+        #[command(flatten)]
+        amp: AmpArgs,
     },
 }
 
@@ -211,6 +221,88 @@ pub struct ArenaArgs {
     /// Solve the decision problem: find a placement within this capacity (no minimisation).
     #[arg(long, value_name = "BYTES")]
     pub capacity: Option<u64>,
+}
+
+/// Mixed precision.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct AmpArgs {
+    /// Mixed precision: matmuls and convolutions on 16-bit tensor-core operands with f32
+    /// accumulation, reductions, exp/log, norms and losses in f32, 16-bit values stored
+    /// between kernels, f32 params, gradients and optimizer state (the policy table:
+    /// `tcc::passes::amp`). `f16` adds dynamic loss scaling.
+    #[arg(long, value_enum, default_value_t = AmpMode::Off)]
+    pub amp: AmpMode,
+    /// Loss scaling of `train`: `none`, `dynamic` (PyTorch's GradScaler defaults: init
+    /// 65536, growth 2 after 2000 clean steps, backoff 0.5), or settings such as
+    /// `init=1024,growth=2,backoff=0.5,interval=100`. Default: dynamic with `--amp f16`,
+    /// none otherwise.
+    #[arg(long, value_name = "SPEC")]
+    pub loss_scale: Option<String>,
+}
+
+/// `--amp` values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum AmpMode {
+    /// The program's own dtypes.
+    #[default]
+    Off,
+    /// bfloat16 (f32's range; no loss scaling needed).
+    Bf16,
+    /// IEEE half (with dynamic loss scaling).
+    F16,
+}
+
+impl AmpArgs {
+    /// The settings, or what is wrong with `--loss-scale`.
+    pub fn options(&self) -> Result<crate::passes::amp::Amp, String> {
+        use crate::autodiff::scale::LossScale;
+        let name = match self.amp {
+            AmpMode::Off => "off",
+            AmpMode::Bf16 => "bf16",
+            AmpMode::F16 => "f16",
+        };
+        let mut amp =
+            crate::passes::amp::Amp::named(name).ok_or_else(|| format!("--amp {name}: unknown"))?;
+        let Some(spec) = &self.loss_scale else {
+            return Ok(amp);
+        };
+        amp.loss_scale = match spec.trim() {
+            "none" => None,
+            "dynamic" => Some(LossScale::default()),
+            settings => {
+                let mut s = LossScale::default();
+                for part in settings.split(',') {
+                    let (k, v) = part.split_once('=').ok_or_else(|| {
+                        format!("--loss-scale: expected `none`, `dynamic` or KEY=VALUE,..., found `{part}`")
+                    })?;
+                    let num: f64 = v.trim().parse().map_err(|_| {
+                        format!("--loss-scale {}: `{}` is not a number", k.trim(), v.trim())
+                    })?;
+                    let positive = num.is_finite() && num > 0.0;
+                    match k.trim() {
+                        "init" if positive => s.init = num,
+                        "growth" if positive && num >= 1.0 => s.growth = num,
+                        "backoff" if positive && num <= 1.0 => s.backoff = num,
+                        "interval" if positive && num.fract() == 0.0 && num <= f64::from(u32::MAX) => {
+                            s.interval = num as u32
+                        }
+                        k @ ("init" | "growth" | "backoff" | "interval") => {
+                            return Err(format!(
+                                "--loss-scale {k}={num}: out of range (init > 0, growth >= 1, 0 < backoff <= 1, interval a positive integer)"
+                            ))
+                        }
+                        other => {
+                            return Err(format!(
+                                "--loss-scale: unknown setting `{other}` (init, growth, backoff, interval)"
+                            ))
+                        }
+                    }
+                }
+                Some(s)
+            }
+        };
+        Ok(amp)
+    }
 }
 
 /// Pipeline debugging options: the stages are the rows of `tcc::pipeline::PIPELINE`.
@@ -328,7 +420,11 @@ pub fn run(cli: Cli) -> ExitCode {
             allow_tf32,
             seed,
             remat,
+            amp,
         } => {
+            let Some(amp) = amp_options(&amp, &mut stderr) else {
+                return ExitCode::from(1);
+            };
             // An artifact goes to a file; `-o` defaults to the program's name.
             let output = match (emit, output) {
                 (Emit::Artifact, None) => Some(program.file.with_extension("tcc")),
@@ -345,6 +441,7 @@ pub fn run(cli: Cli) -> ExitCode {
             let opts = crate::pipeline::Options {
                 compile: crate::artifact::CompileOptions {
                     allow_tf32,
+                    amp,
                     ..build::compile_options(target, no_fuse, layout)
                 },
                 remat,
@@ -353,7 +450,7 @@ pub fn run(cli: Cli) -> ExitCode {
             let last = pipeline
                 .stop_after
                 .clone()
-                .unwrap_or_else(|| build::last_stage(emit).to_string());
+                .unwrap_or_else(|| build::last_stage(emit, amp.dtype.is_some()).to_string());
             let Some((sources, product, report)) =
                 load_one(&program, &pipeline, opts, &last, locations, &mut stderr)
             else {
@@ -400,7 +497,11 @@ pub fn run(cli: Cli) -> ExitCode {
             json,
             budget_ms,
             remat,
+            amp,
         } => {
+            let Some(amp) = amp_options(&amp, &mut stderr) else {
+                return ExitCode::from(1);
+            };
             let Ok(remat_opts) = remat.options().map_err(|e| {
                 let _ = writeln!(stderr, "error: {e}");
             }) else {
@@ -408,6 +509,10 @@ pub fn run(cli: Cli) -> ExitCode {
             };
             let opts = crate::pipeline::Options {
                 remat: remat_opts,
+                compile: crate::artifact::CompileOptions {
+                    amp,
+                    ..Default::default()
+                },
                 ..Default::default()
             };
             // The program in program order (what eager runs), then the scheduled step
@@ -439,6 +544,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 &scheduled,
                 &sources,
                 std::time::Duration::from_millis(budget_ms),
+                amp,
             ) {
                 Ok((r, plan, eager)) => {
                     if json {
@@ -477,13 +583,19 @@ pub fn run(cli: Cli) -> ExitCode {
             model,
             budgets,
             time_ms,
-        } => match remat_cmd::run(&files, &sets, &model, &budgets, time_ms) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                let _ = writeln!(stderr, "error: {e}");
-                ExitCode::from(1)
+            amp,
+        } => {
+            let Some(amp) = amp_options(&amp, &mut stderr) else {
+                return ExitCode::from(1);
+            };
+            match remat_cmd::run(&files, &sets, &model, &budgets, time_ms, amp) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    ExitCode::from(1)
+                }
             }
-        },
+        }
         Command::Fit {
             program,
             mem_budget,
@@ -491,22 +603,29 @@ pub fn run(cli: Cli) -> ExitCode {
             max,
             remat,
             remat_time_ms,
-        } => match fit::run(
-            &program.file,
-            &program.sets,
-            &program.model,
-            mem_budget,
-            &grow,
-            max.max(1),
-            remat,
-            remat_time_ms,
-        ) {
-            Ok(_) => ExitCode::SUCCESS,
-            Err(e) => {
-                let _ = writeln!(stderr, "error: {e}");
-                ExitCode::from(1)
+            amp,
+        } => {
+            let Some(amp) = amp_options(&amp, &mut stderr) else {
+                return ExitCode::from(1);
+            };
+            match fit::run(
+                &program.file,
+                &program.sets,
+                &program.model,
+                mem_budget,
+                &grow,
+                max.max(1),
+                remat,
+                remat_time_ms,
+                amp,
+            ) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    ExitCode::from(1)
+                }
             }
-        },
+        }
         Command::Arena(args) => match arena_cmd::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -527,7 +646,11 @@ pub fn run(cli: Cli) -> ExitCode {
             param_file,
             save_params,
             remat,
+            amp,
         } => {
+            let Some(amp) = amp_options(&amp, &mut stderr) else {
+                return ExitCode::from(1);
+            };
             let Ok(remat_opts) = remat.options().map_err(|e| {
                 let _ = writeln!(stderr, "error: {e}");
             }) else {
@@ -542,13 +665,19 @@ pub fn run(cli: Cli) -> ExitCode {
                 save_params,
                 threads,
                 allow_tf32,
+                amp,
             };
             if !eager {
                 return run_compiled(&program, target, &opts, remat_opts, &mut stderr);
             }
-            // The interpreter runs the step in program order (eager semantics).
+            // The interpreter runs the step in program order (eager semantics), under
+            // `--amp` with the mixed-precision policy applied to it.
             let popts = crate::pipeline::Options {
                 remat: remat_opts,
+                compile: crate::artifact::CompileOptions {
+                    amp,
+                    ..Default::default()
+                },
                 ..Default::default()
             };
             let Some((sources, product, report)) = load_one(
@@ -561,7 +690,21 @@ pub fn run(cli: Cli) -> ExitCode {
             ) else {
                 return ExitCode::from(1);
             };
-            match run::run_eager(product.graph(), &sources, &opts, report.total_ms()) {
+            let graph = match amp.dtype {
+                Some(low) => match crate::passes::amp::apply(product.graph(), low) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        let _ = writeln!(
+                            stderr,
+                            "error: internal compiler error: mixed precision: {}",
+                            e.message
+                        );
+                        return ExitCode::from(1);
+                    }
+                },
+                None => product.graph().clone(),
+            };
+            match run::run_eager(&graph, &sources, &opts, report.total_ms()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");
@@ -593,6 +736,7 @@ fn run_compiled(
         let popts = crate::pipeline::Options {
             compile: crate::artifact::CompileOptions {
                 allow_tf32: opts.allow_tf32,
+                amp: opts.amp,
                 ..build::compile_options(target, false, Layout::Auto)
             },
             remat,
@@ -681,6 +825,15 @@ fn load_one(
             None
         }
     }
+}
+
+/// `--amp` and `--loss-scale`, or the error printed.
+fn amp_options(args: &AmpArgs, stderr: &mut StandardStream) -> Option<crate::passes::amp::Amp> {
+    args.options()
+        .map_err(|e| {
+            let _ = writeln!(stderr, "error: {e}");
+        })
+        .ok()
 }
 
 fn display(p: &Path) -> String {

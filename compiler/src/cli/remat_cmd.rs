@@ -5,6 +5,7 @@
 use crate::artifact::CompileOptions;
 use crate::front::{self, ModelSelection, Options, Sources};
 use crate::ir::Graph;
+use crate::passes::amp::Amp;
 use crate::pipeline;
 use crate::plan::human_bytes;
 use crate::remat::step::{self, AutoOptions, Decision, Mode};
@@ -152,6 +153,7 @@ pub fn step_graph(
     sets: &[(String, String)],
     model: &Option<String>,
     clear: bool,
+    amp: Amp,
 ) -> Result<Graph, String> {
     let name = file.display().to_string();
     let mut sources = Sources::new(&name, bytes);
@@ -169,6 +171,10 @@ pub fn step_graph(
     let popts = pipeline::Options {
         remat: pipeline::RematOptions {
             mode: if clear { Mode::None } else { Mode::Manual },
+            ..Default::default()
+        },
+        compile: CompileOptions {
+            amp,
             ..Default::default()
         },
         ..Default::default()
@@ -193,12 +199,13 @@ pub fn run(
     model: &Option<String>,
     budgets: &[f64],
     time_ms: u64,
+    amp: Amp,
 ) -> Result<(), String> {
     let (tdsl, json): (Vec<&PathBuf>, Vec<&PathBuf>) = files
         .iter()
         .partition(|f| f.extension().is_some_and(|e| e == "tdsl"));
     for f in tdsl {
-        run_tdsl(f, sets, model, budgets, time_ms)?;
+        run_tdsl(f, sets, model, budgets, time_ms, amp)?;
     }
     if !json.is_empty() {
         run_graphs(&json, budgets, time_ms)?;
@@ -214,11 +221,15 @@ fn run_tdsl(
     model: &Option<String>,
     budgets: &[f64],
     time_ms: u64,
+    amp: Amp,
 ) -> Result<(), String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let t = Instant::now();
-    let g = step_graph(file, &bytes, sets, model, true)?;
-    let copts = CompileOptions::default();
+    let g = step_graph(file, &bytes, sets, model, true, amp)?;
+    let copts = CompileOptions {
+        amp,
+        ..Default::default()
+    };
     let err = |e: crate::artifact::BuildError| e.to_string();
     let base = step::measure(&g, &BTreeSet::new(), &copts).map_err(err)?;
     let total = step::step_flops(&g);

@@ -19,6 +19,8 @@ pub struct RunOptions {
     pub threads: usize,
     /// f32 matmuls may use TF32 tensor cores (CUDA).
     pub allow_tf32: bool,
+    /// Mixed precision of a `.tdsl` compiled or interpreted here.
+    pub amp: crate::passes::amp::Amp,
 }
 
 /// Formats a byte count with a binary unit.
@@ -107,6 +109,15 @@ pub fn run_eager(
             }
             println!("{line}");
         }
+    }
+    let value = |name: &str| persistent.values.get(name).map(|t| t.to_f64()[0]);
+    if let (Some(scale), Some(skipped)) = (
+        value(crate::autodiff::scale::SCALE),
+        value(crate::autodiff::scale::SKIPPED),
+    ) {
+        println!(
+            "loss scale: {scale} for the next step; {skipped} steps skipped (non-finite gradients) in all"
+        );
     }
     let mem = memory::account(g);
     print_memory(g, sources, &mem);
@@ -264,6 +275,12 @@ pub fn run_compiled(
             }
             println!("{line}");
         }
+    }
+    if let Some(ls) = s.loss_scale().map_err(|e| e.to_string())? {
+        println!(
+            "loss scale: {} for the next step; {} steps skipped (non-finite gradients) in all",
+            ls.scale, ls.skipped_steps
+        );
     }
     println!(
         "arena: {} (params and optimizer state {}, the rest shared by inputs, outputs and intermediates)",

@@ -2,6 +2,7 @@
 //! `schedule`, and the lowering rewrites after `remat` (`outputs`, `attention`,
 //! `transpose_matmuls`, `split_reductions`), with the helper they share.
 
+pub mod amp;
 pub mod attention;
 pub mod outputs;
 pub mod schedule;

@@ -1,0 +1,342 @@
+//! Mixed precision (`--amp bf16|f16`): the policy table and the `amp` stage that applies it.
+//!
+//! The policy is [`precision`], one row per op, the way autocast's op lists work:
+//!
+//! | precision | ops | operands | result |
+//! |---|---|---|---|
+//! | [`Precision::Low`] | `matmul`, `conv2d` and its two gradients | 16-bit (tensor cores, f32 accumulation) | 16-bit |
+//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s gradient, fused attention | f32 | f32 |
+//! | [`Precision::Widest`] | other elementwise ops, `where`, views, `concat`, pooling, `dropout`, `embedding` | the widest float dtype among them (literals, fills and params broadcast onto the result, such as a bias, adopt it) | that dtype |
+//! | [`Precision::AsIs`] | leaves (inputs, params, state, literals), `cast`, `argmax` | unchanged | unchanged |
+//!
+//! Params, their optimizer state and the gradients the optimizer applies stay f32 (master
+//! weights): params and state are leaves, every update mixes them with f32, and the
+//! gradients ([`Graph::grads`], with the sums of their contributions) are forced to their
+//! declared dtype. A 16-bit weight copy is a `cast` of the param, made once per step where
+//! the first tensor-core op reads it. Values are stored between kernels in the dtype the
+//! policy gives them, so a 16-bit result costs half the arena; inside a fused kernel every
+//! float is computed in f32 and rounded where it is stored.
+//!
+//! The stage runs last among the graph stages (after fused attention, whose kernel computes
+//! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
+//! outputs keep their declared dtypes (a cast back where the policy changed them).
+
+use crate::ir::{DType, Graph, NodeId, Op, TensorType, TypeError, UnaryOp};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Where an op computes under mixed precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Float operands in the 16-bit dtype; result 16-bit.
+    Low,
+    /// Float operands widened to f32; result f32.
+    Full,
+    /// Float operands brought to the widest float dtype among them.
+    Widest,
+    /// Left as written.
+    AsIs,
+}
+
+/// The policy: the precision of every op (see the module doc's table).
+pub fn precision(op: &Op) -> Precision {
+    use Precision::*;
+    match op {
+        Op::MatMul
+        | Op::Conv2d { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Conv2dGradWeight { .. } => Low,
+        Op::Unary(
+            UnaryOp::Exp
+            | UnaryOp::Log
+            | UnaryOp::Sqrt
+            | UnaryOp::Rsqrt
+            | UnaryOp::Recip
+            | UnaryOp::Sin
+            | UnaryOp::Cos,
+        )
+        | Op::Binary(crate::ir::BinaryOp::Pow)
+        | Op::Reduce { .. }
+        | Op::EmbeddingGrad { .. }
+        // The flash-attention kernel computes in f32 from f32 operands.
+        | Op::Attention { .. }
+        | Op::AttentionLse { .. } => Full,
+        Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Where
+        | Op::Reshape { .. }
+        | Op::Permute { .. }
+        | Op::BroadcastTo { .. }
+        | Op::Concat { .. }
+        | Op::Slice { .. }
+        | Op::Select { .. }
+        | Op::Pool2d { .. }
+        | Op::Pool2dGrad { .. }
+        | Op::Embedding
+        | Op::Dropout { .. }
+        | Op::Tri { .. } => Widest,
+        Op::Input { .. }
+        | Op::Param { .. }
+        | Op::State { .. }
+        | Op::Literal { .. }
+        | Op::Full { .. }
+        | Op::Arange { .. }
+        | Op::Cast { .. }
+        | Op::ArgMax { .. }
+        | Op::Grad => AsIs,
+    }
+}
+
+/// The 16-bit dtype of `--amp`, if it names one.
+pub fn low_dtype(name: &str) -> Option<DType> {
+    match name {
+        "bf16" => Some(DType::BF16),
+        "f16" => Some(DType::F16),
+        _ => None,
+    }
+}
+
+/// Literals and fills take the dtype of what they meet instead of imposing theirs.
+fn adopts(op: &Op) -> bool {
+    matches!(op, Op::Literal { .. } | Op::Full { .. })
+}
+
+/// Whether `n` is a param (or input or state) seen through views and casts.
+fn is_param_view(g: &Graph, mut n: NodeId) -> bool {
+    loop {
+        let node = g.node(n);
+        match node.op {
+            Op::Param { .. } | Op::Input { .. } | Op::State { .. } => return true,
+            Op::Reshape { .. }
+            | Op::Permute { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Select { .. }
+            | Op::Slice { .. }
+            | Op::Cast { .. } => n = node.inputs[0],
+            _ => return false,
+        }
+    }
+}
+
+/// The wider of two float dtypes (f16 and bf16 meet in f32).
+fn wider(a: DType, b: DType) -> DType {
+    if a == b {
+        a
+    } else {
+        DType::F32
+    }
+}
+
+/// The gradients the optimizer applies and, below them, the sums of their contributions
+/// read by nothing else: these keep their declared dtype.
+fn master_gradients(g: &Graph) -> BTreeSet<NodeId> {
+    let mut forced: BTreeSet<NodeId> = g.grads.iter().map(|&(_, d)| d).collect();
+    let mut stack: Vec<NodeId> = forced.iter().copied().collect();
+    while let Some(n) = stack.pop() {
+        let node = g.node(n);
+        let sums = matches!(
+            node.op,
+            Op::Binary(crate::ir::BinaryOp::Add | crate::ir::BinaryOp::Mul)
+        );
+        if !sums {
+            continue;
+        }
+        for &o in &node.inputs {
+            let inner_sum = matches!(g.node(o).op, Op::Binary(crate::ir::BinaryOp::Add));
+            if inner_sum && g.users(o) == [n] && forced.insert(o) {
+                stack.push(o);
+            }
+        }
+    }
+    forced
+}
+
+/// Applies the policy with `low` (bf16 or f16) as the 16-bit dtype. Node order is kept;
+/// casts are added just before their first reader.
+pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
+    let order = g
+        .topo_order()
+        .ok_or_else(|| TypeError::new("E0002", "cyclic graph", "before mixed precision"))?;
+    let forced = master_gradients(g);
+    let mut h = Graph::new(g.name.clone());
+    let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    // (value in h, dtype) -> its cast; (literal or fill in g, dtype) -> its copy in h.
+    let mut casts: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
+    let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
+    let missing = || TypeError::new("E0002", "operand out of order", "in mixed precision");
+    for n in order {
+        let node = g.node(n);
+        let ins: Vec<NodeId> = node
+            .inputs
+            .iter()
+            .map(|i| map.get(i).copied().ok_or_else(missing))
+            .collect::<Result<_, _>>()?;
+        let want = match precision(&node.op) {
+            Precision::Low => Some(low),
+            Precision::Full => Some(DType::F32),
+            Precision::AsIs => None,
+            Precision::Widest if forced.contains(&n) => Some(node.ty.dtype),
+            Precision::Widest => {
+                // Operands that set the dtype: not literals or fills, and not a param
+                // broadcast onto the result (a bias or gain adopts the activation's dtype,
+                // as a bias inside autocast's 16-bit `linear` does), unless all are.
+                let numel = node.ty.shape.numel();
+                let setting = |skip_broadcast_params: bool| {
+                    node.inputs
+                        .iter()
+                        .zip(&ins)
+                        .filter(|(o, _)| !adopts(&g.node(**o).op))
+                        .filter(|(o, _)| {
+                            !skip_broadcast_params
+                                || g.ty(**o).shape.numel() == numel
+                                || !is_param_view(g, **o)
+                        })
+                        .map(|(_, &i)| h.ty(i).dtype)
+                        .filter(|d| d.is_float())
+                        .reduce(wider)
+                };
+                setting(true).or_else(|| setting(false))
+            }
+        };
+        let mut new_ins = Vec::with_capacity(ins.len());
+        for (&old, &i) in node.inputs.iter().zip(&ins) {
+            let dt = h.ty(i).dtype;
+            let Some(w) = want.filter(|&w| dt.is_float() && dt != w) else {
+                new_ins.push(i);
+                continue;
+            };
+            let src = g.node(old);
+            let x = if adopts(&src.op) {
+                if let Some(&x) = adopted.get(&(old, w)) {
+                    x
+                } else {
+                    let op = match &src.op {
+                        Op::Literal { value, .. } => Op::Literal {
+                            value: *value,
+                            dtype: w,
+                        },
+                        Op::Full { value, ty } => Op::Full {
+                            value: *value,
+                            ty: TensorType::new(w, ty.shape.clone()),
+                        },
+                        other => other.clone(),
+                    };
+                    let x = h.add(op, vec![], src.span, src.checkpoint)?;
+                    copy_marks(&mut h, x, src);
+                    adopted.insert((old, w), x);
+                    x
+                }
+            } else {
+                cast(&mut h, &mut casts, i, w, node)?
+            };
+            new_ins.push(x);
+        }
+        // A cast whose operand already has its dtype is the operand.
+        if let Op::Cast { to } = node.op {
+            if h.ty(new_ins[0]).dtype == to {
+                map.insert(n, new_ins[0]);
+                continue;
+            }
+        }
+        let id = h.add(node.op.clone(), new_ins, node.span, node.checkpoint)?;
+        copy_marks(&mut h, id, node);
+        let id = if forced.contains(&n) && h.ty(id).dtype != node.ty.dtype {
+            cast(&mut h, &mut casts, id, node.ty.dtype, node)?
+        } else {
+            id
+        };
+        map.insert(n, id);
+    }
+    let m = |i: &NodeId| map.get(i).copied().ok_or_else(missing);
+    // The interface keeps its dtypes: outputs and updated values are cast back.
+    let mut back = |h: &mut Graph, old: NodeId, dtype: DType| -> Result<NodeId, TypeError> {
+        let new = m(&old)?;
+        if h.ty(new).dtype == dtype {
+            return Ok(new);
+        }
+        cast(h, &mut casts, new, dtype, g.node(old))
+    };
+    let mut outputs = Vec::with_capacity(g.outputs.len());
+    for (name, o) in &g.outputs {
+        outputs.push((name.clone(), back(&mut h, *o, g.ty(*o).dtype)?));
+    }
+    let mut updates = Vec::with_capacity(g.updates.len());
+    for &(t, v) in &g.updates {
+        updates.push((m(&t)?, back(&mut h, v, g.ty(t).dtype)?));
+    }
+    h.outputs = outputs;
+    h.updates = updates;
+    h.train = match &g.train {
+        Some(t) => Some(crate::ir::TrainSpec {
+            loss: m(&t.loss)?,
+            ..t.clone()
+        }),
+        None => None,
+    };
+    h.inputs = g.inputs.iter().map(m).collect::<Result<_, _>>()?;
+    h.params = g.params.iter().map(m).collect::<Result<_, _>>()?;
+    h.states = g.states.iter().map(m).collect::<Result<_, _>>()?;
+    h.grads = g
+        .grads
+        .iter()
+        .map(|(p, d)| Ok((m(p)?, m(d)?)))
+        .collect::<Result<_, TypeError>>()?;
+    Ok(h)
+}
+
+/// `x` as `to`, one cast per value and dtype, carrying the marks of the node that first
+/// needs it.
+fn cast(
+    h: &mut Graph,
+    casts: &mut BTreeMap<(NodeId, DType), NodeId>,
+    x: NodeId,
+    to: DType,
+    at: &crate::ir::Node,
+) -> Result<NodeId, TypeError> {
+    if let Some(&c) = casts.get(&(x, to)) {
+        return Ok(c);
+    }
+    let c = h.add(Op::Cast { to }, vec![x], at.span, at.checkpoint)?;
+    copy_marks(h, c, at);
+    casts.insert((x, to), c);
+    Ok(c)
+}
+
+fn copy_marks(h: &mut Graph, id: NodeId, like: &crate::ir::Node) {
+    if like.backward {
+        h.mark_backward(id);
+    }
+    if let Some(b) = like.block {
+        h.set_block(id, b);
+    }
+}
+
+/// Mixed-precision settings (`--amp`, `--loss-scale`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Amp {
+    /// The 16-bit dtype (bf16 or f16); `None`: the program's own dtypes.
+    pub dtype: Option<DType>,
+    /// Dynamic loss scaling of `train` (on by default for f16).
+    pub loss_scale: Option<crate::autodiff::scale::LossScale>,
+}
+
+impl Amp {
+    /// `--amp NAME` (`off`, `bf16` or `f16`) with its default loss scaling.
+    pub fn named(name: &str) -> Option<Amp> {
+        if name == "off" {
+            return Some(Amp::default());
+        }
+        let dtype = low_dtype(name)?;
+        Some(Amp {
+            dtype: Some(dtype),
+            loss_scale: (dtype == DType::F16).then(Default::default),
+        })
+    }
+
+    /// `bf16`, `f16` or `off`.
+    pub fn name(&self) -> &'static str {
+        match self.dtype {
+            Some(d) => d.name(),
+            None => "off",
+        }
+    }
+}
