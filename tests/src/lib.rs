@@ -194,22 +194,44 @@ pub fn device_steps_with(
     device: tcc_runtime::Device,
     allow_tf32: bool,
 ) -> Result<StepResult, String> {
-    use tcc::artifact::{self, CompileOptions, Target};
+    let opts = tcc::artifact::CompileOptions {
+        allow_tf32,
+        ..device_options(device, fuse)
+    };
+    steps_compiled(g, inputs, steps, seed, device, &opts)
+}
+
+/// The compile options [`device_steps`] uses for `device`.
+pub fn device_options(device: tcc_runtime::Device, fuse: bool) -> tcc::artifact::CompileOptions {
+    use tcc::artifact::{CompileOptions, Target};
     let target = match device {
         tcc_runtime::Device::Cpu => Target::Cpu,
         tcc_runtime::Device::Cuda(_) => Target::Cuda,
     };
-    let opts = CompileOptions {
+    CompileOptions {
         target,
         fuse: tcc::kernel::fuse::FuseOptions {
             fuse,
             channels_last: target == Target::Cuda,
             ..Default::default()
         },
-        allow_tf32,
         ..CompileOptions::default()
-    };
-    let c = artifact::compile(g, &opts).map_err(|e| e.to_string())?;
+    }
+}
+
+/// Compiles `g` with `opts` (stages `outputs` to `codegen`; `opts.target` must be
+/// `device`'s), writes and reloads the artifact and runs `steps` steps as [`cpu_steps`].
+pub fn steps_compiled(
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    seed: u64,
+    device: tcc_runtime::Device,
+    opts: &tcc::artifact::CompileOptions,
+) -> Result<StepResult, String> {
+    use tcc::artifact;
+    let target = opts.target;
+    let c = artifact::compile(g, opts).map_err(|e| e.to_string())?;
     let img =
         artifact::persistent_image(&c, seed, &Default::default()).map_err(|e| e.to_string())?;
     let bytes = artifact::write_artifact(&c, target, &img);

@@ -12,7 +12,7 @@
 //! - `// expect-arena-bytes: <= N` or `== N` (from `plan` on): the planned arena.
 //!
 //! Options: `// target: cuda` (default: cpu), `// remat-budget: BYTES` (`--mem-budget` with
-//! `--remat auto`). A stage added to the table without two cases fails
+//! `--remat auto`), `// amp: bf16|f16` (`--amp`, with its default loss scaling). A stage added to the table without two cases fails
 //! `every_stage_has_cases`.
 
 use tcc::artifact::{CompileOptions, Target};
@@ -39,6 +39,9 @@ fn options(src: &str) -> pipeline::Options {
         ..CompileOptions::default()
     };
     compile.fuse.channels_last = target == Target::Cuda;
+    if let Some(a) = headers(src, "amp").first() {
+        compile.amp = tcc::passes::amp::Amp::named(a).expect("amp: off, bf16 or f16");
+    }
     let remat = match headers(src, "remat-budget").first() {
         Some(b) => RematOptions {
             mode: tcc::remat::step::Mode::Auto,
