@@ -49,7 +49,13 @@ case (SIZES below; gemm 256, copy 4 MiB) for a smoke test. Seeds are fixed (--se
 The first training step's loss ("loss first", about ln 10 = 2.30 for mlp and cnn, ln V for
 gpt) and the last timed step's are reported as a sanity check.
 
+Mixed precision (--amp bf16|f16): each model's loss runs under torch.autocast with that dtype
+(f32 params: master weights), f16 with torch.amp.GradScaler (PyTorch's defaults), and the
+optimizer is the fused one (fused=True), as a user training in 16 bits would run it. Mode
+eager_cl (cnn only) is eager with the images and conv weights in channels_last.
+
   python3 bench/torch_bench.py [--cases mlp,cnn,gpt,gelu,gemm,copy] [--modes eager,compile]
+      [--amp off|bf16|f16]
       [--warmup 5] [--steps 20] [--json out.json] [--small] [--device cuda|cpu] [--tf32]
       [--impl native|prelude]
 """
@@ -319,19 +325,41 @@ def graph_stats():
 def run_model(name, mode, args):
     torch.manual_seed(args.seed)
     shape = SIZES[name][args.small]
-    loss_fn, inputs, opt, _ = MODELS[name](args.device, **shape)
+    loss_fn, inputs, opt, params = MODELS[name](args.device, **shape)
+    if mode == "eager_cl":
+        if name != "cnn":
+            raise ValueError("eager_cl is for the cnn only")
+        for p in params.values():
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+        inputs = (inputs[0].contiguous(memory_format=torch.channels_last), *inputs[1:])
+    amp = {"bf16": torch.bfloat16, "f16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(args.device) if args.amp == "f16" else None
+    if amp is not None and args.device == "cuda":
+        kw = {k: v for k, v in opt.defaults.items()
+              if k in ("lr", "momentum", "weight_decay", "betas", "eps")}
+        opt = type(opt)(list(params.values()), fused=True, **kw)
 
     def make_step(lf):
         def step():
-            loss = lf(*inputs)
-            loss.backward()
-            opt.step()
+            if amp is None:
+                loss = lf(*inputs)
+            else:
+                with torch.autocast(args.device, dtype=amp):
+                    loss = lf(*inputs)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
         return step
 
     step, note, compile_s = make_step(loss_fn), "", None
-    if mode == "eager":
+    if mode in ("eager", "eager_cl"):
         loss_first = first_calls(step, args.device)[1]
     else:
         torch._dynamo.utils.counters.clear()
@@ -430,11 +458,13 @@ def main():
     ap.add_argument("--no-cudnn-benchmark", action="store_true")
     ap.add_argument("--impl", default="native", choices=["native", "prelude"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--amp", default="off", choices=["off", "bf16", "f16"],
+                    help="autocast dtype (fused optimizers; f16 with GradScaler)")
     args = ap.parse_args()
     cases = [c for c in args.cases.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     bad = [c for c in cases if c not in (*MODELS, "gelu", "gemm", "copy")]
-    bad += [m for m in modes if m not in ("eager", "compile")]
+    bad += [m for m in modes if m not in ("eager", "compile", "eager_cl")]
     if bad:
         ap.error(f"unknown case or mode: {', '.join(bad)}")
     if args.steps < 1 or args.warmup < 0:
@@ -450,7 +480,7 @@ def main():
     torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
 
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    config = dict(torch=torch.__version__, device=dev_name, impl=args.impl,
+    config = dict(torch=torch.__version__, device=dev_name, impl=args.impl, amp=args.amp,
                   matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
                   cudnn_tf32=torch.backends.cudnn.allow_tf32,
                   warmup=args.warmup, steps=args.steps, small=args.small, seed=args.seed,
@@ -467,6 +497,8 @@ def main():
                 ref[f"{case}_error"] = f"{type(e).__name__}: {e}"
             continue
         for mode in modes:
+            if mode == "eager_cl" and case != "cnn":
+                continue
             fresh(args.device)
             print(f"[{case}/{mode}] running ...", flush=True)
             try:

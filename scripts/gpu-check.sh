@@ -102,13 +102,54 @@ device() {
     return $status
 }
 
+# Mixed precision (`--amp bf16|f16`): memcheck of small 16-bit steps, the examples' steps
+# in both dtypes, and PyTorch autocast (fused optimizers, eager, torch.compile and the cnn in
+# channels_last) side by side.
+device_amp() {
+    local T="$OUT/tcc" log="$OUT/log" status=0
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    for a in bf16 f16; do
+        for m in mlp cnn gpt; do
+            "$T" build examples/$m.tdsl --amp $a --target cuda --emit artifact -o "$OUT/$m-$a.tcc" 2>>"$log/build-amp.txt" || status=1
+        done
+        "$T" build examples/mlp.tdsl --amp $a --set B=8 --set D=32 --target cuda --emit artifact -o "$OUT/mlp-small-$a.tcc" 2>>"$log/build-amp.txt" || status=1
+        "$T" build examples/cnn.tdsl --amp $a --set B=4 --set C=16 --set S=16 --target cuda --emit artifact -o "$OUT/cnn-small-$a.tcc" 2>>"$log/build-amp.txt" || status=1
+        "$T" build examples/gpt.tdsl --amp $a --set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128 --target cuda --emit artifact -o "$OUT/gpt-small-$a.tcc" 2>>"$log/build-amp.txt" || status=1
+    done
+    grep -E "^compiled|error" "$log/build-amp.txt"
+    echo "== compute-sanitizer memcheck (--amp)"
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for m in mlp-small-bf16 cnn-small-bf16 gpt-small-bf16 gpt-small-f16; do
+        if [ -n "$CS" ] && "$CS" --tool memcheck --error-exitcode 3 "$T" run "$OUT/$m.tcc" --steps 2 >"$log/memcheck-$m.txt" 2>&1; then
+            echo "clean $m: $(grep -E 'ERROR SUMMARY' "$log/memcheck-$m.txt" | tail -1)"
+        else
+            echo "DIRTY $m"; tail -20 "$log/memcheck-$m.txt"; status=1
+        fi
+    done
+    echo "== tcc --amp"
+    for a in bf16 f16; do
+        for m in mlp cnn gpt; do
+            "$T" run "$OUT/$m-$a.tcc" --steps 20 --every 10 >"$log/tcc-$m-$a.txt" 2>&1 || status=1
+            echo "$m-$a: $(grep -E 'step +(1|20) |loss scale|step time|device memory of|arena:' "$log/tcc-$m-$a.txt" | tr '\n' ' ')"
+        done
+    done
+    echo "== PyTorch autocast"
+    python3 bench/torch_bench.py --amp bf16 --cases mlp,cnn,gpt --modes eager,compile,eager_cl --json "$log/torch-bf16.json" >"$log/torch-bf16.txt" 2>&1 || status=1
+    sed -n '/## results/,$p' "$log/torch-bf16.txt"
+    python3 bench/torch_bench.py --amp f16 --cases mlp,cnn,gpt --modes eager --json "$log/torch-f16.json" >"$log/torch-f16.txt" 2>&1 || status=1
+    sed -n '/## results/,$p' "$log/torch-f16.txt"
+    return $status
+}
+
 case "$mode" in
     build) build ;;
+    device-amp) device_amp ;;
     device) device all ;;
     device-tests) device tests ;;
     device-bench) device bench ;;
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp]"; exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 //! Shared helpers for tcc's test suite: compiling files and cases, reading case headers,
 //! and extracting the TDSL programs of LANGUAGE.md.
 
+pub mod amp;
+
 use std::path::{Path, PathBuf};
 use tcc::front::{self, Lowered, ModelSelection, Options, Sources};
 use tcc_grammar::diag::render_all;

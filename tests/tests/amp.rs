@@ -1,124 +1,18 @@
 //! Mixed precision (`--amp bf16|f16`, `compiler/src/passes/amp.rs`) and dynamic loss
-//! scaling (`compiler/src/autodiff/scale.rs`) on the CPU back end against the interpreter.
-//!
-//! The interpreter runs the mixed-precision step op by op and rounds every 16-bit value;
-//! compiled kernels compute in f32 inside a kernel and round where they store, so the two
-//! agree within a bound per dtype: ‖cpu − eager‖ / ‖eager‖ ≤ [`BF16_TOL`] for bf16 (7-bit
-//! mantissa) and [`F16_TOL`] for f16 (10 bits), for outputs and for params and optimizer
-//! state after the steps.
+//! scaling (`compiler/src/autodiff/scale.rs`) on the CPU back end against the interpreter,
+//! within the bounds of `tests/src/amp.rs`.
 
 use std::collections::BTreeMap;
 use tcc::artifact::CompileOptions;
 use tcc::autodiff::scale::{LossScale, SCALE, SKIPPED, TRACKER};
 use tcc::eager::Tensor;
-use tcc::ir::{DType, Graph, Op};
+use tcc::ir::{DType, Op};
 use tcc::passes::amp::{self, Amp, Precision};
 use tcc_runtime::Device;
+use tcc_tests::amp::{agree, compiled, interpreted, policies, step};
 use tcc_tests::{
-    builtin_program, compile_bytes, device_options, eager_steps, options_from_args, params_rel_err,
-    rel_err, root, steps_compiled, unary_builtin_cases, StepResult, BUILTIN_CASES,
+    builtin_program, device_options, root, unary_builtin_cases, StepResult, BUILTIN_CASES,
 };
-
-const BF16_TOL: f64 = 2e-2;
-const F16_TOL: f64 = 4e-3;
-
-fn tol(amp: &Amp) -> f64 {
-    match amp.dtype {
-        Some(DType::BF16) => BF16_TOL,
-        _ => F16_TOL,
-    }
-}
-
-/// The step (stages `lower` to `schedule`) of a program under `amp` (loss scaling is made
-/// by autodiff).
-fn step(src: &str, args: &str, amp: Amp) -> Graph {
-    let (sources, mut lowered) =
-        compile_bytes("case.tdsl", src.as_bytes(), &options_from_args(args)).unwrap();
-    let opts = tcc::pipeline::Options {
-        compile: CompileOptions {
-            amp,
-            ..Default::default()
-        },
-        verify: true,
-        ..Default::default()
-    };
-    match tcc::pipeline::lowered(
-        lowered.graphs.remove(0),
-        Default::default(),
-        "schedule",
-        &opts,
-        &mut |_, _| {},
-    ) {
-        Ok((tcc::pipeline::Product::Graph(g), _)) => g,
-        Ok((p, _)) => panic!("the pipeline gave {}", p.form()),
-        Err(e) => panic!(
-            "{}",
-            tcc_grammar::diag::render_all(&e.diagnostics(), &sources.map)
-        ),
-    }
-}
-
-/// `steps` steps compiled for the CPU with the pipeline's own `amp` stage.
-fn compiled(g: &Graph, inputs: &BTreeMap<String, Tensor>, steps: usize, amp: Amp) -> StepResult {
-    let opts = CompileOptions {
-        amp,
-        ..device_options(Device::Cpu, true)
-    };
-    steps_compiled(g, inputs, steps, 0, Device::Cpu, &opts).unwrap()
-}
-
-/// `steps` interpreted steps of the mixed-precision step.
-fn interpreted(g: &Graph, inputs: &BTreeMap<String, Tensor>, steps: usize, amp: Amp) -> StepResult {
-    let g = match amp.dtype {
-        Some(low) => amp::apply(g, low).unwrap(),
-        None => g.clone(),
-    };
-    eager_steps(&g, inputs, steps, 0).unwrap()
-}
-
-fn policies() -> [Amp; 2] {
-    [Amp::named("bf16").unwrap(), Amp::named("f16").unwrap()]
-}
-
-/// Compiled and interpreted steps agree within `factor` times the dtype's bound.
-fn agree(src: &str, args: &str, steps: usize, factor: f64, what: &str) {
-    for a in policies() {
-        let tol = |a: &Amp| tol(a) * factor;
-        let g = step(src, args, a);
-        let inputs = tcc::eager::random_inputs(&g, 7);
-        let want = interpreted(&g, &inputs, steps, a);
-        let got = compiled(&g, &inputs, steps, a);
-        for (name, t) in &want.outputs {
-            let e = rel_err(&got.outputs[name], t);
-            assert!(
-                e <= tol(&a),
-                "{what} --amp {}: output `{name}` differs by {e:e}",
-                a.name()
-            );
-        }
-        let e = params_rel_err(&got.persistent, &want.persistent).unwrap();
-        if e <= tol(&a) {
-            continue;
-        }
-        // Gradients that are sums cancelling to about zero (a batch norm's, at a small
-        // batch) keep only 16-bit rounding noise, which differs between any two orders of
-        // rounding: the compiled step must then be no further from the f32 step than the
-        // interpreted one is.
-        let f32_graph = step(src, args, Amp::default());
-        let exact = interpreted(&f32_graph, &inputs, steps, Amp::default());
-        let mut exact = exact.persistent;
-        for (name, t) in &want.persistent {
-            exact.entry(name.clone()).or_insert_with(|| t.clone());
-        }
-        let ours = params_rel_err(&got.persistent, &exact).unwrap();
-        let reference = params_rel_err(&want.persistent, &exact).unwrap();
-        assert!(
-            ours <= 1.5 * reference,
-            "{what} --amp {}: params differ by {e:e}; from f32's: compiled {ours:e}, interpreted {reference:e}",
-            a.name()
-        );
-    }
-}
 
 #[test]
 fn the_policy_table() {
@@ -190,7 +84,7 @@ fn examples_agree_with_the_interpreter_under_both_policies() {
                 assert!(!contractions.is_empty(), "{file}: no tensor-core op");
             }
         }
-        agree(&src, args, 1, factor, file);
+        agree(&src, args, 1, factor, file, Device::Cpu);
     }
 }
 
@@ -205,7 +99,7 @@ fn every_builtin_agrees_under_both_policies() {
     }
     for (expr, wrt) in &cases {
         let src = builtin_program(expr, wrt).unwrap_or_else(|e| panic!("{expr}: {e}"));
-        agree(&src, "", 1, 1.0, expr);
+        agree(&src, "", 1, 1.0, expr, Device::Cpu);
     }
 }
 
@@ -241,8 +135,11 @@ fn an_overflowing_step_is_skipped_and_the_scale_backs_off() {
     }));
     let g = step(SCALED, "", a);
     let inputs = tcc::eager::random_inputs(&g, 1);
-    let before = compiled(&g, &inputs, 0, a);
-    for r in [compiled(&g, &inputs, 1, a), interpreted(&g, &inputs, 1, a)] {
+    let before = compiled(&g, &inputs, Device::Cpu, 0, a);
+    for r in [
+        compiled(&g, &inputs, Device::Cpu, 1, a),
+        interpreted(&g, &inputs, 1, a),
+    ] {
         for (name, t) in &before.persistent {
             if name.starts_with("amp.") {
                 continue;
@@ -271,7 +168,7 @@ fn the_scale_grows_after_clean_steps() {
     let inputs = tcc::eager::random_inputs(&g, 1);
     for (steps, scale, tracker) in [(1, 1024.0, 1.0), (2, 2048.0, 0.0), (3, 2048.0, 1.0)] {
         for r in [
-            compiled(&g, &inputs, steps, a),
+            compiled(&g, &inputs, Device::Cpu, steps, a),
             interpreted(&g, &inputs, steps, a),
         ] {
             assert_eq!(scalar(&r, SCALE), scale, "after {steps} steps");
@@ -289,7 +186,8 @@ fn f16_gradients_that_underflow_train_with_loss_scaling() {
     let src = SCALED.replace("adam(lr: 0.01)", "sgd(lr: 1e4)");
     let f32_graph = step(&src, "", Amp::default());
     let inputs = tcc::eager::random_inputs(&f32_graph, 1);
-    let start = compiled(&f32_graph, &inputs, 0, Amp::default()).persistent["w"].to_f64();
+    let start =
+        compiled(&f32_graph, &inputs, Device::Cpu, 0, Amp::default()).persistent["w"].to_f64();
     let moved = |r: &StepResult| -> Vec<f64> {
         r.persistent["w"]
             .to_f64()
@@ -298,7 +196,13 @@ fn f16_gradients_that_underflow_train_with_loss_scaling() {
             .map(|(a, b)| a - b)
             .collect()
     };
-    let reference = moved(&compiled(&f32_graph, &inputs, 1, Amp::default()));
+    let reference = moved(&compiled(
+        &f32_graph,
+        &inputs,
+        Device::Cpu,
+        1,
+        Amp::default(),
+    ));
     let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
     assert!(
         norm(&reference) > 1e-3,
@@ -308,7 +212,7 @@ fn f16_gradients_that_underflow_train_with_loss_scaling() {
 
     let plain = f16_with(None);
     let g = step(&src, "", plain);
-    let unscaled = moved(&compiled(&g, &inputs, 1, plain));
+    let unscaled = moved(&compiled(&g, &inputs, Device::Cpu, 1, plain));
     let lost: Vec<f64> = unscaled
         .iter()
         .zip(&reference)
@@ -320,7 +224,7 @@ fn f16_gradients_that_underflow_train_with_loss_scaling() {
     let scaled = f16_with(Some(LossScale::default()));
     let g = step(&src, "", scaled);
     for r in [
-        compiled(&g, &inputs, 1, scaled),
+        compiled(&g, &inputs, Device::Cpu, 1, scaled),
         interpreted(&g, &inputs, 1, scaled),
     ] {
         let d = moved(&r);
@@ -347,13 +251,13 @@ fn a_small_gpt_trains_under_bf16_like_f32() {
     ]);
     let final_loss = |a: Amp| {
         let g = step(&src, args, a);
-        compiled(&g, &inputs, 300, a).outputs["loss"].to_f64()[0]
+        compiled(&g, &inputs, Device::Cpu, 300, a).outputs["loss"].to_f64()[0]
     };
     let f32_loss = final_loss(Amp::default());
     let bf16_loss = final_loss(Amp::named("bf16").unwrap());
     let first = {
         let g = step(&src, args, Amp::default());
-        compiled(&g, &inputs, 1, Amp::default()).outputs["loss"].to_f64()[0]
+        compiled(&g, &inputs, Device::Cpu, 1, Amp::default()).outputs["loss"].to_f64()[0]
     };
     assert!(
         f32_loss < 0.5 * first,

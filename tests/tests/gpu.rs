@@ -246,3 +246,26 @@ fn gpu_stream_k_matmuls_agree_with_eager() {
     }";
     agree(src, &Options::default(), "stream-K matmuls", 2, 1e-5);
 }
+
+/// Mixed precision on the GPU: the examples under `--amp bf16` and `f16` (tensor-core
+/// 16-bit matmuls, f16 loss scaling) agree with the interpreter's mixed-precision step within
+/// the bounds of `tests/src/amp.rs` (the cnn's 20 convolutions with batch norms: 2.5 times).
+#[test]
+fn gpu_mixed_precision_examples_agree_with_eager() {
+    if !gpu() {
+        return;
+    }
+    for (file, args, factor) in [
+        ("examples/mlp.tdsl", "--set B=8 --set D=32", 1.0),
+        ("examples/cnn.tdsl", "--set B=4 --set C=8 --set S=16", 2.5),
+        (
+            "examples/gpt.tdsl",
+            "--set B=2 --set T=64 --set D=64 --set H=2 --set L=2 --set V=128",
+            1.0,
+        ),
+        ("examples/tiny.tdsl", "", 1.0),
+    ] {
+        let src = std::fs::read_to_string(root().join(file)).unwrap();
+        tcc_tests::amp::agree(&src, args, 1, factor, file, Device::Cuda(0));
+    }
+}
