@@ -21,8 +21,8 @@
 //!   softmax and layer norm; a convolution under its bias/activation epilogue);
 //! - an f32, f16 or bf16 matmul with one elementwise consumer of its own shape becomes that
 //!   kernel's anchor: bias, activation, residual add and scaling run as its epilogue;
-//! - for CUDA ([`FuseOptions::implicit_gemm`]), an f32 convolution or convolution gradient
-//!   is an implicit GEMM anchor under the same rule; a weight gradient whose `k` is long
+//! - for CUDA ([`FuseOptions::implicit_gemm`]), a convolution or convolution gradient (f32,
+//!   or one 16-bit dtype) is an implicit GEMM anchor under the same rule; a weight gradient whose `k` is long
 //!   and output small (`lower::conv_split_k`) gets a buffer, a zero fill and a split-K
 //!   kernel;
 //! - scatter ops (embedding gradient, max-pool gradient) are a zero fill plus an

@@ -819,7 +819,8 @@ impl<'a> Builder<'a> {
     }
 
     /// When convolution `n` at `idx` is lowered as an implicit GEMM, how many leading
-    /// domain axes are its rows (`None`: it is not). It is when: CUDA, f32, one group, and
+    /// domain axes are its rows (`None`: it is not). It is when: CUDA, f32 (or one 16-bit
+    /// dtype throughout: loads widen to f32, the FFMA tiles accumulate in f32), one group, and
     /// evaluated at the kernel's own domain point (every logical axis one domain variable
     /// of the same extent) with its GEMM rows as the domain's leading axes (`[N, H, W]` of
     /// a channels-last output; `O` of a weight gradient).
@@ -834,8 +835,8 @@ impl<'a> Builder<'a> {
         };
         if !self.d.implicit_gemm
             || groups != 1
-            || node.ty.dtype != DType::F32
-            || node.inputs.iter().any(|&i| g.ty(i).dtype != DType::F32)
+            || !node.ty.dtype.is_float()
+            || node.inputs.iter().any(|&i| g.ty(i).dtype != node.ty.dtype)
             || idx.len() != 4
             || self.domain.len() != 4
         {

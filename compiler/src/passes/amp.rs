@@ -4,8 +4,8 @@
 //!
 //! | precision | ops | operands | result |
 //! |---|---|---|---|
-//! | [`Precision::Low`] | `matmul`, `conv2d` and its two gradients | 16-bit (tensor cores, f32 accumulation) | 16-bit |
-//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s gradient, fused attention | f32 | f32 |
+//! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient | 16-bit (f32 accumulation) | 16-bit |
+//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s and `conv2d`'s weight gradients (a param's gradient summed over the batch), fused attention | f32 | f32 |
 //! | [`Precision::Widest`] | other elementwise ops, `where`, views, `concat`, pooling, `dropout`, `embedding` | the widest float dtype among them (literals, fills and params broadcast onto the result, such as a bias, adopt it) | that dtype |
 //! | [`Precision::AsIs`] | leaves (inputs, params, state, literals), `cast`, `argmax` | unchanged | unchanged |
 //!
@@ -14,8 +14,8 @@
 //! gradients ([`Graph::grads`], with the sums of their contributions) are forced to their
 //! declared dtype. A 16-bit weight copy is a `cast` of the param, made once per step where
 //! the first tensor-core op reads it. Values are stored between kernels in the dtype the
-//! policy gives them, so a 16-bit result costs half the arena; inside a fused kernel every
-//! float is computed in f32 and rounded where it is stored.
+//! policy gives them, so a 16-bit result costs half the arena; inside a kernel every float
+//! is computed in f32 and a 16-bit value is rounded where it is made.
 //!
 //! The stage runs last among the graph stages (after fused attention, whose kernel computes
 //! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
@@ -41,10 +41,7 @@ pub enum Precision {
 pub fn precision(op: &Op) -> Precision {
     use Precision::*;
     match op {
-        Op::MatMul
-        | Op::Conv2d { .. }
-        | Op::Conv2dGradInput { .. }
-        | Op::Conv2dGradWeight { .. } => Low,
+        Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => Low,
         Op::Unary(
             UnaryOp::Exp
             | UnaryOp::Log
@@ -57,6 +54,9 @@ pub fn precision(op: &Op) -> Precision {
         | Op::Binary(crate::ir::BinaryOp::Pow)
         | Op::Reduce { .. }
         | Op::EmbeddingGrad { .. }
+        // A weight gradient is a param's gradient (kept f32) summed over the whole batch:
+        // it accumulates in f32 from its 16-bit operands, split over k where k is long.
+        | Op::Conv2dGradWeight { .. }
         // The flash-attention kernel computes in f32 from f32 operands.
         | Op::Attention { .. }
         | Op::AttentionLse { .. } => Full,
