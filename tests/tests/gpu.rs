@@ -269,3 +269,22 @@ fn gpu_mixed_precision_examples_agree_with_eager() {
         tcc_tests::amp::agree(&src, args, 1, factor, file, Device::Cuda(0));
     }
 }
+
+/// Every builtin case (forward and gradients) under `--amp bf16` and `f16` on the GPU
+/// against the interpreter's mixed-precision step, as `tests/amp.rs` does on the CPU.
+#[test]
+fn gpu_builtins_agree_under_mixed_precision() {
+    if !gpu() {
+        return;
+    }
+    let mut cases: Vec<(String, &[&str])> = tcc_tests::unary_builtin_cases();
+    for (_, group) in BUILTIN_CASES {
+        for (e, wrt) in group.iter() {
+            cases.push((e.to_string(), wrt));
+        }
+    }
+    for (expr, wrt) in &cases {
+        let src = builtin_program(expr, wrt).unwrap_or_else(|e| panic!("{expr}: {e}"));
+        tcc_tests::amp::agree(&src, "", 1, 1.0, expr, Device::Cuda(0));
+    }
+}

@@ -87,12 +87,25 @@ pub enum FuseError {
     UpdateHazard(String),
 }
 
-/// Whether `u` reads a matmul or convolution result directly (so may be its epilogue).
+/// Whether `u` reads a matmul or convolution result directly or through casts (so may be
+/// its epilogue), or is a cast read only by such a node (mixed precision puts casts
+/// between a product and its epilogue, and between a row sum and the epilogue reading it).
 fn reads_a_product(g: &Graph, u: NodeId) -> bool {
-    g.node(u)
-        .inputs
-        .iter()
-        .any(|&i| g.node(i).op.is_contraction())
+    let is_cast = |n: NodeId| matches!(g.node(n).op, Op::Cast { .. });
+    let mut u = u;
+    while is_cast(u) {
+        match g.users(u).as_slice() {
+            [next] => u = *next,
+            _ => break,
+        }
+    }
+    g.node(u).inputs.iter().any(|&i| {
+        let mut i = i;
+        while is_cast(i) {
+            i = g.node(i).inputs[0];
+        }
+        g.node(i).op.is_contraction()
+    })
 }
 
 /// Runs fusion on a scheduled graph.
