@@ -1,7 +1,8 @@
 """The short table `scripts/gpu-check.sh device` prints last: tcc against PyTorch eager and
 torch.compile per case (median step ms from CUDA events, peak device memory), with ratios.
 
-    python3 bench/summary.py LOG_DIR    (LOG_DIR holds tcc-<case>.txt and torch.json)
+    python3 bench/summary.py LOG_DIR    (LOG_DIR holds tcc-<case>.txt and torch.json; for the
+    --amp table, tcc-<case>-<dtype>.txt and torch-<dtype>.json)
 """
 import json
 import os
@@ -99,3 +100,29 @@ if any(k.startswith("gemm_") for k in ref):
         cb = ref.get(key)
         pct = tf / cb * 100 if tf and cb else None
         print(f"| {what} | {fmt(ms, 3)} | {fmt(tf, 1)} | {fmt(cb, 1)} | {fmt(pct, 0)} |")
+
+# Mixed precision (`scripts/gpu-check.sh device-amp`): tcc --amp against PyTorch autocast
+# (fused optimizers; f16 with GradScaler), from tcc-<case>-<dtype>.txt and torch-<dtype>.json.
+amp_runs = {}
+for dtype in ["bf16", "f16"]:
+    try:
+        with open(os.path.join(log, f"torch-{dtype}.json")) as f:
+            for r in json.load(f).get("runs", []):
+                amp_runs[(dtype, r["case"], r["mode"])] = r
+    except (OSError, ValueError):
+        pass
+if amp_runs:
+    print("\n| case --amp | tcc ms | tcc session MiB | eager ms | compile ms | eager channels_last ms | eager peak MiB | tcc/best time | tcc/eager memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in ["bf16", "f16"]:
+        for case in ["mlp", "cnn", "gpt"]:
+            name = f"{case}-{dtype}"
+            ms, mib = tcc(name)
+            if ms is None and mib is None:
+                continue
+            sm = session_mib(name) or mib
+            e, c, cl = (amp_runs.get((dtype, case, m), {}) for m in ("eager", "compile", "eager_cl"))
+            em, cm, clm, ep = e.get("median_ms"), c.get("median_ms"), cl.get("median_ms"), e.get("peak_alloc_mib")
+            best = min([x for x in (em, cm, clm) if x], default=None)
+            print(f"| {case} {dtype} | {fmt(ms, 3)} | {fmt(sm, 1)} | {fmt(em, 3)} | {fmt(cm, 3)} | {fmt(clm, 3)} | {fmt(ep, 1)} "
+                  f"| {fmt(ms / best if ms and best else None)} | {fmt(sm / ep if sm and ep else None)} |")
