@@ -482,3 +482,67 @@ fn byte_sizes_parse() {
     assert_eq!(parse_bytes("4096"), Ok(4096));
     assert!(parse_bytes("12 parsecs").is_err());
 }
+
+#[test]
+fn mixed_precision_flags() {
+    // The IR shows the casts and the loss scaler's state; run reports the scale.
+    let o = tcc(&["build", "examples/tiny.tdsl", "--amp", "f16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ir = stdout(&o);
+    assert!(
+        ir.contains("cast") && ir.contains("f16[") && ir.contains("amp.loss_scale"),
+        "{ir}"
+    );
+    let o = tcc(&["run", "examples/tiny.tdsl", "--amp", "f16", "--steps", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("loss scale: 65536"), "{}", stdout(&o));
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--amp",
+        "bf16",
+        "--eager",
+        "--steps",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tcc(&["mem", "examples/tiny.tdsl", "--amp", "bf16"]);
+    assert!(stdout(&o).contains("by dtype"), "{}", stdout(&o));
+    // Bad settings are errors that say what is accepted.
+    let o = tcc(&["run", "examples/tiny.tdsl", "--loss-scale", "init=0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("out of range"), "{}", stderr(&o));
+    let o = tcc(&["run", "examples/tiny.tdsl", "--loss-scale", "fast"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("expected `none`, `dynamic`"),
+        "{}",
+        stderr(&o)
+    );
+    // An artifact keeps the precision it was built with.
+    let dir = std::env::temp_dir().join(format!("tcc-cli-amp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let art = dir.join("tiny.tcc");
+    let art = art.to_str().unwrap();
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--amp",
+        "bf16",
+        "--emit",
+        "artifact",
+        "-o",
+        art,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tcc(&["run", art, "--amp", "f16"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("keeps the precision it was built with"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tcc(&["run", art, "--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -724,6 +724,14 @@ fn run_compiled(
     stderr: &mut StandardStream,
 ) -> ExitCode {
     let is_artifact = program.file.extension().is_some_and(|e| e == "tcc");
+    if is_artifact && opts.amp != crate::passes::amp::Amp::default() {
+        let _ = writeln!(
+            stderr,
+            "error: {}: `--amp` and `--loss-scale` apply when a program is compiled; an artifact keeps the precision it was built with (`tcc build --amp ...`)",
+            display(&program.file)
+        );
+        return ExitCode::from(1);
+    }
     let (model, graph, ms) = if is_artifact {
         match tcc_runtime::Model::load(&program.file) {
             Ok(m) => (m, None, 0.0),
