@@ -359,3 +359,65 @@ fn no_reduction_is_fused_into_a_matmul_epilogue_under_amp() {
         }
     }
 }
+
+/// The CPU back end rounds f32 to bf16 inline (stores and rounding inside a kernel): bit for
+/// bit what `half::bf16::from_f32` gives (the runtime's helper), ties to even, infinities,
+/// overflow to infinity, subnormals, signed zeros, and a NaN stays a NaN.
+#[test]
+fn cpu_bf16_rounding_is_exact() {
+    let one = 1.0f32.to_bits();
+    let mut values: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        f32::from_bits(one + 0x8000),  // a tie: to even (1.0)
+        f32::from_bits(one + 0x18000), // a tie: to even (up)
+        f32::from_bits(one + 0x8001),  // just above a tie: up
+        f32::from_bits(one + 0x7FFF),  // just below a tie: down
+        f32::MAX,                      // rounds to infinity
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MIN_POSITIVE,
+        1e-40, // subnormal
+        -3.3e38,
+        65504.0,
+        f32::NAN,
+    ];
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..4000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        values.push(f32::from_bits((state >> 32) as u32));
+    }
+    let n = values.len();
+    // `x * 1` keeps the value and makes the cast part of a computed kernel; `r` also rounds
+    // inside the kernel (a 16-bit value read again as f32).
+    let src = format!(
+        "model m {{\n input x: f32[{n}]\n let y = cast(x * 1.0, bf16)\n let r = cast(y, f32) * 1.0\n output y, r\n}}\n"
+    );
+    let g = step(&src, "", Amp::default());
+    let x = Tensor::from_f64(
+        DType::F32,
+        vec![n],
+        values.iter().map(|&v| f64::from(v)).collect(),
+    );
+    let inputs = BTreeMap::from([("x".to_string(), x)]);
+    let got = compiled(&g, &inputs, Device::Cpu, 1, Amp::default());
+    let y = got.outputs["y"].to_le_bytes();
+    let r = got.outputs["r"].to_le_bytes();
+    for (i, &v) in values.iter().enumerate() {
+        let want = half::bf16::from_f32(v);
+        let bits = u16::from_le_bytes([y[2 * i], y[2 * i + 1]]);
+        let back = f32::from_le_bytes([r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]]);
+        if v.is_nan() {
+            assert!(
+                half::bf16::from_bits(bits).is_nan() && back.is_nan(),
+                "NaN at {i}"
+            );
+        } else {
+            assert_eq!(bits, want.to_bits(), "{v:e} ({:#010x})", v.to_bits());
+            assert_eq!(back.to_bits(), want.to_f32().to_bits(), "{v:e} read back");
+        }
+    }
+}

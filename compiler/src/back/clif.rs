@@ -38,9 +38,8 @@ mod slot {
     pub const POW: usize = 6;
     pub const F16_TO_F32: usize = 7;
     pub const F32_TO_F16: usize = 8;
-    // Slot 9 (bf16 -> f32) stays in the runtime's table for artifacts built before loads
-    // widened bf16 inline.
-    pub const F32_TO_BF16: usize = 10;
+    // Slots 9 and 10 (bf16 <-> f32) stay in the runtime's table for artifacts built before
+    // bf16 loads, stores and rounding were made inline.
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -562,18 +561,32 @@ impl<'a, 'b> Cg<'a, 'b> {
         })
     }
 
+    /// The bf16 nearest to f32 `x` (ties to even; a NaN stays a quiet NaN), as the low 16
+    /// bits of an i32: what the runtime's helper (`half::bf16::from_f32`) gives, without
+    /// the call.
+    fn f32_to_bf16_bits(&mut self, x: Value) -> Value {
+        let bits = self.b.ins().bitcast(I32, MemFlagsData::new(), x);
+        let hi = self.b.ins().ushr_imm_u(bits, 16);
+        let lsb = self.b.ins().band_imm_s(hi, 1);
+        let biased = self.b.ins().iadd_imm_s(bits, 0x7FFF);
+        let rounded = self.b.ins().iadd(biased, lsb);
+        let rounded = self.b.ins().ushr_imm_u(rounded, 16);
+        let quiet = self.b.ins().bor_imm_s(hi, 0x40);
+        let nan = self.b.ins().fcmp(FloatCC::Unordered, x, x);
+        self.b.ins().select(nan, quiet, rounded)
+    }
+
     fn store_at(&mut self, addr: Value, dtype: DType, v: Value) -> Res<()> {
         match dtype {
             DType::F32 | DType::I32 | DType::Bool => {
                 self.b.ins().store(flags(), v, addr, 0);
             }
-            DType::F16 | DType::BF16 => {
-                let s = if dtype == DType::F16 {
-                    slot::F32_TO_F16
-                } else {
-                    slot::F32_TO_BF16
-                };
-                let bits = self.helper(s, &[v], &[F32], I32);
+            DType::F16 => {
+                let bits = self.helper(slot::F32_TO_F16, &[v], &[F32], I32);
+                self.b.ins().istore16(flags(), bits, addr, 0);
+            }
+            DType::BF16 => {
+                let bits = self.f32_to_bf16_bits(v);
                 self.b.ins().istore16(flags(), bits, addr, 0);
             }
         }
@@ -634,18 +647,13 @@ impl<'a, 'b> Cg<'a, 'b> {
             }
             E::Round(d, a) => {
                 let x = self.emit(a)?;
-                let (to, back) = if d == DType::F16 {
-                    (slot::F32_TO_F16, Some(slot::F16_TO_F32))
+                if d == DType::F16 {
+                    let bits = self.helper(slot::F32_TO_F16, &[x], &[F32], I32);
+                    self.helper(slot::F16_TO_F32, &[bits], &[I32], F32)
                 } else {
-                    (slot::F32_TO_BF16, None)
-                };
-                let bits = self.helper(to, &[x], &[F32], I32);
-                match back {
-                    Some(s) => self.helper(s, &[bits], &[I32], F32),
-                    None => {
-                        let wide = self.b.ins().ishl_imm_u(bits, 16);
-                        self.b.ins().bitcast(F32, MemFlagsData::new(), wide)
-                    }
+                    let bits = self.f32_to_bf16_bits(x);
+                    let wide = self.b.ins().ishl_imm_u(bits, 16);
+                    self.b.ins().bitcast(F32, MemFlagsData::new(), wide)
                 }
             }
             E::Uniform { seed, index } => {
