@@ -551,14 +551,14 @@ fn attention_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, S
 
 fn amp_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageError> {
     let g = graph_of(p, "amp")?;
-    match o.compile.amp.dtype {
-        Some(low) => crate::passes::amp::apply(&g, low)
-            .map(Product::Graph)
-            .map_err(|e| {
-                StageError::Internal(format!("mixed precision: {}: {}", e.message, e.detail))
-            }),
-        None => Ok(Product::Graph(g)),
+    if o.compile.amp.dtype.is_none() {
+        return Ok(Product::Graph(g));
     }
+    o.compile
+        .amp
+        .apply_to(&g)
+        .map(Product::Graph)
+        .map_err(|e| StageError::Internal(format!("mixed precision: {}: {}", e.message, e.detail)))
 }
 
 fn fuse_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageError> {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use tcc::artifact::CompileOptions;
 use tcc::eager::Tensor;
 use tcc::ir::{DType, Graph};
-use tcc::passes::amp::{self, Amp};
+use tcc::passes::amp::Amp;
 use tcc_runtime::Device;
 
 pub const BF16_TOL: f64 = 2e-2;
@@ -79,11 +79,7 @@ pub fn interpreted(
     steps: usize,
     amp: Amp,
 ) -> StepResult {
-    let g = match amp.dtype {
-        Some(low) => amp::apply(g, low).unwrap(),
-        None => g.clone(),
-    };
-    eager_steps(&g, inputs, steps, 0).unwrap()
+    eager_steps(&amp.apply_to(g).unwrap(), inputs, steps, 0).unwrap()
 }
 
 pub fn policies() -> [Amp; 2] {

@@ -884,6 +884,44 @@ pub fn gpu_path_cases() -> Vec<(String, String, f64)> {
 /// every prelude function of the form `fn f(x: F[..]) -> F[..]` (on `a`: such a composite
 /// must be defined on all reals). A new op or prelude activation is tested without editing
 /// any list.
+/// Every builtin case: [`unary_builtin_cases`], then every group of [`BUILTIN_CASES`].
+pub fn all_builtin_cases() -> Vec<(String, &'static [&'static str])> {
+    let mut cases = unary_builtin_cases();
+    for (_, group) in BUILTIN_CASES {
+        for (e, wrt) in group.iter() {
+            cases.push((e.to_string(), *wrt));
+        }
+    }
+    cases
+}
+
+/// Assembles PTX `code` for sm_90 (sm_90a where the module asks for it) with `ptxas`, in
+/// `dir`; the error is ptxas's first lines.
+pub fn assemble_ptx(ptxas: &Path, dir: &Path, code: &str) -> Result<(), String> {
+    let path = dir.join("module.ptx");
+    std::fs::write(&path, code).map_err(|e| e.to_string())?;
+    let arch = if code.contains("\n.target sm_90a\n") {
+        "-arch=sm_90a"
+    } else {
+        "-arch=sm_90"
+    };
+    let out = std::process::Command::new(ptxas)
+        .arg(arch)
+        .arg(&path)
+        .arg("-o")
+        .arg(dir.join("module.cubin"))
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .take(5)
+        .collect::<Vec<_>>()
+        .join("\n"))
+}
+
 pub fn unary_builtin_cases() -> Vec<(String, &'static [&'static str])> {
     use tcc_grammar::ast::{DimExpr, Item, TypeExpr};
     let mut cases = Vec::new();

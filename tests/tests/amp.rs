@@ -10,9 +10,7 @@ use tcc::ir::{DType, Op};
 use tcc::passes::amp::{self, Amp, Precision};
 use tcc_runtime::Device;
 use tcc_tests::amp::{agree, compiled, interpreted, policies, step};
-use tcc_tests::{
-    builtin_program, device_options, root, unary_builtin_cases, StepResult, BUILTIN_CASES,
-};
+use tcc_tests::{builtin_program, device_options, root, StepResult};
 
 #[test]
 fn the_policy_table() {
@@ -91,12 +89,7 @@ fn examples_agree_with_the_interpreter_under_both_policies() {
 /// Every builtin case of the CPU suite, forward and gradients, under both policies.
 #[test]
 fn every_builtin_agrees_under_both_policies() {
-    let mut cases: Vec<(String, &[&str])> = unary_builtin_cases();
-    for (_, group) in BUILTIN_CASES {
-        for (e, wrt) in group.iter() {
-            cases.push((e.to_string(), wrt));
-        }
-    }
+    let cases = tcc_tests::all_builtin_cases();
     for (expr, wrt) in &cases {
         let src = builtin_program(expr, wrt).unwrap_or_else(|e| panic!("{expr}: {e}"));
         agree(&src, "", 1, 1.0, expr, Device::Cpu);
@@ -303,29 +296,8 @@ fn mixed_precision_ptx_assembles() {
                 ..device_options(Device::Cuda(0), true)
             };
             let c = tcc::artifact::compile(&g, &opts).unwrap_or_else(|e| panic!("{file}: {e}"));
-            let path = dir.join("m.ptx");
-            std::fs::write(&path, &c.code).unwrap();
-            let arch = if c.code.contains("\n.target sm_90a\n") {
-                "-arch=sm_90a"
-            } else {
-                "-arch=sm_90"
-            };
-            let out = std::process::Command::new(&ptxas)
-                .args([
-                    arch,
-                    path.to_str().unwrap(),
-                    "-o",
-                    dir.join("m.cubin").to_str().unwrap(),
-                ])
-                .output()
-                .unwrap();
-            if !out.status.success() {
-                let err = String::from_utf8_lossy(&out.stderr);
-                failures.push(format!(
-                    "{file} --amp {}: {}",
-                    a.name(),
-                    err.lines().take(5).collect::<Vec<_>>().join("\n")
-                ));
+            if let Err(e) = tcc_tests::assemble_ptx(&ptxas, &dir, &c.code) {
+                failures.push(format!("{file} --amp {}: {e}", a.name()));
             }
         }
     }

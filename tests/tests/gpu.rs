@@ -277,12 +277,7 @@ fn gpu_builtins_agree_under_mixed_precision() {
     if !gpu() {
         return;
     }
-    let mut cases: Vec<(String, &[&str])> = tcc_tests::unary_builtin_cases();
-    for (_, group) in BUILTIN_CASES {
-        for (e, wrt) in group.iter() {
-            cases.push((e.to_string(), wrt));
-        }
-    }
+    let cases = tcc_tests::all_builtin_cases();
     for (expr, wrt) in &cases {
         let src = builtin_program(expr, wrt).unwrap_or_else(|e| panic!("{expr}: {e}"));
         tcc_tests::amp::agree(&src, "", 1, 1.0, expr, Device::Cuda(0));

@@ -7,8 +7,8 @@ use tcc::artifact::{compile, CompileOptions, Target};
 use tcc::front::Options;
 use tcc::kernel::fuse::FuseOptions;
 use tcc_tests::{
-    builtin_program, compile_pipeline, gpu_path_cases, integer_program, options_from_args, ptxas,
-    root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    assemble_ptx, builtin_program, compile_pipeline, gpu_path_cases, integer_program,
+    options_from_args, ptxas, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
 fn programs() -> Vec<(String, String, Options)> {
@@ -71,7 +71,7 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
     let progs = programs();
-    for (i, (what, src, opts)) in progs.iter().enumerate() {
+    for (what, src, opts) in progs.iter() {
         let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
         // The second build is channels-last and lets f32 matmuls use TF32 tensor cores.
         for channels_last in [false, true] {
@@ -89,29 +89,8 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
                 },
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let path = dir.join(format!("m{i}_{channels_last}.ptx"));
-            std::fs::write(&path, &c.code).unwrap();
-            let arch = if c.code.contains("\n.target sm_90a\n") {
-                "-arch=sm_90a"
-            } else {
-                "-arch=sm_90"
-            };
-            let out = std::process::Command::new(&ptxas)
-                .arg(arch)
-                .arg(&path)
-                .arg("-o")
-                .arg(dir.join("out.cubin"))
-                .output()
-                .unwrap();
-            if !out.status.success() {
-                failures.push(format!(
-                    "{what}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                        .lines()
-                        .take(5)
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                ));
+            if let Err(e) = assemble_ptx(&ptxas, &dir, &c.code) {
+                failures.push(format!("{what}: {e}"));
             }
         }
     }

@@ -121,10 +121,9 @@ pub fn report(
 ) -> Result<(MemReport, Plan, EagerMemory), String> {
     // Under `--amp` both the eager baseline and the plans are of the mixed-precision step
     // (eager: autocast's op-by-op execution of it).
-    let mixed = |g: &Graph| match amp.dtype {
-        Some(low) => crate::passes::amp::apply(g, low)
-            .map_err(|e| format!("internal error: mixed precision: {}", e.message)),
-        None => Ok(g.clone()),
+    let mixed = |g: &Graph| {
+        amp.apply_to(g)
+            .map_err(|e| format!("internal error: mixed precision: {}", e.message))
     };
     let (program, scheduled) = (&mixed(program)?, &mixed(scheduled)?);
     let eager = memory::account(program);

@@ -690,19 +690,16 @@ pub fn run(cli: Cli) -> ExitCode {
             ) else {
                 return ExitCode::from(1);
             };
-            let graph = match amp.dtype {
-                Some(low) => match crate::passes::amp::apply(product.graph(), low) {
-                    Ok(g) => g,
-                    Err(e) => {
-                        let _ = writeln!(
-                            stderr,
-                            "error: internal compiler error: mixed precision: {}",
-                            e.message
-                        );
-                        return ExitCode::from(1);
-                    }
-                },
-                None => product.graph().clone(),
+            let graph = match amp.apply_to(product.graph()) {
+                Ok(g) => g,
+                Err(e) => {
+                    let _ = writeln!(
+                        stderr,
+                        "error: internal compiler error: mixed precision: {}",
+                        e.message
+                    );
+                    return ExitCode::from(1);
+                }
             };
             match run::run_eager(&graph, &sources, &opts, report.total_ms()) {
                 Ok(()) => ExitCode::SUCCESS,

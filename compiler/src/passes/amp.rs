@@ -332,6 +332,14 @@ impl Amp {
         })
     }
 
+    /// The step `g` under this setting: the policy applied, or `g` as it is when off.
+    pub fn apply_to(&self, g: &Graph) -> Result<Graph, TypeError> {
+        match self.dtype {
+            Some(low) => apply(g, low),
+            None => Ok(g.clone()),
+        }
+    }
+
     /// `bf16`, `f16` or `off`.
     pub fn name(&self) -> &'static str {
         match self.dtype {
