@@ -23,6 +23,16 @@ pub enum Target {
     Cuda,
 }
 
+impl Target {
+    /// `cpu` or `cuda`, as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        }
+    }
+}
+
 /// Options of [`compile`].
 #[derive(Clone, Copy, Debug)]
 pub struct CompileOptions {

@@ -18,7 +18,7 @@
 //! | `transpose_matmuls` | graph → graph | `passes/transpose_matmuls.rs` | graph verifier |
 //! | `split_reductions` | graph → graph | `passes/split_reductions.rs` | graph verifier |
 //! | `amp` | graph → graph | `passes/amp.rs` | graph verifier |
-//! | `fuse` | graph → kernels | `kernel/fuse.rs`, `kernel/layout.rs`, `kernel/lower.rs` | kernel-IR verifier |
+//! | `fuse` | graph → kernels | `kernel/fuse.rs`, `kernel/layout.rs`, `kernel/lower.rs`, `kernel/peak.rs` | kernel-IR verifier |
 //! | `plan` | kernels → planned | `plan/`, `analysis/` | plan verifier, kernel-IR verifier with offsets |
 //! | `codegen` | planned → code | `back/clif.rs`, `back/ptx/` | the code's own checks (ptxas in tests) |
 //!
@@ -335,9 +335,9 @@ pub const PIPELINE: &[Stage] = &[
         name: "fuse",
         takes: Form::Graph,
         gives: Form::Kernels,
-        file: "compiler/src/kernel/fuse.rs (layout: kernel/layout.rs, lowering to kernel IR: kernel/lower.rs)",
-        invariant: "the kernel-IR verifier (`kernel/verify.rs`): loads read buffers written before them, stores fit their buffers",
-        why: "groups the final graph's ops into kernels and picks their layouts (channels-last conv chains, permuted products); needs the final ops, and its kernels fix which buffers exist for the plan",
+        file: "compiler/src/kernel/fuse.rs (layout: kernel/layout.rs, lowering to kernel IR: kernel/lower.rs, the peak: kernel/peak.rs)",
+        invariant: "the kernel-IR verifier (`kernel/verify.rs`): loads read buffers written before them, stores fit their buffers, values stored in place read their buffer only where they write; the transient peak is no higher than with one op per kernel (`kernel/peak.rs`, tested)",
+        why: "groups the final graph's ops into kernels and picks their layouts (channels-last conv chains, permuted products), then weighs the grouping against the peak it gives; needs the final ops, and its kernels fix which buffers exist for the plan",
         run: Some(fuse_stage),
     },
     Stage {

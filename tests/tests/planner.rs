@@ -198,16 +198,16 @@ fn mem_text(ex: &str, set: &str) -> (String, String) {
     let (sources, _) =
         compile_bytes(&format!("examples/{ex}.tdsl"), src.as_bytes(), &opts).unwrap();
     let (program, scheduled) = graphs(&src, &opts);
-    let (r, p, e) = tcc::cli::mem::report(
+    let f = tcc::cli::mem::report(
         &program,
         &scheduled,
         &sources,
         Duration::from_millis(500),
-        Default::default(),
+        &Default::default(),
     )
     .unwrap();
-    let svg = tcc::cli::plan_svg::render(&scheduled, &p, &e, &sources.map);
-    (tcc::cli::mem::text(&r, false), svg)
+    let svg = tcc::cli::plan_svg::render(&f.graph, &f.plan, &f.eager, &sources.map);
+    (tcc::cli::mem::text(&f.report, false), svg)
 }
 
 #[test]

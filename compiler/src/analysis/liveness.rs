@@ -194,9 +194,12 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
     lv
 }
 
-/// Buffers and lifetimes of fused kernels: step `t` is kernel `t`. Leaves (params, state,
+/// Buffers and lifetimes of fused kernels: step 0 is the caller filling the inputs, step
+/// `t + 1` is kernel `t` (so an input no kernel reads shares no step with a kernel's result,
+/// as in one-op-at-a-time execution, while inputs never share bytes). Leaves (params, state,
 /// inputs) and every node a kernel stores get a buffer; an update's new value is stored
-/// into its target's buffer; nothing else has one. A buffer lives from the first kernel
+/// into its target's buffer, and a value stored in place (`Fused::in_place`) into the
+/// buffer it is written over; nothing else has one. A buffer lives from the first kernel
 /// that writes it to one past the last kernel that reads it.
 pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::Fused) -> Liveness {
     let n = fused.kernels.len();
@@ -226,25 +229,29 @@ pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::Fused) -> Liveness {
             if !lv.buffer_of.contains_key(&s.buf) {
                 match update_target
                     .get(&s.buf)
+                    .or_else(|| fused.in_place.get(&s.buf))
                     .and_then(|tg| lv.buffer_of.get(tg).copied())
                 {
                     Some(b) => {
+                        if fused.in_place.contains_key(&s.buf) {
+                            lv.in_place.push(s.buf);
+                        }
                         lv.buffer_of.insert(s.buf, b);
                         lv.buffers[b].nodes.push(s.buf);
                         if outputs.contains(&s.buf) {
                             lv.buffers[b].output = true;
                         }
                     }
-                    None => push(&mut lv, s.buf, BufferKind::Transient, t),
+                    None => push(&mut lv, s.buf, BufferKind::Transient, t + 1),
                 }
             }
             if let Some(&b) = lv.buffer_of.get(&s.buf) {
-                lv.buffers[b].end = lv.buffers[b].end.max(t + 1);
+                lv.buffers[b].end = lv.buffers[b].end.max(t + 2);
             }
         }
         for r in k.loads() {
             if let Some(&b) = lv.buffer_of.get(&r) {
-                lv.buffers[b].end = lv.buffers[b].end.max(t + 1);
+                lv.buffers[b].end = lv.buffers[b].end.max(t + 2);
             }
         }
         lv.order.push(
@@ -255,7 +262,7 @@ pub fn kernel_liveness(g: &Graph, fused: &crate::kernel::Fused) -> Liveness {
     }
     for b in &mut lv.buffers {
         if b.kind == BufferKind::Persistent || b.output {
-            b.end = n.max(1);
+            b.end = n + 1;
         }
         if b.kind == BufferKind::Persistent {
             b.start = 0;

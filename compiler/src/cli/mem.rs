@@ -5,7 +5,7 @@ use crate::analysis::liveness::liveness;
 use crate::eager::memory::{self, EagerMemory};
 use crate::front::Sources;
 use crate::ir::Graph;
-use crate::plan::{self, Plan};
+use crate::plan::Plan;
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -33,22 +33,34 @@ pub struct DtypeBytes {
 #[derive(Serialize, Debug)]
 pub struct MemReport {
     pub model: String,
+    /// `cpu` or `cuda`: the target whose plan this is.
+    pub target: String,
     /// `--amp`: `off`, `bf16` or `f16`.
     pub amp: String,
+    /// Nodes of the final graph (the one the kernels compute).
     pub nodes: usize,
+    /// tcc's own op-by-op execution of the step (`tcc run --eager`): every value
+    /// allocated when made and freed after its last use. Not PyTorch's figure.
     pub eager_peak_bytes: u64,
     pub eager_param_bytes: u64,
     pub eager_state_bytes: u64,
     pub eager_input_bytes: u64,
     pub eager_transient_bytes: u64,
+    /// The step built with one op per kernel (`tcc build --no-fuse`): its kernels, and its
+    /// bytes were every buffer its own.
+    pub unfused_kernels: usize,
     pub no_reuse_bytes: u64,
     pub lower_bound_program_order_bytes: u64,
     pub lower_bound_bytes: u64,
+    /// The arena of the step built with one op per kernel (`tcc build --no-fuse`): what
+    /// the fused arena never exceeds.
     pub arena_bytes: u64,
     pub persistent_bytes: u64,
     pub transient_bytes: u64,
     pub fragmentation: f64,
     pub arena_over_eager: f64,
+    /// The fused plan's offset method, whether it is optimal for its kernel order, its
+    /// coloring alternative, buffers and values stored in place.
     pub method: String,
     pub optimal: bool,
     pub coloring_bytes: u64,
@@ -57,11 +69,26 @@ pub struct MemReport {
     pub in_place: usize,
     pub plan_ms: f64,
     /// The compiled program: kernels after fusion, and their plan (fused intermediates
-    /// have no buffer).
+    /// have no buffer); `plan_ms` is the time of the stages from `outputs` to `plan`.
     pub fused_kernels: usize,
     pub fused_arena_bytes: u64,
     pub fused_lower_bound_bytes: u64,
+    pub fused_persistent_bytes: u64,
+    /// CUDA: the scratch region stream-K matmuls share (inside the fused arena).
+    pub fused_scratch_bytes: u64,
+    /// The largest bytes of transient buffers live at once over the fused kernels (each
+    /// rounded up to the arena alignment, as planned).
+    pub fused_peak_transient_bytes: u64,
     pub fused_over_eager: f64,
+    /// Fusion weighed against the peak (`kernel::peak`): the transient peak as first fused,
+    /// the rounds that gave values buffers of their own to lower it, how many values, and
+    /// whether the unfused kernels were kept.
+    pub fusion_first_peak_bytes: u64,
+    pub fusion_peak_rounds: usize,
+    pub fusion_given_buffers: usize,
+    pub fusion_unfused_kept: bool,
+    /// That as one line of text (absent when fusion kept its first decisions).
+    pub fusion_peak_line: Option<String>,
     pub live_at_peak: Vec<LiveTensor>,
     /// The compiled plan's bytes by dtype.
     pub fused_bytes_by_dtype: Vec<DtypeBytes>,
@@ -110,34 +137,69 @@ fn by_dtype(g: &Graph, lv: &crate::analysis::liveness::Liveness) -> Vec<DtypeByt
         .collect()
 }
 
-/// Plans `scheduled`; `program` is the same step in program order (after autodiff, before
-/// scheduling) for the eager baseline and the before-scheduling bound.
+/// What `tcc mem` found: the report, the plan that runs (fused kernels, one step a kernel)
+/// and the graph it computes, and the eager accounting.
+pub struct MemFindings {
+    pub report: MemReport,
+    pub graph: Graph,
+    pub plan: Plan,
+    pub eager: EagerMemory,
+}
+
+/// Plans `scheduled` for `compile`'s target as the build does (the stages from `outputs`
+/// to `plan`), fused and with one op per kernel (`--no-fuse`); `program` is the same step
+/// in program order (after autodiff, before scheduling) for the eager baseline and the
+/// before-scheduling bound.
 pub fn report(
     program: &Graph,
     scheduled: &Graph,
     sources: &Sources,
     budget: Duration,
-    amp: crate::passes::amp::Amp,
-) -> Result<(MemReport, Plan, EagerMemory), String> {
-    // Under `--amp` both the eager baseline and the plans are of the mixed-precision step
-    // (eager: autocast's op-by-op execution of it).
+    compile: &crate::artifact::CompileOptions,
+) -> Result<MemFindings, String> {
+    let amp = compile.amp;
+    // Under `--amp` the eager baseline is of the mixed-precision step (autocast's op-by-op
+    // execution of it); the plans apply the policy in their `amp` stage.
     let mixed = |g: &Graph| {
         amp.apply_to(g)
             .map_err(|e| format!("internal error: mixed precision: {}", e.message))
     };
-    let (program, scheduled) = (&mixed(program)?, &mixed(scheduled)?);
+    let program = &mixed(program)?;
     let eager = memory::account(program);
     let porder = program
         .topo_order()
         .unwrap_or_else(|| program.node_ids().collect());
     let plv = liveness(program, &porder);
+    // What runs: the compiled program's own plan (fusion, output copies, fused attention on
+    // CUDA, split reductions, mixed precision).
     let start = Instant::now();
-    let p = plan::plan(scheduled, budget);
+    let planned = crate::artifact::plan_step(
+        scheduled,
+        &crate::artifact::CompileOptions {
+            plan_budget: budget,
+            ..*compile
+        },
+    )
+    .map_err(|e| e.to_string())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
-    plan::verify(scheduled, &p)
-        .map_err(|e| format!("internal error: the plan does not verify: {e:?}"))?;
-    // Buffers live at the step where the plan's transient bytes peak.
-    let lv = &p.liveness;
+    let final_graph = planned.graph;
+    // The baseline: the same step built with one op per kernel (`tcc build --no-fuse`).
+    let unfused = crate::artifact::plan_step(
+        scheduled,
+        &crate::artifact::CompileOptions {
+            plan_budget: budget,
+            fuse: crate::kernel::fuse::FuseOptions {
+                fuse: false,
+                ..compile.fuse
+            },
+            ..*compile
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let p = unfused.plan;
+    let (fused, fp) = (planned.fused, planned.plan);
+    // Buffers live at the step where the fused plan's transient bytes peak.
+    let lv = &fp.liveness;
     let peak_step = peak_step(lv);
     let mut at_peak: Vec<&crate::analysis::liveness::Buffer> = lv
         .buffers
@@ -152,36 +214,29 @@ pub fn report(
     let live_at_peak = at_peak
         .iter()
         .take(10)
-        .map(|b| {
-            let node = scheduled.node(b.owner);
-            LiveTensor {
+        .filter_map(|b| {
+            let node = final_graph.get(b.owner)?;
+            Some(LiveTensor {
                 bytes: b.bytes,
                 op: node.op.name(),
                 ty: node.ty.to_string(),
                 source: sources.map.location(node.span).to_string(),
-            }
+            })
         })
         .collect();
-    // What runs: the compiled program's own plan (fusion, output copies, split reductions).
-    let planned = crate::artifact::plan_step(
-        scheduled,
-        &crate::artifact::CompileOptions {
-            plan_budget: budget,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let fused_bytes_by_dtype = by_dtype(&planned.graph, &planned.plan.liveness);
-    let (fused, fp) = (planned.fused, planned.plan);
+    let fused_bytes_by_dtype = by_dtype(&final_graph, lv);
+    let fused_peak = crate::kernel::peak::fused_peak(&final_graph, &fused);
     let r = MemReport {
         model: scheduled.name.clone(),
+        target: compile.target.name().to_string(),
         amp: amp.name().to_string(),
-        nodes: scheduled.node_count(),
+        nodes: final_graph.node_count(),
         eager_peak_bytes: eager.peak_bytes(),
         eager_param_bytes: eager.param_bytes,
         eager_state_bytes: eager.state_bytes,
         eager_input_bytes: eager.input_bytes,
         eager_transient_bytes: eager.peak_transient_bytes,
+        unfused_kernels: unfused.fused.kernels.len(),
         no_reuse_bytes: p.no_reuse_bytes,
         lower_bound_program_order_bytes: p.persistent_bytes + plv.max_live(),
         lower_bound_bytes: p.lower_bound,
@@ -190,21 +245,34 @@ pub fn report(
         transient_bytes: p.arena_bytes - p.persistent_bytes,
         fragmentation: p.fragmentation(),
         arena_over_eager: p.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
-        method: p.method.to_string(),
-        optimal: p.optimal,
-        coloring_bytes: p.persistent_bytes + p.coloring_bytes,
-        slots: p.slots,
+        method: fp.method.to_string(),
+        optimal: fp.optimal,
+        coloring_bytes: fp.persistent_bytes + fp.coloring_bytes,
+        slots: fp.slots,
         buffers: lv.buffers.len(),
         in_place: lv.in_place.len(),
         plan_ms,
         fused_kernels: fused.kernels.len(),
         fused_arena_bytes: fp.arena_bytes,
         fused_lower_bound_bytes: fp.lower_bound,
+        fused_persistent_bytes: fp.persistent_bytes,
+        fused_scratch_bytes: fp.scratch_bytes,
+        fused_peak_transient_bytes: fused_peak,
         fused_over_eager: fp.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
+        fusion_first_peak_bytes: fused.peak.first,
+        fusion_peak_rounds: fused.peak.rounds,
+        fusion_given_buffers: fused.peak.given_buffers,
+        fusion_unfused_kept: fused.peak.unfused_kept,
+        fusion_peak_line: fused.peak.line(),
         live_at_peak,
         fused_bytes_by_dtype,
     };
-    Ok((r, p, eager))
+    Ok(MemFindings {
+        report: r,
+        graph: final_graph,
+        plan: fp,
+        eager,
+    })
 }
 
 /// The text table. `timing` adds the planning time (left out of snapshots).
@@ -214,12 +282,12 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         s.push_str(&format!("  {k:<30} {:>12}  {note}\n", bytes(v)));
     };
     s.push_str(&format!(
-        "memory plan of model `{}` ({} nodes)\n",
-        r.model, r.nodes
+        "memory plan of model `{}` for {} ({} nodes)\n",
+        r.model, r.target, r.nodes
     ));
     line(
         &mut s,
-        "eager peak (PyTorch-style)",
+        "eager, op by op (tcc --eager)",
         r.eager_peak_bytes,
         format!(
             "params {} + optimizer state {} + inputs {} + transient {}",
@@ -233,14 +301,14 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         &mut s,
         "no reuse",
         r.no_reuse_bytes,
-        "every buffer its own bytes".into(),
+        "one kernel per op, every buffer its own bytes".into(),
     );
     line(
         &mut s,
         "max-live lower bound",
         r.lower_bound_bytes,
         format!(
-            "of the chosen schedule (program order: {})",
+            "one kernel per op (ops in program order, before scheduling: {})",
             bytes(r.lower_bound_program_order_bytes)
         ),
     );
@@ -249,42 +317,49 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         "arena, one kernel per op",
         r.arena_bytes,
         format!(
-            "persistent {} + transient {}",
+            "{} kernels (--no-fuse); persistent {} + transient {}; {:.3}x eager",
+            r.unfused_kernels,
             bytes(r.persistent_bytes),
-            bytes(r.transient_bytes)
+            bytes(r.transient_bytes),
+            r.arena_over_eager
         ),
     );
-    s.push_str(&format!(
-        "  {:<30} {:>11.2}%  arena / lower bound - 1\n",
-        "fragmentation",
-        r.fragmentation * 100.0
-    ));
-    s.push_str(&format!(
-        "  {:<30} {:>12}  arena / eager peak\n",
-        "vs eager",
-        format!("{:.3}x", r.arena_over_eager)
-    ));
     line(
         &mut s,
         "arena, fused (what runs)",
         r.fused_arena_bytes,
         format!(
-            "{} kernels; lower bound {}; {:.3}x eager",
+            "{} kernels; persistent {} + transient peak {}{}; {:.3}x eager",
             r.fused_kernels,
-            bytes(r.fused_lower_bound_bytes),
+            bytes(r.fused_persistent_bytes),
+            bytes(r.fused_peak_transient_bytes),
+            if r.fused_scratch_bytes > 0 {
+                format!(" + matmul scratch {}", bytes(r.fused_scratch_bytes))
+            } else {
+                String::new()
+            },
             r.fused_over_eager
         ),
     );
+    if let Some(l) = &r.fusion_peak_line {
+        s.push_str(&format!("  {:<30} {l}\n", ""));
+    }
     s.push_str(&format!(
-        "  plan: {} buffers ({} in place), offsets by {}{}; coloring into {} slots would need {}{}\n",
+        "  {:<30} {:>11.2}%  fused arena / its lower bound {} - 1\n",
+        "fragmentation",
+        (r.fused_arena_bytes as f64 / r.fused_lower_bound_bytes.max(1) as f64 - 1.0) * 100.0,
+        bytes(r.fused_lower_bound_bytes)
+    ));
+    s.push_str(&format!(
+        "  plan: {} buffers ({} stored in place), offsets by {}{}; coloring into {} slots would need {}{}\n",
         r.buffers,
         r.in_place,
         r.method,
-        if r.optimal { " (optimal for this schedule)" } else { "" },
+        if r.optimal { " (optimal for this kernel order)" } else { "" },
         r.slots,
         bytes(r.coloring_bytes),
         if timing {
-            format!("; planned and verified in {:.1} ms", r.plan_ms)
+            format!("; compiled and planned in {:.1} ms", r.plan_ms)
         } else {
             String::new()
         }

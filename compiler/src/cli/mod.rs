@@ -108,6 +108,10 @@ pub enum Command {
         /// Time budget of the offset search, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         budget_ms: u64,
+        /// The device whose plan to show (the plans differ: CUDA fuses attention and runs
+        /// convolutions as implicit GEMMs).
+        #[arg(long, value_enum, default_value_t = Target::Cpu)]
+        target: Target,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -496,6 +500,7 @@ pub fn run(cli: Cli) -> ExitCode {
             svg,
             json,
             budget_ms,
+            target,
             remat,
             amp,
         } => {
@@ -507,12 +512,15 @@ pub fn run(cli: Cli) -> ExitCode {
             }) else {
                 return ExitCode::from(1);
             };
+            // The target's own options, as `tcc build --target` compiles (so `--mem-budget`
+            // weighs the target's plans too).
+            let compile = crate::artifact::CompileOptions {
+                amp,
+                ..build::compile_options(target, false, Layout::Auto)
+            };
             let opts = crate::pipeline::Options {
                 remat: remat_opts,
-                compile: crate::artifact::CompileOptions {
-                    amp,
-                    ..Default::default()
-                },
+                compile,
                 ..Default::default()
             };
             // The program in program order (what eager runs), then the scheduled step
@@ -544,9 +552,14 @@ pub fn run(cli: Cli) -> ExitCode {
                 &scheduled,
                 &sources,
                 std::time::Duration::from_millis(budget_ms),
-                amp,
+                &compile,
             ) {
-                Ok((r, plan, eager)) => {
+                Ok(mem::MemFindings {
+                    report: r,
+                    graph,
+                    plan,
+                    eager,
+                }) => {
                     if json {
                         match serde_json::to_string_pretty(&r) {
                             Ok(t) => println!("{t}"),
@@ -562,7 +575,7 @@ pub fn run(cli: Cli) -> ExitCode {
                         }
                     }
                     if let Some(path) = svg {
-                        let doc = plan_svg::render(&scheduled, &plan, &eager, &sources.map);
+                        let doc = plan_svg::render(&graph, &plan, &eager, &sources.map);
                         if let Err(e) = std::fs::write(&path, doc) {
                             let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                             return ExitCode::from(1);

@@ -23,6 +23,7 @@ pub mod fuse;
 pub mod layout;
 pub mod lower;
 pub mod offsets;
+pub mod peak;
 pub mod print;
 pub mod sites;
 pub mod verify;
@@ -41,6 +42,12 @@ pub struct Fused {
     pub order: Vec<NodeId>,
     /// Buffers laid out other than row-major (see `lower::Decisions::layouts`).
     pub layouts: BTreeMap<NodeId, Vec<usize>>,
+    /// Stored nodes that take the bytes of a buffer their kernel reads for the last time
+    /// (stored node -> that buffer's node): an elementwise kernel's result written over an
+    /// operand that dies there, each element where it was read ([`peak::in_place`]).
+    pub in_place: BTreeMap<NodeId, NodeId>,
+    /// How fusion was weighed against the peak ([`peak::limit_peak`]).
+    pub peak: peak::PeakReport,
 }
 
 /// Type of a value inside a kernel.

@@ -170,6 +170,14 @@ pub enum KernelError {
         target: usize,
         target_offset: u64,
     },
+    #[error("kernel {kernel} `{name}`: %{buf} stored in place of %{donor}, but {why}")]
+    BadInPlace {
+        kernel: usize,
+        name: String,
+        buf: usize,
+        donor: usize,
+        why: String,
+    },
     #[error("kernel {kernel} `{name}`: %{a} [{a_offset}, {a_end}) and %{b} [{b_offset}, {b_end}) are both live and overlap in the arena")]
     Overlap {
         kernel: usize,
@@ -763,6 +771,7 @@ pub fn check_kernels(g: &Graph, fused: &Fused) -> KernelReport {
             written.entry(s.buf).or_insert(ki);
         }
     }
+    check_in_place(g, fused, errs);
     let mut must: Vec<(NodeId, String)> = Vec::new();
     for (name, o) in &g.outputs {
         must.push((*o, format!("output `{name}`")));
@@ -780,6 +789,68 @@ pub fn check_kernels(g: &Graph, fused: &Fused) -> KernelReport {
         }
     }
     rep
+}
+
+/// The contract of values stored in place (`Fused::in_place`): the one kernel storing the
+/// value reads the buffer it is written over only at its store's index (never through a
+/// matmul, gather or attention operand), no later kernel reads or stores that buffer, and
+/// both have the same bytes.
+fn check_in_place(g: &Graph, fused: &Fused, errs: &mut Vec<KernelError>) {
+    for (&n, &d) in &fused.in_place {
+        let storing: Vec<usize> = (0..fused.kernels.len())
+            .filter(|&ki| fused.kernels[ki].stores.iter().any(|s| s.buf == n))
+            .collect();
+        let bad = |kernel: usize, why: String| KernelError::BadInPlace {
+            kernel,
+            name: fused
+                .kernels
+                .get(kernel)
+                .map_or(String::new(), |k| k.name.clone()),
+            buf: n.index(),
+            donor: d.index(),
+            why,
+        };
+        let [ki] = storing.as_slice() else {
+            errs.push(bad(0, format!("{} kernels store it", storing.len())));
+            continue;
+        };
+        let k = &fused.kernels[*ki];
+        let same_bytes = match (g.get(n), g.get(d)) {
+            (Some(a), Some(b)) => a.ty.size_bytes() == b.ty.size_bytes(),
+            _ => false,
+        };
+        if !same_bytes {
+            errs.push(bad(*ki, "their bytes differ".into()));
+        }
+        let [s] = k.stores.as_slice() else {
+            errs.push(bad(*ki, "its kernel stores several values".into()));
+            continue;
+        };
+        if s.accumulate || k.attention.is_some() || k.operand_loads().contains(&d) {
+            errs.push(bad(
+                *ki,
+                "its kernel accumulates or reads it as an operand".into(),
+            ));
+        }
+        let elsewhere = k.live_nodes().into_iter().any(|e| {
+            matches!(k.pool.get(e), E::Load { buf, index, .. } if *buf == d && *index != s.index)
+        });
+        if elsewhere {
+            errs.push(bad(
+                *ki,
+                "its kernel reads it at another index than it stores".into(),
+            ));
+        }
+        if let Some(later) = (ki + 1..fused.kernels.len()).find(|&j| {
+            let kj = &fused.kernels[j];
+            kj.loads().contains(&d) || kj.stores.iter().any(|s| s.buf == d)
+        }) {
+            errs.push(bad(
+                later,
+                "a later kernel accesses the buffer written over".into(),
+            ));
+        }
+    }
 }
 
 /// One storage of the arena: where it is and when it is live.
@@ -807,7 +878,18 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
             .map_or(String::new(), |x| x.name.clone())
     };
     let target_of: HashMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();
-    let storage = |n: NodeId| target_of.get(&n).copied().unwrap_or(n);
+    // A value stored in place lives in the bytes it is written over (a chain of them in
+    // the first one's).
+    let storage = |n: NodeId| {
+        let mut x = n;
+        for _ in 0..=fused.in_place.len() {
+            match fused.in_place.get(&x) {
+                Some(&d) => x = d,
+                None => break,
+            }
+        }
+        target_of.get(&x).copied().unwrap_or(x)
+    };
     let offset_of = |n: NodeId| {
         plan.liveness
             .buffer_of
@@ -815,7 +897,9 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
             .and_then(|&b| plan.offsets.get(b).copied())
     };
     let bytes = |n: NodeId| g.get(n).map_or(0, |x| x.ty.size_bytes() as u64);
-    // Storage node -> (first, last) kernel; nodes seen, with their first kernel.
+    // Storage node -> (first, last) step; nodes seen, with their first kernel. Step 0 is
+    // the caller filling the inputs, step `k + 1` kernel `k` (as `kernel_liveness` counts):
+    // inputs are live together at step 0, an input no kernel reads only then.
     let mut span: BTreeMap<NodeId, (usize, usize)> = BTreeMap::new();
     let mut first_access: BTreeMap<NodeId, usize> = BTreeMap::new();
     for (ki, k) in fused.kernels.iter().enumerate() {
@@ -827,11 +911,11 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
             .filter(|&n| g.get(n).is_some());
         for n in named {
             first_access.entry(n).or_insert(ki);
-            let e = span.entry(storage(n)).or_insert((ki, ki));
-            e.1 = e.1.max(ki);
+            let e = span.entry(storage(n)).or_insert((ki + 1, ki + 1));
+            e.1 = e.1.max(ki + 1);
         }
     }
-    let end_step = nk.saturating_sub(1);
+    let end_step = nk;
     for &p in g.params.iter().chain(&g.states) {
         span.insert(p, (0, end_step));
     }
@@ -933,7 +1017,7 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
         })
         .collect();
     items.sort_by_key(|s| (s.first, s.offset, s.node));
-    let steps = nk.max(1);
+    let steps = nk + 1;
     let mut expire: Vec<Vec<usize>> = vec![Vec::new(); steps];
     let mut active: BTreeMap<(u64, usize), usize> = BTreeMap::new();
     let mut next = 0;
@@ -962,8 +1046,8 @@ pub fn verify_planned(g: &Graph, fused: &Fused, plan: &Plan) -> Result<(), Vec<K
             for &j in &clash {
                 let o = &items[j];
                 errs.push(KernelError::Overlap {
-                    kernel: t,
-                    name: kname(t),
+                    kernel: t.saturating_sub(1),
+                    name: kname(t.saturating_sub(1)),
                     a: o.node.index(),
                     a_offset: o.offset,
                     a_end: o.end,

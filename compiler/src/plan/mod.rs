@@ -17,7 +17,7 @@ use std::time::Duration;
 /// Offset alignment of every buffer, in bytes ([`TargetInfo::align`](crate::target::TargetInfo::align)).
 pub const ALIGN: u64 = crate::target::TARGET.align;
 
-fn align_up(x: u64) -> u64 {
+pub fn align_up(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
 
