@@ -144,8 +144,39 @@ device_amp() {
     return $status
 }
 
+# Before and after: `.gpu/tcc-base` (a release `tcc` with CUDA support built from an earlier
+# commit, copied there by hand) against `.gpu/tcc`, on the examples and the bench programs
+# of issue 27, run alternately (ABAB) so both see the same clocks. Prints the device step time
+# and the session's memory of each.
+device_ab() {
+    local log="$OUT/log" status=0 a
+    mkdir -p "$log"
+    [ -x "$OUT/tcc-base" ] || { echo "no $OUT/tcc-base"; return 2; }
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    local progs="examples/mlp.tdsl examples/cnn.tdsl examples/gpt.tdsl bench/rnn_chain.tdsl bench/unet_skip.tdsl bench/gelu.tdsl"
+    for f in $progs; do
+        local m; m=$(basename "$f" .tdsl)
+        for v in base new; do
+            local T="$OUT/tcc"; [ $v = base ] && T="$OUT/tcc-base"
+            "$T" build "$f" --target cuda --emit artifact -o "$OUT/ab-$m-$v.tcc" ${AB_FLAGS:-} 2>>"$log/build-ab.txt" || status=1
+        done
+    done
+    for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for f in $progs; do
+            local m; m=$(basename "$f" .tdsl)
+            for v in base new; do
+                local T="$OUT/tcc"; [ $v = base ] && T="$OUT/tcc-base"
+                "$T" run "$OUT/ab-$m-$v.tcc" --steps 20 --every 100 >"$log/ab-$m-$v.txt" 2>&1 || status=1
+                echo "round $round $m $v: $(grep -E 'device step time|device memory of' "$log/ab-$m-$v.txt" | sed -E 's/\(CUDA events.*step\)://; s/\(arena.*//' | tr '\n' ' ')"
+            done
+        done
+    done
+    return $status
+}
+
 case "$mode" in
     build) build ;;
+    device-ab) device_ab ;;
     device-amp) device_amp ;;
     device) device all ;;
     device-tests) device tests ;;
@@ -153,5 +184,5 @@ case "$mode" in
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-ab]"; exit 2 ;;
 esac
