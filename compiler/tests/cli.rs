@@ -546,3 +546,50 @@ fn mixed_precision_flags() {
     assert!(o.status.success(), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn mem_reports_the_plan_of_the_target() {
+    // The CUDA plan fuses attention: smaller than the CPU one, and the JSON says which.
+    let json = |target: &str| {
+        let o = tcc(&[
+            "mem",
+            "examples/gpt.tdsl",
+            "--set",
+            "L=2",
+            "--target",
+            target,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()
+    };
+    let (cpu, cuda) = (json("cpu"), json("cuda"));
+    assert_eq!(cpu["target"], "cpu");
+    assert_eq!(cuda["target"], "cuda");
+    let bytes = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k}"));
+    assert!(bytes(&cuda, "fused_arena_bytes") < bytes(&cpu, "fused_arena_bytes"));
+    for r in [&cpu, &cuda] {
+        // Fusion never raises the arena above one op per kernel (`--no-fuse`).
+        assert!(
+            bytes(r, "fused_arena_bytes") <= bytes(r, "arena_bytes"),
+            "{r}"
+        );
+        assert!(
+            bytes(r, "unfused_kernels") > bytes(r, "fused_kernels"),
+            "{r}"
+        );
+        for k in [
+            "gradient_peak_bytes",
+            "fused_peak_transient_bytes",
+            "eager_peak_bytes",
+        ] {
+            bytes(r, k);
+        }
+    }
+    // The recurrent chain's report says what weighing the peak did.
+    let o = tcc(&["mem", "bench/rnn_chain.tdsl", "--set", "T=16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(text.contains("fusion lowered its transient peak"), "{text}");
+    assert!(text.contains("eager, op by op (tcc --eager)"), "{text}");
+}

@@ -80,6 +80,10 @@ pub struct MemReport {
     /// rounded up to the arena alignment, as planned).
     pub fused_peak_transient_bytes: u64,
     pub fused_over_eager: f64,
+    /// Parameter gradients (and the contributions they are summed from) live at the fused
+    /// plan's peak: bytes and buffers.
+    pub gradient_peak_bytes: u64,
+    pub gradient_peak_buffers: usize,
     /// Fusion weighed against the peak (`kernel::peak`): the transient peak as first fused,
     /// the rounds that gave values buffers of their own to lower it, how many values, and
     /// whether the unfused kernels were kept.
@@ -112,6 +116,55 @@ fn peak_step(lv: &crate::analysis::liveness::Liveness) -> usize {
         .max_by_key(|&(i, &v)| (v, std::cmp::Reverse(i)))
         .map(|(i, _)| i)
         .unwrap_or(0)
+}
+
+/// The nodes that hold parameter gradients: each gradient the optimizer applies
+/// (`Graph::grads`) and, through the adds, concats, casts and views that build it, every
+/// contribution whose only uses lead there (a layer's weight-gradient product, the pieces of
+/// a stacked parameter's gradient).
+fn gradient_nodes(g: &Graph) -> std::collections::BTreeSet<crate::ir::NodeId> {
+    use crate::ir::Op;
+    let mut set: std::collections::BTreeSet<crate::ir::NodeId> =
+        g.grads.iter().map(|&(_, d)| d).collect();
+    let mut stack: Vec<crate::ir::NodeId> = set.iter().copied().collect();
+    while let Some(n) = stack.pop() {
+        let node = g.node(n);
+        let through = matches!(
+            node.op,
+            Op::Binary(crate::ir::BinaryOp::Add) | Op::Concat { .. } | Op::Cast { .. }
+        ) || node.op.is_view_candidate()
+            || g.grads.iter().any(|&(_, d)| d == n);
+        if !through {
+            continue;
+        }
+        for &i in &node.inputs {
+            let op = &g.node(i).op;
+            if set.contains(&i) || op.is_leaf() || matches!(op, Op::Literal { .. }) {
+                continue;
+            }
+            if g.users(i).iter().all(|u| set.contains(u)) {
+                set.insert(i);
+                stack.push(i);
+            }
+        }
+    }
+    set
+}
+
+/// Bytes of the buffers live at the plan's peak that hold parameter gradients
+/// ([`gradient_nodes`]), and how many buffers.
+fn gradient_bytes_at_peak(g: &Graph, lv: &crate::analysis::liveness::Liveness) -> (u64, usize) {
+    let grads = gradient_nodes(g);
+    let peak = peak_step(lv);
+    lv.buffers
+        .iter()
+        .filter(|b| {
+            b.kind != crate::analysis::liveness::BufferKind::Persistent
+                && b.start <= peak
+                && peak < b.end
+                && b.nodes.iter().any(|n| grads.contains(n))
+        })
+        .fold((0, 0), |(s, c), b| (s + b.bytes, c + 1))
 }
 
 /// Persistent bytes and bytes live at the peak, by the dtype of each buffer's owner.
@@ -225,6 +278,7 @@ pub fn report(
         })
         .collect();
     let fused_bytes_by_dtype = by_dtype(&final_graph, lv);
+    let (gradient_peak_bytes, gradient_peak_buffers) = gradient_bytes_at_peak(&final_graph, lv);
     let fused_peak = crate::kernel::peak::fused_peak(&final_graph, &fused);
     let r = MemReport {
         model: scheduled.name.clone(),
@@ -259,6 +313,8 @@ pub fn report(
         fused_scratch_bytes: fp.scratch_bytes,
         fused_peak_transient_bytes: fused_peak,
         fused_over_eager: fp.arena_bytes as f64 / eager.peak_bytes().max(1) as f64,
+        gradient_peak_bytes,
+        gradient_peak_buffers,
         fusion_first_peak_bytes: fused.peak.first,
         fusion_peak_rounds: fused.peak.rounds,
         fusion_given_buffers: fused.peak.given_buffers,
@@ -363,6 +419,12 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         } else {
             String::new()
         }
+    ));
+    s.push_str(&format!(
+        "  {:<30} {:>12}  in {} buffers (parameter gradients and their contributions)\n",
+        "gradients live at the peak",
+        bytes(r.gradient_peak_bytes),
+        r.gradient_peak_buffers
     ));
     if r.amp != "off" {
         s.push_str(&format!("  by dtype (fused plan, --amp {}):\n", r.amp));
