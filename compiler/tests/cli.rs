@@ -593,3 +593,48 @@ fn mem_reports_the_plan_of_the_target() {
     assert!(text.contains("fusion lowered its transient peak"), "{text}");
     assert!(text.contains("eager, op by op (tcc --eager)"), "{text}");
 }
+
+#[test]
+fn deeply_nested_programs_are_compiled_or_refused_without_crashing() {
+    // Each crashed the compiler with a stack overflow on the main thread's 8 MiB.
+    let d = tmpdir("deep");
+    let cases = [
+        ("minus", format!("{}x", "-".repeat(10_000))),
+        (
+            "relu",
+            format!("{}x{}", "relu(".repeat(5_000), ")".repeat(5_000)),
+        ),
+        ("sum", format!("x{}", " + x".repeat(10_000))),
+    ];
+    for (name, e) in &cases {
+        let f = d.join(format!("{name}.tdsl"));
+        std::fs::write(
+            &f,
+            format!("model m {{\n input x: f32[4]\n let y = {e}\n output y\n}}\n"),
+        )
+        .unwrap();
+        let o = tcc(&["check", f.to_str().unwrap()]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+    }
+    // Brackets nested 10,000 deep in a type: an error, not a crash.
+    let f = d.join("type.tdsl");
+    let ty = format!("f32{}4{}", "[".repeat(10_000), "]".repeat(10_000));
+    std::fs::write(&f, format!("model m {{\n input x: {ty}\n output x\n}}\n")).unwrap();
+    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    // Past the nesting limit: E0221, with the way out.
+    let f = d.join("limit.tdsl");
+    let e = format!("x{}", " + x".repeat(tcc::front::MAX_EXPR_DEPTH + 10));
+    std::fs::write(
+        &f,
+        format!("model m {{\n input x: f32[4]\n let y = {e}\n output y\n}}\n"),
+    )
+    .unwrap();
+    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("E0221") && stderr(&o).contains("`let` bindings"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -97,7 +97,17 @@ pub(crate) struct Lowerer<'a, 'd> {
     train_seen: bool,
     output_names: BTreeMap<String, Span>,
     source_texts: Option<SourceTexts<'a>>,
+    /// Expressions being evaluated, nested (see [`MAX_EXPR_DEPTH`]), and whether the limit
+    /// was reported.
+    depth: usize,
+    too_deep: bool,
 }
+
+/// Deepest expression nesting lowered (a sum of N terms nests N deep). Lowering recurses
+/// once a level; `tcc` runs the compiler on a 1 GiB stack, which held a million levels
+/// (1.2 GB resident, 2.4 s), so this keeps a tenth of that with room for the recursion
+/// around it.
+pub const MAX_EXPR_DEPTH: usize = 100_000;
 
 /// Result of a block: its value (the last expression, or `return`).
 enum Flow {
@@ -129,6 +139,8 @@ impl<'a, 'd> Lowerer<'a, 'd> {
             train_seen: false,
             output_names: BTreeMap::new(),
             source_texts: None,
+            depth: 0,
+            too_deep: false,
         }
     }
 
@@ -892,7 +904,28 @@ impl<'a, 'd> Lowerer<'a, 'd> {
 
     // ----------------------------------------------------------------- expressions
 
+    /// Evaluates an expression; past [`MAX_EXPR_DEPTH`] nested levels it reports E0221 once
+    /// and gives a poisoned value.
     pub fn eval(&mut self, e: &'a Expr) -> Value {
+        if self.depth >= MAX_EXPR_DEPTH {
+            if !self.too_deep {
+                self.too_deep = true;
+                self.error(
+                    "E0221",
+                    format!("expression nested more than {MAX_EXPR_DEPTH} levels deep"),
+                    e.span,
+                    "nesting reaches the limit here; split it with `let` bindings",
+                );
+            }
+            return Value::Poison;
+        }
+        self.depth += 1;
+        let v = self.eval_expr(e);
+        self.depth -= 1;
+        v
+    }
+
+    fn eval_expr(&mut self, e: &'a Expr) -> Value {
         match &e.kind {
             ExprKind::Int(v) => Value::Int(*v),
             ExprKind::Float(v) => Value::Float(*v),

@@ -6,6 +6,7 @@
 
 mod builtins;
 mod lower;
+pub use lower::MAX_EXPR_DEPTH;
 mod value;
 
 pub use value::Value;
