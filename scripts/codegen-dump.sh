@@ -28,6 +28,8 @@ cases=(
     "cnn-small|examples/cnn.tdsl --set B=4 --set C=16 --set S=16"
     "add|bench/add.tdsl"
     "gelu|bench/gelu.tdsl"
+    "rnn_chain|bench/rnn_chain.tdsl"
+    "unet_skip|bench/unet_skip.tdsl"
     "gemm_f32|bench/gemm_f32.tdsl"
     "gemm_bf16|bench/gemm_bf16.tdsl"
     "matmul_edges|bench/matmul_edges.tdsl"

@@ -68,6 +68,17 @@ fn recurrent_chain_fuses_within_the_unfused_arena() {
 }
 
 #[test]
+fn a_sum_of_many_products_fuses_in_few_rounds() {
+    // Each weight's gradient is a sum of T products; only one can be a kernel's anchor.
+    // All the others are found in one round (it took T rounds, each rebuilding every
+    // kernel: 1,000 steps of a loop compiled in 36 s).
+    let src = std::fs::read_to_string(root().join("bench/rnn_chain.tdsl")).unwrap();
+    let g = compile_pipeline(&src, &options_from_args("--set T=200 --set B=2 --set H=4")).unwrap();
+    let fused = tcc::kernel::fuse::fuse(&g, Default::default()).unwrap();
+    assert!(fused.rounds <= 4, "{} fusion rounds", fused.rounds);
+}
+
+#[test]
 fn skip_connections_fuse_within_the_unfused_arena() {
     // Before: 14.48 MiB fused against 14.28 MiB one kernel per op on the CPU.
     check_file("bench/unet_skip.tdsl", "");

@@ -142,7 +142,7 @@ fn fuse_forcing(
     let order = g.topo_order().ok_or(FuseError::Cycle)?;
     let mut forced: BTreeSet<NodeId> = forced.clone();
     let zeros = Zeros::of(g);
-    for _ in 0..=order.len() {
+    for round in 0..=order.len() {
         let (materialized, hosts) = decide(g, &order, opts, &forced);
         let mut layouts = if opts.channels_last {
             super::layout::channels_last(g, &materialized)
@@ -166,6 +166,7 @@ fn fuse_forcing(
                     layouts,
                     in_place,
                     peak: Default::default(),
+                    rounds: round + 1,
                 });
             }
             Err(Retry::Materialize(ns)) => {
@@ -716,6 +717,7 @@ fn build(
             let idx = b.logical_index(n);
             (b, idx)
         };
+        b.defer_extra_anchors = true;
         // The root's store first (liveness names a kernel by it), then the guests' (the
         // root's value reads theirs as computed here: one expression each).
         let mut stores = Vec::new();
@@ -741,6 +743,10 @@ fn build(
                 value,
                 accumulate: false,
             });
+        }
+        if !b.extra_anchors.is_empty() {
+            retry.append(&mut b.extra_anchors);
+            failed = true;
         }
         if failed {
             continue;

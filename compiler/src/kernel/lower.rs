@@ -131,6 +131,14 @@ pub struct Builder<'a> {
     pub fused: BTreeSet<NodeId>,
     /// Reductions made for fused (non-root) nodes, to check where they are evaluated.
     pub fused_reductions: Vec<(ExprId, NodeId)>,
+    /// Products met after the kernel's anchor: each needs a buffer of its own. Lowering goes
+    /// on past them (with a placeholder value) so that one fusion round finds them all: a
+    /// sum of N products (a weight's gradient over N unrolled steps) took N rounds, each
+    /// rebuilding every kernel (1,000 steps: quadratic, 36 s).
+    pub extra_anchors: Vec<NodeId>,
+    /// Whether the caller reads [`Self::extra_anchors`] (fusion's main kernels); other
+    /// builders fail at the first extra product, as before.
+    pub defer_extra_anchors: bool,
 }
 
 fn contiguous_strides(dims: &[usize]) -> Vec<i64> {
@@ -163,6 +171,8 @@ impl<'a> Builder<'a> {
             memo: HashMap::new(),
             fused: BTreeSet::new(),
             fused_reductions: Vec::new(),
+            extra_anchors: Vec::new(),
+            defer_extra_anchors: false,
         }
     }
 
@@ -768,6 +778,16 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// A product after the kernel's anchor: recorded in [`Self::extra_anchors`] (the kernel
+    /// is not built: fusion gives them buffers and runs again) and a placeholder value.
+    fn extra_anchor(&mut self, n: NodeId) -> Res<ExprId> {
+        if !self.defer_extra_anchors {
+            return Err(LowerError::Materialize(n));
+        }
+        self.extra_anchors.push(n);
+        Ok(self.pool.constant(0.0, VTy::F32))
+    }
+
     /// A matmul: the kernel's anchor when it can be (float, ranks ≥ 2, evaluated at the
     /// kernel's own domain point), else a sum over `k`.
     fn matmul_value(&mut self, n: NodeId, idx: &[ExprId]) -> Res<ExprId> {
@@ -776,7 +796,10 @@ impl<'a> Builder<'a> {
         let dims = node.ty.dims().to_vec();
         if matmul_anchor_ok(g, n) {
             let identity = idx == self.dvars.as_slice() && dims == self.domain;
-            if !identity || self.matmul.is_some() {
+            if identity && self.matmul.is_some() {
+                return self.extra_anchor(n);
+            }
+            if !identity {
                 return Err(LowerError::Materialize(n));
             }
             let mm = self.matmul_spec(n)?;
@@ -889,7 +912,7 @@ impl<'a> Builder<'a> {
     /// the gathered activation (conv2d and grad input).
     fn conv_gemm(&mut self, n: NodeId, idx: &[ExprId], r: usize) -> Res<ExprId> {
         if self.matmul.is_some() {
-            return Err(LowerError::Materialize(n));
+            return self.extra_anchor(n);
         }
         let g = self.d.g;
         let node = g.node(n).clone();

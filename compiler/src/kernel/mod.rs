@@ -48,6 +48,9 @@ pub struct Fused {
     pub in_place: BTreeMap<NodeId, NodeId>,
     /// How fusion was weighed against the peak ([`peak::limit_peak`]).
     pub peak: peak::PeakReport,
+    /// Rounds of decisions and kernel building the last fusion pass took (a kernel that
+    /// cannot be built as decided gives nodes buffers and the pass runs again).
+    pub rounds: usize,
 }
 
 /// Type of a value inside a kernel.
