@@ -407,13 +407,24 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         bytes(r.fused_lower_bound_bytes)
     ));
     s.push_str(&format!(
-        "  plan: {} buffers ({} stored in place), offsets by {}{}; coloring into {} slots would need {}{}\n",
+        "  plan: {} buffers ({} stored in place), offsets by {}{}; {}{}\n",
         r.buffers,
         r.in_place,
         r.method,
-        if r.optimal { " (optimal for this kernel order)" } else { "" },
-        r.slots,
-        bytes(r.coloring_bytes),
+        if r.optimal {
+            " (optimal for this kernel order)"
+        } else {
+            ""
+        },
+        if r.slots > 0 {
+            format!(
+                "coloring into {} slots would need {}",
+                r.slots,
+                bytes(r.coloring_bytes)
+            )
+        } else {
+            "coloring not tried (too many buffers live at once)".to_string()
+        },
         if timing {
             format!("; compiled and planned in {:.1} ms", r.plan_ms)
         } else {

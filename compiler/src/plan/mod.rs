@@ -99,6 +99,13 @@ pub fn plan_kernels(g: &Graph, fused: &crate::kernel::Fused, budget: Duration) -
     plan_liveness(crate::analysis::liveness::kernel_liveness(g, fused), budget)
 }
 
+fn transient_count(lv: &Liveness) -> usize {
+    lv.buffers
+        .iter()
+        .filter(|b| b.kind != BufferKind::Persistent)
+        .count()
+}
+
 /// Gives offsets to the buffers of `lv`.
 pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
     let mut offsets = vec![0u64; lv.buffers.len()];
@@ -127,8 +134,13 @@ pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
         .collect();
     let no_reuse: u64 = intervals.iter().map(|iv| iv.size).sum();
     // Slots from coloring.
-    let ig = interference::interference(&lv);
-    let (slot_of, slot_sizes) = interference::color(&lv, &ig);
+    // Coloring is the alternative the offsets are compared with; skipped (no slots) when
+    // the interference graph would be too large to build.
+    let (slot_of, slot_sizes) = match interference::interference(&lv) {
+        Some(ig) => interference::color(&lv, &ig),
+        None => (vec![None; lv.buffers.len()], Vec::new()),
+    };
+    let colored = !slot_sizes.is_empty() || transient_count(&lv) == 0;
     let mut slot_base = Vec::with_capacity(slot_sizes.len());
     let mut c = 0u64;
     for s in &slot_sizes {
@@ -138,7 +150,7 @@ pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
     let coloring_bytes = c;
     // Direct offset assignment.
     let report = arena::plan(&intervals, ALIGN, budget);
-    let (method, transient_bytes) = if report.placement.size <= coloring_bytes {
+    let (method, transient_bytes) = if !colored || report.placement.size <= coloring_bytes {
         for (k, &i) in transient.iter().enumerate() {
             offsets[i] = persistent + report.placement.offsets[k];
         }
@@ -161,7 +173,7 @@ pub fn plan_liveness(lv: Liveness, budget: Duration) -> Plan {
         coloring_bytes,
         slots: slot_sizes.len(),
         method,
-        optimal: report.optimal && report.placement.size <= coloring_bytes,
+        optimal: report.optimal && (!colored || report.placement.size <= coloring_bytes),
         liveness: lv,
     }
 }
