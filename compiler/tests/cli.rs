@@ -638,3 +638,37 @@ fn deeply_nested_programs_are_compiled_or_refused_without_crashing() {
         stderr(&o)
     );
 }
+
+#[test]
+fn a_line_of_stray_characters_is_one_error_and_long_lists_are_cut() {
+    let d = tmpdir("garbage");
+    // 5,000 stray characters in one run: one error (it was 5,000, each rendering the line:
+    // 23 s and 22 MB of output).
+    let f = d.join("run.tdsl");
+    let junk = "$#`?".repeat(1250);
+    std::fs::write(
+        &f,
+        format!("model m {{\n input x: f32[4]\n let y = x {junk}\n output y\n}}\n"),
+    )
+    .unwrap();
+    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("5000 unexpected characters"), "{e}");
+    assert_eq!(e.matches("error[E0101]").count(), 1, "{e}");
+    // 2,000 separate stray characters: 50 shown, the rest counted.
+    let f = d.join("many.tdsl");
+    let junk = "$ ".repeat(2000);
+    std::fs::write(
+        &f,
+        format!("model m {{\n input x: f32[4]\n let y = x {junk}\n output y\n}}\n"),
+    )
+    .unwrap();
+    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert_eq!(e.matches("error[E0101]").count(), 50, "{e}");
+    assert!(e.contains("more diagnostics not shown"), "{e}");
+    // Each shown error renders its 4 KB line: 50 of them, not 2,000.
+    assert!(e.len() < 400_000, "{} bytes of diagnostics", e.len());
+}

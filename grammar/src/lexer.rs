@@ -319,19 +319,27 @@ pub type Spanned = (usize, Tok, usize);
 /// (lexing goes on after an error, skipping the bad character).
 pub fn tokenize(src: &str, file: FileId) -> (Vec<Spanned>, Vec<Diagnostic>) {
     let mut raw = Vec::new();
-    let mut errors = Vec::new();
+    // Lexical errors as (kind, start, end); a run of unexpected characters is one error (a
+    // line of 5,000 stray characters gave 5,000 errors, each rendering the whole line).
+    let mut bad: Vec<(LexErrorKind, usize, usize)> = Vec::new();
     let mut lex = Tok::lexer(src);
     while let Some(res) = lex.next() {
         let range = lex.span();
         match res {
             Ok(tok) => raw.push((range.start, tok, range.end)),
-            Err(kind) => errors.push(lex_error(
-                kind,
-                src,
-                Span::new(file, range.start, range.end),
-            )),
+            Err(LexErrorKind::UnexpectedChar) => match bad.last_mut() {
+                Some((LexErrorKind::UnexpectedChar, _, end)) if *end == range.start => {
+                    *end = range.end;
+                }
+                _ => bad.push((LexErrorKind::UnexpectedChar, range.start, range.end)),
+            },
+            Err(kind) => bad.push((kind, range.start, range.end)),
         }
     }
+    let errors = bad
+        .into_iter()
+        .map(|(kind, start, end)| lex_error(kind, src, Span::new(file, start, end)))
+        .collect();
     (filter_newlines(raw), errors)
 }
 
@@ -349,6 +357,26 @@ fn lex_error(kind: LexErrorKind, src: &str, span: Span) -> Diagnostic {
         }
         LexErrorKind::BadNumber => Diagnostic::error("E0104", "number literal out of range")
             .with_primary(span, "does not fit in a 64-bit integer"),
+        LexErrorKind::UnexpectedChar
+            if src
+                .get(span.range())
+                .is_some_and(|s| s.chars().nth(1).is_some()) =>
+        {
+            let text = src.get(span.range()).unwrap_or("");
+            let n = text.chars().count();
+            let shown: String = text
+                .chars()
+                .take(16)
+                .map(|c| if c.is_control() { '?' } else { c })
+                .collect();
+            Diagnostic::error("E0101", format!("{n} unexpected characters")).with_primary(
+                span,
+                format!(
+                    "`{shown}`{} is not part of any TDSL token",
+                    if n > 16 { "…" } else { "" }
+                ),
+            )
+        }
         LexErrorKind::UnexpectedChar => {
             let ch = src
                 .get(span.range())

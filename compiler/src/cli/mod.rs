@@ -914,8 +914,19 @@ fn stage_error(e: &crate::pipeline::StageError, sources: &Sources, stderr: &mut 
     }
 }
 
+/// Diagnostics shown at most; the rest are counted (rustc shows them all, but one per
+/// stray byte of a binary file is noise, and each renders its whole source line).
+const MAX_SHOWN: usize = 50;
+
 fn emit_all(diags: &[Diagnostic], sources: &Sources, stderr: &mut StandardStream) {
-    for d in diags {
+    for d in diags.iter().take(MAX_SHOWN) {
         let _ = d.emit(&sources.map, stderr);
+    }
+    if diags.len() > MAX_SHOWN {
+        let _ = writeln!(
+            stderr,
+            "note: {} more diagnostics not shown (the first {MAX_SHOWN} are above)",
+            diags.len() - MAX_SHOWN
+        );
     }
 }
