@@ -594,6 +594,18 @@ fn mem_reports_the_plan_of_the_target() {
     assert!(text.contains("eager, op by op (tcc --eager)"), "{text}");
 }
 
+/// `tcc check --color never` on `src`, written to `dir/name.tdsl`.
+fn check_source(dir: &std::path::Path, name: &str, src: &str) -> Output {
+    let f = dir.join(format!("{name}.tdsl"));
+    std::fs::write(&f, src).unwrap();
+    tcc(&["check", f.to_str().unwrap(), "--color", "never"])
+}
+
+/// A model whose one output is `y = e` over an input `x: f32[4]`.
+fn model_of(e: &str) -> String {
+    format!("model m {{\n input x: f32[4]\n let y = {e}\n output y\n}}\n")
+}
+
 #[test]
 fn deeply_nested_programs_are_compiled_or_refused_without_crashing() {
     // Each crashed the compiler with a stack overflow on the main thread's 8 MiB.
@@ -607,30 +619,20 @@ fn deeply_nested_programs_are_compiled_or_refused_without_crashing() {
         ("sum", format!("x{}", " + x".repeat(10_000))),
     ];
     for (name, e) in &cases {
-        let f = d.join(format!("{name}.tdsl"));
-        std::fs::write(
-            &f,
-            format!("model m {{\n input x: f32[4]\n let y = {e}\n output y\n}}\n"),
-        )
-        .unwrap();
-        let o = tcc(&["check", f.to_str().unwrap()]);
+        let o = check_source(&d, name, &model_of(e));
         assert!(o.status.success(), "{name}: {}", stderr(&o));
     }
     // Brackets nested 10,000 deep in a type: an error, not a crash.
-    let f = d.join("type.tdsl");
     let ty = format!("f32{}4{}", "[".repeat(10_000), "]".repeat(10_000));
-    std::fs::write(&f, format!("model m {{\n input x: {ty}\n output x\n}}\n")).unwrap();
-    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    let o = check_source(
+        &d,
+        "type",
+        &format!("model m {{\n input x: {ty}\n output x\n}}\n"),
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     // Past the nesting limit: E0221, with the way out.
-    let f = d.join("limit.tdsl");
     let e = format!("x{}", " + x".repeat(tcc::front::MAX_EXPR_DEPTH + 10));
-    std::fs::write(
-        &f,
-        format!("model m {{\n input x: f32[4]\n let y = {e}\n output y\n}}\n"),
-    )
-    .unwrap();
-    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    let o = check_source(&d, "limit", &model_of(&e));
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(
         stderr(&o).contains("E0221") && stderr(&o).contains("`let` bindings"),
@@ -644,27 +646,13 @@ fn a_line_of_stray_characters_is_one_error_and_long_lists_are_cut() {
     let d = tmpdir("garbage");
     // 5,000 stray characters in one run: one error (it was 5,000, each rendering the line:
     // 23 s and 22 MB of output).
-    let f = d.join("run.tdsl");
-    let junk = "$#`?".repeat(1250);
-    std::fs::write(
-        &f,
-        format!("model m {{\n input x: f32[4]\n let y = x {junk}\n output y\n}}\n"),
-    )
-    .unwrap();
-    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    let o = check_source(&d, "run", &model_of(&format!("x {}", "$#`?".repeat(1250))));
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert!(e.contains("5000 unexpected characters"), "{e}");
     assert_eq!(e.matches("error[E0101]").count(), 1, "{e}");
     // 2,000 separate stray characters: 50 shown, the rest counted.
-    let f = d.join("many.tdsl");
-    let junk = "$ ".repeat(2000);
-    std::fs::write(
-        &f,
-        format!("model m {{\n input x: f32[4]\n let y = x {junk}\n output y\n}}\n"),
-    )
-    .unwrap();
-    let o = tcc(&["check", f.to_str().unwrap(), "--color", "never"]);
+    let o = check_source(&d, "many", &model_of(&format!("x {}", "$ ".repeat(2000))));
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert_eq!(e.matches("error[E0101]").count(), 50, "{e}");

@@ -395,12 +395,7 @@ fn concat_pieces(
             *users.entry(i).or_default() += 1;
         }
     }
-    let special: BTreeSet<NodeId> = g
-        .outputs
-        .iter()
-        .map(|(_, o)| *o)
-        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
-        .collect();
+    let special = outputs_and_updates(g);
     let single = |x: NodeId| users.get(&x) == Some(&1) && !special.contains(&x);
     for &c in order {
         let node = g.node(c);
@@ -452,6 +447,16 @@ fn concat_pieces(
         }
     }
     out
+}
+
+/// The outputs, the updated params and state and their new values: nodes whose buffers
+/// have a fixed role, never a concat piece's or a value stored in place's.
+pub(super) fn outputs_and_updates(g: &Graph) -> BTreeSet<NodeId> {
+    g.outputs
+        .iter()
+        .map(|(_, o)| *o)
+        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
+        .collect()
 }
 
 /// Update values computed by the kernel of another one, its host: an elementwise update

@@ -34,60 +34,50 @@ pub fn fused_peak(g: &Graph, f: &Fused) -> u64 {
     aligned_max_live(&kernel_liveness(g, f))
 }
 
+/// Sum of aligned transient buffer sizes live at each step of `lv` (index `steps` is past
+/// the last one): the planner's lower bound is its largest entry.
+fn aligned_live(lv: &Liveness) -> Vec<u64> {
+    let steps = lv.order.len() + 1;
+    let mut delta = vec![0i128; steps + 1];
+    for b in lv
+        .buffers
+        .iter()
+        .filter(|b| b.kind != BufferKind::Persistent)
+    {
+        let size = crate::plan::align_up(b.bytes) as i128;
+        delta[b.start.min(steps)] += size;
+        delta[b.end.min(steps)] -= size;
+    }
+    let mut cur = 0i128;
+    delta
+        .into_iter()
+        .map(|d| {
+            cur += d;
+            cur.max(0) as u64
+        })
+        .collect()
+}
+
 /// Largest sum of aligned transient buffer sizes live at one step: the planner's lower
 /// bound.
 fn aligned_max_live(lv: &Liveness) -> u64 {
-    let steps = lv.order.len() + 1;
-    let mut delta = vec![0i128; steps + 1];
-    for b in lv
-        .buffers
-        .iter()
-        .filter(|b| b.kind != BufferKind::Persistent)
-    {
-        let size = crate::plan::align_up(b.bytes) as i128;
-        delta[b.start.min(steps)] += size;
-        delta[b.end.min(steps)] -= size;
-    }
-    let (mut cur, mut best) = (0i128, 0i128);
-    for d in delta {
-        cur += d;
-        best = best.max(cur);
-    }
-    best as u64
+    aligned_live(lv).into_iter().max().unwrap_or(0)
 }
 
-/// The kernel step at which the transient bytes of `lv` peak (the first, on ties).
+/// The step at which the aligned transient bytes of `lv` peak (the first, on ties).
 fn peak_step(lv: &Liveness) -> usize {
-    let steps = lv.order.len() + 1;
-    let mut delta = vec![0i128; steps + 1];
-    for b in lv
-        .buffers
-        .iter()
-        .filter(|b| b.kind != BufferKind::Persistent)
-    {
-        let size = crate::plan::align_up(b.bytes) as i128;
-        delta[b.start.min(steps)] += size;
-        delta[b.end.min(steps)] -= size;
-    }
-    let (mut cur, mut best, mut at) = (0i128, i128::MIN, 0);
-    for (t, d) in delta.iter().enumerate() {
-        cur += d;
-        if cur > best {
-            best = cur;
-            at = t;
-        }
-    }
-    at
+    let live = aligned_live(lv);
+    let peak = live.iter().copied().max().unwrap_or(0);
+    live.iter().position(|&l| l == peak).unwrap_or(0)
 }
 
 /// The fused nodes whose fusion keeps a buffer live at the peak step: nodes of a kernel at
 /// or after the peak that read (directly or through views) a transient buffer live there,
 /// and whose own place in the order is before the peak kernel's (given a buffer, they would
 /// run, and free what they read, before it).
-fn lengthening(g: &Graph, f: &Fused) -> Vec<NodeId> {
-    let lv = kernel_liveness(g, f);
+fn lengthening(g: &Graph, f: &Fused, lv: &Liveness) -> Vec<NodeId> {
     // Step `s` of the liveness is kernel `s - 1` (step 0: the inputs arrive).
-    let s = peak_step(&lv);
+    let s = peak_step(lv);
     let Some(t) = s.checked_sub(1) else {
         return Vec::new();
     };
@@ -172,8 +162,8 @@ pub fn step_seconds(g: &Graph, f: &Fused) -> f64 {
 
 /// The unmaterialized nodes (not views or leaves) computed by the kernel at the peak step:
 /// given buffers, the kernel splits into one kernel an op there.
-fn peak_kernel_nodes(g: &Graph, f: &Fused) -> Vec<NodeId> {
-    let Some(t) = peak_step(&kernel_liveness(g, f)).checked_sub(1) else {
+fn peak_kernel_nodes(g: &Graph, f: &Fused, lv: &Liveness) -> Vec<NodeId> {
+    let Some(t) = peak_step(lv).checked_sub(1) else {
         return Vec::new();
     };
     f.kernels.get(t).map_or_else(Vec::new, |k| {
@@ -207,8 +197,10 @@ pub(super) fn limit_peak(
 ) -> Result<Fused, FuseError> {
     let limit = fused_peak(g, &unfused);
     let base = step_seconds(g, &first);
+    // The best fusion so far, its liveness (which the next round reads) and its peak.
+    let mut best_lv = kernel_liveness(g, &first);
     let mut best = first;
-    let mut peak = fused_peak(g, &best);
+    let mut peak = aligned_max_live(&best_lv);
     let mut report = PeakReport {
         unfused: limit,
         first: peak,
@@ -222,9 +214,9 @@ pub(super) fn limit_peak(
                 break;
             }
             let more = if split {
-                peak_kernel_nodes(g, &best)
+                peak_kernel_nodes(g, &best, &best_lv)
             } else {
-                lengthening(g, &best)
+                lengthening(g, &best, &best_lv)
             };
             let mut next = forced.clone();
             next.extend(more);
@@ -232,7 +224,8 @@ pub(super) fn limit_peak(
                 continue;
             }
             let f = refuse(&next)?;
-            let p = fused_peak(g, &f);
+            let lv = kernel_liveness(g, &f);
+            let p = aligned_max_live(&lv);
             let cost = step_seconds(g, &f) - base;
             let keep = if peak > limit {
                 p < peak || (split && p == peak)
@@ -240,7 +233,7 @@ pub(super) fn limit_peak(
                 p < peak && cost <= TIME_SHARE * base
             };
             if keep {
-                (best, peak, forced) = (f, p, next);
+                (best, best_lv, peak, forced) = (f, lv, p, next);
                 report.rounds += 1;
                 report.estimated_cost = cost / base;
                 taken = true;
@@ -320,19 +313,7 @@ pub fn prune_in_place(g: &Graph, mut f: Fused) -> Fused {
     if f.in_place.is_empty() {
         return f;
     }
-    let lv = kernel_liveness(g, &f);
-    let steps = lv.order.len() + 1;
-    let mut live = vec![0u64; steps + 1];
-    for b in lv
-        .buffers
-        .iter()
-        .filter(|b| b.kind != BufferKind::Persistent)
-    {
-        let size = crate::plan::align_up(b.bytes);
-        for l in &mut live[b.start.min(steps)..b.end.min(steps)] {
-            *l += size;
-        }
-    }
+    let mut live = aligned_live(&kernel_liveness(g, &f));
     let peak = live.iter().copied().max().unwrap_or(0);
     let mut at: BTreeMap<NodeId, usize> = BTreeMap::new();
     for (t, k) in f.kernels.iter().enumerate() {
@@ -379,12 +360,7 @@ pub fn in_place(g: &Graph, kernels: &[super::Kernel]) -> BTreeMap<NodeId, NodeId
             last_load.insert(b, ki);
         }
     }
-    let special: BTreeSet<NodeId> = g
-        .outputs
-        .iter()
-        .map(|(_, o)| *o)
-        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
-        .collect();
+    let special = super::fuse::outputs_and_updates(g);
     let once = |b: NodeId, ki: usize| stored_by.get(&b).is_some_and(|v| v.as_slice() == [ki]);
     let mut out = BTreeMap::new();
     let mut given: BTreeSet<NodeId> = BTreeSet::new();
