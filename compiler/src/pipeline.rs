@@ -166,6 +166,9 @@ pub struct Report {
     pub timings: Vec<(&'static str, Duration)>,
     /// `remat`'s decision under `--mem-budget` with `auto`, and the step it started from.
     pub remat: Option<(Decision, Graph)>,
+    /// What free recomputation did (absent when it found nothing to recompute or did not
+    /// run).
+    pub free: Option<crate::remat::step::Free>,
 }
 
 impl Report {
@@ -277,7 +280,7 @@ pub const PIPELINE: &[Stage] = &[
         gives: Form::Graph,
         file: "compiler/src/remat/step.rs",
         invariant: "the graph verifier; with a budget, the arena the stages after it plan fits it",
-        why: "the last stage that chooses what to compute: it recomputes forward values (`--mem-budget`, `--remat`) and weighs each choice by running the stages from `outputs` to `plan` on it",
+        why: "the last stage that chooses what to compute: it recomputes forward values (by default the pointwise ones that backward kernels can rebuild with no kernel added; `--mem-budget`, `--remat`) and weighs each choice by running the stages from `outputs` to `plan` on it",
         run: Some(remat_stage),
     },
     Stage {
@@ -529,6 +532,15 @@ fn graph_rewrite(
 
 fn remat_stage(p: Product, o: &Options, report: &mut Report) -> Result<Product, StageError> {
     let g = graph_of(p, "remat")?;
+    // Free recomputation first (all but `--remat none`): a budget is then sought from the
+    // step it gives.
+    let g = if o.remat.mode == Mode::None {
+        g
+    } else {
+        let (h, free) = crate::remat::step::free(&g, &o.compile)?;
+        report.free = free;
+        h
+    };
     let (h, decision) =
         crate::remat::step::decide(&g, &o.remat, o.compile).map_err(StageError::Remat)?;
     match decision {

@@ -316,3 +316,35 @@ fn a_view_of_a_copied_operand_reads_the_copy() {
     }
     tcc_tests::assert_cpu_like_eager(&g, 5, 1e-5, "a view of a copy");
 }
+
+/// Cross-entropy's `logits - max(logits)` is read by the loss and by the gradient: the row
+/// maxima get a buffer and each reader recomputes the difference, so no second buffer the
+/// size of the logits is stored beside them (only the logits and their gradient, which may
+/// be stored over them), and the numbers are the interpreter's.
+#[test]
+fn shifted_logits_are_recomputed_from_stored_row_maxima() {
+    // As gpt's head: `[B, T, V]` logits read through a reshape to `[B * T, V]`.
+    let src = "model m {
+        input x: f32[8, 64, 32]
+        input labels: i32[8, 64]
+        param w: f32[32, 1024] = normal(0.0, 0.1)
+        let logits = x @ w
+        let loss = cross_entropy(reshape(logits, [512, 1024]), reshape(labels, [512]))
+        output loss
+        train sgd(lr: 0.1) minimize loss
+    }";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let fused = fuse(&g, FuseOptions::default()).unwrap();
+    let logits_sized: Vec<_> = fused
+        .materialized
+        .iter()
+        .filter(|&&n| !g.node(n).op.is_leaf() && g.ty(n).shape.numel() == 512 * 1024)
+        .map(|&n| g.node(n).op.name())
+        .collect();
+    assert!(
+        logits_sized.len() <= 2,
+        "logits-sized buffers: {logits_sized:?}\n{}",
+        print_kernels(&fused.kernels, None)
+    );
+    tcc_tests::assert_cpu_like_eager(&g, 3, 1e-5, "cross-entropy");
+}

@@ -204,6 +204,7 @@ fn mem_text(ex: &str, set: &str) -> (String, String) {
         &sources,
         Duration::from_millis(500),
         &Default::default(),
+        None,
     )
     .unwrap();
     let svg = tcc::cli::plan_svg::render(&f.graph, &f.plan, &f.eager, &sources.map);

@@ -244,3 +244,89 @@ fn fit_finds_a_larger_batch_with_remat() {
     assert_eq!(plain, 2);
     assert!(with > plain, "{with} vs {plain}");
 }
+
+/// Free recomputation, the default (issue 27): on a small cnn (each block's `relu` outputs
+/// rebuilt from the convolution's output and the norm's statistics) and a small gpt (the
+/// `gelu` outputs), on both targets, the arena drops and no kernel is added (every clone is
+/// computed in a pointwise reader or stored by a backward kernel of its shape), and the
+/// step trains as the one that stores them.
+#[test]
+fn free_recomputation_lowers_the_arena_adds_no_kernel_and_trains_alike() {
+    // Sizes where the recomputed values (at least 64 KiB each) are what the peak holds.
+    const CNN_FREE: &[(&str, &str)] = &[("B", "32"), ("C", "8"), ("S", "16")];
+    const GPT_FREE: &[(&str, &str)] = &[
+        ("L", "2"),
+        ("D", "64"),
+        ("H", "2"),
+        ("T", "64"),
+        ("B", "4"),
+        ("V", "64"),
+    ];
+    for (file, sets) in [
+        ("examples/cnn.tdsl", CNN_FREE),
+        ("examples/gpt.tdsl", GPT_FREE),
+    ] {
+        let g = graph(file, sets);
+        for device in [tcc_runtime::Device::Cpu, tcc_runtime::Device::Cuda(0)] {
+            let opts = tcc_tests::device_options(device, true);
+            let (h, f) = step::free(&g, &opts).unwrap();
+            let f = f.unwrap_or_else(|| panic!("{file} on {device:?}: no candidates"));
+            assert!(f.kept, "{file} on {device:?}: {}", f.line());
+            assert!(f.values > 0 && f.bytes > 0, "{file}: {}", f.line());
+            assert!(f.kernels.1 <= f.kernels.0, "{file}: {}", f.line());
+            assert!(f.arena.1 < f.arena.0, "{file}: {}", f.line());
+            assert!(
+                f.seconds.1 <= f.seconds.0 * (1.0 + step::FREE_TOTAL_SHARE),
+                "{file}: {}",
+                f.line()
+            );
+            let p = artifact::plan_step(&h, &opts).unwrap();
+            assert_eq!(p.plan.arena_bytes, f.arena.1, "{file} on {device:?}");
+            // Some clones are stored by another kernel (the horizontal hosts).
+            let hosted = p
+                .fused
+                .kernels
+                .iter()
+                .flat_map(|k| k.stores.iter().skip(1))
+                .filter(|s| p.graph.node(s.buf).recomputed.is_some())
+                .count();
+            assert!(hosted > 0, "{file} on {device:?}: no clone is hosted");
+            if device == tcc_runtime::Device::Cpu {
+                same_training(&g, &h);
+            }
+        }
+    }
+}
+
+/// `--remat none` turns free recomputation off; the default keeps it.
+#[test]
+fn remat_none_stores_what_the_forward_pass_made() {
+    let g = graph("examples/cnn.tdsl", &[("B", "32"), ("C", "8"), ("S", "16")]);
+    let run = |mode: step::Mode| {
+        let opts = tcc::pipeline::Options {
+            remat: tcc::pipeline::RematOptions {
+                mode,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (p, report) = tcc::pipeline::run(
+            tcc::pipeline::Product::Graph(g.clone()),
+            "remat",
+            "remat",
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let recomputed = p
+            .graph()
+            .node_ids()
+            .filter(|&n| p.graph().node(n).recomputed.is_some())
+            .count();
+        (recomputed, report.free)
+    };
+    let (none, free) = run(step::Mode::None);
+    assert_eq!((none, free), (0, None));
+    let (some, free) = run(step::Mode::Manual);
+    assert!(some > 0 && free.is_some_and(|f| f.kept));
+}

@@ -275,9 +275,13 @@ fn unary(
             ad.b.mul(g, d)
         }
         UnaryOp::Relu => {
-            let x = ad.fwd(x)?;
+            // From the result, as PyTorch's threshold_backward: `relu(x) > 0` exactly where
+            // `x > 0`, and the result is what the next layer keeps anyway (a convolution's
+            // input), so the pre-activation (a norm's output, a residual sum) need not be
+            // stored for the backward pass (cnn: one 32 MiB tensor less per block at B=128).
+            let y = ad.fwd(y)?;
             let z = ad.b.lit(0.0, b_dtype)?;
-            let pos = ad.b.bin(BinaryOp::Gt, x, z)?;
+            let pos = ad.b.bin(BinaryOp::Gt, y, z)?;
             ad.b.mask(pos, g)
         }
         UnaryOp::Gelu => {

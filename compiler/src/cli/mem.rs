@@ -93,6 +93,14 @@ pub struct MemReport {
     pub fusion_unfused_kept: bool,
     /// That as one line of text (absent when fusion kept its first decisions).
     pub fusion_peak_line: Option<String>,
+    /// Free recomputation (`remat::step::free`, off with `--remat none`): whether it ran
+    /// and was kept, and the arena without it.
+    pub free_recompute_kept: bool,
+    pub free_recompute_values: usize,
+    pub free_recompute_arena_without_bytes: Option<u64>,
+    /// That as one line of text (absent when there was nothing to recompute).
+    pub free_recompute_line: Option<String>,
+    /// Every transient buffer live at the peak, largest first (the table shows ten).
     pub live_at_peak: Vec<LiveTensor>,
     /// The compiled plan's bytes by dtype.
     pub fused_bytes_by_dtype: Vec<DtypeBytes>,
@@ -209,6 +217,7 @@ pub fn report(
     sources: &Sources,
     budget: Duration,
     compile: &crate::artifact::CompileOptions,
+    free: Option<&crate::remat::step::Free>,
 ) -> Result<MemFindings, String> {
     let amp = compile.amp;
     // Under `--amp` the eager baseline is of the mixed-precision step (autocast's op-by-op
@@ -266,7 +275,6 @@ pub fn report(
     at_peak.sort_by_key(|b| (std::cmp::Reverse(b.bytes), b.owner));
     let live_at_peak = at_peak
         .iter()
-        .take(10)
         .filter_map(|b| {
             let node = final_graph.get(b.owner)?;
             Some(LiveTensor {
@@ -320,6 +328,10 @@ pub fn report(
         fusion_given_buffers: fused.peak.given_buffers,
         fusion_unfused_kept: fused.peak.unfused_kept,
         fusion_peak_line: fused.peak.line(),
+        free_recompute_kept: free.is_some_and(|f| f.kept),
+        free_recompute_values: free.map_or(0, |f| f.values),
+        free_recompute_arena_without_bytes: free.map(|f| f.arena.0),
+        free_recompute_line: free.map(|f| f.line()),
         live_at_peak,
         fused_bytes_by_dtype,
     };
@@ -400,6 +412,9 @@ pub fn text(r: &MemReport, timing: bool) -> String {
     if let Some(l) = &r.fusion_peak_line {
         s.push_str(&format!("  {:<30} {l}\n", ""));
     }
+    if let Some(l) = &r.free_recompute_line {
+        s.push_str(&format!("  {:<30} {l}\n", "free recomputation"));
+    }
     s.push_str(&format!(
         "  {:<30} {:>11.2}%  fused arena / its lower bound {} - 1\n",
         "fragmentation",
@@ -448,8 +463,11 @@ pub fn text(r: &MemReport, timing: bool) -> String {
             ));
         }
     }
-    s.push_str("  largest tensors live at the peak:\n");
-    for t in &r.live_at_peak {
+    s.push_str(&format!(
+        "  largest tensors live at the peak ({} in all):\n",
+        r.live_at_peak.len()
+    ));
+    for t in r.live_at_peak.iter().take(10) {
         s.push_str(&format!(
             "    {:>12}  {:<24} {:<18} {}\n",
             bytes(t.bytes),

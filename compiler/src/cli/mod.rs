@@ -536,9 +536,9 @@ pub fn run(cli: Cli) -> ExitCode {
                 return ExitCode::from(1);
             };
             let program_graph = product.graph().clone();
-            let (scheduled, decision) =
+            let (scheduled, decision, free) =
                 match crate::pipeline::run(product, "schedule", "remat", &opts, &mut |_, _| {}) {
-                    Ok((p, report)) => (p.graph().clone(), report.remat),
+                    Ok((p, report)) => (p.graph().clone(), report.remat, report.free),
                     Err(e) => {
                         stage_error(&e, &sources, &mut stderr);
                         return ExitCode::from(1);
@@ -553,6 +553,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 &sources,
                 std::time::Duration::from_millis(budget_ms),
                 &compile,
+                free.as_ref(),
             ) {
                 Ok(mem::MemFindings {
                     report: r,

@@ -40,6 +40,12 @@ pub struct Node {
     /// The outermost call of a user function the node was made in (one per call: a
     /// model's blocks, for per-block checkpointing).
     pub block: Option<u32>,
+    /// A forward value recomputed for the backward pass (a clone made by
+    /// `remat::step::apply`), naming the value it recomputes by its id in the graph it was
+    /// cloned in: fusion may store it from another kernel of its shape rather than give it
+    /// a kernel of its own, and remat finds the clones of its choices after later stages
+    /// renumbered the graph.
+    pub recomputed: Option<NodeId>,
 }
 
 /// Optimizers of `train OPT minimize LOSS`, with every argument resolved.
@@ -160,6 +166,7 @@ impl Graph {
             checkpoint,
             backward: false,
             block: None,
+            recomputed: None,
         }));
         for (pos, src) in inputs.iter().enumerate() {
             self.graph.add_edge(src.0, id.0, pos as u32);
@@ -180,6 +187,13 @@ impl Graph {
     pub fn mark_backward(&mut self, id: NodeId) {
         if let Some(n) = self.graph.node_weight_mut(id.0) {
             n.backward = true;
+        }
+    }
+
+    /// Marks a node as a recomputed forward value (see [`Node::recomputed`]).
+    pub fn mark_recomputed(&mut self, id: NodeId, of: NodeId) {
+        if let Some(n) = self.graph.node_weight_mut(id.0) {
+            n.recomputed = Some(of);
         }
     }
 
@@ -341,6 +355,7 @@ impl Graph {
                 checkpoint: n.checkpoint,
                 backward: n.backward,
                 block: n.block,
+                recomputed: n.recomputed,
             }));
             for (pos, src) in inputs.iter().enumerate() {
                 out.graph.add_edge(src.0, id.0, pos as u32);

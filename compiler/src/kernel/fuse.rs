@@ -32,7 +32,13 @@
 //!   ([`update_hosts`]): one kernel an Adam update instead of three;
 //! - for CUDA, a concat whose pieces are all kernels' roots read only through reshapes and
 //!   permutes has no kernel: each piece's kernel stores into the concat's buffer
-//!   ([`concat_pieces`]).
+//!   ([`concat_pieces`]);
+//! - a pointwise node read by several kernels and costly only through small row statistics
+//!   fused below it (`logits - max(logits)`) is recomputed by each reader from the
+//!   statistics, which get buffers ([`row_statistics`]);
+//! - a recomputed forward value (free recomputation, `remat::step::free`) that a product
+//!   reads is stored by the last backward kernel of its shape before that product
+//!   ([`recompute_hosts`]) rather than by a kernel of its own.
 //!
 //! Then the peak (`super::peak`): the decisions above are weighed against the transient peak
 //! they give, which must not exceed the same graph's with one op per kernel (an unrolled
@@ -335,6 +341,23 @@ fn decide(
                 kept.push(n);
                 continue;
             }
+            // Costly only through row statistics fused below it, small next to it: those
+            // get buffers instead and each reader recomputes it from them (cross-entropy's
+            // `logits - max(logits)`, read by the loss and by the gradient: otherwise a
+            // second logits-sized buffer, 128 MiB on gpt, live beside the logits).
+            let stats = row_statistics(g, n, &m);
+            if !stats.is_empty() {
+                let mut m2 = m.clone();
+                m2.extend(stats.iter().copied());
+                if local_cost(g, n, &m2) <= 8 {
+                    for &r in &stats {
+                        m.insert(r);
+                        cost.insert(r, 1);
+                    }
+                    cost.insert(n, local_cost(g, n, &m));
+                    continue;
+                }
+            }
             m.insert(n);
             cost.insert(n, 1);
         } else {
@@ -350,9 +373,162 @@ fn decide(
             .filter(|&n| !m.contains(&n) && shared_root(g, n, &m, &users, &hosts).is_none())
             .collect();
         if split.is_empty() {
+            let mut hosts = hosts;
+            recompute_hosts(g, order, &m, &users, &mut hosts);
             return (m, hosts);
         }
         m.extend(split);
+    }
+}
+
+/// The unmaterialized reductions that pointwise node `n` computes through unmaterialized
+/// pointwise nodes, when each has at most 1/16 of `n`'s elements (row statistics); empty
+/// when any other reduction, product or scatter is among them.
+fn row_statistics(g: &Graph, n: NodeId, m: &BTreeSet<NodeId>) -> Vec<NodeId> {
+    let numel = g.ty(n).shape.numel();
+    let mut out = Vec::new();
+    let mut stack = g.node(n).inputs.clone();
+    let mut seen = BTreeSet::new();
+    while let Some(y) = stack.pop() {
+        if !seen.insert(y) || m.contains(&y) || g.node(y).op.is_source() {
+            continue;
+        }
+        let op = &g.node(y).op;
+        if matches!(op, Op::Reduce { .. }) && g.ty(y).shape.numel().saturating_mul(16) <= numel {
+            out.push(y);
+        } else if op.is_pointwise() || op.is_view_candidate() {
+            stack.extend(g.node(y).inputs.iter().copied());
+        } else {
+            return Vec::new();
+        }
+    }
+    out
+}
+
+/// Whether the kernel of root `x` would be pointwise (`anchor`: or a product's epilogue, or
+/// a pointwise kernel with fused row statistics): no other reduction, scatter or product
+/// among the unmaterialized nodes it computes.
+fn plain_pointwise(g: &Graph, x: NodeId, m: &BTreeSet<NodeId>, anchor: bool) -> bool {
+    let mut stack = vec![x];
+    let mut seen = BTreeSet::new();
+    let mut products = 0;
+    while let Some(y) = stack.pop() {
+        if !seen.insert(y) || (y != x && m.contains(&y)) || g.node(y).op.is_source() {
+            continue;
+        }
+        let op = &g.node(y).op;
+        let product = matches!(
+            op,
+            Op::MatMul
+                | Op::Conv2d { .. }
+                | Op::Conv2dGradInput { .. }
+                | Op::Conv2dGradWeight { .. }
+        );
+        if product && anchor {
+            products += 1;
+            if products > 1 {
+                return false;
+            }
+        } else if anchor && matches!(op, Op::Reduce { .. }) {
+            // A row statistic fused below the host (evaluated once per row; the guest's
+            // stores run per element like the host's own).
+        } else if op.is_reduction_like()
+            || op.is_scatter()
+            || !(op.is_pointwise() || op.is_view_candidate())
+        {
+            return false;
+        }
+        stack.extend(g.node(y).inputs.iter().copied());
+    }
+    true
+}
+
+/// Most recomputed values one kernel stores besides its own ([`recompute_hosts`]).
+const MAX_RECOMPUTE_GUESTS: usize = 4;
+
+/// Horizontal hosts of recomputed values (`remat::step::apply`'s clones, which free
+/// recomputation makes by default): a clone that a product reads (a weight gradient's
+/// operand: gpt's `gelu` output, cnn's `relu` outputs) needs a buffer, and rather than a
+/// kernel of its own it is stored by the last pointwise kernel before its first reader
+/// whose loops cover the same shape (in the backward pass there nearly always is one: the
+/// gradient of the same layer's output). Recomputation then adds no kernel, only the bytes
+/// the host reads and stores for it. The host must be a backward kernel (a forward one
+/// would store the value as early as the original did) that is no recomputation itself
+/// (so each clone's host is there whatever else is recomputed), run after the clone's
+/// operands are written, and be no guest itself nor an update's host.
+fn recompute_hosts(
+    g: &Graph,
+    order: &[NodeId],
+    m: &BTreeSet<NodeId>,
+    users: &BTreeMap<NodeId, Vec<(NodeId, usize)>>,
+    hosts: &mut BTreeMap<NodeId, NodeId>,
+) {
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let updates: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+    let outputs: BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
+    // Update hosts keep to their updates; a kernel hosts a few recomputed values at most.
+    let update_hosts: BTreeSet<NodeId> = hosts.values().copied().collect();
+    let busy = |hosts: &BTreeMap<NodeId, NodeId>, r: NodeId| {
+        hosts.contains_key(&r)
+            || update_hosts.contains(&r)
+            || hosts.values().filter(|&&h| h == r).count() >= MAX_RECOMPUTE_GUESTS
+    };
+    for &c in order {
+        let node = g.node(c);
+        if node.recomputed.is_none()
+            || !m.contains(&c)
+            || !node.op.is_elementwise()
+            || hosts.contains_key(&c)
+            || outputs.contains(&c)
+            || updates.contains(&c)
+            || !plain_pointwise(g, c, m, false)
+        {
+            continue;
+        }
+        // The first node reading its buffer (through views that are no copies).
+        let mut first = usize::MAX;
+        let mut stack = vec![c];
+        while let Some(x) = stack.pop() {
+            for &(u, _) in users.get(&x).map_or(&[][..], Vec::as_slice) {
+                first = first.min(pos.get(&u).copied().unwrap_or(0));
+                if g.node(u).op.is_view_candidate() && !m.contains(&u) {
+                    stack.push(u);
+                }
+            }
+        }
+        // The last buffer its kernel would read is written before the host runs.
+        let mut after = 0;
+        let mut stack = g.node(c).inputs.clone();
+        let mut seen = BTreeSet::new();
+        while let Some(y) = stack.pop() {
+            if !seen.insert(y) {
+                continue;
+            }
+            if m.contains(&y) || g.node(y).op.is_leaf() {
+                after = after.max(pos.get(&y).copied().unwrap_or(0));
+            } else {
+                stack.extend(g.node(y).inputs.iter().copied());
+            }
+        }
+        let shape = &node.ty.shape;
+        let host = (after + 1..first.min(order.len()))
+            .rev()
+            .map(|p| order[p])
+            .find(|&r| {
+                let rn = g.node(r);
+                m.contains(&r)
+                    && r != c
+                    && rn.backward
+                    && rn.recomputed.is_none()
+                    && rn.op.is_elementwise()
+                    && rn.ty.shape == *shape
+                    && !updates.contains(&r)
+                    && !busy(hosts, r)
+                    && plain_pointwise(g, r, m, true)
+            });
+        if let Some(r) = host {
+            hosts.insert(c, r);
+        }
     }
 }
 
@@ -624,10 +800,16 @@ fn build(
     };
     // Guests whose host's buffer is laid out as theirs (the host's loops index both), by
     // host, in order.
+    // A concat's piece stores one value at its place in the concat: no guests there.
+    let written_by_pieces: BTreeSet<NodeId> = into.values().map(|p| p.concat).collect();
     let mut guests: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
     for &n in order {
         if let Some(&r) = hosts.get(&n) {
-            if d.layout(n) == d.layout(r) && !matmul_anchor_ok(g, r) {
+            if d.layout(n) == d.layout(r)
+                && !matmul_anchor_ok(g, r)
+                && !into.contains_key(&r)
+                && !written_by_pieces.contains(&r)
+            {
                 guests.entry(r).or_default().push(n);
             }
         }
@@ -649,7 +831,6 @@ fn build(
             }
         }
     }
-    let written_by_pieces: BTreeSet<NodeId> = into.values().map(|p| p.concat).collect();
     let mut kernels = Vec::new();
     let mut retry: Vec<NodeId> = Vec::new();
     let mut pos_of_kernel: Vec<usize> = Vec::new();

@@ -138,7 +138,7 @@ pub const TIME_SHARE: f64 = 0.01;
 /// Nominal machine of the cost model: a launch, bytes a second, FLOPs a second (an H100's
 /// order of magnitude; only ratios between plans of one program matter).
 const LAUNCH_S: f64 = 4e-6;
-const BYTES_PER_S: f64 = 2.5e12;
+pub const BYTES_PER_S: f64 = 2.5e12;
 const FLOPS_PER_S: f64 = 5e13;
 
 /// Estimated seconds of one kernel: a launch plus the slower of its memory traffic (every

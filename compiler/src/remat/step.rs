@@ -18,6 +18,10 @@
 //! the target by the real overshoot until the plan fits. The baselines — √n segments and
 //! per-block checkpointing — are measured the same way, and `auto` takes the cheapest
 //! decision that fits among everything it compiled.
+//!
+//! Without a budget, [`free`] (the default; `--remat none` turns it off) recomputes only
+//! what costs next to nothing: pointwise values that backward kernels rebuild from what the
+//! backward pass keeps anyway, with no kernel added.
 
 use super::{RematGraph, Solution};
 use crate::artifact::{self, BuildError, CompileOptions};
@@ -306,6 +310,7 @@ pub fn apply(g: &Graph, evict: &BTreeSet<NodeId>) -> Graph {
             }
             let c = self.h.add(node.op.clone(), inputs, node.span, None).ok()?;
             self.h.mark_backward(c);
+            self.h.mark_recomputed(c, n);
             self.clones.insert(n, c);
             self.order.push(c);
             Some(c)
@@ -339,6 +344,251 @@ pub fn apply(g: &Graph, evict: &BTreeSet<NodeId>) -> Graph {
     }
     let order = updates_last(&cl.h, cl.order);
     cl.h.reordered(&order)
+}
+
+/// Smallest value free recomputation considers: below this the bytes saved are noise.
+const FREE_MIN_BYTES: u64 = 64 << 10;
+/// Most nodes one free recomputation may clone (the value and the dead pointwise values
+/// between it and what is kept).
+const FREE_MAX_NODES: usize = 16;
+
+/// The forward values free recomputation evicts ([`free`]): pointwise values (an
+/// activation's output, a norm's normalised output, a residual sum) whose backward readers
+/// can rebuild them from what the backward pass keeps anyway (values it reads at or after
+/// their first backward reader, params, constants), through at most a few other pointwise
+/// values that are dead by then. A value is not rebuilt from another evicted one (cnn's
+/// residual stream would otherwise recompute every block's output from the block before),
+/// and views of an evicted value go with it.
+pub fn free_candidates(g: &Graph) -> BTreeSet<NodeId> {
+    let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    // Last reader of each value (a view's readers extend its operand), and first backward
+    // reader of each forward value (through forward views).
+    let mut last_any: BTreeMap<NodeId, usize> = BTreeMap::new();
+    let mut first_bwd: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for &n in order.iter().rev() {
+        let node = g.node(n);
+        for &i in &node.inputs {
+            let e = last_any.entry(i).or_insert(0);
+            *e = (*e).max(pos[&n]);
+        }
+        if let Some(&i) = node.inputs.first().filter(|_| node.op.is_view_candidate()) {
+            if let Some(&l) = last_any.get(&n) {
+                let e = last_any.entry(i).or_insert(0);
+                *e = (*e).max(l);
+            }
+        }
+    }
+    for &n in &order {
+        let node = g.node(n);
+        if !node.backward {
+            continue;
+        }
+        for &i in &node.inputs {
+            let mut x = i;
+            loop {
+                if g.node(x).backward {
+                    break;
+                }
+                first_bwd.entry(x).or_insert(pos[&n]);
+                if !g.node(x).op.is_view_candidate() {
+                    break;
+                }
+                match g.node(x).inputs.first() {
+                    Some(&y) => x = y,
+                    None => break,
+                }
+            }
+        }
+    }
+    // Latest first: an activation's output before the norm output it is computed from,
+    // which it then reads (inlined where it is cheap) rather than recomputing.
+    let mut evict: BTreeSet<NodeId> = BTreeSet::new();
+    // What the evicted values are rebuilt from: never evicted themselves.
+    let mut read: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().rev() {
+        let node = g.node(n);
+        if node.backward
+            || !node.op.is_elementwise()
+            || !evictable(g, n, false)
+            || (node.ty.size_bytes() as u64) < FREE_MIN_BYTES
+            || read.contains(&n)
+        {
+            continue;
+        }
+        let Some(&at) = first_bwd.get(&n) else {
+            continue;
+        };
+        // What the clone needs: kept values (`kept`), or dead pointwise ones cloned with it.
+        let mut stack = node.inputs.clone();
+        let mut seen = BTreeSet::new();
+        let mut kept = BTreeSet::new();
+        let mut ok = true;
+        while let Some(x) = stack.pop() {
+            if !seen.insert(x) {
+                continue;
+            }
+            let xn = g.node(x);
+            if seen.len() > FREE_MAX_NODES || evict.contains(&x) || xn.backward {
+                ok = false;
+                break;
+            }
+            if xn.op.is_source() {
+                continue;
+            }
+            if xn.op.is_view_candidate() || last_any.get(&x).is_none_or(|&l| l < at) {
+                if !(xn.op.is_view_candidate() || xn.op.is_elementwise()) {
+                    ok = false;
+                    break;
+                }
+                stack.extend(xn.inputs.iter().copied());
+            } else {
+                kept.insert(x);
+            }
+        }
+        if ok {
+            evict.insert(n);
+            read.extend(seen);
+            read.extend(kept);
+        }
+    }
+    // Forward views of evicted values go with them.
+    for &n in &order {
+        let node = g.node(n);
+        if !node.backward && node.op.is_view_candidate() && evict.contains(&view_root(g, n)) {
+            evict.insert(n);
+        }
+    }
+    evict
+}
+
+/// What free recomputation did to a step (`tcc mem` and `tcc build` show it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Free {
+    /// Forward values recomputed in the backward pass (views not counted), and their bytes.
+    pub values: usize,
+    pub bytes: u64,
+    /// The arena, kernel count and the roofline estimate of the step's time
+    /// (`kernel::peak::step_seconds`), without and with it.
+    pub arena: (u64, u64),
+    pub kernels: (usize, usize),
+    pub seconds: (f64, f64),
+    /// Whether it was kept (it lowers the arena, adds no kernel and at most
+    /// [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time).
+    pub kept: bool,
+}
+
+impl Free {
+    /// One line for reports.
+    pub fn line(&self) -> String {
+        let pct = if self.seconds.0 > 0.0 {
+            (self.seconds.1 / self.seconds.0 - 1.0) * 100.0
+        } else {
+            0.0
+        };
+        format!(
+            "{} {} forward values ({}) in backward kernels: arena {} -> {}, kernels {} -> {}, estimated time {:+.2}%{}",
+            if self.kept { "recomputes" } else { "would recompute" },
+            self.values,
+            human(self.bytes),
+            human(self.arena.0),
+            human(self.arena.1),
+            self.kernels.0,
+            self.kernels.1,
+            pct,
+            if self.kept { "" } else { " (not kept)" }
+        )
+    }
+}
+
+/// Free recomputation, the default (`--remat none` turns it off): the values of
+/// [`free_candidates`] are recomputed by the backward kernels that read them, inside a
+/// pointwise reader or stored by a pointwise kernel of their shape just before a product
+/// reads them (`kernel::fuse`), when both plans say that lowers the arena, adds no kernel
+/// and costs at most [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time.
+pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), BuildError> {
+    let mut evict = free_candidates(g);
+    if evict.is_empty() {
+        return Ok((g.clone(), None));
+    }
+    let before = artifact::plan_step(g, opts)?;
+    let secs = |p: &artifact::Planned| crate::kernel::peak::step_seconds(&p.graph, &p.fused);
+    let base = secs(&before);
+    let mut tried = None;
+    // A value whose clone found no kernel to be stored by (it has its own), or whose
+    // recomputation costs more than its share, is kept, and the rest planned again (hosts
+    // are never clones, so that settles it; a third round is a safeguard).
+    for _ in 0..3 {
+        let h = apply(g, &evict);
+        let after = artifact::plan_step(&h, opts)?;
+        let costly = costly_clones(&after, &evict, base);
+        tried = Some((h, after, evict.clone()));
+        if costly.is_empty() {
+            break;
+        }
+        evict.retain(|&n| !costly.contains(&view_root(g, n)));
+        if evict.iter().all(|&n| g.node(n).op.is_view_candidate()) {
+            break;
+        }
+    }
+    let Some((h, after, evict)) = tried else {
+        return Ok((g.clone(), None));
+    };
+    let values: Vec<NodeId> = evict
+        .iter()
+        .copied()
+        .filter(|&n| !g.node(n).op.is_view_candidate())
+        .collect();
+    let f = Free {
+        values: values.len(),
+        bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
+        arena: (before.plan.arena_bytes, after.plan.arena_bytes),
+        kernels: (before.fused.kernels.len(), after.fused.kernels.len()),
+        seconds: (base, secs(&after)),
+        kept: false,
+    };
+    let kept = !values.is_empty()
+        && f.arena.1 < f.arena.0
+        && f.kernels.1 <= f.kernels.0
+        && f.seconds.1 <= f.seconds.0 * (1.0 + FREE_TOTAL_SHARE);
+    let f = Free { kept, ..f };
+    Ok((if kept { h } else { g.clone() }, Some(f)))
+}
+
+/// The step time free recomputation may add in all, as a share of the estimated step: the
+/// issue's bound on step time for memory saved by default (each value also within
+/// [`crate::kernel::peak::TIME_SHARE`]).
+pub const FREE_TOTAL_SHARE: f64 = 0.03;
+
+/// The recomputed values (by original, among `evict`) whose clone has a kernel of its own in `p`, or whose
+/// recomputation, as a guest of another kernel, costs more than
+/// [`crate::kernel::peak::TIME_SHARE`] of the estimated step `base` (the bytes it reads and
+/// stores there at the cost model's bandwidth).
+fn costly_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>, base: f64) -> BTreeSet<NodeId> {
+    let mut out = BTreeSet::new();
+    for k in &p.fused.kernels {
+        for (i, s) in k.stores.iter().enumerate() {
+            let Some(orig) = p.graph.get(s.buf).and_then(|n| n.recomputed) else {
+                continue;
+            };
+            if !evict.contains(&orig) {
+                continue;
+            }
+            let bytes = p.graph.ty(s.buf).size_bytes() as u64
+                + p.graph
+                    .node(s.buf)
+                    .inputs
+                    .iter()
+                    .filter(|&&x| p.fused.materialized.contains(&x))
+                    .map(|&x| p.graph.ty(x).size_bytes() as u64)
+                    .sum::<u64>();
+            let cost = bytes as f64 / crate::kernel::peak::BYTES_PER_S;
+            if i == 0 || cost > crate::kernel::peak::TIME_SHARE * base {
+                out.insert(orig);
+            }
+        }
+    }
+    out
 }
 
 /// Moves each optimizer update (with everything computed from it) after the last other
