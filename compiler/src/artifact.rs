@@ -260,6 +260,7 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
         shape: ty.dims().to_vec(),
         offset: c.offset_of(n).unwrap_or(0),
         bytes: ty.size_bytes() as u64,
+        index_bound: None,
     }
 }
 
@@ -270,7 +271,10 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
         .inputs
         .iter()
         .filter_map(|&n| match &g.node(n).op {
-            Op::Input { name, .. } => Some(slot(g, c, name, n)),
+            Op::Input { name, .. } => Some(fmt::TensorSlot {
+                index_bound: crate::eager::int_input_bound(g, n).map(|b| b as u64),
+                ..slot(g, c, name, n)
+            }),
             _ => None,
         })
         .collect();

@@ -54,6 +54,10 @@ pub struct TensorSlot {
     pub offset: u64,
     /// `product(shape) * dtype size`.
     pub bytes: u64,
+    /// For an `i32` input used as indices (class labels, embedding ids): every value must lie
+    /// in `[0, index_bound)`. [`crate::Session::set_input`] checks it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_bound: Option<u64>,
 }
 
 /// Persistent tensor kind.
@@ -402,6 +406,14 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
         ));
     }
     let check_slot = |kind: &str, s: &TensorSlot, limit: u64, region: &str| {
+        if let Some(b) = s.index_bound {
+            if s.dtype != DType::I32 || b > 1 << 31 {
+                return bad(format!(
+                    "{kind} `{}`: an index bound of {b} on a {} tensor",
+                    s.name, s.dtype
+                ));
+            }
+        }
         let elements = s.elements().ok_or_else(|| {
             Error::BadManifest(format!(
                 "{kind} `{}`: shape {:?} overflows",

@@ -158,6 +158,18 @@ pub enum Error {
         expected: usize,
         got: usize,
     },
+    /// An index input (labels, embedding ids) holds a value outside the range the model
+    /// indexes with it.
+    #[error(
+        "input `{name}`: element {position} is {value}, outside [0, {bound}) (the range the \
+         model indexes with it)"
+    )]
+    IndexOutOfRange {
+        name: String,
+        position: usize,
+        value: i64,
+        bound: u64,
+    },
     /// The data has a different number of bytes than the tensor.
     #[error("`{name}` is {expected} bytes, but the data is {got} bytes")]
     ByteLenMismatch {
@@ -480,6 +492,30 @@ fn check_elements<T: Element>(slot: &TensorSlot, len: usize) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The first little-endian `i32` of `bytes` outside `[0, bound)` (with `bound`), as an
+/// error; the bytes are zeroed then, so no later step reads an index out of range.
+fn check_indices(name: &str, bytes: &mut [u8], bound: Option<u64>) -> Result<()> {
+    let Some(bound) = bound else {
+        return Ok(());
+    };
+    let bad = bytes.chunks_exact(4).enumerate().find_map(|(i, c)| {
+        let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64;
+        (v < 0 || v as u64 >= bound).then_some((i, v))
+    });
+    match bad {
+        None => Ok(()),
+        Some((position, value)) => {
+            bytes.fill(0);
+            Err(Error::IndexOutOfRange {
+                name: name.to_string(),
+                position,
+                value,
+                bound,
+            })
+        }
+    }
 }
 
 fn check_bytes(slot: &TensorSlot, len: usize) -> Result<()> {
@@ -911,25 +947,32 @@ impl<'a> Session<'a> {
     ///
     /// On a CUDA device the data goes to a pinned host buffer and reaches the device at the
     /// start of the next [`Session::run`].
+    ///
+    /// An input the model uses as indices (class labels, embedding ids; the manifest's
+    /// `index_bound`) must hold values in `[0, bound)`: otherwise the input is zeroed and
+    /// the error names the first value outside.
     pub fn set_input<T: Element>(&mut self, name: &str, data: &[T]) -> Result<()> {
-        let (index, range) = {
+        let (index, range, bound) = {
             let (index, slot) = self.model.input_slot(name)?;
             check_elements::<T>(slot, data.len())?;
-            (index, slot.range())
+            (index, slot.range(), slot.index_bound)
         };
-        encode(data, self.input_target(index, range)?);
-        Ok(())
+        let target = self.input_target(index, range)?;
+        encode(data, target);
+        check_indices(name, target, bound)
     }
 
-    /// Writes input `name` from raw little-endian bytes; only the length is checked.
+    /// Writes input `name` from raw little-endian bytes; the length is checked, and index
+    /// inputs' values as in [`Session::set_input`].
     pub fn set_input_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
-        let (index, range) = {
+        let (index, range, bound) = {
             let (index, slot) = self.model.input_slot(name)?;
             check_bytes(slot, bytes.len())?;
-            (index, slot.range())
+            (index, slot.range(), slot.index_bound)
         };
-        self.input_target(index, range)?.copy_from_slice(bytes);
-        Ok(())
+        let target = self.input_target(index, range)?;
+        target.copy_from_slice(bytes);
+        check_indices(name, target, bound)
     }
 
     /// Runs one step: every kernel in launch order. Allocates nothing.

@@ -618,3 +618,53 @@ fn errors_display_clearly() {
     };
     assert!(e.to_string().contains("none"), "{e}");
 }
+
+/// An index input (`index_bound`) takes values in `[0, bound)` only: a value outside is
+/// `IndexOutOfRange` naming the first one, and the input is zeroed; a bound on a float
+/// tensor is a bad manifest.
+#[test]
+fn index_inputs_are_checked_at_set_input() {
+    let mut m = tiny_manifest();
+    m.arena_bytes = 320;
+    let mut ids = slot("ids", DType::I32, &[4], 256);
+    ids.index_bound = Some(3);
+    m.inputs.push(ids);
+    let model = Model::from_bytes(build(
+        &m,
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    ))
+    .unwrap();
+    let mut s = Session::new(&model, Device::Cpu).unwrap();
+    s.set_input("ids", &[0i32, 1, 2, 2]).unwrap();
+    let err = s.set_input("ids", &[0i32, 3, 2, -1]).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::IndexOutOfRange { name, position: 1, value: 3, bound: 3 } if name == "ids"
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("outside [0, 3)"), "{err}");
+    let bytes: Vec<u8> = [1i32, 1, 1, -7]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    assert!(matches!(
+        s.set_input_bytes("ids", &bytes),
+        Err(Error::IndexOutOfRange {
+            position: 3,
+            value: -7,
+            ..
+        })
+    ));
+    // Zeroed, so the next step indexes in range; the float input is untouched.
+    s.set_input("x", &[1.0f32; 4]).unwrap();
+    s.run().unwrap();
+    let mut bad = tiny_manifest();
+    bad.inputs[0].index_bound = Some(3);
+    assert!(matches!(
+        artifact::validate(&bad),
+        Err(Error::BadManifest(msg)) if msg.contains("index bound")
+    ));
+}

@@ -85,6 +85,7 @@ pub fn run_eager(
             .map_err(|e| e.to_string())?;
         inputs.insert(name.clone(), t);
     }
+    eager::check_index_inputs(g, &inputs).map_err(|e| e.to_string())?;
     if opts.steps == 0 {
         eprintln!("model `{}`: {} nodes, compiled in {compile_ms:.1} ms; --steps 0: memory accounting only", g.name, g.node_count());
     } else {
@@ -186,9 +187,10 @@ fn tensor_type(s: &tcc_runtime::artifact::TensorSlot) -> crate::ir::TensorType {
     crate::ir::TensorType::new(d, s.shape.clone())
 }
 
-/// `tcc run` on compiled code (the artifact's target picks the device): one session on the compiled artifact. `graph` (when the run
-/// compiled a .tdsl) gives random inputs their valid ranges (embedding ids, labels);
-/// without it, integer inputs not given with `--input` are zero.
+/// `tcc run` on compiled code (the artifact's target picks the device): one session on the
+/// compiled artifact. Inputs not given with `--input` are seeded random values, the same
+/// from the source (`graph`) as from an artifact (whose manifest records the index inputs'
+/// bounds: embedding ids, labels).
 pub fn run_compiled(
     model: &tcc_runtime::Model,
     graph: Option<&Graph>,
@@ -230,17 +232,14 @@ pub fn run_compiled(
                 .get(&slot.name)
                 .cloned()
                 .unwrap_or_else(|| Tensor::zeros(ty.clone())),
-            (None, None) => {
-                let n = ty.shape.numel();
-                if ty.dtype.is_float() {
-                    let v = (0..n as u64)
-                        .map(|i| eager::kernels::dropout_uniform(opts.seed, i) * 2.0 - 1.0)
-                        .collect();
-                    Tensor::from_f64(ty.dtype, ty.shape.clone(), v)
-                } else {
-                    Tensor::zeros(ty.clone())
-                }
-            }
+            // The same values as from the source: index inputs below the bound the artifact
+            // records.
+            (None, None) => eager::random_input(
+                &slot.name,
+                &ty,
+                slot.index_bound.map(|b| b as usize),
+                opts.seed,
+            ),
         };
         inputs.push((slot.name.clone(), t.to_le_bytes()));
     }

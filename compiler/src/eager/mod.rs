@@ -251,6 +251,42 @@ pub fn int_input_bound(g: &Graph, input: NodeId) -> Option<usize> {
     bound
 }
 
+/// Index inputs (labels, embedding ids: [`int_input_bound`]) hold values in `[0, bound)`,
+/// as the runtime checks at `set_input`; the error is the runtime's, so every path says the
+/// same.
+pub fn check_index_inputs(
+    g: &Graph,
+    inputs: &BTreeMap<String, Tensor>,
+) -> Result<(), tcc_runtime::Error> {
+    for &id in &g.inputs {
+        let Op::Input { name, .. } = &g.node(id).op else {
+            continue;
+        };
+        let (
+            Some(bound),
+            Some(Tensor {
+                data: Data::I(v), ..
+            }),
+        ) = (int_input_bound(g, id), inputs.get(name))
+        else {
+            continue;
+        };
+        if let Some((position, &value)) = v
+            .iter()
+            .enumerate()
+            .find(|(_, &x)| x < 0 || x as usize >= bound)
+        {
+            return Err(tcc_runtime::Error::IndexOutOfRange {
+                name: name.clone(),
+                position,
+                value: value as i64,
+                bound: bound as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Seeded random inputs: floats standard normal, i32 uniform below [`int_input_bound`]
 /// (16 when unconstrained), bools fair coins.
 pub fn random_inputs(g: &Graph, seed: u64) -> BTreeMap<String, Tensor> {
@@ -259,36 +295,43 @@ pub fn random_inputs(g: &Graph, seed: u64) -> BTreeMap<String, Tensor> {
         let Op::Input { name, ty } = &g.node(id).op else {
             continue;
         };
-        let key = seed.wrapping_add(0x5EED) ^ name_hash(name);
-        let n = ty.shape.numel() as u64;
-        let t = match ty.dtype {
-            DType::I32 => {
-                let b = int_input_bound(g, id).unwrap_or(16) as f64;
-                Tensor::from_i32(
-                    ty.shape.clone(),
-                    (0..n).map(|i| (uniform(key, i) * b) as i32).collect(),
-                )
-            }
-            DType::Bool => Tensor {
-                ty: ty.clone(),
-                data: Data::B((0..n).map(|i| uniform(key, i) < 0.5).collect()),
-            },
-            d => {
-                let v = init_value(
-                    name,
-                    ty,
-                    Init::Normal {
-                        mean: 0.0,
-                        std: 1.0,
-                    },
-                    key,
-                )
-                .map(|t| t.to_f64())
-                .unwrap_or_default();
-                Tensor::from_f64(d, ty.shape.clone(), v)
-            }
-        };
-        out.insert(name.clone(), t);
+        let bound = int_input_bound(g, id);
+        out.insert(name.clone(), random_input(name, ty, bound, seed));
     }
     out
+}
+
+/// One input of [`random_inputs`], from its name, type and index bound alone (what an
+/// artifact's manifest records), so that `tcc run model.tcc` feeds what `tcc run
+/// model.tdsl` does.
+pub fn random_input(name: &str, ty: &TensorType, bound: Option<usize>, seed: u64) -> Tensor {
+    let key = seed.wrapping_add(0x5EED) ^ name_hash(name);
+    let n = ty.shape.numel() as u64;
+    match ty.dtype {
+        DType::I32 => {
+            let b = bound.unwrap_or(16) as f64;
+            Tensor::from_i32(
+                ty.shape.clone(),
+                (0..n).map(|i| (uniform(key, i) * b) as i32).collect(),
+            )
+        }
+        DType::Bool => Tensor {
+            ty: ty.clone(),
+            data: Data::B((0..n).map(|i| uniform(key, i) < 0.5).collect()),
+        },
+        d => {
+            let v = init_value(
+                name,
+                ty,
+                Init::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+                key,
+            )
+            .map(|t| t.to_f64())
+            .unwrap_or_default();
+            Tensor::from_f64(d, ty.shape.clone(), v)
+        }
+    }
 }

@@ -15,6 +15,7 @@ pub fn slot(name: &str, dtype: DType, shape: &[usize], offset: u64) -> TensorSlo
         shape: shape.to_vec(),
         offset,
         bytes: (shape.iter().product::<usize>() * dtype.size_bytes()) as u64,
+        index_bound: None,
     }
 }
 
