@@ -752,3 +752,59 @@ fn index_inputs_are_checked_and_seeded_alike_on_every_path() {
         "{lb:?}"
     );
 }
+
+/// Files are written atomically (issue 32 group 4): a `build -o` that fails partway (here a
+/// file-size limit, with SIGXFSZ ignored so the write returns an error) reports it, leaves
+/// the previous artifact whole and loadable, and leaves no temporary file; `/dev/null` is
+/// still written in place.
+#[test]
+fn a_failed_write_keeps_the_previous_file() {
+    let d = tmpdir("atomic");
+    let path = d.join("mlp.tcc");
+    let p = path.display().to_string();
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--emit",
+        "artifact",
+        "-o",
+        &p,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = std::fs::read(&path).unwrap();
+    // 64 KiB at most per file: the mlp's artifact (12 MB) cannot be written.
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 64; exec {} build examples/mlp.tdsl --emit artifact -o {p}",
+        env!("CARGO_BIN_EXE_tcc")
+    );
+    let o = Command::new("bash")
+        .args(["-c", &script])
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot write"), "{}", stderr(&o));
+    let after = std::fs::read(&path).unwrap();
+    assert!(
+        after == before,
+        "the previous artifact changed: {} -> {} bytes",
+        before.len(),
+        after.len()
+    );
+    let left: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, vec!["mlp.tcc".to_string()]);
+    let o = tcc(&["run", &p, "--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--emit",
+        "artifact",
+        "-o",
+        "/dev/null",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

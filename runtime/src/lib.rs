@@ -53,6 +53,7 @@ pub mod artifact;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod fsutil;
 
 use std::alloc::Layout;
 use std::fmt;
@@ -1092,11 +1093,12 @@ impl<'a> Session<'a> {
             .map_err(|e| Error::Safetensors(e.to_string()))
     }
 
-    /// Writes [`Session::save_params_bytes`] to `path`.
+    /// Writes [`Session::save_params_bytes`] to `path`, atomically
+    /// ([`fsutil::write_atomic`]: a failed write leaves the previous file as it was).
     pub fn save_params(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let bytes = self.save_params_bytes()?;
-        std::fs::write(path, bytes).map_err(|source| Error::Io {
+        fsutil::write_atomic(path, &bytes).map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
         })

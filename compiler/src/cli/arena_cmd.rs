@@ -90,7 +90,8 @@ fn write_solution(
                 ids[i], iv.lower, iv.upper, iv.size, p.offsets[i]
             );
         }
-        std::fs::write(out, csv).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+        tcc_runtime::fsutil::write_atomic(out, csv.as_bytes())
+            .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     }
     Ok(())
 }

@@ -474,7 +474,7 @@ pub fn run(cli: Cli) -> ExitCode {
             };
             match output {
                 Some(path) => {
-                    if let Err(e) = std::fs::write(&path, bytes) {
+                    if let Err(e) = tcc_runtime::fsutil::write_atomic(&path, &bytes) {
                         let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                         return ExitCode::from(1);
                     }
@@ -577,7 +577,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     }
                     if let Some(path) = svg {
                         let doc = plan_svg::render(&graph, &plan, &eager, &sources.map);
-                        if let Err(e) = std::fs::write(&path, doc) {
+                        if let Err(e) = tcc_runtime::fsutil::write_atomic(&path, doc.as_bytes()) {
                             let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                             return ExitCode::from(1);
                         }

@@ -137,7 +137,8 @@ pub fn run_eager(
         let tensors: Vec<(String, Tensor)> = persistent.values.into_iter().collect();
         let bytes = eager::io::write_safetensors(&tensors)
             .map_err(|e| format!("cannot save params: {e}"))?;
-        std::fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        tcc_runtime::fsutil::write_atomic(path, &bytes)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         eprintln!("saved {} tensors to {}", tensors.len(), path.display());
     }
     Ok(())
