@@ -808,3 +808,76 @@ fn a_failed_write_keeps_the_previous_file() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// A non-finite loss stops `tcc run` at that step with exit code 1, on the interpreter and
+/// compiled, unless `--allow-nonfinite`; `--save-params` refuses non-finite params likewise
+/// (issue 32, group 9: NaN losses printed with exit 0 and NaN weights were saved).
+#[test]
+fn non_finite_losses_stop_the_run_and_params_are_not_saved() {
+    let d = tmpdir("nonfinite");
+    let blowup = d.join("blowup.tdsl");
+    std::fs::write(
+        &blowup,
+        "model m {
+            input x: f32[4, 8]
+            param w: f32[8, 8] = normal(0.0, 1.0)
+            let loss = mean(exp(x @ w) * 1e30)
+            output loss
+            train sgd(lr: 1.0) minimize loss
+        }",
+    )
+    .unwrap();
+    let b = blowup.display().to_string();
+    for eager in [false, true] {
+        let mut args = vec!["run", &b[..], "--steps", "5", "--every", "10"];
+        if eager {
+            args.push("--eager");
+        }
+        let o = tcc(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("output `loss` is inf; the run stops at the first non-finite step"),
+            "{}",
+            stderr(&o)
+        );
+        assert!(stdout(&o).contains("loss: f32[] = inf"), "{}", stdout(&o));
+        args.push("--allow-nonfinite");
+        let o = tcc(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    }
+    // One step: the loss is finite, the update is not.
+    let huge = d.join("huge.tdsl");
+    std::fs::write(
+        &huge,
+        "model m {
+            input x: f32[4, 8]
+            param w: f32[8, 8] = normal(0.0, 1.0)
+            let loss = mean(x @ w) * 0.001
+            output loss
+            train sgd(lr: 1e39) minimize loss
+        }",
+    )
+    .unwrap();
+    let h = huge.display().to_string();
+    let saved = d.join("p.safetensors");
+    let sp = saved.display().to_string();
+    for eager in [false, true] {
+        let mut args = vec!["run", &h[..], "--steps", "1", "--save-params", &sp];
+        if eager {
+            args.push("--eager");
+        }
+        let o = tcc(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("not saving params: `w` holds inf"),
+            "{}",
+            stderr(&o)
+        );
+        assert!(!saved.exists());
+        args.push("--allow-nonfinite");
+        let o = tcc(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        assert!(saved.exists());
+        std::fs::remove_file(&saved).unwrap();
+    }
+}

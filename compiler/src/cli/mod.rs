@@ -201,6 +201,11 @@ pub enum Command {
         /// Save params (and optimizer state) after the last step to a .safetensors file.
         #[arg(long, value_name = "FILE")]
         save_params: Option<PathBuf>,
+        /// Go on after a step whose loss (or any scalar output, or any output on a printed
+        /// step) is NaN or infinite, and save non-finite params; by default the run stops
+        /// there with exit code 1 and `--save-params` refuses.
+        #[arg(long)]
+        allow_nonfinite: bool,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -659,6 +664,7 @@ pub fn run(cli: Cli) -> ExitCode {
             inputs,
             param_file,
             save_params,
+            allow_nonfinite,
             remat,
             amp,
         } => {
@@ -677,6 +683,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 inputs,
                 param_file,
                 save_params,
+                allow_nonfinite,
                 threads,
                 allow_tf32,
                 amp,

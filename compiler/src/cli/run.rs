@@ -21,6 +21,56 @@ pub struct RunOptions {
     pub allow_tf32: bool,
     /// Mixed precision of a `.tdsl` compiled or interpreted here.
     pub amp: crate::passes::amp::Amp,
+    /// Go on after non-finite outputs, and save non-finite params (`--allow-nonfinite`).
+    pub allow_nonfinite: bool,
+}
+
+/// Where `t` first holds a NaN or an infinity: `(index, value)`.
+fn first_nonfinite(t: &Tensor) -> Option<(usize, f64)> {
+    if !t.ty.dtype.is_float() {
+        return None;
+    }
+    t.to_f64()
+        .into_iter()
+        .enumerate()
+        .find(|(_, v)| !v.is_finite())
+}
+
+/// The error a non-finite output stops a run with (unless `--allow-nonfinite`): outputs of
+/// one element are checked every step, the others on printed steps.
+fn check_outputs<'a>(
+    step: u32,
+    printed: bool,
+    outs: impl Iterator<Item = (&'a str, &'a Tensor)>,
+) -> Result<(), String> {
+    for (name, t) in outs {
+        if !printed && t.ty.shape.numel() != 1 {
+            continue;
+        }
+        if let Some((i, v)) = first_nonfinite(t) {
+            let at = if t.ty.shape.numel() == 1 {
+                String::new()
+            } else {
+                format!(" (element {i})")
+            };
+            return Err(format!(
+                "step {step}: output `{name}` is {v}{at}; the run stops at the first non-finite step (`--allow-nonfinite` goes on)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The error `--save-params` refuses non-finite params with (unless `--allow-nonfinite`).
+fn check_params<'a>(params: impl Iterator<Item = (&'a str, &'a Tensor)>) -> Result<(), String> {
+    for (name, t) in params {
+        if let Some((i, v)) = first_nonfinite(t) {
+            return Err(format!(
+                "not saving params: `{name}` holds {v} at element {i} (`--allow-nonfinite` saves them anyway)"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Formats a byte count with a binary unit.
@@ -103,12 +153,17 @@ pub fn run_eager(
         let outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
             .map_err(|e| e.to_string())?;
         times.push(start.elapsed().as_secs_f64() * 1e3);
-        if step % opts.every == 0 || step == opts.steps {
+        let printed = step % opts.every == 0 || step == opts.steps;
+        let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (n.as_str(), t)));
+        if printed || check.is_err() {
             let mut line = format!("step {step:>4}");
             for (name, t) in &outs {
                 let _ = write!(line, "  {name}: {}", summary(t));
             }
             println!("{line}");
+        }
+        if !opts.allow_nonfinite {
+            check?;
         }
     }
     let value = |name: &str| persistent.values.get(name).map(|t| t.to_f64()[0]);
@@ -134,6 +189,9 @@ pub fn run_eager(
         );
     }
     if let Some(path) = &opts.save_params {
+        if !opts.allow_nonfinite {
+            check_params(persistent.values.iter().map(|(n, t)| (n.as_str(), t)))?;
+        }
         let tensors: Vec<(String, Tensor)> = persistent.values.into_iter().collect();
         let bytes = eager::io::write_safetensors(&tensors)
             .map_err(|e| format!("cannot save params: {e}"))?;
@@ -265,15 +323,29 @@ pub fn run_compiled(
         if let Some(ms) = s.last_step_device_ms() {
             device_times.push(ms as f64);
         }
-        if step % opts.every == 0 || step == opts.steps {
+        let printed = step % opts.every == 0 || step == opts.steps;
+        // Scalar outputs (the loss) every step, the others when printed.
+        let mut outs: Vec<(&str, Tensor)> = Vec::new();
+        for slot in model.outputs() {
+            let one = slot.shape.iter().product::<usize>() == 1;
+            if !(printed || one) {
+                continue;
+            }
+            let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
+            if let Some(t) = Tensor::from_le_bytes(tensor_type(slot), b) {
+                outs.push((&slot.name, t));
+            }
+        }
+        let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (*n, t)));
+        if printed || check.is_err() {
             let mut line = format!("step {step:>4}");
-            for slot in model.outputs() {
-                let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
-                if let Some(t) = Tensor::from_le_bytes(tensor_type(slot), b) {
-                    let _ = write!(line, "  {}: {}", slot.name, summary(&t));
-                }
+            for (name, t) in &outs {
+                let _ = write!(line, "  {name}: {}", summary(t));
             }
             println!("{line}");
+        }
+        if !opts.allow_nonfinite {
+            check?;
         }
     }
     if let Some(ls) = s.loss_scale().map_err(|e| e.to_string())? {
@@ -350,6 +422,16 @@ pub fn run_compiled(
         }
     }
     if let Some(path) = &opts.save_params {
+        if !opts.allow_nonfinite {
+            let mut params = Vec::new();
+            for p in model.persistent() {
+                let b = s.param_bytes(&p.slot.name).map_err(|e| e.to_string())?;
+                if let Some(t) = Tensor::from_le_bytes(tensor_type(&p.slot), b) {
+                    params.push((p.slot.name.as_str(), t));
+                }
+            }
+            check_params(params.iter().map(|(n, t)| (*n, t)))?;
+        }
         s.save_params(path).map_err(|e| e.to_string())?;
         eprintln!("saved params to {}", path.display());
     }
