@@ -173,3 +173,52 @@ fn chain_dp_is_optimal_on_small_chains() {
     // The budgets span feasible and infeasible cases.
     assert!(feasible > 20 && feasible < 200, "{feasible}");
 }
+
+/// `tcc remat` validates the graphs it reads (issue 32, group 8): ids, the order and
+/// acyclicity, each with a clear error instead of a panic or a table of nonsense.
+#[test]
+fn malformed_graphs_are_clear_errors() {
+    let graph = |nodes: &str, links: &str, order: &str| {
+        format!("{{\"graph\": {{{order}}}, \"nodes\": [{nodes}], \"links\": [{links}]}}")
+    };
+    let three =
+        "{\"id\": 0, \"cost_ram\": 1}, {\"id\": 1, \"cost_ram\": 1}, {\"id\": 2, \"cost_ram\": 1}";
+    let chain = "{\"source\": 0, \"target\": 1}, {\"source\": 1, \"target\": 2}";
+    let ok = graph(three, chain, "\"order\": [0, 1, 2]");
+    assert!(remat::parse_node_link(&ok).is_ok());
+    for (text, want) in [
+        (
+            graph(
+                "{\"id\": 0, \"cost_ram\": 1}, {\"id\": 0, \"cost_ram\": 1}",
+                "",
+                "",
+            ),
+            "node id 0 appears twice",
+        ),
+        (
+            graph("{\"id\": 18446744073709551615, \"cost_ram\": 1}", "", ""),
+            "out of range",
+        ),
+        (graph(three, chain, "\"order\": [0, 1, 7]"), "`order` entry 7"),
+        (graph(three, chain, "\"order\": [0, 1, 1]"), "node 1 appears twice in `order`"),
+        (graph(three, chain, "\"order\": [0, 1]"), "lists 2 entries"),
+        (graph(three, chain, "\"order\": [1, 0, 2]"), "node 1 runs before its input 0"),
+        (
+            graph(
+                three,
+                "{\"source\": 0, \"target\": 1}, {\"source\": 1, \"target\": 2}, {\"source\": 2, \"target\": 0}",
+                "\"order\": [0, 1, 2]",
+            ),
+            "has a cycle or the order is not topological",
+        ),
+        (
+            graph(three, "{\"source\": 1, \"target\": 1}", "\"order\": [0, 1, 2]"),
+            "node 1 is its own input",
+        ),
+    ] {
+        match remat::parse_node_link(&text) {
+            Err(e) => assert!(e.contains(want), "{text}: {e}"),
+            Ok(_) => panic!("{text}: accepted"),
+        }
+    }
+}

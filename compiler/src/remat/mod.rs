@@ -113,7 +113,7 @@ pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
         .ok_or("no `nodes` array")?;
     let n = nodes.len();
     let mut g = RematGraph {
-        names: Vec::with_capacity(n),
+        names: vec![String::new(); n],
         mem: vec![0; n],
         cost: vec![0; n],
         preds: vec![Vec::new(); n],
@@ -124,10 +124,19 @@ pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
     let num = |x: &serde_json::Value, keys: &[&str]| {
         keys.iter().find_map(|k| x.get(*k).and_then(|v| v.as_u64()))
     };
+    let mut seen = vec![false; n];
     for (i, node) in nodes.iter().enumerate() {
-        let id = num(node, &["id", "name"]).unwrap_or(i as u64) as usize;
-        if id >= n {
-            return Err(format!("node id {id} out of range"));
+        let id = num(node, &["id", "name"]).unwrap_or(i as u64);
+        let id = match usize::try_from(id) {
+            Ok(id) if id < n => id,
+            _ => {
+                return Err(format!(
+                    "node id {id} out of range (the graph has {n} nodes)"
+                ))
+            }
+        };
+        if std::mem::replace(&mut seen[id], true) {
+            return Err(format!("node id {id} appears twice"));
         }
         g.mem[id] =
             num(node, &["cost_ram", "out_cost"]).ok_or(format!("node {id}: no memory cost"))?;
@@ -136,11 +145,10 @@ pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
             .get("backward")
             .and_then(|b| b.as_bool())
             .unwrap_or(false);
-        g.names.push(
-            node.get("name")
-                .map(|s| s.to_string().trim_matches('"').to_string())
-                .unwrap_or_default(),
-        );
+        g.names[id] = node
+            .get("name")
+            .map(|s| s.to_string().trim_matches('"').to_string())
+            .unwrap_or_default();
     }
     let links = v
         .get("links")
@@ -161,12 +169,39 @@ pub fn parse_node_link(text: &str) -> Result<RematGraph, String> {
     {
         Some(o) => o
             .iter()
-            .filter_map(|x| x.as_u64().map(|u| u as usize))
-            .collect(),
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|u| usize::try_from(u).ok())
+                    .filter(|&u| u < n)
+                    .ok_or_else(|| format!("`order` entry {x} is not a node id below {n}"))
+            })
+            .collect::<Result<Vec<usize>, String>>()?,
         None => (0..n).collect(),
     };
     if g.order.len() != n {
-        return Err("`order` does not list every node".into());
+        return Err(format!(
+            "`order` lists {} entries but the graph has {n} nodes",
+            g.order.len()
+        ));
+    }
+    // A topological order of every node once (which also rules out cycles).
+    let mut pos = vec![usize::MAX; n];
+    for (i, &v) in g.order.iter().enumerate() {
+        if pos[v] != usize::MAX {
+            return Err(format!("node {v} appears twice in `order`"));
+        }
+        pos[v] = i;
+    }
+    for v in 0..n {
+        if let Some(&u) = g.preds[v].iter().find(|&&u| pos[u] >= pos[v]) {
+            return Err(if u == v {
+                format!("node {v} is its own input")
+            } else {
+                format!(
+                    "node {v} runs before its input {u} in the order (the graph has a cycle or the order is not topological)"
+                )
+            });
+        }
     }
     // Random layered graphs carry no durations: cost 1 per node (recompute count).
     if g.cost.iter().all(|&c| c == 0) {
