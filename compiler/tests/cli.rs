@@ -881,3 +881,42 @@ fn non_finite_losses_stop_the_run_and_params_are_not_saved() {
         std::fs::remove_file(&saved).unwrap();
     }
 }
+
+/// Sizes are checked at `check` time (issue 32, group 6): a declared type or an op's result
+/// whose bytes overflow or pass 1 TiB is E0317 at its span, on `check` and on `run --eager`
+/// (which used to panic with `capacity overflow`).
+#[test]
+fn tensors_too_large_are_located_errors() {
+    let d = tmpdir("sizes");
+    for (name, src, span) in [
+        (
+            "declared",
+            "model m {\n    input x: f32[1000000000000, 1000000000000]\n    let y = x * 2.0\n    output y\n}\n",
+            "declared.tdsl:2:",
+        ),
+        (
+            "conv",
+            "model m {\n    input x: f32[1, 1, 8, 8]\n    param w: f32[1, 1, 3, 3] = ones\n    let y = conv2d(x, w, padding: 4611686018427387904)\n    let s = sum(y)\n    output s\n}\n",
+            "conv.tdsl:4:",
+        ),
+        (
+            "broadcast",
+            "model m {\n    input x: f32[1048576, 1]\n    input z: f32[1, 1048576]\n    let y = x + z\n    output y\n}\n",
+            "broadcast.tdsl:4:",
+        ),
+    ] {
+        let path = d.join(format!("{name}.tdsl"));
+        std::fs::write(&path, src).unwrap();
+        let p = path.display().to_string();
+        for args in [
+            vec!["check", &p[..], "--color", "never"],
+            vec!["run", &p[..], "--eager", "--color", "never"],
+        ] {
+            let o = tcc(&args);
+            assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+            let err = stderr(&o);
+            assert!(err.contains("error[E0317]") && err.contains("is too large"), "{err}");
+            assert!(err.contains(span), "{err}");
+        }
+    }
+}

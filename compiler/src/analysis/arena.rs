@@ -1083,6 +1083,7 @@ pub fn parse_csv(text: &str) -> Result<(Vec<String>, Vec<Interval>), String> {
     let size = col(&["size"]).ok_or("no `size` column")?;
     let mut ids = Vec::new();
     let mut out = Vec::new();
+    let mut total: u64 = 0;
     for (ln, line) in lines {
         let f: Vec<&str> = line.split(',').map(str::trim).collect();
         let get = |k: usize| -> Result<u64, String> {
@@ -1093,8 +1094,14 @@ pub fn parse_csv(text: &str) -> Result<(Vec<String>, Vec<Interval>), String> {
         };
         let (l, mut u, s) = (get(lo)?, get(hi)?, get(size)?);
         if inclusive {
-            u += 1;
+            u = u
+                .checked_add(1)
+                .ok_or(format!("line {}: end {u} is too large", ln + 1))?;
         }
+        // Offsets are sums of sizes: all of them together must fit.
+        total = total
+            .checked_add(s)
+            .ok_or(format!("line {}: the sizes add up past 2^64 bytes", ln + 1))?;
         if u < l {
             return Err(format!("line {}: upper {u} before lower {l}", ln + 1));
         }
@@ -1117,6 +1124,17 @@ mod tests {
     }
 
     const LONG: Duration = Duration::from_secs(20);
+
+    /// Intervals and sizes at the top of `u64` are errors, not wrapped numbers.
+    #[test]
+    fn csv_numbers_that_would_overflow_are_errors() {
+        let max = u64::MAX;
+        let e = parse_csv(&format!("id,begin,end,size\n0,0,{max},4\n")).unwrap_err();
+        assert!(e.contains("too large"), "{e}");
+        let e = parse_csv(&format!("id,lower,upper,size\n0,0,2,{max}\n1,0,2,1\n")).unwrap_err();
+        assert!(e.contains("past 2^64"), "{e}");
+        assert!(parse_csv("id,lower,upper,size\n0,0,2,4\n").is_ok());
+    }
 
     /// The 5-buffer example of the MiniMalloc README (`input.12.csv`): optimum 12.
     fn example12() -> Vec<Interval> {

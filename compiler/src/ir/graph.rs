@@ -135,6 +135,33 @@ pub struct Graph {
     pub grads: Vec<(NodeId, NodeId)>,
 }
 
+/// The largest tensor a program may make, in bytes (1 TiB): far above any device's
+/// memory, far below where byte counts and offsets could overflow.
+pub const MAX_TENSOR_BYTES: u64 = 1 << 40;
+
+/// Every tensor's element count and bytes must be representable and at most
+/// [`MAX_TENSOR_BYTES`] (E0317), so no later stage computes a size that overflows.
+fn check_size(ty: &TensorType) -> Result<(), TypeError> {
+    let bytes = ty
+        .dims()
+        .iter()
+        .try_fold(ty.dtype.size_bytes() as u64, |a, &d| {
+            a.checked_mul(d as u64)
+        });
+    match bytes {
+        Some(b) if b <= MAX_TENSOR_BYTES => Ok(()),
+        _ => Err(TypeError::new(
+            "E0317",
+            format!("tensor {ty} is too large"),
+            format!(
+                "{} bytes; a tensor may hold at most {} bytes (1 TiB)",
+                bytes.map_or_else(|| "more than 2^64".to_string(), |b| b.to_string()),
+                MAX_TENSOR_BYTES
+            ),
+        )),
+    }
+}
+
 impl Graph {
     pub fn new(name: impl Into<String>) -> Graph {
         Graph {
@@ -155,6 +182,7 @@ impl Graph {
             let tys: Vec<&TensorType> = inputs.iter().map(|&i| &self.graph[i.0].ty).collect();
             infer(&op, &tys)?
         };
+        check_size(&ty)?;
         let is_input = matches!(op, Op::Input { .. });
         let is_param = matches!(op, Op::Param { .. });
         let is_state = matches!(op, Op::State { .. });
