@@ -280,7 +280,7 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
     let mut out = Vec::with_capacity(total as usize);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&manifest_check(&json).to_le_bytes());
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
     out.extend_from_slice(&json);
     for (s, (_, bytes)) in m.sections.iter().zip(sections) {
@@ -288,6 +288,14 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
         out.extend_from_slice(bytes);
     }
     out
+}
+
+/// The manifest's checksum in the header (bytes 12..16): FNV-1a 64 of the manifest's bytes
+/// folded to 32 bits, never 0 (0 there means a file written before the field existed,
+/// whose manifest is not checked).
+pub fn manifest_check(json: &[u8]) -> u32 {
+    let h = fnv1a64(json);
+    ((h ^ (h >> 32)) as u32).max(1)
 }
 
 /// The byte ranges of an artifact's sections, by name, in file order.
@@ -325,6 +333,12 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
         });
     }
     let json = &bytes[HEADER_BYTES..json_end as usize];
+    let check = u32::from_le_bytes(word(12));
+    if check != 0 && check != manifest_check(json) {
+        return Err(Error::Corrupt {
+            section: "manifest".into(),
+        });
+    }
     let manifest: Manifest = serde_json::from_slice(json)
         .map_err(|e| Error::BadManifest(format!("the manifest is not valid: {e}")))?;
     if manifest.format_version != version {
@@ -374,6 +388,26 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
             });
         }
         ranges.push((s.name.clone(), range));
+    }
+    // Every other byte is the writer's zero padding, and nothing follows the last section:
+    // so every byte of the file is checked by something.
+    let mut covered: Vec<std::ops::Range<usize>> = ranges.iter().map(|(_, r)| r.clone()).collect();
+    covered.push(0..json_end as usize);
+    covered.sort_by_key(|r| (r.start, r.end));
+    let mut at = 0usize;
+    for r in &covered {
+        if r.start > at && bytes[at..r.start].iter().any(|&b| b != 0) {
+            return Err(Error::Corrupt {
+                section: "padding".into(),
+            });
+        }
+        at = at.max(r.end);
+    }
+    if at < bytes.len() {
+        return Err(Error::BadManifest(format!(
+            "the file has {} bytes after its last section",
+            bytes.len() - at
+        )));
     }
     Ok((manifest, ranges))
 }

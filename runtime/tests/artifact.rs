@@ -161,6 +161,16 @@ fn flipped_byte_in_a_section_is_corrupt() {
 fn invalid_json_is_a_bad_manifest() {
     let mut bytes = tiny_artifact();
     bytes[24] = b'[';
+    // The header's manifest checksum catches the edit first.
+    let err = artifact::read(&bytes).unwrap_err();
+    assert!(
+        matches!(err, Error::Corrupt { ref section } if section == "manifest"),
+        "{err}"
+    );
+    // With the checksum recomputed, the JSON itself is refused.
+    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let check = artifact::manifest_check(&bytes[24..24 + len]);
+    bytes[12..16].copy_from_slice(&check.to_le_bytes());
     let err = artifact::read(&bytes).unwrap_err();
     assert!(matches!(err, Error::BadManifest(_)), "{err}");
 }
