@@ -121,6 +121,8 @@ fn build_writes_output_file() {
     let o = tcc(&[
         "build",
         "examples/mlp.tdsl",
+        "--emit",
+        "ir",
         "-o",
         out.to_str().unwrap(),
         "--locations",
@@ -150,7 +152,7 @@ fn several_models_need_a_choice_for_build() {
     let o = tcc(&["build", path]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--model"));
-    let o = tcc(&["build", path, "--model", "b"]);
+    let o = tcc(&["build", path, "--model", "b", "--emit", "ir"]);
     assert!(o.status.success());
     assert!(stdout(&o).contains("model b {"));
     std::fs::remove_dir_all(&dir).ok();
@@ -406,7 +408,7 @@ fn print_after_and_stop_after() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("// ----- IR after lower -----"));
     assert!(!stdout(&o).contains("update"), "stopped before autodiff");
-    let o = tcc(&["build", "examples/tiny.tdsl"]);
+    let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "ir"]);
     assert!(stdout(&o).contains("update %2 <- "), "{}", stdout(&o));
     let o = tcc(&[
         "build",
@@ -486,7 +488,14 @@ fn byte_sizes_parse() {
 #[test]
 fn mixed_precision_flags() {
     // The IR shows the casts and the loss scaler's state; run reports the scale.
-    let o = tcc(&["build", "examples/tiny.tdsl", "--amp", "f16"]);
+    let o = tcc(&[
+        "build",
+        "examples/tiny.tdsl",
+        "--amp",
+        "f16",
+        "--emit",
+        "ir",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let ir = stdout(&o);
     assert!(
@@ -919,4 +928,27 @@ fn tensors_too_large_are_located_errors() {
             assert!(err.contains(span), "{err}");
         }
     }
+}
+
+/// `tcc build FILE` writes the artifact `STEM.tcc` in the current directory (rustc's
+/// convention), `-o` elsewhere; `--emit ir` prints text (issue 29, items 1 and 2).
+#[test]
+fn build_writes_the_artifact_in_the_current_directory() {
+    let d = tmpdir("default-out");
+    let tiny = root().join("examples/tiny.tdsl");
+    let o = Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args(["build", &tiny.display().to_string(), "--target", "cuda"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).is_empty(), "{}", stdout(&o));
+    let art = d.join("tiny.tcc");
+    let m = tcc_runtime::Model::load(&art).unwrap();
+    assert_eq!(m.manifest().target, tcc_runtime::Target::Cuda);
+    assert!(stderr(&o).contains("wrote tiny.tcc"), "{}", stderr(&o));
+    // Nothing next to the source.
+    assert!(!root().join("examples/tiny.tcc").exists());
+    let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "ir"]);
+    assert!(stdout(&o).contains("model tiny"), "{}", stdout(&o));
 }

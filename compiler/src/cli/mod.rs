@@ -60,10 +60,12 @@ pub enum Command {
     Build {
         #[command(flatten)]
         program: ProgramArgs,
-        /// What to produce.
-        #[arg(long, value_enum, default_value_t = Emit::Ir)]
+        /// What to produce: the artifact (the default, for `tcc run` and the runtime crate)
+        /// or one of the text forms.
+        #[arg(long, value_enum, default_value_t = Emit::Artifact)]
         emit: Emit,
-        /// Where to write it (default: standard output).
+        /// Where to write it (default: the artifact to `STEM.tcc` in the current directory,
+        /// as rustc names its output; text to standard output).
         #[arg(short = 'o', long, value_name = "OUT")]
         output: Option<PathBuf>,
         /// The device to compile for.
@@ -434,9 +436,13 @@ pub fn run(cli: Cli) -> ExitCode {
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
-            // An artifact goes to a file; `-o` defaults to the program's name.
+            // An artifact goes to a file, `STEM.tcc` in the current directory unless `-o`
+            // says otherwise; `--stop-after` prints the stage's product as text instead.
             let output = match (emit, output) {
-                (Emit::Artifact, None) => Some(program.file.with_extension("tcc")),
+                (Emit::Artifact, None) if pipeline.stop_after.is_none() => Some(
+                    PathBuf::from(program.file.file_stem().unwrap_or_default())
+                        .with_extension("tcc"),
+                ),
                 (_, o) => o,
             };
             if pipeline.stop_after.is_none() && !build::check_emit(emit, target, &mut stderr) {
