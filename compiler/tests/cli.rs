@@ -952,3 +952,44 @@ fn build_writes_the_artifact_in_the_current_directory() {
     let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "ir"]);
     assert!(stdout(&o).contains("model tiny"), "{}", stdout(&o));
 }
+
+#[test]
+fn options_that_do_not_apply_to_an_artifact_are_errors() {
+    let d = tmpdir("artifact-options");
+    let art = d.join("tiny.tcc").display().to_string();
+    let o = tcc(&["build", "examples/tiny.tdsl", "-o", &art]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // `--eager` needs the source, and says so in plain text (no binary bytes).
+    let o = tcc(&["run", &art, "--eager"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("`--eager` interprets a program's source"), "{e}");
+    assert!(e.lines().count() == 1 && e.is_ascii(), "{e}");
+    // Compile-time options name themselves.
+    let o = tcc(&[
+        "run",
+        &art,
+        "--set",
+        "B=2",
+        "--mem-budget",
+        "1MiB",
+        "--allow-tf32",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("`--set`, `--mem-budget`, `--allow-tf32` apply when a program is compiled"),
+        "{e}"
+    );
+    // The target is the artifact's; naming another one is an error, naming its own is fine.
+    let o = tcc(&["run", &art, "--target", "cuda"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("built for `cpu`, so `--target cuda` does not apply"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tcc(&["run", &art, "--target", "cpu", "--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&d);
+}

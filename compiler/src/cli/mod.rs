@@ -175,9 +175,10 @@ pub enum Command {
         /// of compiled kernels.
         #[arg(long)]
         eager: bool,
-        /// The device to run on.
-        #[arg(long, value_enum, default_value_t = Target::Cpu)]
-        target: Target,
+        /// The device to run on [default: cpu for a program; an artifact runs on the
+        /// target it was built for].
+        #[arg(long, value_enum)]
+        target: Option<Target>,
         /// Worker threads for the CPU kernels (default: 1).
         #[arg(long, default_value_t = 1)]
         threads: usize,
@@ -347,6 +348,16 @@ pub enum Target {
     Cpu,
     /// An NVIDIA GPU (PTX).
     Cuda,
+}
+
+impl Target {
+    /// As the flag spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Cpu => "cpu",
+            Target::Cuda => "cuda",
+        }
+    }
 }
 
 /// Layout of convolution-chain intermediates.
@@ -694,6 +705,45 @@ pub fn run(cli: Cli) -> ExitCode {
                 allow_tf32,
                 amp,
             };
+            if program.file.extension().is_some_and(|e| e == "tcc") {
+                if eager {
+                    let _ = writeln!(
+                        stderr,
+                        "error: {}: `--eager` interprets a program's source, and an artifact holds compiled code: run the `.tdsl` with `--eager`",
+                        display(&program.file)
+                    );
+                    return ExitCode::from(1);
+                }
+                let mut ignored = Vec::new();
+                if !program.sets.is_empty() {
+                    ignored.push("--set");
+                }
+                if program.model.is_some() {
+                    ignored.push("--model");
+                }
+                if remat.mem_budget.is_some() {
+                    ignored.push("--mem-budget");
+                }
+                if remat.remat.is_some() {
+                    ignored.push("--remat");
+                }
+                if allow_tf32 {
+                    ignored.push("--allow-tf32");
+                }
+                if !ignored.is_empty() {
+                    let _ = writeln!(
+                        stderr,
+                        "error: {}: {} apply when a program is compiled; an artifact keeps what it was built with (pass them to `tcc build`, or run the `.tdsl`)",
+                        display(&program.file),
+                        ignored
+                            .iter()
+                            .map(|o| format!("`{o}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    return ExitCode::from(1);
+                }
+            }
             if !eager {
                 return run_compiled(&program, target, &opts, remat_opts, &mut stderr);
             }
@@ -742,7 +792,7 @@ pub fn run(cli: Cli) -> ExitCode {
 /// `tcc run` on compiled code: loads a `.tcc` artifact, or compiles a `.tdsl` first.
 fn run_compiled(
     program: &ProgramArgs,
-    target: Target,
+    explicit_target: Option<Target>,
     opts: &run::RunOptions,
     remat: crate::pipeline::RematOptions,
     stderr: &mut StandardStream,
@@ -756,9 +806,26 @@ fn run_compiled(
         );
         return ExitCode::from(1);
     }
+    let target = explicit_target.unwrap_or(Target::Cpu);
     let (model, graph, ms) = if is_artifact {
         match tcc_runtime::Model::load(&program.file) {
-            Ok(m) => (m, None, 0.0),
+            Ok(m) => {
+                let built = match m.target() {
+                    tcc_runtime::Target::Cpu => Target::Cpu,
+                    tcc_runtime::Target::Cuda => Target::Cuda,
+                };
+                if explicit_target.is_some_and(|t| t != built) {
+                    let _ = writeln!(
+                        stderr,
+                        "error: {}: the artifact was built for `{}`, so `--target {}` does not apply (build it again with `tcc build --target ...`)",
+                        display(&program.file),
+                        built.name(),
+                        target.name()
+                    );
+                    return ExitCode::from(1);
+                }
+                (m, None, 0.0)
+            }
             Err(e) => {
                 let _ = writeln!(stderr, "error: {}: {e}", display(&program.file));
                 return ExitCode::from(1);
