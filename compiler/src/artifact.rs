@@ -264,8 +264,9 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
     }
 }
 
-/// The manifest of a compiled program (sections are filled in by the writer).
-pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
+/// The manifest of a compiled program whose persistent region starts as `persistent` says
+/// (sections are filled in by the writer).
+pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fmt::Manifest {
     let g = &c.graph;
     let inputs = g
         .inputs
@@ -291,10 +292,12 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
             Op::Param { name, .. } => Some(fmt::PersistentSlot {
                 slot: slot(g, c, name, n),
                 kind: fmt::PersistentKind::Param,
+                init: persistent.recipes.get(name).copied(),
             }),
             Op::State { name, .. } => Some(fmt::PersistentSlot {
                 slot: slot(g, c, name, n),
                 kind: fmt::PersistentKind::State,
+                init: None,
             }),
             _ => None,
         })
@@ -374,48 +377,78 @@ pub fn manifest(c: &Compiled, target: Target) -> fmt::Manifest {
     }
 }
 
-/// Initial bytes of the persistent region up to its last param: params from their
-/// initialisers (`seed`), or from `given` (by name) when present. The optimizer state after
-/// them is left out (the runtime starts it at zero).
+/// What an artifact holds of its persistent region: the initial bytes up to the last param
+/// stored as values, and the recipe of each param drawn from its initialiser (the runtime
+/// draws those at load, with the same function as the interpreter: see
+/// `tcc_runtime::init`).
+#[derive(Clone, Debug, Default)]
+pub struct PersistentInit {
+    pub image: Vec<u8>,
+    pub recipes: std::collections::BTreeMap<String, tcc_runtime::init::Recipe>,
+}
+
+/// A param's initialiser as a runtime recipe (`None` for one the caller must give).
+pub fn recipe(init: crate::ir::Init, seed: u64) -> Option<tcc_runtime::init::Recipe> {
+    use crate::ir::Init;
+    use tcc_runtime::init::Dist;
+    let dist = match init {
+        Init::Zeros => Dist::Zeros,
+        Init::Ones => Dist::Ones,
+        Init::Uniform { lo, hi } => Dist::Uniform { lo, hi },
+        Init::Normal { mean, std } => Dist::Normal { mean, std },
+        Init::External => return None,
+    };
+    Some(tcc_runtime::init::Recipe { dist, seed })
+}
+
+/// The persistent region's initial contents: params from `given` (by name) are stored as
+/// values, the others as their initialiser's recipe under `seed`. The image runs to the end
+/// of the last stored param; the optimizer state after the params starts at zero.
 pub fn persistent_image(
     c: &Compiled,
     seed: u64,
     given: &std::collections::BTreeMap<String, eager::tensor::Tensor>,
-) -> Result<Vec<u8>, BuildError> {
+) -> Result<PersistentInit, BuildError> {
     let g = &c.graph;
-    // Up to the end of the last param: optimizer state (after the params) starts at zero.
-    let end = g
-        .params
+    let mut out = PersistentInit::default();
+    let mut stored = Vec::new();
+    for &n in &g.params {
+        let Some(off) = c.offset_of(n) else { continue };
+        let Op::Param { name, init, .. } = &g.node(n).op else {
+            continue;
+        };
+        match (given.get(name), recipe(*init, seed)) {
+            (Some(t), _) => stored.push((off, t.to_le_bytes())),
+            (None, Some(r)) => {
+                out.recipes.insert(name.clone(), r);
+            }
+            (None, None) => return Err(BuildError::External(name.clone())),
+        }
+    }
+    let end = stored
         .iter()
-        .filter_map(|&n| Some(c.offset_of(n)? + g.ty(n).size_bytes() as u64))
+        .map(|(off, b)| off + b.len() as u64)
         .max()
         .unwrap_or(0)
         .min(c.plan.persistent_bytes);
-    let mut img = vec![0u8; end as usize];
-    for &n in g.params.iter().chain(&g.states) {
-        let Some(off) = c.offset_of(n) else { continue };
-        let t = match &g.node(n).op {
-            Op::Param { name, ty, init } => match given.get(name) {
-                Some(t) => t.clone(),
-                None => eager::init_value(name, ty, *init, seed)
-                    .ok_or_else(|| BuildError::External(name.clone()))?,
-            },
-            _ => continue,
-        };
-        let bytes = t.to_le_bytes();
+    out.image = vec![0u8; end as usize];
+    for (off, bytes) in stored {
         let o = off as usize;
-        if let Some(dst) = img.get_mut(o..o + bytes.len()) {
+        if let Some(dst) = out.image.get_mut(o..o + bytes.len()) {
             dst.copy_from_slice(&bytes);
         }
     }
-    Ok(img)
+    Ok(out)
 }
 
 /// The artifact file's bytes.
-pub fn write_artifact(c: &Compiled, target: Target, persistent: &[u8]) -> Vec<u8> {
-    let m = manifest(c, target);
+pub fn write_artifact(c: &Compiled, target: Target, persistent: &PersistentInit) -> Vec<u8> {
+    let m = manifest(c, target, persistent);
     fmt::write(
         &m,
-        &[("code", c.code.as_bytes()), ("persistent", persistent)],
+        &[
+            ("code", c.code.as_bytes()),
+            ("persistent", persistent.image.as_slice()),
+        ],
     )
 }

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// First 8 bytes of every artifact.
 pub const MAGIC: [u8; 8] = *b"TCCMODEL";
 /// The format version this crate writes and the newest it reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Alignment of every section's start in the file.
 pub const SECTION_ALIGN: u64 = 64;
 
@@ -75,6 +75,11 @@ pub struct PersistentSlot {
     #[serde(flatten)]
     pub slot: TensorSlot,
     pub kind: PersistentKind,
+    /// A param drawn from its initialiser at load instead of stored: the distribution and
+    /// the seed (format version 2; see [`crate::init`]). Absent: the initial bytes are the
+    /// `persistent` section's (zero past its end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<crate::init::Recipe>,
 }
 
 /// One kernel launch of the step, in launch order.
@@ -501,6 +506,30 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
             m.plan.persistent_bytes,
             "persistent region",
         )?;
+        if let Some(r) = &p.init {
+            let name = &p.slot.name;
+            if m.format_version < 2 {
+                return bad(format!(
+                    "param `{name}` has an initialiser, which format version {} does not have",
+                    m.format_version
+                ));
+            }
+            if p.kind != PersistentKind::Param
+                || !matches!(p.slot.dtype, DType::F32 | DType::F16 | DType::Bf16)
+            {
+                return bad(format!(
+                    "`{name}` has an initialiser but is not a floating-point param"
+                ));
+            }
+            let finite = match r.dist {
+                crate::init::Dist::Zeros | crate::init::Dist::Ones => true,
+                crate::init::Dist::Uniform { lo, hi } => lo.is_finite() && hi.is_finite(),
+                crate::init::Dist::Normal { mean, std } => mean.is_finite() && std.is_finite(),
+            };
+            if !finite {
+                return bad(format!("param `{name}`: its initialiser is not finite"));
+            }
+        }
     }
     unique("input", &mut m.inputs.iter().map(|s| &s.name))?;
     unique("output", &mut m.outputs.iter().map(|s| &s.name))?;

@@ -54,6 +54,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod fsutil;
+pub mod init;
 
 use std::alloc::Layout;
 use std::fmt;
@@ -292,11 +293,47 @@ fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
         .collect()
 }
 
+/// The persistent region's initial bytes with every param that has a recipe drawn in, on
+/// all the host's cores (`None` when no param has one: the stored section is the image).
+/// [`artifact::validate`] checked that each such slot is a float param inside the region.
+fn draw_params(m: &Manifest, stored: &[u8]) -> Option<Vec<u8>> {
+    let slots: Vec<_> = m
+        .persistent
+        .iter()
+        .filter_map(|p| Some((&p.slot, p.init?)))
+        .collect();
+    let end = slots
+        .iter()
+        .map(|(s, _)| s.range().end)
+        .chain([stored.len()])
+        .max()?;
+    if slots.is_empty() {
+        return None;
+    }
+    let mut img = vec![0u8; end];
+    img[..stored.len()].copy_from_slice(stored);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (slot, recipe) in slots {
+        // `validate` checked the dtype, so this draws every element.
+        init::fill_le(
+            &slot.name,
+            recipe,
+            slot.dtype,
+            &mut img[slot.range()],
+            threads,
+        );
+    }
+    Some(img)
+}
+
 struct ModelInner {
     manifest: Manifest,
     code: String,
     bytes: Vec<u8>,
     persistent: Range<usize>,
+    /// The persistent region's initial bytes when params are drawn at load (format 2's
+    /// recipes); otherwise they are `bytes[persistent]`.
+    drawn: Option<Vec<u8>>,
 }
 
 /// A loaded, checked artifact. Cheap to clone (the bytes are shared); sessions keep a clone.
@@ -351,12 +388,14 @@ impl Model {
         let code = std::str::from_utf8(&bytes[code])
             .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
             .to_string();
+        let drawn = draw_params(&manifest, &bytes[persistent.clone()]);
         Ok(Model {
             inner: Arc::new(ModelInner {
                 manifest,
                 code,
                 bytes,
                 persistent,
+                drawn,
             }),
         })
     }
@@ -402,9 +441,14 @@ impl Model {
         self.inner.manifest.target
     }
 
-    /// Initial bytes of the arena's persistent region `[0, plan.persistent_bytes)`.
+    /// Initial bytes of the arena's persistent region `[0, plan.persistent_bytes)`, up to
+    /// the end of its last param (the rest starts at zero): the stored values with the
+    /// params an artifact records as recipes drawn in.
     pub fn persistent_init(&self) -> &[u8] {
-        &self.inner.bytes[self.inner.persistent.clone()]
+        match &self.inner.drawn {
+            Some(d) => d,
+            None => &self.inner.bytes[self.inner.persistent.clone()],
+        }
     }
 
     /// Input `name` and its index in [`Model::inputs`].

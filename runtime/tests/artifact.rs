@@ -19,7 +19,7 @@ fn write_then_read_round_trips() {
     assert_eq!(&bytes[..8], b"TCCMODEL");
     assert_eq!(
         u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]),
-        1
+        artifact::FORMAT_VERSION
     );
     let (m, sections) = artifact::read(&bytes).unwrap();
     let mut want = tiny_manifest();
@@ -107,17 +107,17 @@ fn short_file_or_bad_magic_is_not_an_artifact() {
 #[test]
 fn newer_version_names_both_versions() {
     let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
     let err = Model::from_bytes(bytes).unwrap_err();
     assert!(matches!(
         err,
         Error::NewerVersion {
-            found: 2,
-            supported: 1
+            found: 3,
+            supported: 2
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains('2') && msg.contains('1'), "{msg}");
+    assert!(msg.contains('3') && msg.contains('2'), "{msg}");
 }
 
 #[test]
@@ -310,4 +310,56 @@ fn load_from_a_file() {
     let model = Model::load(&path).unwrap();
     assert_eq!(model.manifest().model, "tiny");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Format 2: a param with a recipe is drawn at load with `tcc_runtime::init`, over the
+/// stored bytes; the recipe is checked like every other manifest field.
+#[test]
+fn params_with_a_recipe_are_drawn_at_load() {
+    use tcc_runtime::init::{self, Dist, Recipe};
+    let recipe = Recipe {
+        dist: Dist::Normal {
+            mean: 0.0,
+            std: 0.5,
+        },
+        seed: 11,
+    };
+    let mut m = tiny_manifest();
+    m.persistent[0].init = Some(recipe);
+    // Nothing stored: the whole image is drawn.
+    let model = Model::from_bytes(build(&m, &tiny_code(), &[])).unwrap();
+    let mut want = vec![0u8; 16];
+    assert!(init::fill_le("w", recipe, DType::F32, &mut want, 1));
+    assert_eq!(model.persistent_init(), &want[..]);
+    let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    assert_eq!(s.param_bytes("w").unwrap(), &want[..]);
+    s.run().unwrap();
+    s.reset();
+    assert_eq!(s.param_bytes("w").unwrap(), &want[..]);
+    // The manifest round-trips with the recipe.
+    let (back, _) = artifact::read(&build(&m, &tiny_code(), &[])).unwrap();
+    assert_eq!(back.persistent[0].init, Some(recipe));
+
+    let refused = |m: &artifact::Manifest, what: &str| {
+        let err = artifact::validate(m).unwrap_err().to_string();
+        assert!(err.contains(what), "{err}");
+    };
+    let mut v1 = m.clone();
+    v1.format_version = 1;
+    refused(&v1, "format version 1 does not have");
+    let mut state = m.clone();
+    state.persistent[0].kind = artifact::PersistentKind::State;
+    refused(&state, "not a floating-point param");
+    let mut int = m.clone();
+    int.persistent[0].slot.dtype = DType::I32;
+    refused(&int, "not a floating-point param");
+    let mut nan = m.clone();
+    nan.persistent[0].init = Some(Recipe {
+        dist: Dist::Uniform {
+            lo: f64::NAN,
+            hi: 1.0,
+        },
+        seed: 0,
+    });
+    refused(&nan, "not finite");
 }

@@ -357,22 +357,27 @@ fn other_element_types_round_trip_through_params() {
         PersistentSlot {
             slot: slot("w", DType::F32, &[4], 0),
             kind: PersistentKind::Param,
+            init: None,
         },
         PersistentSlot {
             slot: slot("h", DType::F16, &[3], 64),
             kind: PersistentKind::Param,
+            init: None,
         },
         PersistentSlot {
             slot: slot("b", DType::Bf16, &[2], 128),
             kind: PersistentKind::Param,
+            init: None,
         },
         PersistentSlot {
             slot: slot("n", DType::I32, &[], 192),
             kind: PersistentKind::State,
+            init: None,
         },
         PersistentSlot {
             slot: slot("mask", DType::Bool, &[5], 256),
             kind: PersistentKind::State,
+            init: None,
         },
     ];
     m.plan.persistent_bytes = 320;

@@ -161,7 +161,7 @@ fn test_ptx_assembles() {
                 );
                 let _ = writeln!(
                     std::io::stderr(),
-                    "note: skipping test_ptx_assembles: cannot run {ptxas:?} ({e}); set PTXAS"
+                    "SKIPPED test_ptx_assembles: cannot run {ptxas:?} ({e}); set PTXAS"
                 );
                 let _ = std::fs::remove_dir_all(&dir);
                 return;

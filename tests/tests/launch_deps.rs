@@ -87,10 +87,10 @@ fn check(file: &str, args: &str, steps: usize) {
     };
     let c = artifact::compile(&g, &opts).unwrap();
     let img = artifact::persistent_image(&c, 0, &Default::default()).unwrap();
-    let m = artifact::manifest(&c, Target::Cpu);
+    let m = artifact::manifest(&c, Target::Cpu, &img);
     let n = m.kernels.len();
     assert!(m.kernels.iter().all(|k| k.after.is_some()), "{file}");
-    let want = run(&m, &c.code, &img, &g, steps);
+    let want = run(&m, &c.code, &img.image, &g, steps);
 
     // The latest-launched ready kernel first (pulls every kernel as early as its
     // dependencies let it), then pseudo-random picks.
@@ -114,7 +114,7 @@ fn check(file: &str, args: &str, steps: usize) {
         "{file}: the eager order moves only {moved} of {n} kernels: too few to test"
     );
     for order in &orders {
-        let got = run(&reordered(&m, order), &c.code, &img, &g, steps);
+        let got = run(&reordered(&m, order), &c.code, &img.image, &g, steps);
         assert!(
             got == want,
             "{file}: an order the dependencies allow gives other bytes"
@@ -127,7 +127,7 @@ fn check(file: &str, args: &str, steps: usize) {
     if let Some(&d) = m.kernels[last].after.as_ref().unwrap().last() {
         let mut order: Vec<usize> = (0..n).filter(|&i| i != d as usize).collect();
         order.push(d as usize);
-        let got = run(&reordered(&m, &order), &c.code, &img, &g, steps);
+        let got = run(&reordered(&m, &order), &c.code, &img.image, &g, steps);
         assert!(
             got != want,
             "{file}: running kernel {d} after the last kernel changed nothing"

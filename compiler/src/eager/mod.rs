@@ -17,6 +17,7 @@ pub mod tensor;
 use crate::ir::{DType, Graph, Init, NodeId, Op, TensorType};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use tcc_runtime::init::{name_hash, uniform};
 pub use tensor::{Data, Precision, Tensor};
 
 /// Errors while running a graph eagerly.
@@ -59,38 +60,12 @@ fn persistent_name(op: &Op) -> Option<(&str, &TensorType)> {
     }
 }
 
-/// FNV-1a of a name: seeds each param's initialiser independently of declaration order.
-fn name_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// The `i`-th standard uniform draw in [0, 1) of the stream `key`.
-fn uniform(key: u64, i: u64) -> f64 {
-    let h = kernels::splitmix64(kernels::splitmix64(key).wrapping_add(i));
-    ((h >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-}
-
 /// Initial value of a param: deterministic in (`seed`, param name, element index).
 /// `normal` uses Box–Muller on two uniform draws per element.
 pub fn init_value(name: &str, ty: &TensorType, init: Init, seed: u64) -> Option<Tensor> {
-    let n = ty.shape.numel();
-    let key = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ name_hash(name);
-    let values: Vec<f64> = match init {
-        Init::Zeros => vec![0.0; n],
-        Init::Ones => vec![1.0; n],
-        Init::Uniform { lo, hi } => (0..n as u64)
-            .map(|i| lo + (hi - lo) * uniform(key, i))
-            .collect(),
-        Init::Normal { mean, std } => (0..n as u64)
-            .map(|i| {
-                let (u1, u2) = (uniform(key, 2 * i), uniform(key, 2 * i + 1));
-                mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-            })
-            .collect(),
-        Init::External => return None,
-    };
+    let recipe = crate::artifact::recipe(init, seed)?;
+    let mut values = vec![0.0; ty.shape.numel()];
+    tcc_runtime::init::fill_f64(name, recipe, 0, &mut values);
     Some(Tensor::from_f64(ty.dtype, ty.shape.clone(), values))
 }
 
