@@ -20,6 +20,7 @@ pub mod kernel;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;
+pub mod progress;
 pub mod remat;
 pub mod rng;
 pub mod target;

@@ -426,6 +426,7 @@ pub fn run_into(
                 stage.name
             )));
         };
+        crate::progress::step(stage.name);
         let t = Instant::now();
         p = f(p, opts, report)?;
         report.timings.push((stage.name, t.elapsed()));

@@ -7,6 +7,13 @@ use std::path::{Path, PathBuf};
 use tcc::front::{self, Lowered, ModelSelection, Options, Sources};
 use tcc_grammar::diag::render_all;
 
+/// Says, past the test harness's output capture, that a test did not do its work (libtest
+/// captures `eprintln!`, so a skipped test would read as a plain `ok`).
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
 /// The workspace root.
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -27,7 +27,7 @@ fn gpu() -> bool {
                 std::env::var_os("TCC_REQUIRE_GPU").is_none(),
                 "TCC_REQUIRE_GPU is set but the GPU is not usable: {e}"
             );
-            eprintln!("NOTICE: no usable GPU ({e}); GPU tests not run");
+            tcc_tests::skipped("GPU tests", &format!("no usable GPU ({e})"));
             false
         }
     }

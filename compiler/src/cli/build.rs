@@ -108,8 +108,7 @@ pub fn emit_bytes(
                 }
             };
             let bytes = artifact::write_artifact(c, target(t), &img);
-            let _ = writeln!(
-                stderr,
+            super::info!(
                 "artifact: {} ({:.1} ms)",
                 super::run::bytes(bytes.len() as u64),
                 t0.elapsed().as_secs_f64() * 1e3

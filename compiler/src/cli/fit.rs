@@ -123,9 +123,11 @@ pub fn run(
         if let Some(&a) = tried.get(&v) {
             return Ok(a);
         }
+        let spinner = crate::progress::Spinner::start(&format!("{name} = {v}"), super::quiet());
         let t = try_value(
             name, &bytes, file, sets, model, v, budget, remat, time_ms, amp,
         )?;
+        drop(spinner);
         let what = match t.remat {
             Some((a, f, total)) => format!(
                 "arena {} -> {} with remat (+{:.2}% FLOPs)",

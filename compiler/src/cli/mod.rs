@@ -18,13 +18,36 @@ use std::process::ExitCode;
 use std::time::Instant;
 use tcc_grammar::diag::Diagnostic;
 
+static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `-q`: informational lines (compile summaries, timings, `wrote ...`) and progress are off.
+pub(crate) fn quiet() -> bool {
+    QUIET.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `eprintln!` for informational lines, which `-q` silences.
+macro_rules! info {
+    ($($t:tt)*) => {
+        if !$crate::cli::quiet() {
+            eprintln!($($t)*);
+        }
+    };
+}
+pub(crate) use info;
+
+/// `tcc --version`: the crate version, the commit and what the binary can run.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TCC_BUILD_INFO"), ")");
+
 /// tcc — compile TDSL tensor programs into one static memory arena.
 #[derive(Parser, Debug)]
-#[command(name = "tcc", version, about, long_about = None, propagate_version = true)]
+#[command(name = "tcc", version = VERSION, about, long_about = None, propagate_version = true)]
 pub struct Cli {
     /// When to colour diagnostics.
     #[arg(long, value_enum, default_value_t = Color::Auto, global = true)]
     pub color: Color,
+    /// Print only results, warnings and errors: no progress, no compile and timing lines.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -132,8 +155,14 @@ pub enum Command {
         /// The model to compile, when a file has several.
         #[arg(long, value_name = "NAME")]
         model: Option<String>,
-        /// Budgets as fractions of the no-remat peak (of the transient arena, for programs).
-        #[arg(long, value_delimiter = ',', default_values_t = [0.9, 0.7, 0.5])]
+        /// Budgets as fractions of the no-remat peak (of the transient arena, for programs),
+        /// comma-separated: `--budgets 0.8,0.6`.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            value_name = "F,F,...",
+            default_value = "0.9,0.7,0.5"
+        )]
         budgets: Vec<f64>,
         /// Time limit of the exact search per graph and budget, in milliseconds.
         #[arg(long, default_value_t = 2000, value_name = "MS")]
@@ -404,6 +433,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Color::Auto => ColorChoice::Never,
     };
     let mut stderr = StandardStream::stderr(color);
+    QUIET.store(cli.quiet, std::sync::atomic::Ordering::Relaxed);
     match cli.command {
         Command::Check { program } => {
             let Some((sources, lowered, ms)) = load(
@@ -426,7 +456,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     if g.train.is_some() { ", trains" } else { "" }
                 );
             }
-            let _ = writeln!(stderr, "checked {} in {ms:.1} ms", display(&program.file));
+            info!("checked {} in {ms:.1} ms", display(&program.file));
             drop(sources);
             ExitCode::SUCCESS
         }
@@ -483,7 +513,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 return ExitCode::from(1);
             };
             if let Some(line) = build::compile_line(&product, &report) {
-                let _ = writeln!(stderr, "{line}");
+                info!("{line}");
             }
             let map = locations.then_some(&sources.map);
             let bytes = if pipeline.stop_after.is_some() {
@@ -500,8 +530,7 @@ pub fn run(cli: Cli) -> ExitCode {
                         let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                         return ExitCode::from(1);
                     }
-                    let _ = writeln!(
-                        stderr,
+                    info!(
                         "wrote {} ({} nodes, {:.1} ms)",
                         display(&path),
                         product.graph().node_count(),
@@ -566,8 +595,9 @@ pub fn run(cli: Cli) -> ExitCode {
                         return ExitCode::from(1);
                     }
                 };
-            if let (Some((d, _)), Some(b)) = (&decision, remat.mem_budget) {
-                eprintln!("{}", remat_cmd::summary(d, b));
+            // The text report ends with the decision; JSON gets it on stderr.
+            if let (true, Some((d, _)), Some(b)) = (json, &decision, remat.mem_budget) {
+                info!("{}", remat_cmd::summary(d, b));
             }
             match mem::report(
                 &program_graph,
@@ -603,7 +633,7 @@ pub fn run(cli: Cli) -> ExitCode {
                             let _ = writeln!(stderr, "error: cannot write {}: {e}", display(&path));
                             return ExitCode::from(1);
                         }
-                        let _ = writeln!(stderr, "wrote {}", display(&path));
+                        info!("wrote {}", display(&path));
                     }
                     ExitCode::SUCCESS
                 }
@@ -807,6 +837,7 @@ fn run_compiled(
         return ExitCode::from(1);
     }
     let target = explicit_target.unwrap_or(Target::Cpu);
+    let t0 = Instant::now();
     let (model, graph, ms) = if is_artifact {
         match tcc_runtime::Model::load(&program.file) {
             Ok(m) => {
@@ -824,7 +855,7 @@ fn run_compiled(
                     );
                     return ExitCode::from(1);
                 }
-                (m, None, 0.0)
+                (m, None, t0.elapsed().as_secs_f64() * 1e3)
             }
             Err(e) => {
                 let _ = writeln!(stderr, "error: {}: {e}", display(&program.file));
@@ -852,7 +883,7 @@ fn run_compiled(
             return ExitCode::from(1);
         };
         if let Some(line) = build::compile_line(&product, &report) {
-            let _ = writeln!(stderr, "{line}");
+            info!("{line}");
         }
         let Some(bytes) =
             build::emit_bytes(&product, Emit::Artifact, target, opts.seed, None, stderr)
@@ -902,6 +933,11 @@ fn load_one(
     opts.print_after = pipeline.print_after.clone();
     opts.stop_after = pipeline.stop_after.clone();
     let map = &sources.map;
+    // No spinner while stages print their products.
+    let _spinner = crate::progress::Spinner::start(
+        &format!("compiling `{}`", graph.name),
+        quiet() || !opts.print_after.is_empty(),
+    );
     let result = crate::pipeline::lowered(graph, start.elapsed(), last, &opts, &mut |stage, p| {
         let what = match p.form() {
             crate::pipeline::Form::Graph | crate::pipeline::Form::Source => "IR",
@@ -915,7 +951,7 @@ fn load_one(
     match result {
         Ok((p, report)) => {
             if let (Some((d, _)), Some(b)) = (&report.remat, opts.remat.budget) {
-                let _ = writeln!(stderr, "{}", remat_cmd::summary(d, b));
+                info!("{}", remat_cmd::summary(d, b));
             }
             Some((sources, p, report))
         }

@@ -278,7 +278,16 @@ fn run_tdsl(
             time_limit: Duration::from_millis(time_ms.max(1)),
             rounds: 6,
         };
-        match step::auto(&g, &o) {
+        let spinner = crate::progress::Spinner::start(
+            &format!(
+                "remat search at {:.0}% of the transient arena",
+                frac * 100.0
+            ),
+            super::quiet(),
+        );
+        let found = step::auto(&g, &o);
+        drop(spinner);
+        match found {
             Ok(d) => row(
                 &format!(
                     "auto {:>3.0}% ({:.1} s, {})",
@@ -340,14 +349,19 @@ fn run_graphs(files: &[&PathBuf], budgets: &[f64], time_ms: u64) -> Result<(), S
                 (None, true) => ("-".into(), "-".into(), "infeasible"),
                 (None, false) => ("-".into(), "-".into(), "not found"),
             };
-            let sq_fits = if sq.eval.peak <= budget { "" } else { "!" };
+            // The mark sits inside the column, so the columns after it stay aligned.
+            let sq_peak = if sq.eval.peak <= budget {
+                gib(sq.eval.peak)
+            } else {
+                format!("{}!", gib(sq.eval.peak))
+            };
             println!(
-                "{:<40} {:>5.0}% {:>10} {:>10} | {:>9}{sq_fits} {:>9.1} | {:>10} {:>9} {:>8.2} {:>9}",
+                "{:<40} {:>5.0}% {:>10} {:>10} | {:>10} {:>9.1} | {:>10} {:>9} {:>8.2} {:>9}",
                 name,
                 frac * 100.0,
                 gib(base.eval.peak),
                 gib(budget),
-                gib(sq.eval.peak),
+                sq_peak,
                 sq.eval.added_cost as f64 / total * 100.0,
                 peak,
                 cost,

@@ -110,7 +110,7 @@ pub fn run_eager(
             })
             .collect();
         let loaded = eager::io::read_safetensors(path, &wanted).map_err(|e| e.to_string())?;
-        eprintln!("loaded {} tensors from {}", loaded.len(), path.display());
+        super::info!("loaded {} tensors from {}", loaded.len(), path.display());
         for (n, t) in loaded {
             persistent.values.insert(n, t);
         }
@@ -137,9 +137,9 @@ pub fn run_eager(
     }
     eager::check_index_inputs(g, &inputs).map_err(|e| e.to_string())?;
     if opts.steps == 0 {
-        eprintln!("model `{}`: {} nodes, compiled in {compile_ms:.1} ms; --steps 0: memory accounting only", g.name, g.node_count());
+        super::info!("model `{}`: {} nodes, compiled in {compile_ms:.1} ms; --steps 0: memory accounting only", g.name, g.node_count());
     } else {
-        eprintln!(
+        super::info!(
             "model `{}`: {} nodes, compiled in {compile_ms:.1} ms; running {} step{} eagerly",
             g.name,
             g.node_count(),
@@ -197,7 +197,7 @@ pub fn run_eager(
             .map_err(|e| format!("cannot save params: {e}"))?;
         tcc_runtime::fsutil::write_atomic(path, &bytes)
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-        eprintln!("saved {} tensors to {}", tensors.len(), path.display());
+        super::info!("saved {} tensors to {}", tensors.len(), path.display());
     }
     Ok(())
 }
@@ -261,21 +261,45 @@ pub fn run_compiled(
         tcc_runtime::artifact::Target::Cuda => tcc_runtime::Device::Cuda(0),
     };
     let t0 = Instant::now();
+    let spinner = crate::progress::Spinner::start(
+        &format!(
+            "loading `{}` on {device}: compiling {} kernels",
+            model.manifest().model,
+            model.manifest().kernels.len()
+        ),
+        super::quiet(),
+    );
     let mut s = tcc_runtime::Session::new(model, device).map_err(|e| e.to_string())?;
+    drop(spinner);
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     if device == tcc_runtime::Device::Cpu {
         s.set_threads(opts.threads.max(1))
             .map_err(|e| e.to_string())?;
     }
-    eprintln!(
-        "model `{}`: {} kernels; compiled in {compile_ms:.1} ms, loaded on {device} in {load_ms:.1} ms; arena {} in one allocation",
+    super::info!(
+        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {device} in {load_ms:.1} ms; arena {} in one allocation",
         model.manifest().model,
         model.manifest().kernels.len(),
+        // An artifact was read (and its params drawn), a program compiled.
+        if graph.is_some() { "compiled" } else { "read and checked" },
         bytes(s.arena_bytes() as u64),
     );
     if let Some(path) = &opts.param_file {
         let loaded = s.load_params(path).map_err(|e| e.to_string())?;
-        eprintln!("loaded params from {}: {loaded:?}", path.display());
+        super::info!(
+            "loaded {} of {} persistent tensors from {}{}",
+            loaded.loaded.len(),
+            loaded.loaded.len() + loaded.missing.len(),
+            path.display(),
+            if loaded.missing.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; not in the file, kept as initialised: {}",
+                    loaded.missing.join(", ")
+                )
+            }
+        );
     }
     let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
     let random = graph.map(|g| eager::random_inputs(g, opts.seed));
@@ -433,7 +457,7 @@ pub fn run_compiled(
             check_params(params.iter().map(|(n, t)| (*n, t)))?;
         }
         s.save_params(path).map_err(|e| e.to_string())?;
-        eprintln!("saved params to {}", path.display());
+        super::info!("saved params to {}", path.display());
     }
     Ok(())
 }
