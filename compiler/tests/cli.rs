@@ -27,7 +27,31 @@ fn stdout(o: &Output) -> String {
 fn version_and_help() {
     let o = tcc(&["--version"]);
     assert!(o.status.success());
-    assert!(stdout(&o).starts_with("tcc "), "{}", stdout(&o));
+    let v = stdout(&o);
+    assert!(v.starts_with("tcc 0."), "{v}");
+    // The commit (a hex hash, or `unknown` outside a git checkout) and what it runs on.
+    let commit = v
+        .split("commit ")
+        .nth(1)
+        .and_then(|r| r.split([' ', ';']).next())
+        .unwrap_or("");
+    assert!(
+        commit == "unknown" || (commit.len() >= 7 && commit.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{v}"
+    );
+    assert!(v.contains("runs on cpu"), "{v}");
+    assert_eq!(tcc(&["-V"]).stdout, o.stdout);
+    // `-q` leaves results and errors only.
+    let o = tcc(&["check", "examples/tiny.tdsl", "-q"]);
+    assert!(o.status.success());
+    assert!(!stderr(&o).contains("checked"), "{}", stderr(&o));
+    let o = tcc(&["-q", "run", "examples/tiny.tdsl", "--steps", "1"]);
+    assert!(o.status.success());
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("step    1"), "{}", stdout(&o));
+    let o = tcc(&["-q", "run", "examples/none.tdsl"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("error"), "{}", stderr(&o));
     let o = tcc(&["help"]);
     assert!(o.status.success());
     for cmd in ["check", "build"] {
@@ -991,5 +1015,94 @@ fn options_that_do_not_apply_to_an_artifact_are_errors() {
     );
     let o = tcc(&["run", &art, "--target", "cpu", "--steps", "1"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn small_output_fixes() {
+    // `--budgets` help shows the comma form it parses.
+    let o = tcc(&["remat", "--help"]);
+    assert!(stdout(&o).contains("0.9,0.7,0.5"), "{}", stdout(&o));
+    // `--param-file` says what it loaded in words, not as a Rust struct.
+    let d = tmpdir("param-file-msg");
+    let p = d.join("p.safetensors").display().to_string();
+    let o = tcc(&[
+        "run",
+        "examples/tiny.tdsl",
+        "--steps",
+        "1",
+        "--save-params",
+        &p,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let art = d.join("tiny.tcc").display().to_string();
+    assert!(tcc(&["build", "examples/tiny.tdsl", "-o", &art])
+        .status
+        .success());
+    let o = tcc(&["run", &art, "--steps", "1", "--param-file", &p]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("loaded 2 of 2 persistent tensors from"), "{e}");
+    assert!(!e.contains("ParamsLoaded"), "{e}");
+    // An artifact is read, not compiled.
+    assert!(e.contains("read and checked in"), "{e}");
+    // `mem --mem-budget` states its remat line once.
+    let o = tcc(&["mem", "examples/mlp.tdsl", "--mem-budget", "22MiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all = stdout(&o) + &stderr(&o);
+    assert_eq!(all.matches("remat: ").count(), 1, "{all}");
+    // The remat table's columns stay aligned whether or not a row carries `!`.
+    let g = root().join("../shared/bench/remat/checkmate_graphs/vgg16_bs256_224x224_test.json");
+    let o = tcc(&[
+        "remat",
+        &g.display().to_string(),
+        "--budgets",
+        "1.5,0.3",
+        "--time-ms",
+        "100",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let bars = |l: &str| l.match_indices('|').map(|(i, _)| i).collect::<Vec<_>>();
+    let lines: Vec<&str> = out.lines().filter(|l| l.contains('|')).collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines.iter().any(|l| l.contains('!')), "{out}");
+    assert!(lines.iter().all(|l| bars(l) == bars(lines[0])), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn outputs_may_be_expressions_and_concat_takes_a_tuple() {
+    let d = tmpdir("output-exprs");
+    let src = "model m {\n input x: f32[4, 6]\n let h = x * 2\n let t = concat(split(h, 2, axis: 1), axis: 0)\n output h, pred = argmax(h, axis: -1), relu(h), t, h + 1, relu(x)\n}\n";
+    let o = check_source(&d, "outs", src);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let f = d.join("outs.tdsl").display().to_string();
+    let o = tcc(&["run", &f, "--eager", "--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    // Names: given, the called function's (twice: `_2`), and by position.
+    for want in [
+        "h: f32[4, 6]",
+        "pred: i32[4]",
+        "relu: f32[4, 6]",
+        "t: f32[8, 3]",
+        "output5: f32[4, 6]",
+        "relu_2: f32[4, 6]",
+    ] {
+        assert!(out.contains(want), "{want} in\n{out}");
+    }
+    // Compiled, the same outputs.
+    let o = tcc(&["run", &f, "--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("relu_2: f32[4, 6]"), "{}", stdout(&o));
+    // A name given twice is an error naming both places.
+    let o = check_source(
+        &d,
+        "dup",
+        "model m {\n input x: f32[4]\n output a = x, a = x * 2\n}\n",
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("E0219"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -90,6 +90,14 @@ pub struct Block {
     pub span: Span,
 }
 
+/// One item of `output`: a name (`output loss`), a named expression (`output pred =
+/// argmax(h, axis: -1)`) or an expression whose name the compiler derives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputItem {
+    pub name: Option<Ident>,
+    pub value: Expr,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Stmt {
     pub kind: StmtKind,
@@ -117,8 +125,8 @@ pub enum StmtKind {
         hi: Expr,
         body: Block,
     },
-    /// `output a, b, …`
-    Output { names: Vec<Ident> },
+    /// `output a, b, name = expr, expr, …`
+    Output { items: Vec<OutputItem> },
     /// `train OPT minimize LOSS`
     Train { optimizer: Expr, loss: Expr },
     /// `return expr`

@@ -440,7 +440,8 @@ impl<'l, 'a, 'd> Builtin<'l, 'a, 'd> {
             "concat" => {
                 let s = self.span_of(0);
                 let items = match self.arg(0)? {
-                    (Value::List(vs), _) => vs,
+                    // A tuple (what `split` returns) reads as the list of its tensors.
+                    (Value::List(vs) | Value::Tuple(vs), _) => vs,
                     (Value::Poison, _) => return None,
                     (v, _) => {
                         return self.err(

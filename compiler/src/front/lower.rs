@@ -323,9 +323,9 @@ impl<'a, 'd> Lowerer<'a, 'd> {
                     self.assign(name, v);
                 }
                 StmtKind::For { var, lo, hi, body } => self.lower_for(var, lo, hi, body, ctx),
-                StmtKind::Output { names } => {
+                StmtKind::Output { items } => {
                     if self.model_top_only(ctx, "output", stmt.span) {
-                        self.lower_output(names);
+                        self.lower_output(items);
                     }
                 }
                 StmtKind::Train { optimizer, loss } => {
@@ -718,26 +718,55 @@ impl<'a, 'd> Lowerer<'a, 'd> {
         }
     }
 
-    fn lower_output(&mut self, names: &'a [Ident]) {
-        for n in names {
-            if let Some(prev) = self.output_names.get(&n.name) {
+    /// `output a, pred = expr, expr`: a name outputs its value under that name, `name =
+    /// expr` under the name given, and a bare expression under a derived name (the called
+    /// function's, `argmax`, else `output` and its position; `_2`, `_3`, … when taken).
+    fn lower_output(&mut self, items: &'a [OutputItem]) {
+        for (k, item) in items.iter().enumerate() {
+            let (name, span, value) = match (&item.name, &item.value.kind) {
+                (Some(n), _) => (n.name.clone(), n.span, self.eval(&item.value)),
+                (None, ExprKind::Name(n)) => (
+                    n.clone(),
+                    item.value.span,
+                    self.resolve_name(n, item.value.span),
+                ),
+                (None, kind) => {
+                    let base = match kind {
+                        ExprKind::Call { callee, .. } => callee.name.clone(),
+                        _ => format!("output{}", k + 1),
+                    };
+                    let mut name = base.clone();
+                    let mut i = 2;
+                    while self.output_names.contains_key(&name)
+                        || items.iter().any(|o| {
+                            o.name.as_ref().map(|n| &n.name) == Some(&name)
+                                || matches!(&o.value.kind, ExprKind::Name(n) if o.name.is_none() && *n == name)
+                        })
+                    {
+                        name = format!("{base}_{i}");
+                        i += 1;
+                    }
+                    (name, item.value.span, self.eval(&item.value))
+                }
+            };
+            if let Some(prev) = self.output_names.get(&name) {
                 let prev = *prev;
                 self.diags.push(
-                    Diagnostic::error("E0219", format!("`{}` is output twice", n.name))
-                        .with_primary(n.span, "second output of this name")
+                    Diagnostic::error("E0219", format!("`{name}` is output twice"))
+                        .with_primary(span, "second output of this name")
                         .with_secondary(prev, "first output here"),
                 );
                 continue;
             }
-            self.output_names.insert(n.name.clone(), n.span);
-            match self.resolve_name(&n.name, n.span) {
-                Value::Tensor(id) => self.graph.outputs.push((n.name.clone(), id)),
+            self.output_names.insert(name.clone(), span);
+            match value {
+                Value::Tensor(id) => self.graph.outputs.push((name, id)),
                 Value::Poison => {}
                 other => self.error(
                     "E0212",
                     "only tensors can be output",
-                    n.span,
-                    format!("`{}` is {}", n.name, other.kind()),
+                    span,
+                    format!("`{name}` is {}", other.kind()),
                 ),
             }
         }
