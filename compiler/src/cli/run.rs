@@ -23,6 +23,8 @@ pub struct RunOptions {
     pub amp: crate::passes::amp::Amp,
     /// Go on after non-finite outputs, and save non-finite params (`--allow-nonfinite`).
     pub allow_nonfinite: bool,
+    /// Values of params without an initialiser (an imported model's initializers).
+    pub params: std::collections::BTreeMap<String, Tensor>,
 }
 
 /// Where `t` first holds a NaN or an infinity: `(index, value)`.
@@ -97,6 +99,9 @@ pub fn run_eager(
     compile_ms: f64,
 ) -> Result<(), String> {
     let mut persistent: Persistent = eager::init_persistent(g, opts.seed);
+    for (n, t) in &opts.params {
+        persistent.values.insert(n.clone(), t.clone());
+    }
     if let Some(path) = &opts.param_file {
         let wanted: Vec<(String, crate::ir::TensorType)> = g
             .params
