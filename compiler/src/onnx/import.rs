@@ -323,6 +323,25 @@ struct Importer {
     param_of: HashMap<String, String>,
     op: String,
     node: String,
+    /// The first error found where returning it at once was not convenient (a result's
+    /// shape too large or empty).
+    deferred: Option<ImportError>,
+    /// Initializer names: these always become `param`s, so they stay trainable.
+    initializers: BTreeSet<String>,
+}
+
+/// The most elements a tensor may have (past tcc's 1 TiB limit for every dtype).
+const MAX_ELEMENTS: usize = 1 << 34;
+/// The most elements a constant computed at import time may have.
+const MAX_FOLD: usize = 1 << 24;
+/// The largest kernel, stride, dilation, pad or repeat count accepted.
+const MAX_ATTR: i64 = 1 << 20;
+
+/// The element count of `dims`, if it does not pass [`MAX_ELEMENTS`].
+fn checked_numel(dims: &[usize]) -> Option<usize> {
+    dims.iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= MAX_ELEMENTS)
 }
 
 type R<T> = Result<T, ImportError>;
@@ -368,6 +387,11 @@ impl Importer {
 
     /// Binds `expr` to the ONNX value `out`.
     fn bind(&mut self, out: &str, expr: String, dtype: DType, dims: Vec<usize>) {
+        if self.deferred.is_none() && checked_numel(&dims).is_none_or(|n| n == 0) {
+            self.deferred = Some(self.err(format!(
+                "its result {dims:?} is empty or larger than tcc's 2^34-element limit"
+            )));
+        }
         let name = self.fresh(out, true);
         self.body.push(format!("    let {name} = {expr}"));
         self.vals
@@ -399,14 +423,22 @@ impl Importer {
             Val::Rt { name, dtype, dims } => Ok((name.clone(), *dtype, dims.clone())),
             Val::C(h) => {
                 let dtype = runtime_dtype(hint, h).map_err(|e| self.at(e))?;
-                if let Some(p) = self.param_of.get(hint) {
+                let key = format!("{hint}{:?}", h.dims);
+                if let Some(p) = self.param_of.get(&key) {
                     return Ok((p.clone(), dtype, h.dims.clone()));
+                }
+                if h.dims.contains(&0) {
+                    return Err(self.unsupported(format!(
+                        "`{hint}` is empty ({:?}); tcc tensors have no zero-size dimension",
+                        h.dims
+                    )));
                 }
                 let vals = h.data.as_f64();
                 let first = vals.first().copied().unwrap_or(0.0);
-                let uniform = vals
-                    .iter()
-                    .all(|&x| x == first || (x.is_nan() && first.is_nan()));
+                let uniform = !self.initializers.contains(hint)
+                    && vals
+                        .iter()
+                        .all(|&x| x == first || (x.is_nan() && first.is_nan()));
                 if uniform && !h.dims.is_empty() {
                     if let Some(l) = lit(first, dtype) {
                         return Ok((
@@ -430,7 +462,7 @@ impl Importer {
                     .push(format!("    param  {name}: {}", ty_str(dtype, &h.dims)));
                 let t = to_tensor(hint, h).map_err(|e| self.at(e))?;
                 self.params.insert(name.clone(), t);
-                self.param_of.insert(hint.to_string(), name.clone());
+                self.param_of.insert(key, name.clone());
                 Ok((name, dtype, h.dims.clone()))
             }
         }
@@ -524,6 +556,8 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
         param_of: HashMap::new(),
         op: String::new(),
         node: String::new(),
+        deferred: None,
+        initializers: graph.initializer.iter().map(|t| t.name.clone()).collect(),
     };
     // Initializers: constants until a runtime op reads them.
     for t in &graph.initializer {
@@ -587,6 +621,12 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
                 }
             };
             dims.push(n);
+        }
+        if checked_numel(&dims).is_none() {
+            return Err(ImportError::Other(format!(
+                "input `{}`: shape {dims:?} holds more than 2^34 elements",
+                vi.name
+            )));
         }
         let name = im.fresh(&vi.name, true);
         im.decls
@@ -652,6 +692,9 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
             }
         }
         convert(&mut im, node, &ins)?;
+        if let Some(e) = im.deferred.take() {
+            return Err(e);
+        }
     }
     // Outputs.
     let mut outputs = Vec::new();
@@ -786,6 +829,7 @@ fn fold_unary(op: &str, h: &HostTensor) -> Option<HostTensor> {
 
 fn fold_binary(op: &str, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
     let out = broadcast(&a.dims, &b.dims)?;
+    checked_numel(&out).filter(|&n| n <= MAX_FOLD)?;
     let ia = bcast_index(&out, &a.dims);
     let ib = bcast_index(&out, &b.dims);
     let cmp = matches!(
@@ -1104,7 +1148,11 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         "ConstantOfShape" => {
             let dims = const_ints(im, Some(&input(0)?), "shape")?.unwrap_or_default();
             let dims: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
-            let n: usize = dims.iter().product();
+            let n = checked_numel(&dims)
+                .filter(|&n| n <= MAX_FOLD)
+                .ok_or_else(|| {
+                    im.unsupported(format!("a constant of shape {dims:?} (too large)"))
+                })?;
             let value = match at.get("value").and_then(|a| a.t.as_ref()) {
                 Some(t) => host_tensor(t)?,
                 None => HostTensor {
@@ -1113,10 +1161,10 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                     onnx_type: dt::FLOAT,
                 },
             };
-            let data = value.data.pick(&vec![0; n]);
             if value.data.is_empty() {
                 return Err(im.err("`value` is empty"));
             }
+            let data = value.data.pick(&vec![0; n]);
             im.vals.insert(
                 out0,
                 Val::C(HostTensor {
@@ -1142,7 +1190,11 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             if d == 0.0 {
                 return Err(im.err("delta is 0"));
             }
-            let n = ((l - s) / d).ceil().max(0.0) as usize;
+            let n = ((l - s) / d).ceil().max(0.0);
+            if n.is_nan() || n > MAX_FOLD as f64 {
+                return Err(im.unsupported("a range too long to fold"));
+            }
+            let n = n as usize;
             let v: Vec<f64> = (0..n).map(|i| s + d * i as f64).collect();
             let h = match input(0)? {
                 Val::C(HostTensor {
@@ -1278,8 +1330,14 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         }
         "PRelu" => {
             let (x, d, dims) = im.rt(&input(0)?, &node.input[0])?;
-            let s = input(1)?;
-            let mut sdims = s.dims().to_vec();
+            let mut s = input(1)?;
+            // Before opset 7 a slope of C values is per channel (axis 1): [C, 1, …].
+            if let (Val::C(h), Some(&c)) = (&mut s, dims.get(1)) {
+                if im.opset < 7 && h.dims == [c] && dims.len() > 2 {
+                    h.dims.extend(std::iter::repeat_n(1, dims.len() - 2));
+                }
+            }
+            let sdims = s.dims().to_vec();
             // Exporters give per-channel slopes as [C]: ONNX broadcasts them NumPy-style,
             // so [C] against [N, C, L] only works when C is the last axis; PyTorch's slope
             // is per channel (axis 1), which exporters reshape to [C, 1, …].
@@ -1287,7 +1345,6 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             if broadcast(&dims, &sdims).as_deref() != Some(&dims[..]) {
                 return Err(im.err(format!("slope {sdims:?} does not broadcast to {dims:?}")));
             }
-            sdims.clear();
             im.bind(
                 &out0,
                 format!("where({x} >= 0.0, {x}, {x} * {es})"),
@@ -1369,6 +1426,9 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let (a, b) = (input(0)?, input(1)?);
             let (mut ea, da, mut dima) = im.rt(&a, &node.input[0])?;
             let (mut eb, _, mut dimb) = im.rt(&b, &node.input[1])?;
+            if dima.is_empty() || dimb.is_empty() {
+                return Err(im.err("MatMul of a scalar"));
+            }
             let (va, vb) = (dima.len() == 1, dimb.len() == 1);
             if va {
                 ea = format!("unsqueeze({ea}, axis: 0)");
@@ -1380,7 +1440,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             }
             let (m, k) = (dima[dima.len() - 2], dima[dima.len() - 1]);
             let (k2, n) = (dimb[dimb.len() - 2], dimb[dimb.len() - 1]);
-            if k != k2 || dima.is_empty() || dimb.is_empty() {
+            if k != k2 {
                 return Err(im.err(format!("inner dimensions differ: {dima:?} @ {dimb:?}")));
             }
             let mut dims = broadcast(&dima[..dima.len() - 2], &dimb[..dimb.len() - 2])
@@ -1498,7 +1558,11 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 })
                 .collect();
             let total: usize = dims.iter().product();
-            let known: i64 = nd.iter().filter(|&&s| s != -1).product();
+            let known: i64 = nd
+                .iter()
+                .filter(|&&s| s != -1)
+                .try_fold(1i64, |a, &s| a.checked_mul(s))
+                .unwrap_or(-1);
             if nd.iter().filter(|&&s| s == -1).count() > 1 || known <= 0 {
                 return Err(im.err(format!("invalid shape {shape:?} for {dims:?}")));
             }
@@ -1567,7 +1631,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let dims = broadcast(v.dims(), &shape)
                 .ok_or_else(|| im.err(format!("{:?} does not expand to {shape:?}", v.dims())))?;
             match v {
-                Val::C(h) => {
+                Val::C(h) if checked_numel(&dims).is_some_and(|n| n <= MAX_FOLD) => {
                     let idx = bcast_index(&dims, &h.dims);
                     let data = h.data.pick(&idx);
                     im.vals.insert(
@@ -1737,7 +1801,9 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                         .collect()
                 }
             };
-            if sizes.iter().sum::<usize>() != dims[axis] || sizes.len() != n_out {
+            if sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s)) != Some(dims[axis])
+                || sizes.len() != n_out
+            {
                 return Err(im.err(format!(
                     "split {sizes:?} does not divide axis {axis} of {dims:?}"
                 )));
@@ -1818,7 +1884,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                         .collect::<Option<_>>()
                         .ok_or_else(|| im.err("index out of range"))?;
                     match &data {
-                        Val::C(h) => {
+                        Val::C(h) if checked_numel(&out_dims).is_some_and(|n| n <= MAX_FOLD) => {
                             let outer: usize = dims[..axis].iter().product();
                             let inner: usize = dims[axis + 1..].iter().product();
                             let mut flat = Vec::new();
@@ -1893,6 +1959,9 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             if reps.len() != dims.len() {
                 return Err(im.err("repeats and rank differ"));
             }
+            if reps.iter().any(|&n| !(0..=MAX_ATTR).contains(&n)) {
+                return Err(im.err(format!("repeats {reps:?}")));
+            }
             for (a, &n) in reps.iter().enumerate() {
                 if n > 1 {
                     let parts = vec![x.as_str(); n as usize].join(", ");
@@ -1925,7 +1994,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             };
             let (x, d, dims) = im.rt(&v, &node.input[0])?;
             let r = dims.len();
-            if pads.len() != 2 * r || pads.iter().any(|&p| p < 0) {
+            if pads.len() != 2 * r || pads.iter().any(|&p| !(0..=MAX_ATTR).contains(&p)) {
                 return Err(im.unsupported(format!("pads {pads:?} (negative pads crop)")));
             }
             let pads: Vec<usize> = pads.iter().map(|&p| p as usize).collect();
@@ -2254,7 +2323,7 @@ fn window(im: &Importer, at: &Attrs, spatial: &[usize], kernel: Vec<usize>) -> R
     let pos = |v: Option<Vec<i64>>, what: &str| -> R<Vec<usize>> {
         match v {
             None => Ok(vec![1; n]),
-            Some(v) if v.len() == n && v.iter().all(|&x| x >= 1) => {
+            Some(v) if v.len() == n && v.iter().all(|&x| (1..=MAX_ATTR).contains(&x)) => {
                 Ok(v.iter().map(|&x| x as usize).collect())
             }
             Some(v) => Err(im.err(format!("{what} {v:?} for {n} spatial axes"))),
@@ -2267,7 +2336,7 @@ fn window(im: &Importer, at: &Attrs, spatial: &[usize], kernel: Vec<usize>) -> R
     match auto.as_str() {
         "NOTSET" | "" => {
             if let Some(p) = at.ints("pads") {
-                if p.len() != 2 * n || p.iter().any(|&x| x < 0) {
+                if p.len() != 2 * n || p.iter().any(|&x| !(0..=MAX_ATTR).contains(&x)) {
                     return Err(im.err(format!("pads {p:?} for {n} spatial axes")));
                 }
                 for i in 0..n {
@@ -2468,7 +2537,7 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
         .ints("kernel_shape")
         .ok_or_else(|| im.err("no kernel_shape"))?
         .iter()
-        .map(|&k| k.max(1) as usize)
+        .map(|&k| k.clamp(1, MAX_ATTR) as usize)
         .collect();
     if kernel.len() != sp {
         return Err(im.err("kernel_shape does not match the input's rank"));

@@ -14,6 +14,8 @@
 pub mod import;
 pub mod proto;
 pub mod tensor;
+#[cfg(test)]
+mod tests;
 
 pub use import::{import, ImportOptions, Imported, IoValue};
 pub use tensor::read_tensor_file;
