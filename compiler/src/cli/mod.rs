@@ -221,6 +221,9 @@ pub enum Command {
         /// Save params (and optimizer state) after the last step to a .safetensors file.
         #[arg(long, value_name = "FILE")]
         save_params: Option<PathBuf>,
+        /// Write every output of the last step to DIR/NAME.npy (f16/bf16 as f32).
+        #[arg(long, value_name = "DIR")]
+        save_outputs: Option<PathBuf>,
         /// Go on after a step whose loss (or any scalar output, or any output on a printed
         /// step) is NaN or infinite, and save non-finite params; by default the run stops
         /// there with exit code 1 and `--save-params` refuses.
@@ -717,6 +720,7 @@ pub fn run(cli: Cli) -> ExitCode {
             inputs,
             param_file,
             save_params,
+            save_outputs,
             allow_nonfinite,
             remat,
             amp,
@@ -741,6 +745,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 allow_tf32,
                 amp,
                 params: Default::default(),
+                save_outputs,
             };
             let mut opts = opts;
             if eager {
