@@ -1149,10 +1149,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let dims = const_ints(im, Some(&input(0)?), "shape")?.unwrap_or_default();
             let dims: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
             let n = checked_numel(&dims)
-                .filter(|&n| n <= MAX_FOLD)
-                .ok_or_else(|| {
-                    im.unsupported(format!("a constant of shape {dims:?} (too large)"))
-                })?;
+                .ok_or_else(|| im.err(format!("shape {dims:?} is too large")))?;
             let value = match at.get("value").and_then(|a| a.t.as_ref()) {
                 Some(t) => host_tensor(t)?,
                 None => HostTensor {
@@ -1163,6 +1160,19 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             };
             if value.data.is_empty() {
                 return Err(im.err("`value` is empty"));
+            }
+            if n > MAX_FOLD {
+                // Too large to hold at import: filled at run time.
+                let dtype = runtime_dtype(&out0, &value).map_err(|e| im.at(e))?;
+                let v = value.data.as_f64().first().copied().unwrap_or(0.0);
+                let l = lit(v, dtype).ok_or_else(|| im.unsupported("a NaN fill value"))?;
+                im.bind(
+                    &out0,
+                    format!("full({}, {l}, {dtype})", list(&dims)),
+                    dtype,
+                    dims,
+                );
+                return Ok(());
             }
             let data = value.data.pick(&vec![0; n]);
             im.vals.insert(
@@ -2155,6 +2165,45 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 DType::I32,
                 nd,
             );
+        }
+        "LRN" => {
+            // x / (bias + alpha / size * (sum of x² over `size` neighbouring channels))^beta
+            let (x, d, dims) = im.rt(&input(0)?, &node.input[0])?;
+            let size = at.i("size", 1);
+            if !(1..=MAX_ATTR).contains(&size) || dims.len() < 3 {
+                return Err(im.err(format!("size {size} on {dims:?}")));
+            }
+            let size = size as usize;
+            let (alpha, beta, bias) = (
+                at.f("alpha", 1e-4) as f64,
+                at.f("beta", 0.75) as f64,
+                at.f("bias", 1.0) as f64,
+            );
+            let sq = im.tmp(&format!("{out0}_sq"), format!("{x} * {x}"));
+            let (lo, hi) = ((size - 1) / 2, (size - 1).div_ceil(2));
+            let r = dims.len();
+            let mut before = vec![0; r];
+            let mut after = vec![0; r];
+            before[1] = lo;
+            after[1] = hi;
+            let (padded, pd) = pad_expr(im, &sq, d, &dims, &before, &after, "constant", 0.0)?;
+            let p = im.tmp(&format!("{out0}_pad"), padded);
+            let terms: Vec<String> = (0..size)
+                .map(|i| {
+                    let mut ranges: Vec<(usize, usize)> = pd.iter().map(|&n| (0, n)).collect();
+                    ranges[1] = (i, i + dims[1]);
+                    slice_expr(&p, &pd, &ranges)
+                })
+                .collect();
+            let f = |v: f64| lit(v, d).unwrap_or_default();
+            let e = format!(
+                "{x} / pow({} + {} * ({}), {})",
+                f(bias),
+                f(alpha / size as f64),
+                terms.join(" + "),
+                f(beta)
+            );
+            im.bind(&out0, e, d, dims);
         }
         "GlobalAveragePool" | "GlobalMaxPool" => {
             let (x, d, dims) = im.rt(&input(0)?, &node.input[0])?;
