@@ -17,6 +17,7 @@ pub mod eager;
 pub mod front;
 pub mod ir;
 pub mod kernel;
+pub mod onnx;
 pub mod passes;
 pub mod pipeline;
 pub mod plan;

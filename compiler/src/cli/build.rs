@@ -95,12 +95,13 @@ pub fn emit_bytes(
     t: Target,
     seed: u64,
     locations: Option<&crate::SourceMap>,
+    given: &std::collections::BTreeMap<String, crate::eager::Tensor>,
     stderr: &mut StandardStream,
 ) -> Option<Vec<u8>> {
     match (emit, p) {
         (Emit::Artifact, Product::Code(c)) => {
             let t0 = Instant::now();
-            let img = match artifact::persistent_image(c, seed, &Default::default()) {
+            let img = match artifact::persistent_image(c, seed, given) {
                 Ok(i) => i,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");

@@ -4,6 +4,7 @@ mod arena_cmd;
 mod build;
 pub mod fit;
 pub mod mem;
+mod onnx_cmd;
 pub mod plan_svg;
 pub mod remat_cmd;
 pub mod run;
@@ -62,7 +63,8 @@ pub enum Color {
 /// Options shared by every command that reads a program.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ProgramArgs {
-    /// The `.tdsl` file.
+    /// The `.tdsl` file (or an `.onnx` model, imported in memory; `--set NAME=N` then sizes
+    /// its named dimensions).
     pub file: PathBuf,
     /// Override a constant: `--set B=64` (repeatable; the value may be an expression).
     #[arg(long = "set", value_name = "NAME=VALUE", value_parser = parse_set)]
@@ -196,6 +198,21 @@ pub enum Command {
     },
     /// Plan a stand-alone interval set (MiniMalloc CSV) into one arena.
     Arena(ArenaArgs),
+    /// Import an ONNX model: write its program as TDSL (`STEM.tdsl`, inference only, one
+    /// `param` per initializer it reads) and the initializers (`STEM.safetensors`).
+    Import {
+        /// The `.onnx` file.
+        file: PathBuf,
+        /// The folder to write `STEM.tdsl` and `STEM.safetensors` into (default: here).
+        #[arg(short = 'o', long = "out-dir", value_name = "DIR")]
+        out_dir: Option<PathBuf>,
+        /// Write the program to this file instead (the params beside it, `.safetensors`).
+        #[arg(long, value_name = "FILE")]
+        out_tdsl: Option<PathBuf>,
+        /// Size a named (dynamic) dimension of the inputs: `--dim batch=8` (repeatable).
+        #[arg(long = "dim", value_name = "NAME=N", value_parser = parse_set)]
+        dims: Vec<(String, String)>,
+    },
     /// Run a program (a .tdsl file, compiled first, or a compiled .tcc artifact).
     Run {
         #[command(flatten)]
@@ -233,6 +250,9 @@ pub enum Command {
         /// Save params (and optimizer state) after the last step to a .safetensors file.
         #[arg(long, value_name = "FILE")]
         save_params: Option<PathBuf>,
+        /// Write every output of the last step to DIR/NAME.npy (f16/bf16 as f32).
+        #[arg(long, value_name = "DIR")]
+        save_outputs: Option<PathBuf>,
         /// Go on after a step whose loss (or any scalar output, or any output on a printed
         /// step) is NaN or infinite, and save non-finite params; by default the run stops
         /// there with exit code 1 and `--save-params` refuses.
@@ -519,7 +539,14 @@ pub fn run(cli: Cli) -> ExitCode {
             let bytes = if pipeline.stop_after.is_some() {
                 product.render(map).into_bytes()
             } else {
-                match build::emit_bytes(&product, emit, target, seed, map, &mut stderr) {
+                let given = match onnx_cmd::given_params(&program) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        let _ = writeln!(stderr, "error: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                match build::emit_bytes(&product, emit, target, seed, map, &given, &mut stderr) {
                     Some(b) => b,
                     None => return ExitCode::from(1),
                 }
@@ -692,6 +719,18 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
             }
         }
+        Command::Import {
+            file,
+            out_dir,
+            out_tdsl,
+            dims,
+        } => match onnx_cmd::run_import(&file, out_dir.as_deref(), out_tdsl.as_deref(), &dims) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::Arena(args) => match arena_cmd::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -711,6 +750,7 @@ pub fn run(cli: Cli) -> ExitCode {
             inputs,
             param_file,
             save_params,
+            save_outputs,
             allow_nonfinite,
             remat,
             amp,
@@ -734,7 +774,19 @@ pub fn run(cli: Cli) -> ExitCode {
                 threads,
                 allow_tf32,
                 amp,
+                params: Default::default(),
+                save_outputs,
             };
+            let mut opts = opts;
+            if eager {
+                match onnx_cmd::given_params(&program) {
+                    Ok(g) => opts.params = g,
+                    Err(e) => {
+                        let _ = writeln!(stderr, "error: {e}");
+                        return ExitCode::from(1);
+                    }
+                }
+            }
             if program.file.extension().is_some_and(|e| e == "tcc") {
                 if eager {
                     let _ = writeln!(
@@ -885,9 +937,31 @@ fn run_compiled(
         if let Some(line) = build::compile_line(&product, &report) {
             info!("{line}");
         }
-        let Some(bytes) =
-            build::emit_bytes(&product, Emit::Artifact, target, opts.seed, None, stderr)
-        else {
+        // Params without an initialiser: an imported model's, or `--param-file`'s.
+        let given = match (onnx_cmd::given_params(program), &opts.param_file) {
+            (Ok(g), _) if !g.is_empty() => g,
+            (Ok(g), None) => g,
+            (Ok(_), Some(path)) => match onnx_cmd::params_from_file(product.graph(), path) {
+                Ok(g) => g,
+                Err(e) => {
+                    let _ = writeln!(stderr, "error: {e}");
+                    return ExitCode::from(1);
+                }
+            },
+            (Err(e), _) => {
+                let _ = writeln!(stderr, "error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let Some(bytes) = build::emit_bytes(
+            &product,
+            Emit::Artifact,
+            target,
+            opts.seed,
+            None,
+            &given,
+            stderr,
+        ) else {
             return ExitCode::from(1);
         };
         let ms = report.total_ms();
@@ -986,18 +1060,34 @@ fn load(
     if single {
         selection = ModelSelection::One(program.model.clone());
     }
-    let bytes = match std::fs::read(&program.file) {
-        Ok(b) => b,
-        Err(e) => {
-            let _ = writeln!(stderr, "error: cannot read {}: {e}", display(&program.file));
-            return None;
+    let onnx = onnx_cmd::is_onnx(&program.file);
+    let bytes = if onnx {
+        match onnx_cmd::program_source(program) {
+            Ok(imp) => imp.tdsl.into_bytes(),
+            Err(e) => {
+                let _ = writeln!(stderr, "error: {e}");
+                return None;
+            }
+        }
+    } else {
+        match std::fs::read(&program.file) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = writeln!(stderr, "error: cannot read {}: {e}", display(&program.file));
+                return None;
+            }
         }
     };
     let start = Instant::now();
     let name = display(&program.file);
     let mut sources = Sources::new(&name, &bytes);
     let opts = Options {
-        sets: program.sets.clone(),
+        // On an imported model `--set` sized its named dimensions.
+        sets: if onnx {
+            Vec::new()
+        } else {
+            program.sets.clone()
+        },
         models: selection,
     };
     let result = front::compile(&mut sources, &opts);

@@ -23,6 +23,23 @@ pub struct RunOptions {
     pub amp: crate::passes::amp::Amp,
     /// Go on after non-finite outputs, and save non-finite params (`--allow-nonfinite`).
     pub allow_nonfinite: bool,
+    /// Values of params without an initialiser (an imported model's initializers).
+    pub params: std::collections::BTreeMap<String, Tensor>,
+    /// Write every output of the last step to `DIR/NAME.npy` (`--save-outputs DIR`).
+    pub save_outputs: Option<PathBuf>,
+}
+
+/// Writes each output as `dir/NAME.npy` (the folder is made if missing).
+pub fn save_outputs(dir: &std::path::Path, outs: &[(String, Tensor)]) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    for (name, t) in outs {
+        let path = dir.join(format!("{name}.npy"));
+        let bytes = eager::io::write_npy(t).map_err(|e| format!("output `{name}`: {e}"))?;
+        tcc_runtime::fsutil::write_atomic(&path, &bytes)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    eprintln!("saved {} outputs to {}", outs.len(), dir.display());
+    Ok(())
 }
 
 /// Where `t` first holds a NaN or an infinity: `(index, value)`.
@@ -97,6 +114,9 @@ pub fn run_eager(
     compile_ms: f64,
 ) -> Result<(), String> {
     let mut persistent: Persistent = eager::init_persistent(g, opts.seed);
+    for (n, t) in &opts.params {
+        persistent.values.insert(n.clone(), t.clone());
+    }
     if let Some(path) = &opts.param_file {
         let wanted: Vec<(String, crate::ir::TensorType)> = g
             .params
@@ -148,6 +168,7 @@ pub fn run_eager(
         );
     }
     let mut times = Vec::with_capacity(opts.steps as usize);
+    let mut last = Vec::new();
     for step in 1..=opts.steps {
         let start = Instant::now();
         let outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
@@ -165,6 +186,11 @@ pub fn run_eager(
         if !opts.allow_nonfinite {
             check?;
         }
+        last = outs;
+    }
+    if let Some(dir) = &opts.save_outputs {
+        let outs: Vec<(String, Tensor)> = last.into_iter().collect();
+        save_outputs(dir, &outs)?;
     }
     let value = |name: &str| persistent.values.get(name).map(|t| t.to_f64()[0]);
     if let (Some(scale), Some(skipped)) = (
@@ -371,6 +397,16 @@ pub fn run_compiled(
         if !opts.allow_nonfinite {
             check?;
         }
+    }
+    if let Some(dir) = &opts.save_outputs {
+        let mut outs = Vec::new();
+        for slot in model.outputs() {
+            let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
+            let t = Tensor::from_le_bytes(tensor_type(slot), b)
+                .ok_or_else(|| format!("output `{}` has the wrong size", slot.name))?;
+            outs.push((slot.name.clone(), t));
+        }
+        save_outputs(dir, &outs)?;
     }
     if let Some(ls) = s.loss_scale().map_err(|e| e.to_string())? {
         println!(

@@ -207,3 +207,45 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, String
         .collect::<Result<_, _>>()?;
     safetensors::serialize(views, None).map_err(|e| e.to_string())
 }
+
+/// Serialises a tensor as a `.npy` file (C order): f32, f16 and bf16 as `<f4`, i32 as `<i4`,
+/// bool as `|b1`.
+pub fn write_npy(t: &Tensor) -> Result<Vec<u8>, String> {
+    use npyz::WriterBuilder;
+    let shape: Vec<u64> = t.dims().iter().map(|&d| d as u64).collect();
+    let mut buf = Vec::new();
+    let e = |e: std::io::Error| e.to_string();
+    match &t.data {
+        Data::F(v) => {
+            let mut w = npyz::WriteOptions::new()
+                .default_dtype()
+                .shape(&shape)
+                .writer(&mut buf)
+                .begin_nd()
+                .map_err(e)?;
+            w.extend(v.iter().map(|&x| x as f32)).map_err(e)?;
+            w.finish().map_err(e)?;
+        }
+        Data::I(v) => {
+            let mut w = npyz::WriteOptions::new()
+                .default_dtype()
+                .shape(&shape)
+                .writer(&mut buf)
+                .begin_nd()
+                .map_err(e)?;
+            w.extend(v.iter().copied()).map_err(e)?;
+            w.finish().map_err(e)?;
+        }
+        Data::B(v) => {
+            let mut w = npyz::WriteOptions::new()
+                .default_dtype()
+                .shape(&shape)
+                .writer(&mut buf)
+                .begin_nd()
+                .map_err(e)?;
+            w.extend(v.iter().copied()).map_err(e)?;
+            w.finish().map_err(e)?;
+        }
+    }
+    Ok(buf)
+}
