@@ -211,41 +211,29 @@ pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, String
 /// Serialises a tensor as a `.npy` file (C order): f32, f16 and bf16 as `<f4`, i32 as `<i4`,
 /// bool as `|b1`.
 pub fn write_npy(t: &Tensor) -> Result<Vec<u8>, String> {
-    use npyz::WriterBuilder;
     let shape: Vec<u64> = t.dims().iter().map(|&d| d as u64).collect();
-    let mut buf = Vec::new();
-    let e = |e: std::io::Error| e.to_string();
     match &t.data {
-        Data::F(v) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(&mut buf)
-                .begin_nd()
-                .map_err(e)?;
-            w.extend(v.iter().map(|&x| x as f32)).map_err(e)?;
-            w.finish().map_err(e)?;
-        }
-        Data::I(v) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(&mut buf)
-                .begin_nd()
-                .map_err(e)?;
-            w.extend(v.iter().copied()).map_err(e)?;
-            w.finish().map_err(e)?;
-        }
-        Data::B(v) => {
-            let mut w = npyz::WriteOptions::new()
-                .default_dtype()
-                .shape(&shape)
-                .writer(&mut buf)
-                .begin_nd()
-                .map_err(e)?;
-            w.extend(v.iter().copied()).map_err(e)?;
-            w.finish().map_err(e)?;
-        }
+        Data::F(v) => npy_bytes(&shape, v.iter().map(|&x| x as f32)),
+        Data::I(v) => npy_bytes(&shape, v.iter().copied()),
+        Data::B(v) => npy_bytes(&shape, v.iter().copied()),
     }
+}
+
+/// The `.npy` bytes of `values` in C order, with the element type's default dtype.
+fn npy_bytes<T: npyz::AutoSerialize>(
+    shape: &[u64],
+    values: impl Iterator<Item = T>,
+) -> Result<Vec<u8>, String> {
+    use npyz::WriterBuilder;
+    let e = |e: std::io::Error| e.to_string();
+    let mut buf = Vec::new();
+    let mut w = npyz::WriteOptions::new()
+        .default_dtype()
+        .shape(shape)
+        .writer(&mut buf)
+        .begin_nd()
+        .map_err(e)?;
+    w.extend(values).map_err(e)?;
+    w.finish().map_err(e)?;
     Ok(buf)
 }

@@ -20,6 +20,16 @@ use tcc_grammar::span::{FileId, SourceMap, Span};
 
 /// The standard prelude, written in TDSL and compiled into the binary.
 pub const PRELUDE: &str = include_str!("prelude.tdsl");
+/// Every function a program calls by name without defining it: the builtins and the
+/// prelude's functions (an importer must not bind these names).
+pub fn predefined_functions() -> impl Iterator<Item = &'static str> {
+    let prelude = PRELUDE.lines().filter_map(|l| {
+        let rest = l.trim_start().strip_prefix("fn ")?;
+        rest.split('(').next().map(str::trim)
+    });
+    builtins::names().chain(prelude)
+}
+
 /// The name the prelude has in diagnostics.
 pub const PRELUDE_NAME: &str = "<prelude>";
 

@@ -49,8 +49,9 @@ pub struct Imported {
     pub opset: i64,
 }
 
-/// Names a TDSL program may not bind: keywords, dtypes and every builtin and prelude function.
-const RESERVED: &[&str] = &[
+/// Words of TDSL a program may not bind besides its functions
+/// ([`crate::front::predefined_functions`]): keywords, dtypes, kinds and optimizers.
+const RESERVED_WORDS: &[&str] = &[
     "const",
     "fn",
     "model",
@@ -76,65 +77,18 @@ const RESERVED: &[&str] = &[
     "bool",
     "int",
     "float",
-    "neg",
-    "abs",
-    "exp",
-    "log",
-    "sqrt",
-    "rsqrt",
-    "recip",
-    "tanh",
-    "sigmoid",
-    "relu",
-    "gelu",
-    "silu",
-    "sin",
-    "cos",
-    "erf",
-    "maximum",
-    "minimum",
-    "pow",
-    "where",
-    "cast",
-    "sum",
-    "mean",
-    "max",
-    "min",
-    "argmax",
-    "reshape",
-    "transpose",
-    "permute",
-    "broadcast_to",
-    "concat",
-    "split",
-    "squeeze",
-    "unsqueeze",
-    "zeros",
-    "ones",
-    "full",
-    "arange",
-    "tril",
-    "triu",
-    "conv2d",
-    "max_pool2d",
-    "avg_pool2d",
-    "embedding",
-    "dropout",
-    "grad",
-    "softmax",
-    "log_softmax",
-    "layer_norm",
-    "rms_norm",
-    "batch_norm",
-    "cross_entropy",
-    "mse",
-    "linear",
-    "attention",
-    "softplus",
     "sgd",
     "adam",
     "adamw",
 ];
+
+/// Every name an imported program may not bind.
+fn reserved() -> impl Iterator<Item = &'static str> {
+    RESERVED_WORDS
+        .iter()
+        .copied()
+        .chain(crate::front::predefined_functions())
+}
 
 /// A value of the ONNX graph.
 #[derive(Clone, Debug)]
@@ -159,7 +113,7 @@ impl Val {
 }
 
 /// A sanitized identifier: `[A-Za-z_][A-Za-z0-9_]*`, not reserved.
-fn sanitize(s: &str) -> String {
+pub(super) fn sanitize(s: &str) -> String {
     let mut o: String = s
         .chars()
         .map(|c| {
@@ -173,7 +127,7 @@ fn sanitize(s: &str) -> String {
     if o.is_empty() || o == "_" || o.starts_with(|c: char| c.is_ascii_digit()) {
         o = format!("v{o}");
     }
-    if RESERVED.contains(&o.as_str()) {
+    if reserved().any(|r| r == o) {
         o.push('_');
     }
     o
@@ -548,7 +502,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
     let mut im = Importer {
         opset,
         vals: HashMap::new(),
-        used: RESERVED.iter().map(|s| s.to_string()).collect(),
+        used: reserved().map(str::to_string).collect(),
         renamed: Vec::new(),
         decls: Vec::new(),
         body: Vec::new(),

@@ -282,3 +282,27 @@ fn truncated_and_corrupt_files_never_panic() {
     assert!(import(b"not a model at all", &o).is_err());
     assert_eq!(import(&[], &o).unwrap_err(), ImportError::NoGraph);
 }
+
+/// Names that TDSL gives a meaning (keywords, dtypes, builtins, prelude functions) are
+/// renamed; the builtins and prelude functions come from the front end, so a new one is
+/// reserved without a list here to update.
+#[test]
+fn reserved_names_are_renamed() {
+    use super::import::sanitize;
+    for (name, want) in [
+        ("relu", "relu_"),
+        ("layer_norm", "layer_norm_"),
+        ("softplus", "softplus_"),
+        ("for", "for_"),
+        ("f32", "f32_"),
+        ("adam", "adam_"),
+        ("fc.weight", "fc_weight"),
+        ("0", "v0"),
+    ] {
+        assert_eq!(sanitize(name), want, "{name}");
+    }
+    for f in crate::front::predefined_functions() {
+        assert_eq!(sanitize(f), format!("{f}_"), "{f}");
+    }
+    assert!(crate::front::predefined_functions().any(|f| f == "cross_entropy"));
+}
