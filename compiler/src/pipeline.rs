@@ -579,6 +579,7 @@ fn fuse_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageE
     let c = &o.compile;
     let fuse_opts = fuse::FuseOptions {
         implicit_gemm: c.target == Target::Cuda,
+        conv_gemm: true,
         k_major_f32: c.target == Target::Cuda && !c.allow_tf32,
         ..c.fuse
     };

@@ -348,3 +348,102 @@ fn shifted_logits_are_recomputed_from_stored_row_maxima() {
     );
     tcc_tests::assert_cpu_like_eager(&g, 3, 1e-5, "cross-entropy");
 }
+
+/// On the CPU, convolutions and both their gradients are implicit GEMMs (packed panels and
+/// a register tile, `back::clif`'s `gather_matmul`), in either layout, a channels-first
+/// output included, and a weight gradient whose pixels overflow the packed panel is split
+/// along them; every step agrees with the interpreter.
+#[test]
+fn cpu_convolutions_are_implicit_gemms() {
+    let src = "const N = 2\nconst C = 8\nconst S = 24\n\
+        model m {\n\
+            input x: f32[N, 3, S, S]\n\
+            param w1: f32[C, 3, 3, 3] = normal(0.0, 0.3)\n\
+            param w2: f32[C, C, 3, 3] = normal(0.0, 0.2)\n\
+            param w3: f32[C, C, 1, 1] = normal(0.0, 0.3)\n\
+            let h = relu(conv2d(x, w1, padding: 1))\n\
+            let y = conv2d(relu(conv2d(h, w2, stride: 2, padding: 1)), w3)\n\
+            let loss = mean(y * y)\n\
+            output loss, y\n\
+            train sgd(lr: 0.1) minimize loss\n\
+        }\n";
+    let g = compile_pipeline(src, &Default::default()).unwrap();
+    let inputs = tcc::eager::random_inputs(&g, 3);
+    let want = eager_steps(&g, &inputs, 3, 0).unwrap();
+    for channels_last in [false, true] {
+        let opts = tcc::artifact::CompileOptions {
+            fuse: FuseOptions {
+                fuse: true,
+                channels_last,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let c = tcc::artifact::compile(&g, &opts).unwrap();
+        let kernels = &c.fused.kernels;
+        let convs: Vec<_> = kernels
+            .iter()
+            .filter(|k| k.describe.contains("conv2d") && !k.describe.starts_with("zero fill"))
+            .collect();
+        assert!(convs.len() >= 8, "{}", print_kernels(kernels, None));
+        for k in &convs {
+            let gemm = k.matmul.as_ref().is_some_and(|m| m.a.gather.is_some());
+            assert!(gemm, "not an implicit GEMM on the CPU: {}", k.describe);
+        }
+        let got = steps_of(&c, &inputs, 3);
+        for (name, t) in &want.outputs {
+            let e = rel_err(&got[name], t);
+            assert!(
+                e <= 1e-4,
+                "channels_last {channels_last}: `{name}` differs by {e:e}"
+            );
+        }
+    }
+    // A weight gradient over more pixels than a panel of its columns holds is split.
+    let big = "const N = 4\nconst S = 64\n\
+        model m {\n\
+            input x: f32[N, 16, S, S]\n\
+            param w: f32[16, 16, 3, 3] = normal(0.0, 0.1)\n\
+            let y = conv2d(x, w, padding: 1)\n\
+            let loss = mean(y * y)\n\
+            output loss\n\
+            train sgd(lr: 0.1) minimize loss\n\
+        }\n";
+    let g = compile_pipeline(big, &Default::default()).unwrap();
+    let c = tcc::artifact::compile(&g, &Default::default()).unwrap();
+    let split = c
+        .fused
+        .kernels
+        .iter()
+        .filter_map(|k| k.matmul.as_ref())
+        .any(|m| m.split_k > 1 && m.a.gather.is_some());
+    assert!(split, "{}", print_kernels(&c.fused.kernels, None));
+    tcc_tests::assert_cpu_like_eager(&g, 5, 1e-4, "split weight gradient");
+}
+
+/// Outputs of `steps` compiled CPU steps of `c` fed `inputs`.
+fn steps_of(
+    c: &tcc::artifact::Compiled,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+) -> std::collections::BTreeMap<String, tcc::eager::Tensor> {
+    let img = tcc::artifact::persistent_image(c, 0, &Default::default()).unwrap();
+    let bytes = tcc::artifact::write_artifact(c, tcc::artifact::Target::Cpu, &img);
+    let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
+    let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    for (name, t) in inputs {
+        s.set_input_bytes(name, &t.to_le_bytes()).unwrap();
+    }
+    for _ in 0..steps {
+        s.run().unwrap();
+    }
+    c.graph
+        .outputs
+        .iter()
+        .map(|(name, n)| {
+            let ty = c.graph.ty(*n).clone();
+            let t = tcc::eager::Tensor::from_le_bytes(ty, s.output_bytes(name).unwrap()).unwrap();
+            (name.clone(), t)
+        })
+        .collect()
+}

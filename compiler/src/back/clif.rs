@@ -14,10 +14,10 @@
 //! runtime receives is well-formed.
 
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
-use crate::kernel::lower::reachable;
+use crate::kernel::lower::{free_vars, reachable};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{ExprId, Kernel, Matmul, Red, VTy, Var, E};
+use crate::kernel::{ExprId, ExprPool, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
 use cranelift_codegen::ir::{
@@ -27,7 +27,7 @@ use cranelift_codegen::ir::{
 use cranelift_codegen::isa::CallConv;
 use cranelift_codegen::settings;
 use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// Slots of the helper table (runtime/ARTIFACT.md).
 mod slot {
@@ -77,6 +77,18 @@ fn vflags() -> MemFlagsData {
 /// f32 lanes of the vectors of the innermost loop.
 const LANES: i64 = 4;
 
+/// The operands of a register tile (`Cg::register_tile`): A's rows `arow` bytes apart and
+/// its `k` steps `acol` bytes apart from `pa0`; B's rows of the tile's columns, contiguous,
+/// `bstep` bytes apart from `pb0`; `kcount` steps.
+struct TileSrc {
+    pa0: Value,
+    arow: i64,
+    acol: i64,
+    pb0: Value,
+    bstep: i64,
+    kcount: Value,
+}
+
 /// How a Loop kernel's innermost domain loop runs on f32x4 vectors (see `Cg::simd_plan`).
 struct SimdPlan {
     /// The innermost domain variable.
@@ -125,7 +137,22 @@ pub fn emit_kernel(
     let mut func = Function::with_name_signature(UserFuncName::testcase(&k.name), signature());
     {
         let b = FunctionBuilder::new(&mut func, fctx);
+        let prepared = match &k.matmul {
+            Some(mm) if mm.a.gather.is_some() || mm.b.gather.is_some() => {
+                Some(Gathers::prepare(k).map_err(|m| ClifError::Unsupported {
+                    kernel: k.name.clone(),
+                    message: m,
+                })?)
+            }
+            _ => None,
+        };
+        let (k, gathers) = match prepared {
+            Some((pk, g)) => (std::borrow::Cow::Owned(pk), Some(g)),
+            None => (std::borrow::Cow::Borrowed(k), None),
+        };
+        let k = k.as_ref();
         let mut cg = Cg::new(b, k, offsets)?;
+        cg.gathers = gathers;
         match &k.matmul {
             Some(mm) => cg.matmul(mm)?,
             None => cg.loops()?,
@@ -168,6 +195,8 @@ struct Cg<'a, 'b> {
     vcache: HashMap<ExprId, Value>,
     /// The variable of the vector loop being emitted.
     vinner: Option<Var>,
+    /// An implicit GEMM's operands as the packing loops read them.
+    gathers: Option<Gathers>,
 }
 
 impl<'a, 'b> Cg<'a, 'b> {
@@ -194,6 +223,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             acc: None,
             vcache: HashMap::new(),
             vinner: None,
+            gathers: None,
         })
     }
 
@@ -443,7 +473,10 @@ impl<'a, 'b> Cg<'a, 'b> {
         let node = self.k.pool.get(e).clone();
         let v = match node {
             E::Load { buf, dtype, index } if dtype == DType::F32 => {
-                let coef = self.k.pool.affine(index).map(|a| a.coef(inner));
+                let coef = match self.k.pool.affine(index) {
+                    Some(a) => Some(a.coef(inner)),
+                    None => coef_of(&self.k.pool, index, inner),
+                };
                 let i = self.emit(index)?;
                 let addr = self.address(buf, dtype, i)?;
                 match coef {
@@ -1154,10 +1187,13 @@ impl<'a, 'b> Cg<'a, 'b> {
     // ---- matmul ----
 
     fn matmul(&mut self, mm: &Matmul) -> Res<()> {
+        if let Some(g) = self.gathers.take() {
+            return self.gather_matmul(mm, &g);
+        }
         if !mm.is_plain() {
-            return Err(
-                self.unsupported("implicit-GEMM operands (the CPU lowers convolutions as loops)")
-            );
+            return Err(self.unsupported(
+                "implicit-GEMM operands without a packing plan (`Gathers::prepare`)",
+            ));
         }
         const MR: i64 = 4;
         const NR: i64 = 8;
@@ -1343,70 +1379,19 @@ impl<'a, 'b> Cg<'a, 'b> {
         mr: i64,
         nr: i64,
     ) -> Res<()> {
-        let nv = nr / LANES;
-        let zero = self.b.ins().f32const(0.0);
-        let zv = self.b.ins().splat(F32X4, zero);
-        let accs: Vec<Variable> = (0..(mr * nv))
-            .map(|_| {
-                let v = self.b.declare_var(F32X4);
-                self.b.def_var(v, zv);
-                v
-            })
-            .collect();
         let arow = self.b.ins().imul_imm_s(i0, mm.a.rs);
         let ai = self.b.ins().iadd(abase, arow);
         let pa0 = self.elem_addr(mm.a.buf, ai, 4)?;
-        let pa = self.b.declare_var(I64);
-        let pb = self.b.declare_var(I64);
-        self.b.def_var(pa, pa0);
-        self.b.def_var(pb, pb0);
-        let arow_bytes = mm.a.rs * 4;
-        let fits = (mr - 1)
-            .checked_mul(arow_bytes)
-            .is_some_and(|v| i32::try_from(v).is_ok() && i32::try_from(-v).is_ok());
-        let z = self.iconst(0);
-        let kend = self.iconst(mm.k as i64);
-        let kl = self.open_loop(z, kend);
-        let pbv = self.b.use_var(pb);
-        let pav = self.b.use_var(pa);
-        let bvs: Vec<Value> = (0..nv)
-            .map(|c| {
-                self.b
-                    .ins()
-                    .load(F32X4, vflags(), pbv, (c * LANES * 4) as i32)
-            })
-            .collect();
-        for r in 0..mr {
-            let a = if fits {
-                self.b
-                    .ins()
-                    .load(F32, flags(), pav, (r * arow_bytes) as i32)
-            } else {
-                let p = self.b.ins().iadd_imm_s(pav, r * arow_bytes);
-                self.b.ins().load(F32, flags(), p, 0)
-            };
-            let av = self.b.ins().splat(F32X4, a);
-            for (c, &bv) in bvs.iter().enumerate() {
-                let var = accs[(r * nv) as usize + c];
-                let old = self.b.use_var(var);
-                let p = self.b.ins().fmul(av, bv);
-                let s = self.b.ins().fadd(old, p);
-                self.b.def_var(var, s);
-            }
-        }
-        let pbn = self.b.ins().iadd_imm_s(pbv, bstep);
-        let pan = self.b.ins().iadd_imm_s(pav, mm.a.cs * 4);
-        self.b.def_var(pb, pbn);
-        self.b.def_var(pa, pan);
-        self.close_loop(kl);
-        for r in 0..mr {
-            for c in 0..nv {
-                let v = self.b.use_var(accs[(r * nv + c) as usize]);
-                self.b
-                    .ins()
-                    .stack_store(I64, v, slot, ((r * nr + c * LANES) * 4) as i32);
-            }
-        }
+        let kcount = self.iconst(mm.k as i64);
+        let src = TileSrc {
+            pa0,
+            arow: mm.a.rs * 4,
+            acol: mm.a.cs * 4,
+            pb0,
+            bstep,
+            kcount,
+        };
+        self.register_tile(slot, &src, mr, nr);
         // Epilogue over the tile.
         let z3 = self.iconst(0);
         let tend = self.iconst(mr * nr);
@@ -1422,6 +1407,68 @@ impl<'a, 'b> Cg<'a, 'b> {
         self.epilogue(nb, i, j, accv)?;
         self.close_loop(tl);
         Ok(())
+    }
+
+    /// The `mr` x `nr` products of `src` summed over its `kcount` steps in `f32x4`
+    /// accumulators (one fused multiply-add per vector and step: `vfmadd` where the host
+    /// has FMA), stored row-major into `slot`.
+    fn register_tile(&mut self, slot: StackSlot, src: &TileSrc, mr: i64, nr: i64) {
+        let nv = nr / LANES;
+        let zero = self.b.ins().f32const(0.0);
+        let zv = self.b.ins().splat(F32X4, zero);
+        let accs: Vec<Variable> = (0..(mr * nv))
+            .map(|_| {
+                let v = self.b.declare_var(F32X4);
+                self.b.def_var(v, zv);
+                v
+            })
+            .collect();
+        let pa = self.b.declare_var(I64);
+        let pb = self.b.declare_var(I64);
+        self.b.def_var(pa, src.pa0);
+        self.b.def_var(pb, src.pb0);
+        let fits = (mr - 1)
+            .checked_mul(src.arow)
+            .is_some_and(|v| i32::try_from(v).is_ok() && i32::try_from(-v).is_ok());
+        let z = self.iconst(0);
+        let kl = self.open_loop(z, src.kcount);
+        let pbv = self.b.use_var(pb);
+        let pav = self.b.use_var(pa);
+        let bvs: Vec<Value> = (0..nv)
+            .map(|c| {
+                self.b
+                    .ins()
+                    .load(F32X4, vflags(), pbv, (c * LANES * 4) as i32)
+            })
+            .collect();
+        for r in 0..mr {
+            let a = if fits {
+                self.b.ins().load(F32, flags(), pav, (r * src.arow) as i32)
+            } else {
+                let p = self.b.ins().iadd_imm_s(pav, r * src.arow);
+                self.b.ins().load(F32, flags(), p, 0)
+            };
+            let av = self.b.ins().splat(F32X4, a);
+            for (c, &bv) in bvs.iter().enumerate() {
+                let var = accs[(r * nv) as usize + c];
+                let old = self.b.use_var(var);
+                let s = self.b.ins().fma(av, bv, old);
+                self.b.def_var(var, s);
+            }
+        }
+        let pbn = self.b.ins().iadd_imm_s(pbv, src.bstep);
+        let pan = self.b.ins().iadd_imm_s(pav, src.acol);
+        self.b.def_var(pb, pbn);
+        self.b.def_var(pa, pan);
+        self.close_loop(kl);
+        for r in 0..mr {
+            for c in 0..nv {
+                let v = self.b.use_var(accs[(r * nv + c) as usize]);
+                self.b
+                    .ins()
+                    .stack_store(I64, v, slot, ((r * nr + c * LANES) * 4) as i32);
+            }
+        }
     }
 
     fn elem_addr(&mut self, buf: NodeId, idx: Value, size: i64) -> Res<Value> {
@@ -1505,6 +1552,471 @@ impl<'a, 'b> Cg<'a, 'b> {
         }
         self.acc = None;
         r
+    }
+}
+
+/// Bytes of the stack copy of B's panel of an implicit GEMM (`lower::CPU_PACK_B_BYTES`,
+/// which bounds `k` so that a column tile fits).
+const PACK_B: i64 = crate::kernel::lower::CPU_PACK_B_BYTES as i64;
+
+/// One gathered operand of an implicit GEMM as the packing loops read it: `value` over
+/// `side` (A's row or B's column) and `k = t * run + u` (`t` the run, `u` the position in
+/// it), with the free variables of every node it reaches (pool order).
+struct PackedOperand {
+    value: ExprId,
+    side: Var,
+    t: Var,
+    u: Var,
+    nodes: Vec<(ExprId, BTreeSet<Var>)>,
+}
+
+/// Both operands of an implicit GEMM, prepared for the packing loops
+/// (`Cg::gather_matmul`).
+struct Gathers {
+    a: PackedOperand,
+    b: PackedOperand,
+    /// Extent of `k`'s innermost axis (`Gather::k_inner`).
+    run: usize,
+}
+
+impl Gathers {
+    /// A copy of kernel `k` whose pool also holds each gathered operand's value with `k`
+    /// replaced by `t * run + u` and the index arithmetic simplified again: a window's
+    /// `(tap, channel)` or a pixel's `(row, column)` read straight from `t` and `u`, so a
+    /// run of `u` is a contiguous load where the layout allows.
+    fn prepare(k: &Kernel) -> Result<(Kernel, Gathers), String> {
+        let mm = k.matmul.as_ref().ok_or("no matmul")?;
+        let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
+            return Err("an implicit GEMM with one strided operand".into());
+        };
+        let run = ga.k_inner;
+        if run == 0 || gb.k_inner != run || mm.k % run != 0 || !mm.batch.is_empty() {
+            return Err(format!(
+                "implicit GEMM operands split k ({}) in runs of {} and {}",
+                mm.k, ga.k_inner, gb.k_inner
+            ));
+        }
+        let mut k2 = k.clone();
+        let pool = &mut k2.pool;
+        let (t, u) = (pool.fresh_var(), pool.fresh_var());
+        let ext: HashMap<Var, usize> = [(ga.row, mm.m), (gb.col, mm.n), (t, mm.k / run), (u, run)]
+            .into_iter()
+            .collect();
+        let extf = |v: Var| ext.get(&v).copied();
+        let tv = pool.var(t);
+        let tv = pool.imul_c(tv, run as i64);
+        let uv = pool.var(u);
+        let with = pool.iadd(tv, uv);
+        let va = pool.substitute_index(ga.value, ga.col, with, &extf);
+        let vb = pool.substitute_index(gb.value, gb.row, with, &extf);
+        let free = free_vars(pool);
+        let nodes = |root: ExprId| {
+            reachable(pool, &[root])
+                .into_iter()
+                .map(|e| (e, free[e.0 as usize].clone()))
+                .collect::<Vec<_>>()
+        };
+        let a = PackedOperand {
+            value: va,
+            side: ga.row,
+            t,
+            u,
+            nodes: nodes(va),
+        };
+        let b = PackedOperand {
+            value: vb,
+            side: gb.col,
+            t,
+            u,
+            nodes: nodes(vb),
+        };
+        Ok((k2, Gathers { a, b, run }))
+    }
+}
+
+/// The coefficient of variable `v` in index `e` when `e` is `c * v` plus terms that do not
+/// read `v` (clamps and quotients of other variables included); `None` otherwise.
+fn coef_of(pool: &ExprPool, e: ExprId, v: Var) -> Option<i64> {
+    let mut terms = Vec::new();
+    pool.summands(e, 1, &mut terms)?;
+    let mut c = 0;
+    for (x, k) in terms {
+        match pool.get(x) {
+            E::Var(w) if *w == v => c += k,
+            _ if reachable(pool, &[x])
+                .iter()
+                .any(|y| matches!(pool.get(*y), E::Var(w) if *w == v)) =>
+            {
+                return None
+            }
+            _ => {}
+        }
+    }
+    Some(c)
+}
+
+impl Cg<'_, '_> {
+    /// An implicit GEMM (a convolution or one of its gradients, `kernel::Gather` operands)
+    /// as packed panels: for each split of `k` and each panel of column tiles, the panel of
+    /// B is gathered once into the stack, then for every row tile of this thread A's rows
+    /// are gathered (a run of `k`'s innermost axis at a time, on vectors where the run is
+    /// contiguous) and each column tile is a register tile of fused multiply-adds over
+    /// the packed copies, stored through the epilogue.
+    fn gather_matmul(&mut self, mm: &Matmul, g: &Gathers) -> Res<()> {
+        const MR: i64 = 4;
+        const NR: i64 = 8;
+        let (m, n) = (mm.m as i64, mm.n as i64);
+        let run = g.run as i64;
+        let runs = mm.k as i64 / run;
+        let splits = (mm.split_k as i64).clamp(1, runs.max(1));
+        let per_split = (runs + splits - 1) / splits;
+        let ks_max = per_split * run;
+        let ntiles = (n + NR - 1) / NR;
+        let tile_bytes = ks_max * NR * 4;
+        let pt = (PACK_B / tile_bytes.max(1)).clamp(1, ntiles.max(1));
+        let npan = (ntiles + pt - 1) / pt;
+        let slot = |cg: &mut Self, bytes: i64| {
+            cg.b.create_sized_stack_slot(StackSlotData::new(
+                StackSlotKind::ExplicitSlot,
+                bytes.max(4) as u32,
+                4,
+            ))
+        };
+        let acc_slot = slot(self, MR * NR * 4);
+        let a_slot = slot(self, MR * ks_max * 4);
+        let b_slot = slot(self, pt * tile_bytes);
+
+        let z = self.iconst(0);
+        let send = self.iconst(splits);
+        let sl = self.open_loop(z, send);
+        let t0 = self.b.ins().imul_imm_s(sl.iv, per_split);
+        let t1 = self.b.ins().iadd_imm_s(t0, per_split);
+        let rc = self.iconst(runs);
+        let t1 = self.b.ins().smin(t1, rc);
+        let nt = self.b.ins().isub(t1, t0);
+        let nk = self.b.ins().imul_imm_s(nt, run);
+
+        let z = self.iconst(0);
+        let pend = self.iconst(npan);
+        let pl = self.open_loop(z, pend);
+        let jt_lo = self.b.ins().imul_imm_s(pl.iv, pt);
+        let jt_hi = self.b.ins().iadd_imm_s(jt_lo, pt);
+        let ntc = self.iconst(ntiles);
+        let jt_hi = self.b.ins().smin(jt_hi, ntc);
+        self.pack_b(&g.b, b_slot, [jt_lo, jt_hi], [t0, t1], nk, run, n, NR)?;
+
+        let xl = self.open_loop(self.lo, self.hi);
+        let i0 = self.b.ins().imul_imm_s(xl.iv, MR);
+        self.pack_a(&g.a, a_slot, i0, [t0, t1], ks_max, run, m, MR)?;
+        let jl = self.open_loop(jt_lo, jt_hi);
+        let rel = self.b.ins().isub(jl.iv, jt_lo);
+        let tile = self.b.ins().imul(rel, nk);
+        let off = self.b.ins().imul_imm_s(tile, NR * 4);
+        let pb = self.b.ins().stack_addr(I64, b_slot, 0);
+        let pb0 = self.b.ins().iadd(pb, off);
+        let pa0 = self.b.ins().stack_addr(I64, a_slot, 0);
+        let src = TileSrc {
+            pa0,
+            arow: ks_max * 4,
+            acol: 4,
+            pb0,
+            bstep: NR * 4,
+            kcount: nk,
+        };
+        self.register_tile(acc_slot, &src, MR, NR);
+        let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
+        self.bounded_epilogue(mm, acc_slot, i0, j0, MR, NR)?;
+        self.close_loop(jl);
+        self.close_loop(xl);
+        self.close_loop(pl);
+        self.close_loop(sl);
+        Ok(())
+    }
+
+    /// Emits the nodes of `op` that read `v` and whose variables are all bound now (the
+    /// packing loops bind the side, then `t`, then `u`).
+    fn emit_level(&mut self, op: &PackedOperand, v: Var, bound: &[Var]) -> Res<()> {
+        for (e, fv) in &op.nodes {
+            if fv.contains(&v) && fv.iter().all(|w| bound.contains(w)) {
+                self.emit(*e)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// B's columns of tiles `[jt_lo, jt_hi)` (the last one clamped to column `n - 1`) and
+    /// runs `[t0, t1)`: tile by tile, `k` rows of `nr` floats.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_b(
+        &mut self,
+        op: &PackedOperand,
+        slot: StackSlot,
+        [jt_lo, jt_hi]: [Value; 2],
+        [t0, t1]: [Value; 2],
+        nk: Value,
+        run: i64,
+        n: i64,
+        nr: i64,
+    ) -> Res<()> {
+        let jl = self.open_loop(jt_lo, jt_hi);
+        let z = self.iconst(0);
+        let nrc = self.iconst(nr);
+        let cl = self.open_loop(z, nrc);
+        let j0 = self.b.ins().imul_imm_s(jl.iv, nr);
+        let j = self.b.ins().iadd(j0, cl.iv);
+        let last = self.iconst(n - 1);
+        let col = self.b.ins().smin(j, last);
+        self.vars.insert(op.side, col);
+        self.emit_level(op, op.side, &[op.side])?;
+        let rel = self.b.ins().isub(jl.iv, jt_lo);
+        let tile = self.b.ins().imul(rel, nk);
+        let tile = self.b.ins().imul_imm_s(tile, nr * 4);
+        let lane = self.b.ins().imul_imm_s(cl.iv, 4);
+        let base = self.b.ins().stack_addr(I64, slot, 0);
+        let base = self.b.ins().iadd(base, tile);
+        let base = self.b.ins().iadd(base, lane);
+        let tl = self.open_loop(t0, t1);
+        self.vars.insert(op.t, tl.iv);
+        self.emit_level(op, op.t, &[op.side, op.t])?;
+        let rel_t = self.b.ins().isub(tl.iv, t0);
+        let row = self.b.ins().imul_imm_s(rel_t, run * nr * 4);
+        let rbase = self.b.ins().iadd(base, row);
+        let z = self.iconst(0);
+        let rend = self.iconst(run);
+        let ul = self.open_loop(z, rend);
+        self.vars.insert(op.u, ul.iv);
+        let v = self.emit(op.value)?;
+        let off = self.b.ins().imul_imm_s(ul.iv, nr * 4);
+        let addr = self.b.ins().iadd(rbase, off);
+        self.b.ins().store(flags(), v, addr, 0);
+        self.close_loop(ul);
+        self.close_loop(tl);
+        self.close_loop(cl);
+        self.close_loop(jl);
+        Ok(())
+    }
+
+    /// A's rows `i0..i0 + mr` (clamped to row `m - 1`) over runs `[t0, t1)`, row `r` at
+    /// `r * ks_max` floats: each run on f32x4 vectors while 4 lanes fit when its values
+    /// have a vector form, the rest one by one.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_a(
+        &mut self,
+        op: &PackedOperand,
+        slot: StackSlot,
+        i0: Value,
+        [t0, t1]: [Value; 2],
+        ks_max: i64,
+        run: i64,
+        m: i64,
+        mr: i64,
+    ) -> Res<()> {
+        let vector = if run >= LANES {
+            self.vector_invariants(op.value, op.u)
+        } else {
+            None
+        };
+        let z = self.iconst(0);
+        let mrc = self.iconst(mr);
+        let rl = self.open_loop(z, mrc);
+        let i = self.b.ins().iadd(i0, rl.iv);
+        let last = self.iconst(m - 1);
+        let row = self.b.ins().smin(i, last);
+        self.vars.insert(op.side, row);
+        self.emit_level(op, op.side, &[op.side])?;
+        let roff = self.b.ins().imul_imm_s(rl.iv, ks_max * 4);
+        let base = self.b.ins().stack_addr(I64, slot, 0);
+        let base = self.b.ins().iadd(base, roff);
+        let tl = self.open_loop(t0, t1);
+        self.vars.insert(op.t, tl.iv);
+        self.emit_level(op, op.t, &[op.side, op.t])?;
+        let rel_t = self.b.ins().isub(tl.iv, t0);
+        let toff = self.b.ins().imul_imm_s(rel_t, run * 4);
+        let rbase = self.b.ins().iadd(base, toff);
+        let mut start = self.iconst(0);
+        let rend = self.iconst(run);
+        if let Some(inv) = &vector {
+            self.vcache.clear();
+            self.vinner = Some(op.u);
+            for &e in inv {
+                let s = self.emit(e)?;
+                let v = match self.k.pool.ty(e) {
+                    VTy::Bool => self.bool_mask(s),
+                    _ => self.b.ins().splat(F32X4, s),
+                };
+                self.vcache.insert(e, v);
+            }
+            let header = self.b.create_block();
+            let body = self.b.create_block();
+            let exit = self.b.create_block();
+            self.b.append_block_param(header, I64);
+            self.b.ins().jump(header, &[start.into()]);
+            self.b.switch_to_block(header);
+            let iv = self.b.block_params(header)[0];
+            let next = self.b.ins().iadd_imm_s(iv, LANES);
+            let fits = self.b.ins().icmp(IntCC::SignedLessThanOrEqual, next, rend);
+            self.b.ins().brif(fits, body, &[], exit, &[]);
+            self.b.switch_to_block(body);
+            self.journal.push(Vec::new());
+            self.vars.insert(op.u, iv);
+            let v = self.vemit(op.value)?;
+            let off = self.b.ins().imul_imm_s(iv, 4);
+            let addr = self.b.ins().iadd(rbase, off);
+            self.b.ins().store(vflags(), v, addr, 0);
+            self.b.ins().jump(header, &[next.into()]);
+            self.b.switch_to_block(exit);
+            if let Some(keys) = self.journal.pop() {
+                for key in keys {
+                    self.cache.remove(&key);
+                }
+            }
+            self.vcache.clear();
+            self.vinner = None;
+            start = iv;
+        }
+        let ul = self.open_loop(start, rend);
+        self.vars.insert(op.u, ul.iv);
+        let v = self.emit(op.value)?;
+        let off = self.b.ins().imul_imm_s(ul.iv, 4);
+        let addr = self.b.ins().iadd(rbase, off);
+        self.b.ins().store(flags(), v, addr, 0);
+        self.close_loop(ul);
+        self.close_loop(tl);
+        self.close_loop(rl);
+        Ok(())
+    }
+
+    /// When `root` has a vector form along `inner` (the forms `vemit` takes, loads at
+    /// a coefficient of 0 or 1 in `inner`), the f32 and bool values it reads that do not
+    /// depend on `inner` (splat once per run; ascending ids).
+    fn vector_invariants(&self, root: ExprId, inner: Var) -> Option<Vec<ExprId>> {
+        let pool = &self.k.pool;
+        let reads = |e: ExprId| {
+            reachable(pool, &[e])
+                .iter()
+                .any(|y| matches!(pool.get(*y), E::Var(w) if *w == inner))
+        };
+        let mut seen = BTreeSet::new();
+        let mut invariants = Vec::new();
+        let mut stack = vec![root];
+        while let Some(e) = stack.pop() {
+            if !seen.insert(e) {
+                continue;
+            }
+            let ty = pool.ty(e);
+            if !reads(e) {
+                if ty != VTy::F32 && ty != VTy::Bool {
+                    return None;
+                }
+                invariants.push(e);
+                continue;
+            }
+            match pool.get(e) {
+                E::Load {
+                    dtype: DType::F32,
+                    index,
+                    ..
+                } => {
+                    if !matches!(coef_of(pool, *index, inner), Some(0 | 1)) {
+                        return None;
+                    }
+                }
+                E::Un(op, a) if ty == VTy::F32 && simd_unary(*op) => stack.push(*a),
+                E::Un(UnaryOp::Not, a) if ty == VTy::Bool => stack.push(*a),
+                E::Bin(op, a, b)
+                    if pool.ty(*a) == VTy::F32 && simd_binary(*op)
+                        || ty == VTy::Bool
+                            && pool.ty(*a) == VTy::Bool
+                            && matches!(op, BinaryOp::And | BinaryOp::Or) =>
+                {
+                    stack.push(*a);
+                    stack.push(*b);
+                }
+                E::Select(c, a, b) if ty == VTy::F32 && pool.ty(*c) == VTy::Bool => {
+                    stack.push(*c);
+                    stack.push(*a);
+                    stack.push(*b);
+                }
+                _ => return None,
+            }
+        }
+        invariants.sort_unstable();
+        Some(invariants)
+    }
+
+    /// The epilogue of an implicit GEMM's tile at rows `i0..`, columns `j0..`, for the
+    /// elements inside `m` x `n`: each row and column index unflattened over the
+    /// kernel's row and column axes (`Matmul::rows`, `Matmul::cols`).
+    fn bounded_epilogue(
+        &mut self,
+        mm: &Matmul,
+        slot: StackSlot,
+        i0: Value,
+        j0: Value,
+        mr: i64,
+        nr: i64,
+    ) -> Res<()> {
+        let z = self.iconst(0);
+        let mrc = self.iconst(mr);
+        let rl = self.open_loop(z, mrc);
+        let i = self.b.ins().iadd(i0, rl.iv);
+        let mc = self.iconst(mm.m as i64);
+        let inside = self.b.ins().icmp(IntCC::SignedLessThan, i, mc);
+        let row_blk = self.b.create_block();
+        let row_end = self.b.create_block();
+        self.b.ins().brif(inside, row_blk, &[], row_end, &[]);
+        self.b.switch_to_block(row_blk);
+        self.bind_flat(i, &mm.rows, 0);
+        let z = self.iconst(0);
+        let nrc = self.iconst(nr);
+        let cl = self.open_loop(z, nrc);
+        let j = self.b.ins().iadd(j0, cl.iv);
+        let nc = self.iconst(mm.n as i64);
+        let inside = self.b.ins().icmp(IntCC::SignedLessThan, j, nc);
+        let col_blk = self.b.create_block();
+        let col_end = self.b.create_block();
+        self.b.ins().brif(inside, col_blk, &[], col_end, &[]);
+        self.b.switch_to_block(col_blk);
+        self.bind_flat(j, &mm.cols, mm.rows.len());
+        let r = self.b.ins().imul_imm_s(rl.iv, nr);
+        let e = self.b.ins().iadd(r, cl.iv);
+        let off = self.b.ins().imul_imm_s(e, 4);
+        let sa = self.b.ins().stack_addr(I64, slot, 0);
+        let sa = self.b.ins().iadd(sa, off);
+        let acc = self.b.ins().load(F32, flags(), sa, 0);
+        self.acc = Some(acc);
+        self.journal.push(Vec::new());
+        let res = self.stores();
+        if let Some(keys) = self.journal.pop() {
+            for key in keys {
+                self.cache.remove(&key);
+            }
+        }
+        self.acc = None;
+        res?;
+        self.b.ins().jump(col_end, &[]);
+        self.b.switch_to_block(col_end);
+        self.close_loop(cl);
+        self.b.ins().jump(row_end, &[]);
+        self.b.switch_to_block(row_end);
+        self.close_loop(rl);
+        Ok(())
+    }
+
+    /// Binds domain variables `first..` to the row-major coordinates of `flat` over `dims`.
+    fn bind_flat(&mut self, flat: Value, dims: &[usize], first: usize) {
+        let mut rest = flat;
+        for (q, &d) in dims.iter().enumerate().rev() {
+            let v = (first + q) as Var;
+            if q == 0 {
+                self.vars.insert(v, rest);
+            } else {
+                let d = d.max(1) as i64;
+                let c = self.b.ins().srem_imm_s(rest, d);
+                self.vars.insert(v, c);
+                rest = self.b.ins().sdiv_imm_s(rest, d);
+            }
+        }
     }
 }
 

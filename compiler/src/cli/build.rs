@@ -27,7 +27,7 @@ pub fn compile_options(t: Target, no_fuse: bool, layout: Layout) -> CompileOptio
             channels_last: match layout {
                 Layout::Nhwc => true,
                 Layout::Nchw => false,
-                Layout::Auto => t == Target::Cuda,
+                Layout::Auto => true,
             },
             ..FuseOptions::default()
         },

@@ -99,9 +99,9 @@ pub enum Command {
         /// Give every op its own kernel (no fusion): the baseline fusion is measured against.
         #[arg(long)]
         no_fuse: bool,
-        /// Layout of convolution-chain intermediates (`auto`: NHWC for CUDA, where
-        /// convolutions run as implicit GEMMs (cnn step 43 ms against 133 in NCHW on an
-        /// H100); NCHW on the CPU, whose scalar convolution loops measured faster in NCHW).
+        /// Layout of convolution-chain intermediates (`auto`: NHWC on both targets, where
+        /// convolutions run as implicit GEMMs: cnn step 43 ms against 133 in NCHW on an
+        /// H100; on the CPU a window's channels are then contiguous runs to pack).
         #[arg(long, value_enum, default_value_t = Layout::Auto)]
         layout: Layout,
         /// Let f32 matmuls use TF32 tensor cores on CUDA (10-bit mantissa products, f32

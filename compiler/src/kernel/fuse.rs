@@ -72,6 +72,10 @@ pub struct FuseOptions {
     /// B contiguous along `k` in place (Hopper's wgmma reads it K-major); set by
     /// the pipeline's `fuse` stage for CUDA.
     pub implicit_gemm: bool,
+    /// Lower convolutions and their gradients as implicit GEMMs ([`super::Gather`]
+    /// operands) where shapes allow ([`lower::Decisions::conv_gemm`]): set by the pipeline
+    /// for both targets (the CPU's are bounded by [`lower::cpu_conv_gemm_ok`]).
+    pub conv_gemm: bool,
     /// Let f32 matmuls read a B contiguous along `k` (a transposed view: a weight in a
     /// backward pass, attention's `k^T`) in place instead of copying it; set by
     /// the pipeline's `fuse` stage for CUDA without TF32, whose FFMA tiles load such a B along `k`.
@@ -84,6 +88,7 @@ impl Default for FuseOptions {
             fuse: true,
             channels_last: false,
             implicit_gemm: false,
+            conv_gemm: false,
             k_major_f32: false,
         }
     }
@@ -243,7 +248,7 @@ fn decide(
             m.insert(n);
         }
         // A weight gradient split along k accumulates into a buffer of its own.
-        if opts.implicit_gemm && lower::conv_split_k(g, n) > 1 {
+        if opts.conv_gemm && lower::conv_split_k(g, n, opts.implicit_gemm) > 1 {
             m.insert(n);
         }
     }
@@ -289,7 +294,7 @@ fn decide(
                     Op::Conv2d { .. }
                     | Op::Conv2dGradInput { .. }
                     | Op::Conv2dGradWeight { .. }
-                        if opts.implicit_gemm =>
+                        if opts.conv_gemm =>
                     {
                         let (u, _) = us[0];
                         g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape
@@ -599,7 +604,7 @@ fn concat_pieces(
                 && !op.is_leaf()
                 && !op.is_scatter()
                 && !matches!(op, Op::Concat { .. })
-                && lower::conv_split_k(g, x) <= 1
+                && lower::conv_split_k(g, x, true) <= 1
                 && g.ty(x).dtype == node.ty.dtype
                 && !pieces.iter().any(|(y, _): &(NodeId, Piece)| *y == x);
             if !ok {
@@ -795,6 +800,7 @@ fn build(
         materialized: m,
         layouts,
         implicit_gemm,
+        conv_gemm: opts.conv_gemm,
         k_major_f32: opts.k_major_f32,
         zeros,
     };
@@ -844,8 +850,8 @@ fn build(
             continue;
         }
         let name = format!("k{}", kernels.len());
-        let splits = if implicit_gemm {
-            lower::conv_split_k(g, n)
+        let splits = if opts.conv_gemm {
+            lower::conv_split_k(g, n, implicit_gemm)
         } else {
             1
         };
@@ -894,6 +900,11 @@ fn build(
         let (mut b, idx) = if matmul_anchor_ok(g, n) {
             let b = Builder::new(&d, n, dims);
             let idx = b.domain_vars();
+            (b, idx)
+        } else if let Some(order) = lower::cpu_conv_domain(&d, n) {
+            let mine = guests.get(&n).cloned().unwrap_or_default();
+            let b = Builder::new(&d, n, order.iter().map(|&a| dims[a]).collect()).with_guests(mine);
+            let idx = b.index_in(&order);
             (b, idx)
         } else {
             let layout = d.layout(n);

@@ -8,7 +8,8 @@
 //! strides from the same arithmetic. Views never copy; a contiguous copy is made only where
 //! a matmul's B operand is not contiguous along its columns (`lower::Builder::matmul_spec`).
 //!
-//! On CUDA, channels-last is what lets a convolution and its input gradient run as implicit
+//! On the CPU, channels-last makes a window's channels one contiguous run, which the
+//! implicit GEMM's packing copies on vectors (`back::clif`). On CUDA, channels-last is what lets a convolution and its input gradient run as implicit
 //! GEMMs (their rows `[N, H, W]` lead the output's domain, and the gathered activation is
 //! contiguous along `k`): the cnn example's step takes 43 ms in NHWC and 133 ms in NCHW on
 //! an H100 (`--layout`).

@@ -7,7 +7,7 @@
 //! masked, so no load ever reads outside its buffer.
 //!
 //! Matmuls become [`Matmul`] anchors over strided operands. With
-//! [`Decisions::implicit_gemm`] (CUDA), convolutions and their gradients do too, as implicit
+//! [`Decisions::conv_gemm`], convolutions and their gradients do too, as implicit
 //! GEMMs whose operands are [`Gather`]s: the value of an input window at (row, k), built
 //! by the same `guarded`/`window`/`untap` arithmetic as the direct loops (`conv_gemm`).
 
@@ -43,6 +43,9 @@ pub struct Decisions<'a> {
     /// CUDA: convolutions may become implicit-GEMM anchors, and a large f16/bf16 matmul
     /// may read a B contiguous along `k` in place.
     pub implicit_gemm: bool,
+    /// Convolutions (one group, f32 or one 16-bit dtype) may become implicit-GEMM anchors:
+    /// on CUDA always, on the CPU within [`cpu_conv_gemm_ok`]'s bounds.
+    pub conv_gemm: bool,
     /// An f32 matmul may read a B contiguous along `k` in place (CUDA without TF32).
     pub k_major_f32: bool,
     /// Structural zeros and unread regions, for the matmuls' [`Skip`]s.
@@ -76,11 +79,20 @@ const SPLIT_K_TILES: usize = crate::target::TARGET.sms;
 /// The least `k` each split of a weight gradient sums.
 const SPLIT_K_MIN_DEPTH: usize = 1024;
 
+/// Bytes of the CPU's packed panel of an implicit GEMM's B (the back end's `PACK_B`): `k`
+/// rows (of one split) times the columns of the panel, on the stack of the thread.
+pub const CPU_PACK_B_BYTES: usize = 128 * 1024;
+/// The greatest `k` a CPU implicit GEMM packs at once (its A rows and at least one column
+/// tile of B must fit their stack buffers); a weight gradient splits its `k` below it.
+pub const CPU_MAX_K: usize = CPU_PACK_B_BYTES / (8 * 4);
+
 /// How many slices of `k` a convolution's weight gradient is split into when lowered as an
 /// implicit GEMM (1: not split). Its `k` is every output pixel of the batch (131072 for the
-/// stem of a ResNet on CIFAR at batch 128) while its output is small (64 × 27): unsplit, a
-/// handful of blocks would run the whole sum. The split slices add into a zeroed buffer.
-pub fn conv_split_k(g: &Graph, n: NodeId) -> usize {
+/// stem of a ResNet on CIFAR at batch 128) while its output is small (64 × 27). On CUDA,
+/// unsplit, a handful of blocks would run the whole sum; on the CPU (`cuda` false) each
+/// split's rows of B must fit the packed panel, all the columns at once where a split of
+/// one output row still does. The split slices add into a zeroed buffer.
+pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
     let node = g.node(n);
     let Op::Conv2dGradWeight { groups: 1, .. } = node.op else {
         return 1;
@@ -95,6 +107,14 @@ pub fn conv_split_k(g: &Graph, n: NodeId) -> usize {
     }
     let (m, ncols) = (wd[0], wd[1] * wd[2] * wd[3]);
     let k = dy[0] * dy[2] * dy[3];
+    if !cuda {
+        // Splits are whole output rows (runs of `ow` pixels).
+        let (run, runs) = (dy[3].max(1), dy[0] * dy[2]);
+        let cols = ncols.div_ceil(8) * 8;
+        let depth = (CPU_PACK_B_BYTES / (4 * cols)).max(run).min(CPU_MAX_K);
+        let per_split = (depth / run).max(1);
+        return runs.div_ceil(per_split).clamp(1, 4096);
+    }
     let tiles = m.div_ceil(64) * ncols.div_ceil(64);
     // Thin outputs take the per-element path, which does not split.
     if tiles >= SPLIT_K_TILES || k < 2 * SPLIT_K_MIN_DEPTH || m < 16 || ncols < 16 {
@@ -105,6 +125,67 @@ pub fn conv_split_k(g: &Graph, n: NodeId) -> usize {
         .div_ceil(tiles)
         .min(k / SPLIT_K_MIN_DEPTH)
         .clamp(1, 256)
+}
+
+/// Whether the CPU runs convolution `n` as an implicit GEMM: `k` (the window, or a weight
+/// gradient's split of the pixels) fits the packed buffers and every run of `k`'s innermost
+/// axis fits a split.
+pub fn cpu_conv_gemm_ok(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    let d1 = g.ty(node.inputs[1]).dims();
+    if d1.len() != 4 {
+        return false;
+    }
+    match node.op {
+        Op::Conv2d { .. } => d1[1] * d1[2] * d1[3] <= CPU_MAX_K,
+        Op::Conv2dGradInput { .. } => d1[0] * d1[2] * d1[3] <= CPU_MAX_K,
+        Op::Conv2dGradWeight { .. } => d1[3] <= CPU_MAX_K,
+        _ => false,
+    }
+}
+
+/// The loop order of a CPU kernel whose root is convolution `n` (or its input gradient)
+/// stored channels-first (an output of the step, a param's gradient): `[N, H, W, C]`, so
+/// that its implicit GEMM's rows lead the domain as they must; its stores follow the
+/// buffer's layout. `None` where the convolution is not an implicit GEMM on the CPU or
+/// its buffer is channels-last already.
+pub fn cpu_conv_domain(d: &Decisions<'_>, n: NodeId) -> Option<Vec<usize>> {
+    let g = d.g;
+    // The convolution is the root or fused below it through elementwise ops of its shape
+    // (its epilogue).
+    let mut stack = vec![n];
+    let mut conv = None;
+    while let Some(x) = stack.pop() {
+        let op = &g.node(x).op;
+        if matches!(op, Op::Conv2d { .. } | Op::Conv2dGradInput { .. }) {
+            conv = Some(x);
+            break;
+        }
+        if x == n || (!d.materialized.contains(&x) && op.is_elementwise()) {
+            stack.extend(
+                g.node(x)
+                    .inputs
+                    .iter()
+                    .filter(|&&i| !d.materialized.contains(&i) && g.ty(i).shape == g.ty(n).shape),
+            );
+        }
+    }
+    let c = conv?;
+    let node = g.node(c);
+    let groups = match node.op {
+        Op::Conv2d { groups, .. } | Op::Conv2dGradInput { groups, .. } => groups,
+        _ => return None,
+    };
+    let order = vec![0, 2, 3, 1];
+    let ok = d.conv_gemm
+        && !d.implicit_gemm
+        && groups == 1
+        && node.ty.dtype.is_float()
+        && node.ty.rank() == 4
+        && node.inputs.iter().all(|&i| g.ty(i).dtype == node.ty.dtype)
+        && cpu_conv_gemm_ok(g, c)
+        && d.layout(n) != order;
+    ok.then_some(order)
 }
 
 /// The logical axes of a convolution's result that are its implicit GEMM's rows.
@@ -204,7 +285,12 @@ impl<'a> Builder<'a> {
 
     /// The logical index of a kernel whose domain is `n`'s physical shape.
     pub fn logical_index(&self, n: NodeId) -> Vec<ExprId> {
-        let p = self.d.layout(n);
+        self.index_in(&self.d.layout(n))
+    }
+
+    /// The logical index of the domain point when the domain runs over the logical axes
+    /// in order `p` (outermost first).
+    pub fn index_in(&self, p: &[usize]) -> Vec<ExprId> {
         let mut idx = self.dvars.clone();
         for (i, &a) in p.iter().enumerate() {
             if let Some(&v) = self.dvars.get(i) {
@@ -842,8 +928,9 @@ impl<'a> Builder<'a> {
     }
 
     /// When convolution `n` at `idx` is lowered as an implicit GEMM, how many leading
-    /// domain axes are its rows (`None`: it is not). It is when: CUDA, f32 (or one 16-bit
-    /// dtype throughout: loads widen to f32, the FFMA tiles accumulate in f32), one group, and
+    /// domain axes are its rows (`None`: it is not). It is when: [`Decisions::conv_gemm`]
+    /// (on the CPU within [`cpu_conv_gemm_ok`]), f32 (or one 16-bit dtype throughout: loads
+    /// widen to f32, the tiles accumulate in f32), one group, and
     /// evaluated at the kernel's own domain point (every logical axis one domain variable
     /// of the same extent) with its GEMM rows as the domain's leading axes (`[N, H, W]` of
     /// a channels-last output; `O` of a weight gradient).
@@ -856,7 +943,8 @@ impl<'a> Builder<'a> {
             | Op::Conv2dGradWeight { groups, .. } => *groups,
             _ => return None,
         };
-        if !self.d.implicit_gemm
+        if !self.d.conv_gemm
+            || (!self.d.implicit_gemm && !cpu_conv_gemm_ok(g, n))
             || groups != 1
             || !node.ty.dtype.is_float()
             || node.inputs.iter().any(|&i| g.ty(i).dtype != node.ty.dtype)
@@ -949,6 +1037,13 @@ impl<'a> Builder<'a> {
             Op::Conv2d { .. } => d1[1] * d1[2] * d1[3],
             _ => d1[0] * d1[2] * d1[3],
         };
+        // The innermost axis of `k`'s order: the channels of a window, the columns of the
+        // output gradient's pixels.
+        let k_inner = match node.op {
+            Op::Conv2d { .. } => d1[1],
+            Op::Conv2dGradInput { .. } => d1[0],
+            _ => d1[3],
+        };
         // A's (row, k) and B's (k, column), and the logical coordinates of both.
         let (vr, row) = self.fresh(m);
         let (vk, kk) = self.fresh(k);
@@ -1039,6 +1134,7 @@ impl<'a> Builder<'a> {
                 col,
                 value,
                 k_fast,
+                k_inner,
             }),
         };
         let (abuf, bbuf) = match node.op {
@@ -1311,7 +1407,9 @@ pub fn split_k_kernel(
         value,
         accumulate: true,
     };
-    Ok(Some(b.finish(name, vec![st], false)))
+    // On the CPU every split of a row tile runs in the thread that owns the tile, so
+    // threads still write disjoint rows.
+    Ok(Some(b.finish(name, vec![st], !d.implicit_gemm)))
 }
 
 /// Scatter kernels: `embedding_grad` and `max_pool2d_grad` accumulate into a zeroed

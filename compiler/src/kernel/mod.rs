@@ -363,7 +363,7 @@ impl ExprPool {
 
     /// Adds `scale ×` the summands of `e` to `out` (atoms with their coefficients) and
     /// returns `scale ×` its constant.
-    fn summands(&self, e: ExprId, scale: i64, out: &mut Vec<(ExprId, i64)>) -> Option<i64> {
+    pub fn summands(&self, e: ExprId, scale: i64, out: &mut Vec<(ExprId, i64)>) -> Option<i64> {
         if self.ty(e) != VTy::I64 {
             return None;
         }
@@ -492,6 +492,91 @@ impl ExprPool {
         };
         memo.insert(e, r);
         r
+    }
+
+    /// `root` with variable `v` replaced by the index `with`, the index arithmetic above it
+    /// simplified again for the variables' extents (`ext`): quotients and remainders of
+    /// non-negative sums split through [`ExprPool::idiv_c`] / [`ExprPool::irem_c`], and a
+    /// clamp whose bound its operand's range already keeps is dropped. Unflattening `k =
+    /// t * L + u` (`t` the run, `u` the position in it) gives back `t` and `u` themselves.
+    pub fn substitute_index(
+        &mut self,
+        root: ExprId,
+        v: Var,
+        with: ExprId,
+        ext: &dyn Fn(Var) -> Option<usize>,
+    ) -> ExprId {
+        let mut memo: HashMap<ExprId, ExprId> = HashMap::new();
+        for e in lower::reachable(self, &[root]) {
+            let node = self.get(e).clone();
+            let m = |x: &ExprId| memo.get(x).copied().unwrap_or(*x);
+            let int = self.ty(e) == VTy::I64;
+            let r = match node {
+                E::Var(w) if w == v => with,
+                E::Bin(BinaryOp::Add, a, b) if int => self.iadd(m(&a), m(&b)),
+                E::Bin(BinaryOp::Mul, a, b) if int => self.imul(m(&a), m(&b)),
+                E::Bin(op @ (BinaryOp::Div | BinaryOp::Rem), a, b) if int => {
+                    let (a, b) = (m(&a), m(&b));
+                    let c = self.int_value(b).filter(|&c| c > 0);
+                    let nonneg = self.range(a, ext).is_some_and(|(lo, _)| lo >= 0);
+                    match c {
+                        Some(c) if nonneg && op == BinaryOp::Div => self.idiv_c(a, c, ext),
+                        Some(c) if nonneg => self.irem_c(a, c, ext),
+                        _ => self.add(E::Bin(op, a, b), VTy::I64),
+                    }
+                }
+                E::IMax(a, b) | E::IMin(a, b) => {
+                    let max = matches!(node, E::IMax(..));
+                    let (a, b) = (m(&a), m(&b));
+                    match (self.range(a, ext), self.range(b, ext)) {
+                        (Some(ra), Some(rb)) if max && ra.0 >= rb.1 => a,
+                        (Some(ra), Some(rb)) if max && rb.0 >= ra.1 => b,
+                        (Some(ra), Some(rb)) if !max && ra.1 <= rb.0 => a,
+                        (Some(ra), Some(rb)) if !max && rb.1 <= ra.0 => b,
+                        _ if max => self.add(E::IMax(a, b), VTy::I64),
+                        _ => self.add(E::IMin(a, b), VTy::I64),
+                    }
+                }
+                E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => e,
+                E::Load { buf, dtype, index } => self.add(
+                    E::Load {
+                        buf,
+                        dtype,
+                        index: m(&index),
+                    },
+                    self.ty(e),
+                ),
+                E::Un(op, a) => self.add(E::Un(op, m(&a)), self.ty(e)),
+                E::Cast(t, a) => self.add(E::Cast(t, m(&a)), t),
+                E::Round(d, a) => self.add(E::Round(d, m(&a)), VTy::F32),
+                E::Bin(op, a, b) => self.add(E::Bin(op, m(&a), m(&b)), self.ty(e)),
+                E::Select(c, a, b) => self.select(m(&c), m(&a), m(&b)),
+                E::Reduce { op, vars, body } => self.add(
+                    E::Reduce {
+                        op,
+                        vars,
+                        body: m(&body),
+                    },
+                    self.ty(e),
+                ),
+                E::ArgMax { vars, body } => self.add(
+                    E::ArgMax {
+                        vars,
+                        body: m(&body),
+                    },
+                    self.ty(e),
+                ),
+                E::Uniform { seed, index } => self.add(
+                    E::Uniform {
+                        seed,
+                        index: m(&index),
+                    },
+                    self.ty(e),
+                ),
+            };
+            memo.insert(e, r);
+        }
+        memo.get(&root).copied().unwrap_or(root)
     }
 
     /// `min(max(a, lo), hi)` on i64.
@@ -807,6 +892,9 @@ pub struct Gather {
     pub col: Var,
     pub value: ExprId,
     pub k_fast: bool,
+    /// `k` is a row-major flattening whose innermost axis has this extent (a window's
+    /// channels, a row of output pixels): the CPU back end packs an operand run by run.
+    pub k_inner: usize,
 }
 
 /// `C[batch.., i, j] = Σ_k A[batch.., i, k] * B[batch.., k, j]` with f32 accumulation.
@@ -1084,5 +1172,59 @@ mod tests {
         let lone = p.imul_c(outer, 8);
         let lone = p.iadd(lone, v1);
         assert_eq!(p.affine(lone), None);
+    }
+
+    /// A window's `k = (i * 3 + j) * 32 + c`, unflattened as the lowering does and read
+    /// back with `k = t * 32 + u`: the channel is `u`, the tap `t` (no division left for
+    /// `c`), and a clamp the range already keeps is gone.
+    #[test]
+    fn substituted_runs_simplify() {
+        let mut p = ExprPool::default();
+        p.reserve_vars(1);
+        let (kv, t, u) = (p.fresh_var(), p.fresh_var(), p.fresh_var());
+        let ext = |v: Var| match v {
+            _ if v == kv => Some(288),
+            _ if v == t => Some(9),
+            _ if v == u => Some(32),
+            _ => Some(5),
+        };
+        let k = p.var(kv);
+        let c = p.irem_c(k, 32, &ext);
+        let tap = p.idiv_c(k, 32, &ext);
+        let i = p.idiv_c(tap, 3, &ext);
+        let j = p.irem_c(tap, 3, &ext);
+        let cc = p.clamp(c, 0, 31);
+        let row = p.var(0);
+        let a = p.imul_c(row, 7);
+        let idx = p.iadd(a, cc);
+        let ti = p.var(t);
+        let ti = p.imul_c(ti, 32);
+        let ui = p.var(u);
+        let with = p.iadd(ti, ui);
+        let c2 = p.substitute_index(c, kv, with, &ext);
+        assert_eq!(p.get(c2), &E::Var(u));
+        let tap2 = p.substitute_index(tap, kv, with, &ext);
+        assert_eq!(p.get(tap2), &E::Var(t));
+        let idx2 = p.substitute_index(idx, kv, with, &ext);
+        let af = p.affine(idx2).expect("the clamp folds away");
+        assert_eq!(af.terms, vec![(0, 7), (u, 1)]);
+        for tt in 0..9 {
+            for uu in 0..32 {
+                let kk = tt * 32 + uu;
+                let (i2, j2) = (
+                    p.substitute_index(i, kv, with, &ext),
+                    p.substitute_index(j, kv, with, &ext),
+                );
+                let vals = |x: i64| {
+                    let mut v = vec![0i64; 4];
+                    v[t as usize] = tt;
+                    v[u as usize] = uu;
+                    v[kv as usize] = x;
+                    v
+                };
+                assert_eq!(eval(&p, i2, &vals(0)), eval(&p, i, &vals(kk)));
+                assert_eq!(eval(&p, j2, &vals(0)), eval(&p, j, &vals(kk)));
+            }
+        }
     }
 }
