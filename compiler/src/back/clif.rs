@@ -253,6 +253,12 @@ impl<'a, 'b> Cg<'a, 'b> {
         let next = self.b.ins().iadd_imm_s(l.iv, 1);
         self.b.ins().jump(l.header, &[next.into()]);
         self.b.switch_to_block(l.exit);
+        self.drop_scope();
+    }
+
+    /// Forgets the values cached in the innermost scope (a loop or an epilogue element):
+    /// they do not dominate what is emitted after it.
+    fn drop_scope(&mut self) {
         if let Some(keys) = self.journal.pop() {
             for key in keys {
                 self.cache.remove(&key);
@@ -405,13 +411,39 @@ impl<'a, 'b> Cg<'a, 'b> {
         Some(SimdPlan { inner, invariants })
     }
 
-    /// The vector loop over `[start, end)` in steps of 4 while 4 lanes fit; returns the
-    /// first index it did not run (where the scalar loop resumes).
+    /// The vector loop of a Loop kernel over `[start, end)`: every store of the kernel on
+    /// four lanes of the innermost variable (see [`Cg::vector_run`]).
     fn vector_loop(&mut self, p: &SimdPlan, start: Value, end: Value) -> Res<Value> {
+        self.vector_run(p.inner, &p.invariants, start, end, &mut |cg, _| {
+            // Every value before any store, as the scalar loop does.
+            let mut vals = Vec::with_capacity(cg.k.stores.len());
+            for s in &cg.k.stores {
+                vals.push(cg.vemit(s.value)?);
+            }
+            for (s, v) in cg.k.stores.iter().zip(vals) {
+                let idx = cg.emit(s.index)?;
+                let addr = cg.address(s.buf, s.dtype, idx)?;
+                cg.b.ins().store(vflags(), v, addr, 0);
+            }
+            Ok(())
+        })
+    }
+
+    /// A loop of `inner` over `[start, end)` in steps of 4 while 4 lanes fit, `body`
+    /// emitting each iteration's vector code (`inner` bound to its first lane); the
+    /// `invariants` it reads are splat once before it. Returns the first index it did not
+    /// run (where the scalar loop resumes).
+    fn vector_run(
+        &mut self,
+        inner: Var,
+        invariants: &[ExprId],
+        start: Value,
+        end: Value,
+        body: &mut dyn FnMut(&mut Self, Value) -> Res<()>,
+    ) -> Res<Value> {
         self.vcache.clear();
-        self.vinner = Some(p.inner);
-        // Splat what the loop reads from outside once, before it.
-        for &e in &p.invariants {
+        self.vinner = Some(inner);
+        for &e in invariants {
             let s = self.emit(e)?;
             let v = match self.k.pool.ty(e) {
                 VTy::Bool => self.bool_mask(s),
@@ -420,7 +452,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             self.vcache.insert(e, v);
         }
         let header = self.b.create_block();
-        let body = self.b.create_block();
+        let body_blk = self.b.create_block();
         let exit = self.b.create_block();
         self.b.append_block_param(header, I64);
         self.b.ins().jump(header, &[start.into()]);
@@ -428,27 +460,14 @@ impl<'a, 'b> Cg<'a, 'b> {
         let iv = self.b.block_params(header)[0];
         let next = self.b.ins().iadd_imm_s(iv, LANES);
         let fits = self.b.ins().icmp(IntCC::SignedLessThanOrEqual, next, end);
-        self.b.ins().brif(fits, body, &[], exit, &[]);
-        self.b.switch_to_block(body);
+        self.b.ins().brif(fits, body_blk, &[], exit, &[]);
+        self.b.switch_to_block(body_blk);
         self.journal.push(Vec::new());
-        self.vars.insert(p.inner, iv);
-        // Every value before any store, as the scalar loop does.
-        let mut vals = Vec::with_capacity(self.k.stores.len());
-        for s in &self.k.stores {
-            vals.push(self.vemit(s.value)?);
-        }
-        for (s, v) in self.k.stores.iter().zip(vals) {
-            let idx = self.emit(s.index)?;
-            let addr = self.address(s.buf, s.dtype, idx)?;
-            self.b.ins().store(vflags(), v, addr, 0);
-        }
+        self.vars.insert(inner, iv);
+        body(self, iv)?;
         self.b.ins().jump(header, &[next.into()]);
         self.b.switch_to_block(exit);
-        if let Some(keys) = self.journal.pop() {
-            for key in keys {
-                self.cache.remove(&key);
-            }
-        }
+        self.drop_scope();
         self.vcache.clear();
         self.vinner = None;
         Ok(iv)
@@ -1545,11 +1564,7 @@ impl<'a, 'b> Cg<'a, 'b> {
         self.acc = Some(acc);
         self.journal.push(Vec::new());
         let r = self.stores();
-        if let Some(keys) = self.journal.pop() {
-            for key in keys {
-                self.cache.remove(&key);
-            }
-        }
+        self.drop_scope();
         self.acc = None;
         r
     }
@@ -1836,43 +1851,13 @@ impl Cg<'_, '_> {
         let mut start = self.iconst(0);
         let rend = self.iconst(run);
         if let Some(inv) = &vector {
-            self.vcache.clear();
-            self.vinner = Some(op.u);
-            for &e in inv {
-                let s = self.emit(e)?;
-                let v = match self.k.pool.ty(e) {
-                    VTy::Bool => self.bool_mask(s),
-                    _ => self.b.ins().splat(F32X4, s),
-                };
-                self.vcache.insert(e, v);
-            }
-            let header = self.b.create_block();
-            let body = self.b.create_block();
-            let exit = self.b.create_block();
-            self.b.append_block_param(header, I64);
-            self.b.ins().jump(header, &[start.into()]);
-            self.b.switch_to_block(header);
-            let iv = self.b.block_params(header)[0];
-            let next = self.b.ins().iadd_imm_s(iv, LANES);
-            let fits = self.b.ins().icmp(IntCC::SignedLessThanOrEqual, next, rend);
-            self.b.ins().brif(fits, body, &[], exit, &[]);
-            self.b.switch_to_block(body);
-            self.journal.push(Vec::new());
-            self.vars.insert(op.u, iv);
-            let v = self.vemit(op.value)?;
-            let off = self.b.ins().imul_imm_s(iv, 4);
-            let addr = self.b.ins().iadd(rbase, off);
-            self.b.ins().store(vflags(), v, addr, 0);
-            self.b.ins().jump(header, &[next.into()]);
-            self.b.switch_to_block(exit);
-            if let Some(keys) = self.journal.pop() {
-                for key in keys {
-                    self.cache.remove(&key);
-                }
-            }
-            self.vcache.clear();
-            self.vinner = None;
-            start = iv;
+            start = self.vector_run(op.u, inv, start, rend, &mut |cg, iv| {
+                let v = cg.vemit(op.value)?;
+                let off = cg.b.ins().imul_imm_s(iv, 4);
+                let addr = cg.b.ins().iadd(rbase, off);
+                cg.b.ins().store(vflags(), v, addr, 0);
+                Ok(())
+            })?;
         }
         let ul = self.open_loop(start, rend);
         self.vars.insert(op.u, ul.iv);
@@ -1987,11 +1972,7 @@ impl Cg<'_, '_> {
         self.acc = Some(acc);
         self.journal.push(Vec::new());
         let res = self.stores();
-        if let Some(keys) = self.journal.pop() {
-            for key in keys {
-                self.cache.remove(&key);
-            }
-        }
+        self.drop_scope();
         self.acc = None;
         res?;
         self.b.ins().jump(col_end, &[]);
