@@ -317,9 +317,7 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
                 name: k.name.clone(),
                 extent: match (&launch, &k.matmul) {
                     (Some(l), _) => l.grid[0] as u64 * l.block[0] as u64,
-                    (None, Some(mm)) => {
-                        mm.batch.iter().product::<usize>() as u64 * mm.m.div_ceil(4) as u64
-                    }
+                    (None, Some(mm)) => mm.cpu_extent(),
                     (None, None) => k.outer_extent(),
                 },
                 parallel: k.parallel,

@@ -98,11 +98,12 @@ fn helper_table() -> [u64; CPU_HELPERS.len()] {
 /// default calling convention, which is the platform's C convention (`extern "C"`).
 type KernelFn = unsafe extern "C" fn(*mut u8, i64, i64, *const u64);
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Launch {
     f: KernelFn,
     extent: u64,
     parallel: bool,
+    name: String,
 }
 
 /// The compiled code of one session plus its helper table and (optional) worker pool.
@@ -247,6 +248,7 @@ impl CpuExecutor {
                 f,
                 extent: k.extent,
                 parallel: k.parallel,
+                name: k.name.clone(),
             });
         }
         Ok(CpuExecutor {
@@ -276,25 +278,40 @@ impl CpuExecutor {
 
     /// Launches every kernel in order. Allocates nothing.
     pub(crate) fn run(&mut self, arena: *mut u8) {
-        let helpers = SendPtr(self.helpers.as_ptr().cast_mut().cast::<u8>());
         for l in &self.launches {
-            match &self.pool {
-                Some(pool) if l.parallel && l.extent > 1 => pool.launch(Job {
-                    f: l.f,
-                    arena: SendPtr(arena),
-                    helpers,
-                    extent: l.extent,
-                    chunk: l.extent.div_ceil(4 * (pool.workers.len() as u64 + 1)),
-                }),
-                _ => {
-                    // SAFETY: `f` is a finalized kernel with the ABI of `KernelFn` (see
-                    // `compile`), still alive (the module is freed only on drop); `arena`
-                    // is the session's arena base, aligned and `arena_bytes` long, and the
-                    // kernel only touches that arena (the compiler's contract in
-                    // ARTIFACT.md); `helpers` points at the live helper table; the extent
-                    // fits an i64 (checked by `artifact::validate`).
-                    unsafe { (l.f)(arena, 0, l.extent as i64, self.helpers.as_ptr()) }
-                }
+            self.launch(l, arena);
+        }
+    }
+
+    /// Wall time of each kernel of one step, launched in order (a profiling aid: it runs
+    /// the step, so params of a training step are updated).
+    pub(crate) fn profile(&mut self, arena: *mut u8) -> Vec<(String, f32)> {
+        let mut out = Vec::with_capacity(self.launches.len());
+        for l in &self.launches {
+            let t = std::time::Instant::now();
+            self.launch(l, arena);
+            out.push((l.name.clone(), t.elapsed().as_secs_f32() * 1e3));
+        }
+        out
+    }
+
+    fn launch(&self, l: &Launch, arena: *mut u8) {
+        match &self.pool {
+            Some(pool) if l.parallel && l.extent > 1 => pool.launch(Job {
+                f: l.f,
+                arena: SendPtr(arena),
+                helpers: SendPtr(self.helpers.as_ptr().cast_mut().cast::<u8>()),
+                extent: l.extent,
+                chunk: l.extent.div_ceil(pool.workers.len() as u64 + 1),
+            }),
+            _ => {
+                // SAFETY: `f` is a finalized kernel with the ABI of `KernelFn` (see
+                // `compile`), still alive (the module is freed only on drop); `arena` is
+                // the session's arena base, aligned and `arena_bytes` long, and the kernel
+                // only touches that arena (the compiler's contract in ARTIFACT.md);
+                // `helpers` points at the live helper table; the extent fits an i64
+                // (checked by `artifact::validate`).
+                unsafe { (l.f)(arena, 0, l.extent as i64, self.helpers.as_ptr()) }
             }
         }
     }
@@ -354,6 +371,8 @@ struct Shared {
     generation: AtomicU64,
     /// Workers that have not yet finished the current generation.
     active: AtomicUsize,
+    /// Workers that have started (and so done their own start-up allocations).
+    ready: AtomicUsize,
     /// Index of the next chunk of the current launch.
     next: AtomicU64,
     start: Condvar,
@@ -388,6 +407,7 @@ impl Pool {
             }),
             generation: AtomicU64::new(0),
             active: AtomicUsize::new(0),
+            ready: AtomicUsize::new(0),
             next: AtomicU64::new(0),
             start: Condvar::new(),
             done: Condvar::new(),
@@ -403,6 +423,11 @@ impl Pool {
                 .spawn(move || worker(&shared))
                 .map_err(Error::Threads)?; // `pool` drops here and joins those started
             pool.workers.push(handle);
+        }
+        // A thread allocates as it starts (its handle, thread-local state): wait for every
+        // worker so that none of that happens later, inside `run`.
+        while pool.shared.ready.load(Ordering::Acquire) < workers {
+            std::thread::yield_now();
         }
         Ok(pool)
     }
@@ -449,6 +474,10 @@ impl Drop for Pool {
 }
 
 fn worker(sh: &Shared) {
+    // Start-up allocations of this thread are done by now; `std::thread::current()`
+    // initialises the handle other code might ask for first inside a launch.
+    let _ = std::thread::current();
+    sh.ready.fetch_add(1, Ordering::Release);
     let mut seen = 0u64;
     loop {
         let mut spins = 0;

@@ -12,7 +12,7 @@
 //! # fn main() -> Result<(), tcc_runtime::Error> {
 //! let model = Model::load("mlp.tcc")?;
 //! let mut session = Session::new(&model, Device::Cpu)?;
-//! session.set_threads(4)?;
+//! session.set_threads(4)?; // the default is one thread per available core
 //! for _ in 0..100 {
 //!     session.set_input("x", &vec![0.5f32; 256 * 784])?;
 //!     session.run()?;
@@ -713,7 +713,9 @@ fn check_device(model: &Model, device: Device) -> Result<()> {
 impl Session<'static> {
     /// Compiles `model` for `device` and allocates its arena: exactly one allocation of
     /// [`Model::arena_bytes`] bytes, aligned to the manifest's `alignment`, holding the
-    /// initial persistent bytes and zeros elsewhere.
+    /// initial persistent bytes and zeros elsewhere. On the CPU, `parallel` kernels run on
+    /// one thread per available core (the workers start here; [`Session::set_threads`]
+    /// changes the count).
     ///
     /// On [`Device::Cuda`] (feature `cuda`, a `cuda` artifact) the arena is one device
     /// allocation, the PTX is loaded and the step is built as a CUDA graph here; a missing
@@ -747,6 +749,7 @@ impl Session<'static> {
             device,
         };
         s.copy_persistent_init();
+        s.set_threads(0)?;
         Ok(s)
     }
 }
@@ -784,6 +787,7 @@ impl<'a> Session<'a> {
             device: Device::Cpu,
         };
         s.reset();
+        s.set_threads(0)?;
         Ok(s)
     }
 
@@ -835,8 +839,8 @@ impl<'a> Session<'a> {
         self.arena.bytes()
     }
 
-    /// Number of threads `parallel` kernels run on (1 unless [`Session::set_threads`]; always
-    /// 1 on a CUDA device).
+    /// Number of threads `parallel` kernels run on: one per available core unless
+    /// [`Session::set_threads`] says otherwise; always 1 on a CUDA device.
     pub fn threads(&self) -> usize {
         match &self.exec {
             Executor::Cpu(c) => c.threads(),
@@ -877,12 +881,14 @@ impl<'a> Session<'a> {
         }
     }
 
-    /// Device time of every kernel of one step, launched one by one between CUDA events (a
-    /// profiling aid; it runs a step, so a training step updates the params). Empty on the
-    /// CPU.
+    /// Time of every kernel of one step in milliseconds, in launch order (a profiling aid;
+    /// it runs a step, so a training step updates the params): device time between CUDA
+    /// events, one launch at a time, on a GPU; wall time of each launch (on the session's
+    /// threads) on the CPU. Inputs are as for [`Session::run`].
     pub fn profile_kernels(&mut self) -> Result<Vec<(String, f32)>> {
+        let base = self.arena.base();
         match &mut self.exec {
-            Executor::Cpu(_) => Ok(Vec::new()),
+            Executor::Cpu(c) => Ok(c.profile(base)),
             #[cfg(feature = "cuda")]
             Executor::Cuda(c) => c.profile(),
         }

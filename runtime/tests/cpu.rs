@@ -519,6 +519,10 @@ fn parallel_kernels_on_several_threads_match_one_thread() {
         let model = Model::from_bytes(big_artifact(n)).unwrap();
         let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut one = Session::new(&model, Device::Cpu).unwrap();
+        // One thread per available core by default.
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        assert_eq!(one.threads(), cores);
+        one.set_threads(1).unwrap();
         assert_eq!(one.threads(), 1);
         one.set_input("x", &x).unwrap();
         one.run().unwrap();

@@ -16,7 +16,9 @@ static GLOBAL: counting::Counting = counting::Counting;
 
 #[test]
 fn run_allocates_nothing() {
-    // The tiny model: one serial kernel and one kernel calling a helper.
+    // The tiny model: one serial kernel and one kernel calling a helper, on the default
+    // threads (one per available core: the workers started in `Session::new`), with no
+    // warm-up run.
     let model = Model::from_bytes(common::tiny_artifact()).unwrap();
     let mut s = Session::new(&model, Device::Cpu).unwrap();
     s.set_input("x", &[1.0f32, 2.0, 3.0, 4.0]).unwrap();

@@ -389,8 +389,16 @@ fn cpu_convolutions_are_implicit_gemms() {
         for k in &convs {
             let gemm = k.matmul.as_ref().is_some_and(|m| m.a.gather.is_some());
             assert!(gemm, "not an implicit GEMM on the CPU: {}", k.describe);
+            // Threads split a weight gradient's (wide) columns into panels and the other
+            // convolutions' (tall) rows into row tiles, so that no thread packs the larger
+            // operand whole.
+            let mm = k.matmul.as_ref().unwrap();
+            let p = mm.cpu_panels().unwrap();
+            let grad_w = k.describe.contains("conv2d_grad_weight");
+            assert_eq!(p.by_panels, grad_w && mm.m < mm.n, "{}: {p:?}", k.describe);
+            assert_eq!(mm.cpu_extent() as i64, p.extent());
         }
-        let got = steps_of(&c, &inputs, 3);
+        let got = steps_of(&c, &inputs, 3, 1);
         for (name, t) in &want.outputs {
             let e = rel_err(&got[name], t);
             assert!(
@@ -398,6 +406,8 @@ fn cpu_convolutions_are_implicit_gemms() {
                 "channels_last {channels_last}: `{name}` differs by {e:e}"
             );
         }
+        // Each output element is computed by one thread the same way, whatever the count.
+        assert_eq!(steps_of(&c, &inputs, 3, 3), got, "1 and 3 threads differ");
     }
     // A weight gradient over more pixels than a panel of its columns holds is split.
     let big = "const N = 4\nconst S = 64\n\
@@ -421,16 +431,18 @@ fn cpu_convolutions_are_implicit_gemms() {
     tcc_tests::assert_cpu_like_eager(&g, 5, 1e-4, "split weight gradient");
 }
 
-/// Outputs of `steps` compiled CPU steps of `c` fed `inputs`.
+/// Outputs of `steps` compiled CPU steps of `c` fed `inputs`, on `threads` threads.
 fn steps_of(
     c: &tcc::artifact::Compiled,
     inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
     steps: usize,
+    threads: usize,
 ) -> std::collections::BTreeMap<String, tcc::eager::Tensor> {
     let img = tcc::artifact::persistent_image(c, 0, &Default::default()).unwrap();
     let bytes = tcc::artifact::write_artifact(c, tcc::artifact::Target::Cpu, &img);
     let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
     let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    s.set_threads(threads).unwrap();
     for (name, t) in inputs {
         s.set_input_bytes(name, &t.to_le_bytes()).unwrap();
     }

@@ -17,7 +17,7 @@ use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
 use crate::kernel::lower::{free_vars, reachable};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{ExprId, ExprPool, Kernel, Matmul, Red, VTy, Var, E};
+use crate::kernel::{CpuPanels, ExprId, ExprPool, Kernel, Matmul, Red, VTy, Var, E};
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
 use cranelift_codegen::ir::{
@@ -1570,10 +1570,6 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 }
 
-/// Bytes of the stack copy of B's panel of an implicit GEMM (`lower::CPU_PACK_B_BYTES`,
-/// which bounds `k` so that a column tile fits).
-const PACK_B: i64 = crate::kernel::lower::CPU_PACK_B_BYTES as i64;
-
 /// One gathered operand of an implicit GEMM as the packing loops read it: `value` over
 /// `side` (A's row or B's column) and `k = t * run + u` (`t` the run, `u` the position in
 /// it), with the free variables of every node it reaches (pool order).
@@ -1590,8 +1586,6 @@ struct PackedOperand {
 struct Gathers {
     a: PackedOperand,
     b: PackedOperand,
-    /// Extent of `k`'s innermost axis (`Gather::k_inner`).
-    run: usize,
 }
 
 impl Gathers {
@@ -1645,7 +1639,7 @@ impl Gathers {
             u,
             nodes: nodes(vb),
         };
-        Ok((k2, Gathers { a, b, run }))
+        Ok((k2, Gathers { a, b }))
     }
 }
 
@@ -1678,18 +1672,11 @@ impl Cg<'_, '_> {
     /// contiguous) and each column tile is a register tile of fused multiply-adds over
     /// the packed copies, stored through the epilogue.
     fn gather_matmul(&mut self, mm: &Matmul, g: &Gathers) -> Res<()> {
-        const MR: i64 = 4;
-        const NR: i64 = 8;
-        let (m, n) = (mm.m as i64, mm.n as i64);
-        let run = g.run as i64;
-        let runs = mm.k as i64 / run;
-        let splits = (mm.split_k as i64).clamp(1, runs.max(1));
-        let per_split = (runs + splits - 1) / splits;
-        let ks_max = per_split * run;
-        let ntiles = (n + NR - 1) / NR;
-        let tile_bytes = ks_max * NR * 4;
-        let pt = (PACK_B / tile_bytes.max(1)).clamp(1, ntiles.max(1));
-        let npan = (ntiles + pt - 1) / pt;
+        let p = mm
+            .cpu_panels()
+            .ok_or_else(|| self.unsupported("an implicit GEMM without gathered operands"))?;
+        let (mr, nr) = (CpuPanels::MR, CpuPanels::NR);
+        let (m, n, run) = (mm.m as i64, mm.n as i64, p.run);
         let slot = |cg: &mut Self, bytes: i64| {
             cg.b.create_sized_stack_slot(StackSlotData::new(
                 StackSlotKind::ExplicitSlot,
@@ -1697,50 +1684,77 @@ impl Cg<'_, '_> {
                 4,
             ))
         };
-        let acc_slot = slot(self, MR * NR * 4);
-        let a_slot = slot(self, MR * ks_max * 4);
-        let b_slot = slot(self, pt * tile_bytes);
+        let a_rows = if p.by_panels { p.mtiles * mr } else { mr };
+        let acc_slot = slot(self, mr * nr * 4);
+        let a_slot = slot(self, a_rows * p.ks_max * 4);
+        let b_slot = slot(self, p.pt * p.ks_max * nr * 4);
 
         let z = self.iconst(0);
-        let send = self.iconst(splits);
+        let send = self.iconst(p.splits);
         let sl = self.open_loop(z, send);
-        let t0 = self.b.ins().imul_imm_s(sl.iv, per_split);
-        let t1 = self.b.ins().iadd_imm_s(t0, per_split);
-        let rc = self.iconst(runs);
+        let t0 = self.b.ins().imul_imm_s(sl.iv, p.per_split);
+        let t1 = self.b.ins().iadd_imm_s(t0, p.per_split);
+        let rc = self.iconst(p.runs);
         let t1 = self.b.ins().smin(t1, rc);
         let nt = self.b.ins().isub(t1, t0);
         let nk = self.b.ins().imul_imm_s(nt, run);
+        let a_bytes = mr * p.ks_max * 4;
+        let a0 = self.b.ins().stack_addr(I64, a_slot, 0);
+        if p.by_panels {
+            // All of A's row tiles, once per split.
+            let z = self.iconst(0);
+            let mt = self.iconst(p.mtiles);
+            let rl = self.open_loop(z, mt);
+            let i0 = self.b.ins().imul_imm_s(rl.iv, mr);
+            let off = self.b.ins().imul_imm_s(rl.iv, a_bytes);
+            let base = self.b.ins().iadd(a0, off);
+            self.pack_a(&g.a, base, i0, [t0, t1], p.ks_max, run, m, mr)?;
+            self.close_loop(rl);
+        }
 
-        let z = self.iconst(0);
-        let pend = self.iconst(npan);
-        let pl = self.open_loop(z, pend);
-        let jt_lo = self.b.ins().imul_imm_s(pl.iv, pt);
-        let jt_hi = self.b.ins().iadd_imm_s(jt_lo, pt);
-        let ntc = self.iconst(ntiles);
+        let (plo, phi) = if p.by_panels {
+            (self.lo, self.hi)
+        } else {
+            (self.iconst(0), self.iconst(p.npan))
+        };
+        let pl = self.open_loop(plo, phi);
+        let jt_lo = self.b.ins().imul_imm_s(pl.iv, p.pt);
+        let jt_hi = self.b.ins().iadd_imm_s(jt_lo, p.pt);
+        let ntc = self.iconst(p.ntiles);
         let jt_hi = self.b.ins().smin(jt_hi, ntc);
-        self.pack_b(&g.b, b_slot, [jt_lo, jt_hi], [t0, t1], nk, run, n, NR)?;
+        self.pack_b(&g.b, b_slot, [jt_lo, jt_hi], [t0, t1], nk, run, n, nr)?;
 
-        let xl = self.open_loop(self.lo, self.hi);
-        let i0 = self.b.ins().imul_imm_s(xl.iv, MR);
-        self.pack_a(&g.a, a_slot, i0, [t0, t1], ks_max, run, m, MR)?;
+        let (xlo, xhi) = if p.by_panels {
+            (self.iconst(0), self.iconst(p.mtiles))
+        } else {
+            (self.lo, self.hi)
+        };
+        let xl = self.open_loop(xlo, xhi);
+        let i0 = self.b.ins().imul_imm_s(xl.iv, mr);
+        let pa0 = if p.by_panels {
+            let off = self.b.ins().imul_imm_s(xl.iv, a_bytes);
+            self.b.ins().iadd(a0, off)
+        } else {
+            self.pack_a(&g.a, a0, i0, [t0, t1], p.ks_max, run, m, mr)?;
+            a0
+        };
         let jl = self.open_loop(jt_lo, jt_hi);
         let rel = self.b.ins().isub(jl.iv, jt_lo);
         let tile = self.b.ins().imul(rel, nk);
-        let off = self.b.ins().imul_imm_s(tile, NR * 4);
+        let off = self.b.ins().imul_imm_s(tile, nr * 4);
         let pb = self.b.ins().stack_addr(I64, b_slot, 0);
         let pb0 = self.b.ins().iadd(pb, off);
-        let pa0 = self.b.ins().stack_addr(I64, a_slot, 0);
         let src = TileSrc {
             pa0,
-            arow: ks_max * 4,
+            arow: p.ks_max * 4,
             acol: 4,
             pb0,
-            bstep: NR * 4,
+            bstep: nr * 4,
             kcount: nk,
         };
-        self.register_tile(acc_slot, &src, MR, NR);
-        let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
-        self.bounded_epilogue(mm, acc_slot, i0, j0, MR, NR)?;
+        self.register_tile(acc_slot, &src, mr, nr);
+        let j0 = self.b.ins().imul_imm_s(jl.iv, nr);
+        self.bounded_epilogue(mm, acc_slot, i0, j0, mr, nr)?;
         self.close_loop(jl);
         self.close_loop(xl);
         self.close_loop(pl);
@@ -1811,14 +1825,14 @@ impl Cg<'_, '_> {
         Ok(())
     }
 
-    /// A's rows `i0..i0 + mr` (clamped to row `m - 1`) over runs `[t0, t1)`, row `r` at
-    /// `r * ks_max` floats: each run on f32x4 vectors while 4 lanes fit when its values
-    /// have a vector form, the rest one by one.
+    /// A's rows `i0..i0 + mr` (clamped to row `m - 1`) over runs `[t0, t1)` to `dst`, row
+    /// `r` at `r * ks_max` floats: each run on f32x4 vectors while 4 lanes fit when its
+    /// values have a vector form, the rest one by one.
     #[allow(clippy::too_many_arguments)]
     fn pack_a(
         &mut self,
         op: &PackedOperand,
-        slot: StackSlot,
+        dst: Value,
         i0: Value,
         [t0, t1]: [Value; 2],
         ks_max: i64,
@@ -1840,8 +1854,7 @@ impl Cg<'_, '_> {
         self.vars.insert(op.side, row);
         self.emit_level(op, op.side, &[op.side])?;
         let roff = self.b.ins().imul_imm_s(rl.iv, ks_max * 4);
-        let base = self.b.ins().stack_addr(I64, slot, 0);
-        let base = self.b.ins().iadd(base, roff);
+        let base = self.b.ins().iadd(dst, roff);
         let tl = self.open_loop(t0, t1);
         self.vars.insert(op.t, tl.iv);
         self.emit_level(op, op.t, &[op.side, op.t])?;

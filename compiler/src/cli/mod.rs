@@ -225,9 +225,10 @@ pub enum Command {
         /// target it was built for].
         #[arg(long, value_enum)]
         target: Option<Target>,
-        /// Worker threads for the CPU kernels (default: 1).
-        #[arg(long, default_value_t = 1)]
-        threads: usize,
+        /// Threads for the CPU kernels, the calling one included [default: one per
+        /// available core].
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
         /// Let f32 matmuls use TF32 tensor cores on CUDA (10-bit mantissa products, f32
         /// accumulation), as PyTorch's `allow_tf32`; off by default.
         #[arg(long)]
@@ -771,7 +772,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 param_file,
                 save_params,
                 allow_nonfinite,
-                threads,
+                threads: threads.unwrap_or(0),
                 allow_tf32,
                 amp,
                 params: Default::default(),

@@ -15,7 +15,7 @@ pub struct RunOptions {
     pub inputs: Vec<(String, String)>,
     pub param_file: Option<PathBuf>,
     pub save_params: Option<PathBuf>,
-    /// CPU worker threads (compiled runs).
+    /// CPU threads of compiled runs (0: one per available core).
     pub threads: usize,
     /// f32 matmuls may use TF32 tensor cores (CUDA).
     pub allow_tf32: bool,
@@ -299,15 +299,19 @@ pub fn run_compiled(
     drop(spinner);
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     if device == tcc_runtime::Device::Cpu {
-        s.set_threads(opts.threads.max(1))
-            .map_err(|e| e.to_string())?;
+        s.set_threads(opts.threads).map_err(|e| e.to_string())?;
     }
     super::info!(
-        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {device} in {load_ms:.1} ms; arena {} in one allocation",
+        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {device}{} in {load_ms:.1} ms; arena {} in one allocation",
         model.manifest().model,
         model.manifest().kernels.len(),
         // An artifact was read (and its params drawn), a program compiled.
         if graph.is_some() { "compiled" } else { "read and checked" },
+        if device == tcc_runtime::Device::Cpu {
+            format!(" ({} threads)", s.threads())
+        } else {
+            String::new()
+        },
         bytes(s.arena_bytes() as u64),
     );
     if let Some(path) = &opts.param_file {

@@ -954,7 +954,93 @@ impl std::fmt::Display for Skip {
     }
 }
 
+/// How the CPU back end tiles an implicit GEMM (both operands gathered): `k` in `splits`
+/// slices of `per_split` runs of `run` (at most `ks_max` values), the output in `mtiles`
+/// row tiles of 4 and `ntiles` column tiles of 8, the columns in `npan` panels of `pt`
+/// tiles, each panel of B packed once on the stack (`lower::CPU_PACK_B_BYTES`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuPanels {
+    pub run: i64,
+    pub runs: i64,
+    pub splits: i64,
+    pub per_split: i64,
+    pub ks_max: i64,
+    pub mtiles: i64,
+    pub ntiles: i64,
+    pub pt: i64,
+    pub npan: i64,
+    /// Threads take panels (A is packed whole once per split of a call, B panel by panel)
+    /// instead of row tiles (B's panels packed once per call, A tile by tile). A call
+    /// packs the operand it does not split in full, so the split is along the larger side:
+    /// a weight gradient (`m` = output channels, `n` = the window) splits its panels.
+    pub by_panels: bool,
+}
+
+impl CpuPanels {
+    /// Row tiles of 4 and column tiles of 8.
+    pub const MR: i64 = 4;
+    pub const NR: i64 = 8;
+
+    /// The items of `[0, extent)` a CPU call's `[lo, hi)` ranges over: panels or row tiles.
+    pub fn extent(&self) -> i64 {
+        if self.by_panels {
+            self.npan
+        } else {
+            self.mtiles
+        }
+    }
+}
+
 impl Matmul {
+    /// The CPU tiling of an implicit GEMM; `None` unless both operands are gathered.
+    pub fn cpu_panels(&self) -> Option<CpuPanels> {
+        let (Some(ga), Some(_)) = (&self.a.gather, &self.b.gather) else {
+            return None;
+        };
+        let pack = lower::CPU_PACK_B_BYTES as i64;
+        let (mr, nr) = (CpuPanels::MR, CpuPanels::NR);
+        let (m, n) = (self.m as i64, self.n as i64);
+        let run = (ga.k_inner as i64).max(1);
+        let runs = self.k as i64 / run;
+        let splits = (self.split_k as i64).clamp(1, runs.max(1));
+        let per_split = (runs + splits - 1) / splits;
+        let ks_max = per_split * run;
+        let mtiles = (m + mr - 1) / mr;
+        let ntiles = (n + nr - 1) / nr;
+        let tile_bytes = (ks_max * nr * 4).max(1);
+        let fit = (pack / tile_bytes).clamp(1, ntiles.max(1));
+        // Panels on threads: A whole must fit the same bound as a panel of B, and there
+        // must be panels to share: up to 16 of them.
+        let by_panels = m < n && ntiles > 1 && mtiles * mr * ks_max * 4 <= pack;
+        let pt = if by_panels {
+            fit.min((ntiles + 15) / 16).max(1)
+        } else {
+            fit
+        };
+        let npan = (ntiles + pt - 1) / pt;
+        Some(CpuPanels {
+            run,
+            runs,
+            splits,
+            per_split,
+            ks_max,
+            mtiles,
+            ntiles,
+            pt,
+            npan,
+            by_panels,
+        })
+    }
+
+    /// What a CPU call's `[lo, hi)` ranges over: an implicit GEMM's panels or row tiles
+    /// ([`Matmul::cpu_panels`]), otherwise row tiles of 4 of every batch index.
+    pub fn cpu_extent(&self) -> u64 {
+        match self.cpu_panels() {
+            Some(p) => p.extent() as u64,
+            None => self.batch.iter().product::<usize>() as u64 * self.m.div_ceil(4) as u64,
+        }
+    }
+
     /// Both operands strided and the domain `batch ++ [m, n]`: what every matmul path
     /// handles (gathers and split rows or columns only the tiled FFMA path and the
     /// per-element one).
