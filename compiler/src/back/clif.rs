@@ -893,6 +893,14 @@ impl<'a, 'b> Cg<'a, 'b> {
     /// free of calls. `ty` is `F32` or `F32X4` (the same operations per lane, so vector
     /// and scalar loops agree bit for bit).
     fn exp_inline(&mut self, ty: Type, x: Value) -> Value {
+        self.exp_core(ty, x, true)
+    }
+
+    /// [`Cg::exp_inline`]; without `edges`, `x` below -86 gives e^-86 (4.4e-38) instead of
+    /// 0 and above 88.72 gives 3.4e38 instead of inf, which saves two compares and two
+    /// selects where the caller cannot tell: `1 + e` divides (sigmoid, SiLU, GELU) or
+    /// `x` is already in range (tanh).
+    fn exp_core(&mut self, ty: Type, x: Value, edges: bool) -> Value {
         let lo = self.fconst(ty, -86.0);
         let hi = self.fconst(ty, 88.72);
         let xc = self.clamp_lo(ty, x, lo);
@@ -906,30 +914,29 @@ impl<'a, 'b> Cg<'a, 'b> {
         let magic = self.fconst(ty, 12_582_912.0);
         let j = self.b.ins().fadd(t, magic);
         let k = self.b.ins().fsub(j, magic);
-        let c1 = self.fconst(ty, 0.693_359_4);
-        let c2 = self.fconst(ty, -2.121_944_4e-4);
-        let kc1 = self.b.ins().fmul(k, c1);
-        let r = self.b.ins().fsub(xc, kc1);
-        let kc2 = self.b.ins().fmul(k, c2);
-        let r = self.b.ins().fsub(r, kc2);
-        // 2 * (1 + r + r^2/2! + ... + r^7/7!), Horner form; times 2^(k-1) below, so that
-        // k = 128 (x near 88.7) stays a finite exponent.
-        let coefs = [
-            2.0 / 5040.0,
-            2.0 / 720.0,
-            2.0 / 120.0,
-            2.0 / 24.0,
-            2.0 / 6.0,
-            1.0,
-            2.0,
-            2.0,
-        ];
-        let mut p = self.fconst(ty, coefs[0] as f32);
-        for &c in &coefs[1..] {
-            let m = self.b.ins().fmul(p, r);
-            let cc = self.fconst(ty, c as f32);
-            p = self.b.ins().fadd(m, cc);
-        }
+        let c1 = self.fconst(ty, -0.693_359_4);
+        let c2 = self.fconst(ty, 2.121_944_4e-4);
+        let r = self.b.ins().fma(k, c1, xc);
+        let r = self.b.ins().fma(k, c2, r);
+        // 2 * (1 + r + r^2/2! + ... + r^7/7!), times 2^(k-1) below, so that k = 128 (x
+        // near 88.7) stays a finite exponent. Estrin's scheme (pairs, then pairs of pairs)
+        // on fused multiply-adds: 3 dependent steps after r^2 instead of Horner's 7, since
+        // the chain's latency, not the operation count, bounds a pointwise loop.
+        let c = |cg: &mut Self, v: f64| cg.fconst(ty, v as f32);
+        let r2 = self.b.ins().fmul(r, r);
+        let pair = |cg: &mut Self, hi: f64, lo: f64| {
+            let h = c(cg, hi);
+            let l = c(cg, lo);
+            cg.b.ins().fma(h, r, l)
+        };
+        let p01 = pair(self, 2.0, 2.0);
+        let p23 = pair(self, 2.0 / 6.0, 1.0);
+        let p45 = pair(self, 2.0 / 120.0, 2.0 / 24.0);
+        let p67 = pair(self, 2.0 / 5040.0, 2.0 / 720.0);
+        let r4 = self.b.ins().fmul(r2, r2);
+        let q0 = self.b.ins().fma(p23, r2, p01);
+        let q1 = self.b.ins().fma(p67, r2, p45);
+        let p = self.b.ins().fma(q1, r4, q0);
         // bits(j) = bits(1.5 * 2^23) + k, and bits(1.5 * 2^23) << 23 wraps to 0, so
         // (bits(j) + 126) << 23 is (k + 126) << 23: the exponent field of 2^(k-1).
         let bits = if ty == F32X4 {
@@ -946,6 +953,9 @@ impl<'a, 'b> Cg<'a, 'b> {
         };
         let scale = self.b.ins().bitcast(ty, MemFlagsData::new(), bits);
         let y = self.b.ins().fmul(p, scale);
+        if !edges {
+            return y;
+        }
         let zero = self.fconst(ty, 0.0);
         let inf = self.fconst(ty, f32::INFINITY);
         let is_under = self.b.ins().fcmp(FloatCC::LessThan, x, lo);
@@ -972,7 +982,7 @@ impl<'a, 'b> Cg<'a, 'b> {
         let nine = self.fconst(ty, 9.0);
         let ac = self.clamp_hi(ty, a, nine);
         let two_a = self.b.ins().fadd(ac, ac);
-        let e = self.exp_inline(ty, two_a);
+        let e = self.exp_core(ty, two_a, false);
         let one = self.fconst(ty, 1.0);
         let two = self.fconst(ty, 2.0);
         let d = self.b.ins().fadd(e, one);
@@ -1036,7 +1046,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             UnaryOp::Tanh => self.tanh_inline(ty, x),
             UnaryOp::Sigmoid | UnaryOp::Silu => {
                 let n = self.b.ins().fneg(x);
-                let e = self.exp_inline(ty, n);
+                let e = self.exp_core(ty, n, false);
                 let one = self.fconst(ty, 1.0);
                 let d = self.b.ins().fadd(one, e);
                 let num = if op == UnaryOp::Silu { x } else { one };
@@ -1048,20 +1058,18 @@ impl<'a, 'b> Cg<'a, 'b> {
                 self.fselect(ty, c, x, z)
             }
             UnaryOp::Gelu => {
-                let c = (2.0f64 / std::f64::consts::PI).sqrt() as f32;
-                let x3 = self.b.ins().fmul(x, x);
-                let x3 = self.b.ins().fmul(x3, x);
-                let k = self.fconst(ty, 0.044715);
-                let t = self.b.ins().fmul(k, x3);
-                let t = self.b.ins().fadd(x, t);
-                let cc = self.fconst(ty, c);
-                let t = self.b.ins().fmul(cc, t);
-                let th = self.tanh_inline(ty, t);
+                // 0.5 x (1 + tanh(u)) = x / (1 + e^{-2u}), u = c (x + 0.044715 x^3): one
+                // exp and one division, no cancellation for negative x.
+                let c = (2.0f64 / std::f64::consts::PI).sqrt();
+                let x2 = self.b.ins().fmul(x, x);
+                let k3 = self.fconst(ty, (-2.0 * c * 0.044715) as f32);
+                let k1 = self.fconst(ty, (-2.0 * c) as f32);
+                let s = self.b.ins().fma(x2, k3, k1);
+                let v = self.b.ins().fmul(x, s);
+                let e = self.exp_core(ty, v, false);
                 let one = self.fconst(ty, 1.0);
-                let s = self.b.ins().fadd(one, th);
-                let half = self.fconst(ty, 0.5);
-                let hx = self.b.ins().fmul(half, x);
-                self.b.ins().fmul(hx, s)
+                let d = self.b.ins().fadd(one, e);
+                self.b.ins().fdiv(x, d)
             }
             UnaryOp::Sin => self.call1(slot::SIN, x),
             UnaryOp::Cos => self.call1(slot::COS, x),
