@@ -11,6 +11,7 @@ Rows (same math and sizes as the TDSL files named):
   gemm   bench/cpu/gemm.tdsl    1024^3 f32 matmul (NumPy and PyTorch)
   gelu   bench/cpu/gelu.tdsl    gelu(x + b) over 16M f32, tanh form (NumPy and PyTorch)
   copy   bench/cpu/copy.tdsl    -x over 16M f32 (NumPy: the bandwidth the gelu row is read against)
+  softmax bench/cpu/softmax.tdsl softmax over the rows of 16384x1024 f32 (NumPy and PyTorch)
 
 Prints one line per row and library: `row lib ms` (median of --steps timed runs after
 --warmup runs). Thread counts are set before the libraries load (OMP/OpenBLAS/MKL variables
@@ -26,7 +27,7 @@ import time
 
 p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=1)
-p.add_argument("--rows", default="convs,cnn,mlp,gemm,gelu,copy")
+p.add_argument("--rows", default="convs,cnn,mlp,gemm,gelu,copy,softmax")
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--warmup", type=int, default=2)
 a = p.parse_args()
@@ -135,3 +136,16 @@ if "gelu" in rows or "copy" in rows:
             report("gelu", "torch", lambda: F.gelu(tx + tb, approximate="tanh"))
     if "copy" in rows:
         report("copy", "numpy", lambda: np.negative(x, out=y))
+if "softmax" in rows:
+    sx = rng.standard_normal((16384, 1024)).astype(f32)
+    sy = np.empty_like(sx)
+
+    def softmax_np():
+        np.subtract(sx, sx.max(axis=1, keepdims=True), out=sy)
+        np.exp(sy, out=sy)
+        np.divide(sy, sy.sum(axis=1, keepdims=True), out=sy)
+
+    report("softmax", "numpy", softmax_np)
+    if torch is not None:
+        tsx = torch.from_numpy(sx)
+        report("softmax", "torch", lambda: torch.softmax(tsx, dim=1))

@@ -24,6 +24,7 @@ ROWS = {
     "gemm": ["bench/cpu/gemm.tdsl"],
     "gelu": ["bench/cpu/gelu.tdsl"],
     "copy": ["bench/cpu/copy.tdsl"],
+    "softmax": ["bench/cpu/softmax.tdsl"],
 }
 DESCRIBE = {
     "convs": "five 3×3 convs 32→32 + relu, 8×32×28×28, forward",
@@ -32,6 +33,7 @@ DESCRIBE = {
     "gemm": "GEMM 1024³",
     "gelu": "gelu(x + b), 16M f32",
     "copy": "-x, 16M f32 (copy bandwidth)",
+    "softmax": "softmax over rows, 16384×1024 f32",
 }
 
 p = argparse.ArgumentParser()

@@ -3,7 +3,7 @@
 # release, installs NumPy and PyTorch with pip if they are missing, and prints the table of
 # bench/cpu_bench.py (1 and 2 threads by default; arguments are passed on to it).
 #
-#   bash scripts/cpu-bench.sh [--threads 1,2] [--rows convs,cnn,mlp,gemm,gelu,copy] [--steps 5]
+#   bash scripts/cpu-bench.sh [--threads 1,2] [--rows convs,cnn,mlp,gemm,gelu,copy,softmax] [--steps 5]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tcc

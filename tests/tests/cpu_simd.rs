@@ -130,6 +130,48 @@ fn vector_ops_agree_with_eager() {
     }
 }
 
+/// An f32 reduction whose innermost axis is contiguous runs that loop on f32x4 partial
+/// results (combined across lanes, then a scalar tail), and agrees with the interpreter:
+/// extents with and without a tail, several axes, NaNs (max propagates them), reductions
+/// nested in another's body (layer norm's variance reads its mean) and a reduction over a
+/// strided axis (scalar).
+#[test]
+fn reductions_run_on_vectors() {
+    let cases = [
+        ("sum(x, axis: 1)", "[5, 37]", true),
+        ("max(x, axis: -1) + min(x * 3.0, axis: -1)", "[4, 9]", true),
+        ("mean(x, axis: [1, 2])", "[3, 5, 11]", true),
+        (
+            "max(sqrt(x), axis: 1) + sum(sqrt(x) * 0.0, axis: 1)",
+            "[6, 40]",
+            true,
+        ),
+        (
+            "sum(exp(x - max(x, axis: 1, keepdim: true)), axis: 1)",
+            "[3, 64]",
+            true,
+        ),
+        (
+            "layer_norm(x, x[0] * 0.0 + 1.0, x[0] * 0.0)",
+            "[4, 13]",
+            true,
+        ),
+        ("sum(x, axis: 0)", "[40, 3]", false),
+        ("sum(x, axis: 1)", "[5, 7]", false),
+    ];
+    for (e, shape, vector) in cases {
+        let src = format!("model m {{\n input x: f32{shape}\n let y = {e}\n output y\n}}\n");
+        agree(&src);
+        let code = clif(&src);
+        // The reduction's vector accumulator is combined across lanes.
+        assert_eq!(
+            code.contains("extractlane"),
+            vector,
+            "{e} over {shape}: vector reduction expected: {vector}\n{code}"
+        );
+    }
+}
+
 /// Kernels the vector loop does not cover keep the scalar loop and still agree.
 #[test]
 fn scalar_fallbacks_agree_with_eager() {

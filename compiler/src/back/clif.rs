@@ -442,15 +442,19 @@ impl<'a, 'b> Cg<'a, 'b> {
         body: &mut dyn FnMut(&mut Self, Value) -> Res<()>,
     ) -> Res<Value> {
         self.vcache.clear();
-        self.vinner = Some(inner);
+        // Scalar code first (a reduction among the invariants vectorises its own loop).
+        let mut splats = Vec::with_capacity(invariants.len());
         for &e in invariants {
             let s = self.emit(e)?;
             let v = match self.k.pool.ty(e) {
                 VTy::Bool => self.bool_mask(s),
                 _ => self.b.ins().splat(F32X4, s),
             };
-            self.vcache.insert(e, v);
+            splats.push((e, v));
         }
+        self.vcache.clear();
+        self.vcache.extend(splats);
+        self.vinner = Some(inner);
         let header = self.b.create_block();
         let body_blk = self.b.create_block();
         let exit = self.b.create_block();
@@ -763,6 +767,57 @@ impl<'a, 'b> Cg<'a, 'b> {
             _ => return Err(self.unsupported(format!("{} over {}", op.name(), ty.name()))),
         };
         self.b.def_var(acc, init);
+        if let Some(inv) = self.vector_reduction(vars, body, ty) {
+            let (&(inner, ext), outer) = vars
+                .split_last()
+                .ok_or_else(|| self.unsupported("a reduction over no variables"))?;
+            let open = self.reduction_loops(outer, body)?;
+            // f32x4 partial results along `inner`, combined across lanes, then the last
+            // `ext % 4` values one by one.
+            let vacc = self.b.declare_var(F32X4);
+            let vinit = self.b.ins().splat(F32X4, init);
+            self.b.def_var(vacc, vinit);
+            let z = self.iconst(0);
+            let end = self.iconst(ext as i64);
+            let start = self.vector_run(inner, &inv, z, end, &mut |cg, _| {
+                let x = cg.vemit(body)?;
+                let a = cg.b.use_var(vacc);
+                let r = match op {
+                    Red::Sum => cg.b.ins().fadd(a, x),
+                    Red::Max => cg.b.ins().fmax(a, x),
+                    Red::Min => cg.b.ins().fmin(a, x),
+                };
+                cg.b.def_var(vacc, r);
+                Ok(())
+            })?;
+            let v = self.b.use_var(vacc);
+            let lanes: Vec<Value> = (0..LANES as u8)
+                .map(|i| self.b.ins().extractlane(v, i))
+                .collect();
+            let combine = |cg: &mut Self, x: Value, y: Value| match op {
+                Red::Sum => cg.b.ins().fadd(x, y),
+                Red::Max => cg.b.ins().fmax(x, y),
+                Red::Min => cg.b.ins().fmin(x, y),
+            };
+            let l01 = combine(self, lanes[0], lanes[1]);
+            let l23 = combine(self, lanes[2], lanes[3]);
+            let h = combine(self, l01, l23);
+            let a = self.b.use_var(acc);
+            let a = combine(self, a, h);
+            self.b.def_var(acc, a);
+            let tail = self.open_loop(start, end);
+            self.vars.insert(inner, tail.iv);
+            self.emit_site_under(body, inner)?;
+            let x = self.emit(body)?;
+            let a = self.b.use_var(acc);
+            let a = combine(self, a, x);
+            self.b.def_var(acc, a);
+            self.close_loop(tail);
+            for l in open.into_iter().rev() {
+                self.close_loop(l);
+            }
+            return Ok(self.b.use_var(acc));
+        }
         let open = self.reduction_loops(vars, body)?;
         let x = self.emit(body)?;
         let a = self.b.use_var(acc);
@@ -779,6 +834,22 @@ impl<'a, 'b> Cg<'a, 'b> {
             self.close_loop(l);
         }
         Ok(self.b.use_var(acc))
+    }
+
+    /// When an f32 reduction's innermost loop can run on f32x4 vectors (at least 8 values,
+    /// a body with a vector form along it, not already inside a vector loop), the values
+    /// its vector loop splats (`vector_invariants`).
+    fn vector_reduction(
+        &self,
+        vars: &[(Var, usize)],
+        body: ExprId,
+        ty: VTy,
+    ) -> Option<Vec<ExprId>> {
+        let &(inner, ext) = vars.last()?;
+        if ty != VTy::F32 || ext < 2 * LANES as usize || self.vinner.is_some() {
+            return None;
+        }
+        self.vector_invariants(body, inner)
     }
 
     fn argmax(&mut self, _e: ExprId, vars: &[(Var, usize)], body: ExprId) -> Res<Value> {
