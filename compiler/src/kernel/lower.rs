@@ -90,8 +90,9 @@ pub const CPU_MAX_K: usize = CPU_PACK_B_BYTES / (8 * 4);
 /// implicit GEMM (1: not split). Its `k` is every output pixel of the batch (131072 for the
 /// stem of a ResNet on CIFAR at batch 128) while its output is small (64 × 27). On CUDA,
 /// unsplit, a handful of blocks would run the whole sum; on the CPU (`cuda` false) each
-/// split's rows of B must fit the packed panel, all the columns at once where a split of
-/// one output row still does. The split slices add into a zeroed buffer.
+/// split must fit the packed copies: all of A's rows where threads take panels of B's
+/// columns, else all of B's columns (where a split of one output row still does). The
+/// split slices add into a zeroed buffer.
 pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
     let node = g.node(n);
     let Op::Conv2dGradWeight { groups: 1, .. } = node.op else {
@@ -108,10 +109,15 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
     let (m, ncols) = (wd[0], wd[1] * wd[2] * wd[3]);
     let k = dy[0] * dy[2] * dy[3];
     if !cuda {
-        // Splits are whole output rows (runs of `ow` pixels).
+        // Splits are whole output rows (runs of `ow` pixels). Where threads take panels of
+        // the columns (`Matmul::cpu_panels`: fewer rows than columns), A's rows are packed
+        // whole and B a column tile at a time, so A bounds the split; otherwise every
+        // column of B must fit the panel.
         let (run, runs) = (dy[3].max(1), dy[0] * dy[2]);
+        let rows = m.div_ceil(4) * 4;
         let cols = ncols.div_ceil(8) * 8;
-        let depth = (CPU_PACK_B_BYTES / (4 * cols)).max(run).min(CPU_MAX_K);
+        let packed = if m < ncols && ncols > 8 { rows } else { cols };
+        let depth = (CPU_PACK_B_BYTES / (4 * packed)).max(run).min(CPU_MAX_K);
         let per_split = (depth / run).max(1);
         return runs.div_ceil(per_split).clamp(1, 4096);
     }
