@@ -758,7 +758,8 @@ impl<'a> Session<'a> {
     /// Like [`Session::new`] on the CPU, but uses `arena` instead of allocating: it must be
     /// at least [`Model::arena_bytes`] long and start at a multiple of [`Model::alignment`].
     /// Only its first `arena_bytes` bytes are used; they are overwritten with the initial
-    /// persistent bytes and zeros.
+    /// persistent bytes and zeros. As with [`Session::new`], `parallel` kernels run on one
+    /// thread per available core (workers started here).
     pub fn with_arena(model: &Model, arena: &'a mut [u8]) -> Result<Session<'a>> {
         check_device(model, Device::Cpu)?;
         let needed = model.arena_bytes();
