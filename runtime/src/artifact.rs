@@ -1,6 +1,6 @@
 //! The artifact format: a JSON manifest plus aligned binary sections (see `ARTIFACT.md`).
 //!
-//! The compiler builds a [`Manifest`] and the section bytes and calls [`write`]; the runtime
+//! The compiler builds a [`Manifest`] and the section bytes and calls [`write()`]; the runtime
 //! calls [`read`]. Both sides use these types, so the format has one definition.
 
 use serde::{Deserialize, Serialize};
