@@ -2,7 +2,8 @@
 //! its kernels on one stream, replaying the step as a CUDA graph whose edges are the
 //! manifest's kernel dependencies (`after`), so that independent kernels may overlap.
 //!
-//! The kernel ABI is in `ARTIFACT.md`: one PTX module, one `.entry` per kernel, each taking
+//! The kernel ABI is in `ARTIFACT.md`: one PTX module (loaded in pieces of whole entries on
+//! several threads, see `load_modules`), one `.entry` per kernel, each taking
 //! the arena's device address as its only parameter (`.param .u64 arena`) and launched with
 //! the manifest's `launch` shape.
 //!
@@ -304,8 +305,8 @@ pub(crate) struct CudaExecutor {
     /// the next `run`.
     pending: Option<Error>,
     arena: DeviceArena,
-    /// Keeps the kernels' functions loaded.
-    _module: Module,
+    /// Keep the kernels' functions loaded (the PTX in pieces, see `load_modules`).
+    _modules: Vec<Module>,
     model: Model,
     ordinal: usize,
     /// Free device memory once the context and stream existed, before the module, the
@@ -381,6 +382,187 @@ fn check_model(model: &Model) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Loads PTX `code`. Loading a PTX module compiles it on the loading thread, and the
+/// driver does not compile two modules of a process at once (a cold load of gpt's 410
+/// kernels took 49 s as one module and 66 s as 16 modules loaded from 16 threads), but its
+/// linker does: the module is split into pieces of whole entries ([`crate::ptx::split`]),
+/// compiled to cubins by up to one thread per host core (at most 16;
+/// `TCC_CUDA_LOAD_THREADS=N` sets the count, 1 loads the PTX as one module), then loaded.
+/// Where that fails, the PTX is loaded as one module, whose error carries the driver's log.
+/// Returns the modules and which one holds each entry (`None`: the first).
+#[allow(clippy::type_complexity)]
+fn load_modules(
+    ctx: &Arc<CudaContext>,
+    code: &str,
+) -> Result<(Vec<Module>, Box<dyn Fn(&str) -> Option<usize>>)> {
+    let threads = std::env::var("TCC_CUDA_LOAD_THREADS")
+        .ok()
+        .and_then(|t| t.trim().parse::<usize>().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(16)
+        });
+    // More pieces than threads, taken from a shared counter, so that one large kernel
+    // does not hold up a thread's whole share.
+    let pieces = crate::ptx::split(code, 4 * threads).unwrap_or_default();
+    if threads > 1 && pieces.len() > 1 {
+        if let Ok(modules) = load_pieces(ctx, &pieces, threads) {
+            let mut home = std::collections::HashMap::new();
+            for (i, p) in pieces.iter().enumerate() {
+                for name in crate::ptx::entry_names(p) {
+                    home.insert(name.to_string(), i);
+                }
+            }
+            return Ok((modules, Box::new(move |name: &str| home.get(name).copied())));
+        }
+    }
+    Ok((vec![load_module(ctx, code)?], Box::new(|_: &str| None)))
+}
+
+/// Compiles `pieces` on `threads` threads ([`link_cubin`]) and loads each cubin, in order.
+fn load_pieces(ctx: &Arc<CudaContext>, pieces: &[String], threads: usize) -> Result<Vec<Module>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Vec<Vec<(usize, Result<Vec<u8>>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads.min(pieces.len()))
+            .map(|_| {
+                let next = &next;
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    if let Err(e) = ctx.bind_to_thread() {
+                        out.push((0, Err(driver_error("making the CUDA context current")(e))));
+                        return out;
+                    }
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(p) = pieces.get(i) else { break };
+                        out.push((i, link_cubin(p)));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    vec![(
+                        0,
+                        Err(Error::Compile {
+                            kernel: "(code section)".into(),
+                            message: "a thread compiling the PTX panicked".into(),
+                        }),
+                    )]
+                })
+            })
+            .collect()
+    });
+    let mut cubins: Vec<Option<Vec<u8>>> = vec![None; pieces.len()];
+    for (i, r) in done.into_iter().flatten() {
+        if let Some(slot) = cubins.get_mut(i) {
+            *slot = Some(r?);
+        }
+    }
+    cubins
+        .into_iter()
+        .map(|c| match c {
+            Some(c) => load_cubin(ctx, &c),
+            None => Err(Error::Compile {
+                kernel: "(code section)".into(),
+                message: "a piece of the PTX was not compiled".into(),
+            }),
+        })
+        .collect()
+}
+
+/// Compiles PTX `code` to a cubin with the driver's linker (`cuLink*`), which, unlike
+/// loading a PTX module, runs on several threads at once; nothing is loaded. The driver's
+/// JIT cache serves a piece compiled before.
+fn link_cubin(code: &str) -> Result<Vec<u8>> {
+    let fail = |what: &str, e: DriverError| Error::Compile {
+        kernel: "(code section)".into(),
+        message: format!("{what} failed: {}", describe(e)),
+    };
+    let image = CString::new(code).map_err(|_| Error::Compile {
+        kernel: "(code section)".into(),
+        message: "the PTX text contains a NUL byte".into(),
+    })?;
+    let bytes = image.as_bytes_with_nul();
+    let mut state: sys::CUlinkState = std::ptr::null_mut();
+    // SAFETY: no options (null arrays of length 0); `state` is a valid place for the
+    // handle. The context is current on this thread (the caller bound it).
+    unsafe { sys::cuLinkCreate_v2(0, std::ptr::null_mut(), std::ptr::null_mut(), &mut state) }
+        .result()
+        .map_err(|e| fail("creating a PTX linker", e))?;
+    struct Link(sys::CUlinkState);
+    impl Drop for Link {
+        fn drop(&mut self) {
+            // SAFETY: the state was created above and is destroyed once, here; the cubin
+            // it owns was copied out before.
+            let _ = unsafe { sys::cuLinkDestroy(self.0) };
+        }
+    }
+    let link = Link(state);
+    // SAFETY: `bytes` is the NUL-terminated PTX (its length counts the NUL), alive for the
+    // call; the name is a static C string; no options.
+    unsafe {
+        sys::cuLinkAddData_v2(
+            link.0,
+            sys::CUjitInputType::CU_JIT_INPUT_PTX,
+            bytes.as_ptr().cast_mut().cast::<c_void>(),
+            bytes.len(),
+            c"tcc".as_ptr(),
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .map_err(|e| fail("compiling a piece of the PTX", e))?;
+    let mut out: *mut c_void = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: `out` and `size` are valid places; the cubin stays owned by `link`.
+    unsafe { sys::cuLinkComplete(link.0, &mut out, &mut size) }
+        .result()
+        .map_err(|e| fail("linking a piece of the PTX", e))?;
+    if out.is_null() {
+        return Err(Error::Compile {
+            kernel: "(code section)".into(),
+            message: "the PTX linker returned no cubin".into(),
+        });
+    }
+    // SAFETY: the linker returned a non-null cubin of `size` bytes, valid until `link` is
+    // destroyed (after this copy).
+    Ok(unsafe { std::slice::from_raw_parts(out.cast::<u8>(), size) }.to_vec())
+}
+
+/// Loads a cubin made by [`link_cubin`] into the current context (no compilation).
+fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8]) -> Result<Module> {
+    let mut raw: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `cubin` is a complete cubin image from the driver's linker, alive for the
+    // call; `raw` is a valid place for the handle; the context is current.
+    unsafe { sys::cuModuleLoadData(&mut raw, cubin.as_ptr().cast::<c_void>()) }
+        .result()
+        .map_err(|e| Error::Compile {
+            kernel: "(code section)".into(),
+            message: format!(
+                "loading a compiled piece of the PTX failed: {}",
+                describe(e)
+            ),
+        })?;
+    if raw.is_null() {
+        return Err(Error::Compile {
+            kernel: "(code section)".into(),
+            message: "the driver returned no module".into(),
+        });
+    }
+    Ok(Module {
+        raw,
+        ctx: ctx.clone(),
+    })
 }
 
 /// Loads PTX `code` into the current context; a JIT failure carries the driver's log.
@@ -531,12 +713,21 @@ impl CudaExecutor {
             "querying the memory of cuda:{ordinal}"
         )))?;
 
-        let module = load_module(&ctx, model.code())?;
+        let (modules, home) = load_modules(&ctx, model.code())?;
         let kernels = model
             .manifest()
             .kernels
             .iter()
-            .map(|k| resolve_kernel(&module, k))
+            .map(|k| {
+                let m = home(&k.name)
+                    .and_then(|i| modules.get(i))
+                    .or(modules.first())
+                    .ok_or_else(|| Error::Compile {
+                        kernel: k.name.clone(),
+                        message: "no PTX module was loaded".into(),
+                    })?;
+                resolve_kernel(m, k)
+            })
             .collect::<Result<Vec<_>>>()?;
 
         let arena = DeviceArena::new(&ctx, model.arena_bytes())?;
@@ -579,7 +770,7 @@ impl CudaExecutor {
             arena_copy: OnceCell::new(),
             pending: None,
             arena,
-            _module: module,
+            _modules: modules,
             model: model.clone(),
             ordinal,
             free_at_start,

@@ -55,6 +55,7 @@ pub mod cpu;
 mod cuda;
 pub mod fsutil;
 pub mod init;
+pub mod ptx;
 
 use std::alloc::Layout;
 use std::fmt;

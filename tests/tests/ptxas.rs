@@ -73,6 +73,7 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
     let dir = std::env::temp_dir().join(format!("tcc-ptxas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
+    let mut split_checked = false;
     let progs = programs();
     for (what, src, opts) in progs.iter() {
         let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -95,8 +96,25 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
             if let Err(e) = assemble_ptx(&ptxas, &dir, &c.code) {
                 failures.push(format!("{what}: {e}"));
             }
+            // The CUDA executor compiles a module in pieces of whole entries on several
+            // threads (tcc_runtime::ptx::split): every module splits, and the pieces of
+            // one with several entries assemble on their own.
+            let Some(pieces) = tcc_runtime::ptx::split(&c.code, 3) else {
+                failures.push(format!("{what}: the module does not split into pieces"));
+                continue;
+            };
+            // (A small one: assembling pieces again costs ptxas time.)
+            if !split_checked && pieces.len() == 3 && c.code.len() < 200_000 {
+                split_checked = true;
+                for (i, p) in pieces.iter().enumerate() {
+                    if let Err(e) = assemble_ptx(&ptxas, &dir, p) {
+                        failures.push(format!("{what}, piece {i} of 3: {e}"));
+                    }
+                }
+            }
         }
     }
+    assert!(split_checked, "no module had 3 pieces to assemble");
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),
