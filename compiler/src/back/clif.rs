@@ -380,31 +380,7 @@ impl<'a, 'b> Cg<'a, 'b> {
                         return None;
                     }
                 }
-                E::Un(op, a) if ty == VTy::F32 && simd_unary(*op) => stack.push(*a),
-                E::Un(UnaryOp::Not, a) if ty == VTy::Bool => stack.push(*a),
-                E::Bin(op, a, b)
-                    if pool.ty(*a) == VTy::F32 && simd_binary(*op)
-                        || ty == VTy::Bool
-                            && pool.ty(*a) == VTy::Bool
-                            && matches!(op, BinaryOp::And | BinaryOp::Or) =>
-                {
-                    stack.push(*a);
-                    stack.push(*b);
-                }
-                E::Select(c, a, b) if ty == VTy::F32 && pool.ty(*c) == VTy::Bool => {
-                    stack.push(*c);
-                    stack.push(*a);
-                    stack.push(*b);
-                }
-                E::Cast(to, a)
-                    if matches!(
-                        (pool.ty(*a), *to),
-                        (VTy::F32, VTy::Bool) | (VTy::Bool, VTy::F32)
-                    ) =>
-                {
-                    stack.push(*a)
-                }
-                _ => return None,
+                _ => stack.extend(vector_operands(pool, e)?),
             }
         }
         invariants.sort_unstable();
@@ -1722,6 +1698,35 @@ impl Gathers {
     }
 }
 
+/// The operands of `e` when it has a vector form in `Cg::vemit` whatever its operands read:
+/// f32 unary and binary ops with SIMD forms, bool `!`, `&&` and `||`, f32 selects on a
+/// bool, casts between bool and f32. `None`: no such form (loads are judged by the caller).
+fn vector_operands(pool: &ExprPool, e: ExprId) -> Option<Vec<ExprId>> {
+    let ty = pool.ty(e);
+    Some(match pool.get(e) {
+        E::Un(op, a) if ty == VTy::F32 && simd_unary(*op) => vec![*a],
+        E::Un(UnaryOp::Not, a) if ty == VTy::Bool => vec![*a],
+        E::Bin(op, a, b)
+            if pool.ty(*a) == VTy::F32 && simd_binary(*op)
+                || ty == VTy::Bool
+                    && pool.ty(*a) == VTy::Bool
+                    && matches!(op, BinaryOp::And | BinaryOp::Or) =>
+        {
+            vec![*a, *b]
+        }
+        E::Select(c, a, b) if ty == VTy::F32 && pool.ty(*c) == VTy::Bool => vec![*c, *a, *b],
+        E::Cast(to, a)
+            if matches!(
+                (pool.ty(*a), *to),
+                (VTy::F32, VTy::Bool) | (VTy::Bool, VTy::F32)
+            ) =>
+        {
+            vec![*a]
+        }
+        _ => return None,
+    })
+}
+
 /// The coefficient of variable `v` in index `e` when `e` is `c * v` plus terms that do not
 /// read `v` (clamps and quotients of other variables included); `None` otherwise.
 fn coef_of(pool: &ExprPool, e: ExprId, v: Var) -> Option<i64> {
@@ -1968,11 +1973,8 @@ impl Cg<'_, '_> {
     /// depend on `inner` (splat once per run; ascending ids).
     fn vector_invariants(&self, root: ExprId, inner: Var) -> Option<Vec<ExprId>> {
         let pool = &self.k.pool;
-        let reads = |e: ExprId| {
-            reachable(pool, &[e])
-                .iter()
-                .any(|y| matches!(pool.get(*y), E::Var(w) if *w == inner))
-        };
+        let free = free_vars(pool);
+        let reads = |e: ExprId| free.get(e.0 as usize).is_some_and(|f| f.contains(&inner));
         let mut seen = BTreeSet::new();
         let mut invariants = Vec::new();
         let mut stack = vec![root];
@@ -1998,23 +2000,7 @@ impl Cg<'_, '_> {
                         return None;
                     }
                 }
-                E::Un(op, a) if ty == VTy::F32 && simd_unary(*op) => stack.push(*a),
-                E::Un(UnaryOp::Not, a) if ty == VTy::Bool => stack.push(*a),
-                E::Bin(op, a, b)
-                    if pool.ty(*a) == VTy::F32 && simd_binary(*op)
-                        || ty == VTy::Bool
-                            && pool.ty(*a) == VTy::Bool
-                            && matches!(op, BinaryOp::And | BinaryOp::Or) =>
-                {
-                    stack.push(*a);
-                    stack.push(*b);
-                }
-                E::Select(c, a, b) if ty == VTy::F32 && pool.ty(*c) == VTy::Bool => {
-                    stack.push(*c);
-                    stack.push(*a);
-                    stack.push(*b);
-                }
-                _ => return None,
+                _ => stack.extend(vector_operands(pool, e)?),
             }
         }
         invariants.sort_unstable();

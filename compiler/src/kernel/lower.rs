@@ -116,7 +116,11 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
         let (run, runs) = (dy[3].max(1), dy[0] * dy[2]);
         let rows = m.div_ceil(4) * 4;
         let cols = ncols.div_ceil(8) * 8;
-        let packed = if m < ncols && ncols > 8 { rows } else { cols };
+        let packed = if super::CpuPanels::by_columns(m, ncols) {
+            rows
+        } else {
+            cols
+        };
         let depth = (CPU_PACK_B_BYTES / (4 * packed)).max(run).min(CPU_MAX_K);
         let per_split = (depth / run).max(1);
         return runs.div_ceil(per_split).clamp(1, 4096);

@@ -981,6 +981,12 @@ impl CpuPanels {
     pub const MR: i64 = 4;
     pub const NR: i64 = 8;
 
+    /// Whether an implicit GEMM of `m` rows and `n` columns splits its columns rather than
+    /// its rows across threads, when A fits the panel bound (`by_panels`).
+    pub fn by_columns(m: usize, n: usize) -> bool {
+        m < n && n > Self::NR as usize
+    }
+
     /// The items of `[0, extent)` a CPU call's `[lo, hi)` ranges over: panels or row tiles.
     pub fn extent(&self) -> i64 {
         if self.by_panels {
@@ -1011,7 +1017,7 @@ impl Matmul {
         let fit = (pack / tile_bytes).clamp(1, ntiles.max(1));
         // Panels on threads: A whole must fit the same bound as a panel of B, and there
         // must be panels to share: up to 16 of them.
-        let by_panels = m < n && ntiles > 1 && mtiles * mr * ks_max * 4 <= pack;
+        let by_panels = CpuPanels::by_columns(self.m, self.n) && mtiles * mr * ks_max * 4 <= pack;
         let pt = if by_panels {
             fit.min((ntiles + 15) / 16).max(1)
         } else {
