@@ -27,7 +27,28 @@ def rand(rng, shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def case(out_dir, name, nodes, inputs, outputs, inits=(), opset=17, feeds=None, seed=0):
+def conv_transpose_2d(x, w, b, strides, dilations, pads, output_padding, group):
+    """ConvTranspose by its definition (each input element scatters the kernel), for the
+    grouped form the reference evaluator of onnx 1.23 cannot reshape."""
+    n, c, h, wd = x.shape
+    cg, og, kh, kw = c // group, w.shape[1], w.shape[2], w.shape[3]
+    (s0, s1), (d0, d1) = strides, dilations
+    full = ((h - 1) * s0 + (kh - 1) * d0 + 1 + output_padding[0],
+            (wd - 1) * s1 + (kw - 1) * d1 + 1 + output_padding[1])
+    y = np.zeros((n, og * group) + full, np.float32)
+    for gi in range(group):
+        for ci in range(gi * cg, (gi + 1) * cg):
+            for i in range(h):
+                for j in range(wd):
+                    for a in range(kh):
+                        for e in range(kw):
+                            y[:, gi * og:(gi + 1) * og, i * s0 + a * d0, j * s1 + e * d1] += (
+                                x[:, ci, i, j, None] * w[ci, :, a, e])
+    y = y[:, :, pads[0]:full[0] - pads[2], pads[1]:full[1] - pads[3]]
+    return y + b.reshape(1, -1, 1, 1)
+
+
+def case(out_dir, name, nodes, inputs, outputs, inits=(), opset=17, feeds=None, seed=0, ref=None):
     rng = np.random.default_rng(seed)
     graph = helper.make_graph(
         nodes,
@@ -45,7 +66,10 @@ def case(out_dir, name, nodes, inputs, outputs, inits=(), opset=17, feeds=None, 
     for n, t, s in inputs:
         if n not in feeds:
             feeds[n] = rand(rng, s)
-    outs = ReferenceEvaluator(model).run(None, feeds)
+    if ref is None:
+        outs = ReferenceEvaluator(model).run(None, feeds)
+    else:
+        outs = ref(feeds, dict(inits))
     d = os.path.join(out_dir, name)
     os.makedirs(os.path.join(d, "test_data_set_0"), exist_ok=True)
     onnx.save(model, os.path.join(d, "model.onnx"))
@@ -193,6 +217,46 @@ def main(out_dir):
        ("hh", np.array([H], np.int64)), ("dh", np.array([D // H], np.int64)), ("dd", np.array([D], np.int64)),
        ("scale", np.array(np.sqrt(D // H), np.float32)), ("g", rand(rng, [D])), ("beta", rand(rng, [D]))],
       opset=17)
+
+    # Transposed, 3-D and dilated windows: the forms the importer rewrites into 2-D ones.
+    c("convtranspose_groups_dilated",
+      [n("ConvTranspose", ["x", "w", "b"], ["y"], group=2, strides=[2, 1], dilations=[1, 2],
+         pads=[1, 0, 0, 1], output_padding=[1, 0])],
+      [("x", F, [1, 4, 5, 4])], ["y"], [("w", rand(rng, [4, 3, 3, 2])), ("b", rand(rng, [6]))],
+      ref=lambda f, i: [conv_transpose_2d(f["x"], i["w"], i["b"], [2, 1], [1, 2], [1, 0, 0, 1], [1, 0], 2)])
+    c("convtranspose_1d_output_shape",
+      [n("ConvTranspose", ["x", "w"], ["y"], strides=[3], output_shape=[17])],
+      [("x", F, [2, 3, 6])], ["y"], [("w", rand(rng, [3, 2, 4]))],
+      # total padding 3 * 5 + 4 - 17 = 2: one on each side (the reference evaluator has no
+      # output_shape; these two follow the spec's formula by hand).
+      ref=lambda f, i: [conv_transpose_2d(f["x"][:, :, None], i["w"][:, :, None], np.zeros(2, np.float32),
+                                          [1, 3], [1, 1], [0, 1, 0, 1], [0, 0], 1)[:, :, 0]])
+    c("convtranspose_same_upper",
+      [n("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], auto_pad="SAME_UPPER")],
+      [("x", F, [1, 2, 4, 4])], ["y"], [("w", rand(rng, [2, 2, 3, 3]))],
+      # output 4 * 2 = 8 of 9: SAME_UPPER puts total // 2 = 0 first and 1 last.
+      ref=lambda f, i: [conv_transpose_2d(f["x"], i["w"], np.zeros(2, np.float32), [2, 2], [1, 1], [0, 0, 1, 1],
+                                          [0, 0], 1)])
+    c("conv3d_groups_asymmetric",
+      [n("Conv", ["x", "w", "b"], ["y"], group=2, pads=[1, 0, 2, 0, 1, 1], strides=[2, 1, 2],
+         dilations=[1, 2, 1])],
+      [("x", F, [1, 4, 5, 6, 5])], ["y"], [("w", rand(rng, [4, 2, 3, 2, 3])), ("b", rand(rng, [4]))])
+    c("maxpool_dilation_taps",
+      [n("MaxPool", ["x"], ["y"], kernel_shape=[3, 2], strides=[2, 3], dilations=[3, 2], pads=[1, 2, 2, 0])],
+      [("x", F, [1, 2, 20, 17])], ["y"], opset=12)
+    c("maxpool_1d_dilation_gcd",
+      [n("MaxPool", ["x"], ["y"], kernel_shape=[4], strides=[4], dilations=[6], pads=[3, 1])],
+      [("x", F, [2, 3, 40])], ["y"], opset=12)
+    c("avgpool3d_ceil_exclude",
+      [n("AveragePool", ["x"], ["y"], kernel_shape=[2, 3, 2], strides=[2, 2, 3], pads=[1, 1, 0, 0, 1, 1],
+         ceil_mode=1, count_include_pad=0)],
+      [("x", F, [1, 2, 5, 6, 7])], ["y"], opset=12)
+    c("avgpool3d_include_pad",
+      [n("AveragePool", ["x"], ["y"], kernel_shape=[3, 3, 3], strides=[2, 2, 2], pads=[1, 1, 1, 1, 1, 1],
+         count_include_pad=1)],
+      [("x", F, [2, 2, 5, 5, 6])], ["y"], opset=12)
+    c("maxpool3d_ceil", [n("MaxPool", ["x"], ["y"], kernel_shape=[2, 2, 3], strides=[2, 2, 2], ceil_mode=1)],
+      [("x", F, [1, 3, 5, 6, 7])], ["y"], opset=12)
 
 
 if __name__ == "__main__":

@@ -2179,6 +2179,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             );
         }
         "Conv" => conv(im, node, ins, &out0)?,
+        "ConvTranspose" => conv_transpose(im, node, ins, &out0)?,
         "MaxPool" | "AveragePool" => pool(im, node, ins, &out0)?,
         _ => return Err(im.unsupported("")),
     }
@@ -2374,7 +2375,348 @@ fn window(im: &Importer, at: &Attrs, spatial: &[usize], kernel: Vec<usize>) -> R
     })
 }
 
+/// `x` (a name) taken along `axis` at `start, start + step, …`, `count` elements: a slice
+/// when `step` is 1; else a slice of `step * count` (padded at the end where it runs past),
+/// split into `[count, step]`, of which the first phase is kept.
+#[allow(clippy::too_many_arguments)]
+fn strided_expr(
+    im: &mut Importer,
+    x: &str,
+    d: DType,
+    dims: &[usize],
+    axis: usize,
+    start: usize,
+    step: usize,
+    count: usize,
+) -> R<(String, Vec<usize>)> {
+    let mut out = dims.to_vec();
+    out[axis] = count;
+    let full = |cd: &[usize]| -> Vec<(usize, usize)> { cd.iter().map(|&n| (0, n)).collect() };
+    if step == 1 {
+        let mut r = full(dims);
+        r[axis] = (start, start + count);
+        return Ok((slice_expr(x, dims, &r), out));
+    }
+    let need = start + step * count;
+    let (mut cur, mut cd) = (x.to_string(), dims.to_vec());
+    if need > cd[axis] {
+        let mut after = vec![0; dims.len()];
+        after[axis] = need - cd[axis];
+        (cur, cd) = pad_expr(
+            im,
+            &cur,
+            d,
+            &cd,
+            &vec![0; dims.len()],
+            &after,
+            "constant",
+            0.0,
+        )?;
+    }
+    let mut r = full(&cd);
+    r[axis] = (start, need);
+    let mut split = out.clone();
+    split.insert(axis + 1, step);
+    let s = im.tmp(
+        "strided",
+        format!("reshape({}, {})", slice_expr(&cur, &cd, &r), list(&split)),
+    );
+    let mut r2 = full(&split);
+    r2[axis + 1] = (0, 1);
+    Ok((
+        format!("reshape({}, {})", slice_expr(&s, &split, &r2), list(&out)),
+        out,
+    ))
+}
+
+/// `x` (a name, `dims`) with `step - 1` zeros after each element along `axis`, up to the
+/// last element: length `(n - 1) * step + 1`.
+fn spread_expr(
+    im: &mut Importer,
+    x: &str,
+    d: DType,
+    dims: &[usize],
+    axis: usize,
+    step: usize,
+) -> (String, Vec<usize>) {
+    let n = dims[axis];
+    let mut out = dims.to_vec();
+    out[axis] = (n - 1) * step + 1;
+    if step == 1 {
+        return (x.to_string(), out);
+    }
+    let (mut one, mut zs, mut merged) = (dims.to_vec(), dims.to_vec(), dims.to_vec());
+    one.insert(axis + 1, 1);
+    zs.insert(axis + 1, step - 1);
+    merged[axis] = n * step;
+    let t = im.tmp(
+        "spread",
+        format!(
+            "reshape(concat([reshape({x}, {}), zeros({}, {d})], axis: {}), {})",
+            list(&one),
+            list(&zs),
+            axis + 1,
+            list(&merged)
+        ),
+    );
+    let mut r: Vec<(usize, usize)> = merged.iter().map(|&m| (0, m)).collect();
+    r[axis] = (0, out[axis]);
+    (slice_expr(&t, &merged, &r), out)
+}
+
+/// `x` (a name) reversed along `axis`: its slices concatenated in the other order.
+fn flip_expr(x: &str, dims: &[usize], axis: usize) -> String {
+    if dims[axis] == 1 {
+        return x.to_string();
+    }
+    let parts: Vec<String> = (0..dims[axis])
+        .rev()
+        .map(|i| {
+            let mut r: Vec<(usize, usize)> = dims.iter().map(|&m| (0, m)).collect();
+            r[axis] = (i, i + 1);
+            slice_expr(x, dims, &r)
+        })
+        .collect();
+    format!("concat([{}], axis: {axis})", parts.join(", "))
+}
+
+/// The spatial attributes of a 2-D convolution: strides, pads (before, after), dilations.
+#[derive(Clone, Copy)]
+struct Conv2d {
+    strides: [usize; 2],
+    before: [usize; 2],
+    after: [usize; 2],
+    dil: [usize; 2],
+    groups: usize,
+}
+
+/// A 2-D convolution of `xe` (`[n, c, h, w]`) by `we` (`[o, c / groups, kh, kw]`), with no
+/// bias: its expression and `[n, o, oh, ow]`.
+fn conv2d_expr(
+    im: &mut Importer,
+    out: &str,
+    (xe, xdims): (String, [usize; 4]),
+    (we, wdims): (String, [usize; 4]),
+    d: DType,
+    p: Conv2d,
+) -> R<(String, [usize; 4])> {
+    let [n, c, h, w] = xdims;
+    let (mut xe, mut we) = (xe, we);
+    let mut xs = [h, w];
+    let mut kd = wdims;
+    // Dilation: the kernel with zeros between its taps (exact).
+    for a in 0..2 {
+        if p.dil[a] > 1 {
+            let wn = im.tmp(&format!("{out}_w"), we);
+            let (e, nd) = spread_expr(im, &wn, d, &kd, a + 2, p.dil[a]);
+            we = e;
+            kd[a + 2] = nd[a + 2];
+        }
+    }
+    // Asymmetric pads: explicit zeros, then no padding in the convolution.
+    let mut pad = [0usize; 2];
+    if p.before != p.after {
+        let x4 = im.tmp(&format!("{out}_x"), xe);
+        let (e, nd) = pad_expr(
+            im,
+            &x4,
+            d,
+            &[n, c, xs[0], xs[1]],
+            &[0, 0, p.before[0], p.before[1]],
+            &[0, 0, p.after[0], p.after[1]],
+            "constant",
+            0.0,
+        )?;
+        xe = e;
+        xs = [nd[2], nd[3]];
+    } else {
+        pad = p.before;
+    }
+    let mut od = [0; 2];
+    for a in 0..2 {
+        od[a] = (xs[a] + 2 * pad[a])
+            .checked_sub(kd[a + 2])
+            .ok_or_else(|| im.err("the kernel is larger than the padded input"))?
+            / p.strides[a]
+            + 1;
+    }
+    Ok((
+        format!(
+            "conv2d({xe}, {we}, stride: {}, padding: {}, groups: {})",
+            list(&p.strides),
+            list(&pad),
+            p.groups
+        ),
+        [n, kd[0], od[0], od[1]],
+    ))
+}
+
 fn conv(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> R<()> {
+    let at = Attrs(node);
+    let xv = ins
+        .first()
+        .cloned()
+        .flatten()
+        .ok_or_else(|| im.err("no input"))?;
+    let wv = ins
+        .get(1)
+        .cloned()
+        .flatten()
+        .ok_or_else(|| im.err("no weight"))?;
+    let (x, d, xdims) = im.rt(&xv, &node.input[0])?;
+    let (w, _, wdims) = im.rt(&wv, &node.input[1])?;
+    let sp = xdims.len().saturating_sub(2);
+    if !(1..=3).contains(&sp) || wdims.len() != xdims.len() {
+        return Err(im.unsupported(format!(
+            "{sp} spatial dimensions (tcc has 1-D, 2-D and 3-D convolutions)"
+        )));
+    }
+    let g = at.i("group", 1).max(1) as usize;
+    let (o, cg) = (wdims[0], wdims[1]);
+    if xdims[1] != cg * g || o % g != 0 {
+        return Err(im.err(format!(
+            "weight {wdims:?} does not fit input {xdims:?} with group {g}"
+        )));
+    }
+    let win = window(im, &at, &xdims[2..], wdims[2..].to_vec())?;
+    let (n, c) = (xdims[0], xdims[1]);
+    let bias = match ins.get(2) {
+        Some(Some(b)) => {
+            let (be, _, bd) = im.rt(b, &node.input[2])?;
+            if bd != [o] {
+                return Err(im.err(format!("bias {bd:?} is not [{o}]")));
+            }
+            Some(be)
+        }
+        _ => None,
+    };
+    let two = |v: &[usize], one: usize| -> [usize; 2] {
+        match v {
+            [a, b] => [*a, *b],
+            [a] => [one, *a],
+            _ => [one, one],
+        }
+    };
+    if sp < 3 {
+        // 1-D: a 2-D convolution over [N, C, 1, L].
+        let lift = |e: String| {
+            if sp == 1 {
+                format!("unsqueeze({e}, axis: 2)")
+            } else {
+                e
+            }
+        };
+        let xs = two(&xdims[2..], 1);
+        let ks = two(&wdims[2..], 1);
+        let p = Conv2d {
+            strides: two(&win.strides, 1),
+            before: two(&win.before, 0),
+            after: two(&win.after, 0),
+            dil: two(&win.dilations, 1),
+            groups: g,
+        };
+        let (mut e, od) = conv2d_expr(
+            im,
+            out,
+            (lift(x), [n, c, xs[0], xs[1]]),
+            (lift(w), [o, cg, ks[0], ks[1]]),
+            d,
+            p,
+        )?;
+        if let Some(be) = bias {
+            e = format!("{e} + reshape({be}, [{o}, 1, 1])");
+        }
+        let mut dims = od.to_vec();
+        if sp == 1 {
+            e = format!("squeeze({e}, axis: 2)");
+            dims.remove(2);
+        }
+        im.bind(out, e, d, dims);
+        return Ok(());
+    }
+    // 3-D: for each depth tap, a 2-D convolution of the depths it reads (batched with N),
+    // summed over the taps.
+    let (kdep, kh, kw) = (wdims[2], wdims[3], wdims[4]);
+    let (mut xp, mut pd) = (x, xdims.clone());
+    if win.before[0] > 0 || win.after[0] > 0 {
+        (xp, pd) = pad_expr(
+            im,
+            &xp,
+            d,
+            &pd,
+            &[0, 0, win.before[0], 0, 0],
+            &[0, 0, win.after[0], 0, 0],
+            "constant",
+            0.0,
+        )?;
+    }
+    let eff = (kdep - 1) * win.dilations[0] + 1;
+    let dout = pd[2]
+        .checked_sub(eff)
+        .ok_or_else(|| im.err("the kernel is larger than the padded input"))?
+        / win.strides[0]
+        + 1;
+    let (h, w_) = (xdims[3], xdims[4]);
+    let xt = im.tmp(
+        &format!("{out}_x"),
+        format!("permute({xp}, [0, 2, 1, 3, 4])"),
+    );
+    let tdims = [n, pd[2], c, h, w_];
+    let p = Conv2d {
+        strides: [win.strides[1], win.strides[2]],
+        before: [win.before[1], win.before[2]],
+        after: [win.after[1], win.after[2]],
+        dil: [win.dilations[1], win.dilations[2]],
+        groups: g,
+    };
+    let mut terms = Vec::new();
+    let mut od = [0; 4];
+    for k in 0..kdep {
+        let (sel, _) = strided_expr(
+            im,
+            &xt,
+            d,
+            &tdims,
+            1,
+            k * win.dilations[0],
+            win.strides[0],
+            dout,
+        )?;
+        let xk = im.tmp(
+            &format!("{out}_x{k}"),
+            format!("reshape({sel}, {})", list(&[n * dout, c, h, w_])),
+        );
+        let mut r: Vec<(usize, usize)> = wdims.iter().map(|&m| (0, m)).collect();
+        r[2] = (k, k + 1);
+        let wk = format!(
+            "reshape({}, {})",
+            slice_expr(&w, &wdims, &r),
+            list(&[o, cg, kh, kw])
+        );
+        let (e, dims) = conv2d_expr(
+            im,
+            out,
+            (xk, [n * dout, c, h, w_]),
+            (wk, [o, cg, kh, kw]),
+            d,
+            p,
+        )?;
+        od = dims;
+        terms.push(im.tmp(&format!("{out}_t{k}"), e));
+    }
+    let mut e = format!(
+        "permute(reshape({}, {}), [0, 2, 1, 3, 4])",
+        terms.join(" + "),
+        list(&[n, dout, o, od[2], od[3]])
+    );
+    if let Some(be) = bias {
+        e = format!("{e} + reshape({be}, [{o}, 1, 1, 1])");
+    }
+    im.bind(out, e, d, vec![n, o, dout, od[2], od[3]]);
+    Ok(())
+}
+
+fn conv_transpose(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> R<()> {
     let at = Attrs(node);
     let xv = ins
         .first()
@@ -2391,117 +2733,181 @@ fn conv(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
     let sp = xdims.len().saturating_sub(2);
     if !(1..=2).contains(&sp) || wdims.len() != xdims.len() {
         return Err(im.unsupported(format!(
-            "{sp} spatial dimensions (tcc has 1-D and 2-D convolutions)"
+            "{sp} spatial dimensions (tcc has 1-D and 2-D transposed convolutions)"
         )));
     }
     let g = at.i("group", 1).max(1) as usize;
-    let (o, cg) = (wdims[0], wdims[1]);
-    if xdims[1] != cg * g || o % g != 0 {
+    let (c, og) = (wdims[0], wdims[1]);
+    if xdims[1] != c || c % g != 0 {
         return Err(im.err(format!(
             "weight {wdims:?} does not fit input {xdims:?} with group {g}"
         )));
     }
     let kernel: Vec<usize> = wdims[2..].to_vec();
-    let win = window(im, &at, &xdims[2..], kernel.clone())?;
-    // 1-D: a 2-D convolution over [N, C, 1, L].
-    let lift = |v: &[usize]| -> Vec<usize> {
-        if sp == 1 {
-            let mut r = vec![1];
-            r.extend(v);
-            r
-        } else {
-            v.to_vec()
+    if let Some(ks) = at.ints("kernel_shape") {
+        if ks.iter().map(|&k| k as usize).ne(kernel.iter().copied()) {
+            return Err(im.err(format!(
+                "kernel_shape {ks:?} differs from the weight's {kernel:?}"
+            )));
+        }
+    }
+    let list_attr = |name: &str, default: usize, min: i64| -> R<Vec<usize>> {
+        match at.ints(name) {
+            None => Ok(vec![default; sp]),
+            Some(v) if v.len() == sp && v.iter().all(|&x| (min..=MAX_ATTR).contains(&x)) => {
+                Ok(v.iter().map(|&x| x as usize).collect())
+            }
+            Some(v) => Err(im.err(format!("{name} {v:?} for {sp} spatial axes"))),
         }
     };
-    let (strides, before, after, dil, k) = (
-        lift(&win.strides),
-        lift(&win.before),
-        lift(&win.after),
-        lift(&win.dilations),
-        lift(&kernel),
+    let strides = list_attr("strides", 1, 1)?;
+    let dil = list_attr("dilations", 1, 1)?;
+    let opad = list_attr("output_padding", 0, 0)?;
+    let auto = at.s("auto_pad").unwrap_or_else(|| "NOTSET".into());
+    let (mut pb, mut pa) = (vec![0usize; sp], vec![0usize; sp]);
+    let spatial = &xdims[2..];
+    let eff: Vec<usize> = (0..sp).map(|i| (kernel[i] - 1) * dil[i] + 1).collect();
+    let full: Vec<usize> = (0..sp)
+        .map(|i| (spatial[i] - 1) * strides[i] + eff[i] + opad[i])
+        .collect();
+    let target: Option<Vec<usize>> = match at.ints("output_shape") {
+        Some(v) => {
+            let v = if v.len() == sp + 2 {
+                v[2..].to_vec()
+            } else {
+                v
+            };
+            if v.len() != sp || v.iter().any(|&x| !(1..=MAX_ATTR).contains(&x)) {
+                return Err(im.err(format!("output_shape {v:?} for {sp} spatial axes")));
+            }
+            Some(v.iter().map(|&x| x as usize).collect())
+        }
+        None if auto == "SAME_UPPER" || auto == "SAME_LOWER" => {
+            Some((0..sp).map(|i| spatial[i] * strides[i]).collect())
+        }
+        None => None,
+    };
+    match (&target, auto.as_str()) {
+        (Some(t), _) => {
+            for i in 0..sp {
+                let total = full[i].checked_sub(t[i]).ok_or_else(|| {
+                    im.err(format!(
+                        "output size {} is larger than the {} the input gives",
+                        t[i], full[i]
+                    ))
+                })?;
+                if auto == "SAME_UPPER" {
+                    pb[i] = total / 2;
+                    pa[i] = total - total / 2;
+                } else {
+                    pb[i] = total - total / 2;
+                    pa[i] = total / 2;
+                }
+            }
+        }
+        (None, "NOTSET" | "" | "VALID") => {
+            if auto != "VALID" {
+                if let Some(p) = at.ints("pads") {
+                    if p.len() != 2 * sp || p.iter().any(|&x| !(0..=MAX_ATTR).contains(&x)) {
+                        return Err(im.err(format!("pads {p:?} for {sp} spatial axes")));
+                    }
+                    for i in 0..sp {
+                        pb[i] = p[i] as usize;
+                        pa[i] = p[i + sp] as usize;
+                    }
+                }
+            }
+        }
+        (None, other) => return Err(im.err(format!("auto_pad `{other}`"))),
+    }
+    // As a convolution (stride 1) of the input spread by the strides, padded by
+    // `eff - 1 - pads` (cropped where that is negative), with the kernel flipped.
+    let lift = |v: &[usize], one: usize| -> Vec<usize> {
+        let mut r = v.to_vec();
+        if sp == 1 {
+            r.insert(0, one);
+        }
+        r
+    };
+    let (s2, k2, e2, f2, pb2, pa2, dl2) = (
+        lift(&strides, 1),
+        lift(&kernel, 1),
+        lift(&eff, 1),
+        lift(&full, 1),
+        lift(&pb, 0),
+        lift(&pa, 0),
+        lift(&dil, 1),
     );
-    let mut before = before;
-    if sp == 1 {
-        before[0] = 0;
-    }
-    let mut after = after;
-    if sp == 1 {
-        after[0] = 0;
-    }
-    let (n, c) = (xdims[0], xdims[1]);
-    let mut xs = lift(&xdims[2..]);
-    let mut xe = if sp == 1 {
-        format!("unsqueeze({x}, axis: 2)")
+    let (n, o) = (xdims[0], og * g);
+    let mut cd = lift(spatial, 1);
+    cd.insert(0, c);
+    cd.insert(0, n);
+    let mut cur = if sp == 1 {
+        im.tmp(&format!("{out}_x"), format!("unsqueeze({x}, axis: 2)"))
     } else {
         x
     };
-    let mut we = if sp == 1 {
-        format!("unsqueeze({w}, axis: 2)")
-    } else {
-        w
-    };
-    let mut kd = vec![o, cg, k[0], k[1]];
-    // Dilation: the kernel with zeros between its taps (exact).
+    let mut before = [0usize; 2];
+    let mut after = [0usize; 2];
     for a in 0..2 {
-        if dil[a] > 1 {
-            let dl = dil[a];
-            let mut zs = kd.clone();
-            zs.insert(a + 3, dl - 1);
-            let mut un = kd.clone();
-            un.insert(a + 3, 1);
-            let mut merged = kd.clone();
-            merged[a + 2] *= dl;
-            let eff = (kd[a + 2] - 1) * dl + 1;
-            let mut ranges: Vec<(usize, usize)> = merged.iter().map(|&d| (0, d)).collect();
-            ranges[a + 2] = (0, eff);
-            let t = im.tmp(
-                &format!("{out}_w"),
-                format!(
-                    "reshape(concat([reshape({we}, {}), zeros({}, {d})], axis: {}), {})",
-                    list(&un),
-                    list(&zs),
-                    a + 3,
-                    list(&merged)
-                ),
-            );
-            we = slice_expr(&t, &merged, &ranges);
-            kd[a + 2] = eff;
+        if f2[a] <= pb2[a] + pa2[a] {
+            return Err(im.err("the pads remove the whole output"));
+        }
+        let (e, nd) = spread_expr(im, &cur, d, &cd, a + 2, s2[a]);
+        cur = im.tmp(&format!("{out}_x"), e);
+        cd = nd;
+        let lo = (e2[a] - 1) as i64 - pb2[a] as i64;
+        let hi = (f2[a] - cd[a + 2]) as i64 - pa2[a] as i64;
+        if lo < 0 || hi < 0 {
+            let mut r: Vec<(usize, usize)> = cd.iter().map(|&m| (0, m)).collect();
+            let start = (-lo).max(0) as usize;
+            let end = cd[a + 2] - (-hi).max(0) as usize;
+            if start >= end {
+                return Err(im.err("the pads remove the whole output"));
+            }
+            r[a + 2] = (start, end);
+            cur = im.tmp(&format!("{out}_x"), slice_expr(&cur, &cd, &r));
+            cd[a + 2] = end - start;
+        }
+        before[a] = lo.max(0) as usize;
+        after[a] = hi.max(0) as usize;
+    }
+    // The kernel as a convolution's: [C, O/g, ..] → [O, C/g, ..], flipped.
+    let cg = c / g;
+    let kdims = [o, cg, k2[0], k2[1]];
+    let mut we = im.tmp(
+        &format!("{out}_w"),
+        format!(
+            "reshape(permute(reshape({}, {}), [0, 2, 1, 3, 4]), {})",
+            if sp == 1 {
+                format!("unsqueeze({w}, axis: 2)")
+            } else {
+                w
+            },
+            list(&[g, cg, og, k2[0], k2[1]]),
+            list(&kdims)
+        ),
+    );
+    for a in 2..4 {
+        let f = flip_expr(&we, &kdims, a);
+        if f != we {
+            we = im.tmp(&format!("{out}_w"), f);
         }
     }
-    // Asymmetric pads: explicit zeros, then no padding in the convolution.
-    let mut pad = [0usize; 2];
-    if before != after {
-        let x4 = im.tmp(&format!("{out}_x"), xe);
-        let (e, nd) = pad_expr(
-            im,
-            &x4,
-            d,
-            &[n, c, xs[0], xs[1]],
-            &[0, 0, before[0], before[1]],
-            &[0, 0, after[0], after[1]],
-            "constant",
-            0.0,
-        )?;
-        xe = e;
-        xs = nd[2..].to_vec();
-    } else {
-        pad = [before[0], before[1]];
-    }
-    let oh = (xs[0] + 2 * pad[0])
-        .checked_sub(kd[2])
-        .ok_or_else(|| im.err("the kernel is larger than the padded input"))?
-        / strides[0]
-        + 1;
-    let ow = (xs[1] + 2 * pad[1])
-        .checked_sub(kd[3])
-        .ok_or_else(|| im.err("the kernel is larger than the padded input"))?
-        / strides[1]
-        + 1;
-    let mut e = format!(
-        "conv2d({xe}, {we}, stride: {}, padding: {}, groups: {g})",
-        list(&strides),
-        list(&pad)
-    );
+    let (mut e, od) = conv2d_expr(
+        im,
+        out,
+        (cur, [cd[0], cd[1], cd[2], cd[3]]),
+        (we, kdims),
+        d,
+        Conv2d {
+            strides: [1, 1],
+            before,
+            after,
+            dil: [dl2[0], dl2[1]],
+            groups: g,
+        },
+    )?;
     if let Some(Some(b)) = ins.get(2) {
         let (be, _, bd) = im.rt(b, &node.input[2])?;
         if bd != [o] {
@@ -2509,7 +2915,7 @@ fn conv(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
         }
         e = format!("{e} + reshape({be}, [{o}, 1, 1])");
     }
-    let mut dims = vec![n, o, oh, ow];
+    let mut dims = od.to_vec();
     if sp == 1 {
         e = format!("squeeze({e}, axis: 2)");
         dims.remove(2);
@@ -2518,54 +2924,37 @@ fn conv(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
     Ok(())
 }
 
-fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> R<()> {
-    let at = Attrs(node);
-    let op = node.op_type.as_str();
-    if node.output.iter().skip(1).any(|o| !o.is_empty()) {
-        return Err(im.unsupported("the indices output"));
-    }
-    let xv = ins
-        .first()
-        .cloned()
-        .flatten()
-        .ok_or_else(|| im.err("no input"))?;
-    let (x, d, xdims) = im.rt(&xv, &node.input[0])?;
-    let sp = xdims.len().saturating_sub(2);
-    if !(1..=2).contains(&sp) {
-        return Err(im.unsupported(format!(
-            "{sp} spatial dimensions (tcc has 1-D and 2-D pooling)"
-        )));
-    }
-    let kernel: Vec<usize> = at
-        .ints("kernel_shape")
-        .ok_or_else(|| im.err("no kernel_shape"))?
-        .iter()
-        .map(|&k| k.clamp(1, MAX_ATTR) as usize)
-        .collect();
-    if kernel.len() != sp {
-        return Err(im.err("kernel_shape does not match the input's rank"));
-    }
-    let win = window(im, &at, &xdims[2..], kernel.clone())?;
-    if win.dilations.iter().any(|&x| x != 1) {
-        return Err(im.unsupported("dilations other than 1"));
-    }
-    let lift = |v: &[usize], one: usize| -> Vec<usize> {
-        if sp == 1 {
-            let mut r = vec![one];
-            r.extend(v);
-            r
-        } else {
-            v.to_vec()
-        }
-    };
-    let (k, s, before, after) = (
-        lift(&kernel, 1),
-        lift(&win.strides, 1),
-        lift(&win.before, 0),
-        lift(&win.after, 0),
-    );
-    let xs = lift(&xdims[2..], 1);
-    let ceil = at.i("ceil_mode", 0) != 0;
+/// The attributes of a 2-D pooling.
+#[derive(Clone, Copy)]
+struct Pool2d {
+    kernel: [usize; 2],
+    strides: [usize; 2],
+    before: [usize; 2],
+    after: [usize; 2],
+    ceil: bool,
+    max: bool,
+    include_pad: bool,
+}
+
+/// A 2-D max or average pooling of `xe` (`[n, c, h, w]`): its expression and dims.
+fn pool2d_expr(
+    im: &mut Importer,
+    out: &str,
+    xe: String,
+    d: DType,
+    [n, c, h, w]: [usize; 4],
+    p: Pool2d,
+) -> R<(String, [usize; 4])> {
+    let Pool2d {
+        kernel: k,
+        strides: s,
+        before,
+        after,
+        ceil,
+        max,
+        include_pad,
+    } = p;
+    let xs = [h, w];
     let out_size = |i: usize| -> Option<usize> {
         let span = (xs[i] + before[i] + after[i]).checked_sub(k[i])?;
         Some(
@@ -2583,15 +2972,8 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
     // tcc pools pad symmetrically and floor the output size: other cases pad explicitly.
     let sym =
         before == after && (0..2).all(|i| (xs[i] + 2 * before[i] - k[i]) / s[i] + 1 == [oh, ow][i]);
-    let (n, c) = (xdims[0], xdims[1]);
-    let mut xe = if sp == 1 {
-        format!("unsqueeze({x}, axis: 2)")
-    } else {
-        x
-    };
-    let mut pad = [before[0], before[1]];
-    let max = op == "MaxPool";
-    let include_pad = at.i("count_include_pad", 0) != 0;
+    let mut xe = xe;
+    let mut pad = before;
     let mut denom = None;
     if !sym {
         // Pad by hand: the window's extra rows/cols on the right for ceil mode.
@@ -2615,48 +2997,46 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
         xe = e;
         pad = [0, 0];
         if !max && (!include_pad || extra[0] != after[0] || extra[1] != after[1]) {
-            {
-                // Counts of the real (or explicitly padded) elements in each window.
-                let ones = format!("ones([1, 1, {}, {}], {d})", xs[0], xs[1]);
-                let o4 = im.tmp(&format!("{out}_ones"), ones);
-                let (oe, _) = if include_pad {
+            // Counts of the real (or explicitly padded) elements in each window.
+            let ones = format!("ones([1, 1, {}, {}], {d})", xs[0], xs[1]);
+            let o4 = im.tmp(&format!("{out}_ones"), ones);
+            let (oe, _) = if include_pad {
+                pad_expr(
+                    im,
+                    &o4,
+                    d,
+                    &[1, 1, xs[0], xs[1]],
+                    &[0, 0, before[0], before[1]],
+                    &[0, 0, after[0], after[1]],
+                    "constant",
+                    1.0,
+                )
+                .and_then(|(e, dd)| {
+                    let e2 = im.tmp("pad", e);
                     pad_expr(
                         im,
-                        &o4,
+                        &e2,
                         d,
-                        &[1, 1, xs[0], xs[1]],
-                        &[0, 0, before[0], before[1]],
-                        &[0, 0, after[0], after[1]],
-                        "constant",
-                        1.0,
-                    )
-                    .and_then(|(e, dd)| {
-                        let e2 = im.tmp("pad", e);
-                        pad_expr(
-                            im,
-                            &e2,
-                            d,
-                            &dd,
-                            &[0, 0, 0, 0],
-                            &[0, 0, extra[0] - after[0], extra[1] - after[1]],
-                            "constant",
-                            0.0,
-                        )
-                    })?
-                } else {
-                    pad_expr(
-                        im,
-                        &o4,
-                        d,
-                        &[1, 1, xs[0], xs[1]],
-                        &[0, 0, before[0], before[1]],
-                        &[0, 0, extra[0], extra[1]],
+                        &dd,
+                        &[0, 0, 0, 0],
+                        &[0, 0, extra[0] - after[0], extra[1] - after[1]],
                         "constant",
                         0.0,
-                    )?
-                };
-                denom = Some(oe);
-            }
+                    )
+                })?
+            } else {
+                pad_expr(
+                    im,
+                    &o4,
+                    d,
+                    &[1, 1, xs[0], xs[1]],
+                    &[0, 0, before[0], before[1]],
+                    &[0, 0, extra[0], extra[1]],
+                    "constant",
+                    0.0,
+                )?
+            };
+            denom = Some(oe);
         }
     } else if !max && !include_pad && (pad[0] > 0 || pad[1] > 0) {
         denom = Some(format!("ones([1, 1, {}, {}], {d})", xs[0], xs[1]));
@@ -2672,11 +3052,173 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
     if let Some(dn) = denom {
         e = format!("{e} / {f}({dn}, {args})");
     }
-    let mut dims = vec![n, c, oh, ow];
-    if sp == 1 {
-        e = format!("squeeze({e}, axis: 2)");
-        dims.remove(2);
+    Ok((e, [n, c, oh, ow]))
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
+}
+
+fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> R<()> {
+    let at = Attrs(node);
+    let op = node.op_type.as_str();
+    if node.output.iter().skip(1).any(|o| !o.is_empty()) {
+        return Err(im.unsupported("the indices output"));
+    }
+    let xv = ins
+        .first()
+        .cloned()
+        .flatten()
+        .ok_or_else(|| im.err("no input"))?;
+    let (x, d, xdims) = im.rt(&xv, &node.input[0])?;
+    let sp = xdims.len().saturating_sub(2);
+    if !(1..=3).contains(&sp) {
+        return Err(im.unsupported(format!(
+            "{sp} spatial dimensions (tcc has 1-D, 2-D and 3-D pooling)"
+        )));
+    }
+    let mut kernel: Vec<usize> = at
+        .ints("kernel_shape")
+        .ok_or_else(|| im.err("no kernel_shape"))?
+        .iter()
+        .map(|&k| k.clamp(1, MAX_ATTR) as usize)
+        .collect();
+    if kernel.len() != sp {
+        return Err(im.err("kernel_shape does not match the input's rank"));
+    }
+    let win = window(im, &at, &xdims[2..], kernel.clone())?;
+    let max = op == "MaxPool";
+    let ceil = at.i("ceil_mode", 0) != 0;
+    let include_pad = at.i("count_include_pad", 0) != 0;
+    let (mut x, mut xdims) = (x, xdims);
+    let (mut strides, mut before, mut after) = (win.strides, win.before, win.after);
+    // Dilated max pooling, one axis at a time: padded by hand, sampled at the gcd of stride
+    // and dilation (after which a dilation of 1 is a plain window), else a max of taps.
+    for a in 0..sp {
+        let dl = win.dilations[a];
+        if dl == 1 {
+            continue;
+        }
+        if !max {
+            return Err(im.unsupported("dilations other than 1"));
+        }
+        if ceil {
+            return Err(im.unsupported("dilations with ceil_mode"));
+        }
+        let ax = a + 2;
+        if before[a] > 0 || after[a] > 0 {
+            let (mut b, mut f) = (vec![0; xdims.len()], vec![0; xdims.len()]);
+            (b[ax], f[ax]) = (before[a], after[a]);
+            let xn = im.tmp(&format!("{out}_x"), x);
+            (x, xdims) = pad_expr(im, &xn, d, &xdims, &b, &f, "constant", f64::NEG_INFINITY)?;
+            (before[a], after[a]) = (0, 0);
+        }
+        let lp = xdims[ax];
+        let outn = lp
+            .checked_sub((kernel[a] - 1) * dl + 1)
+            .ok_or_else(|| im.err("the window is larger than the padded input"))?
+            / strides[a]
+            + 1;
+        let gg = gcd(strides[a], dl);
+        let (s2, d2) = (strides[a] / gg, dl / gg);
+        if gg > 1 {
+            let xn = im.tmp(&format!("{out}_x"), x);
+            let (e, nd) = strided_expr(im, &xn, d, &xdims, ax, 0, gg, lp.div_ceil(gg))?;
+            (x, xdims) = (e, nd);
+        }
+        if d2 == 1 {
+            strides[a] = s2;
+            continue;
+        }
+        if kernel[a] > 64 {
+            return Err(im.unsupported(format!(
+                "a dilation of {dl} with a stride of {} and a window of {} (more than 64 taps)",
+                strides[a], kernel[a]
+            )));
+        }
+        let xn = im.tmp(&format!("{out}_x"), x);
+        let mut acc = String::new();
+        for k in 0..kernel[a] {
+            let (e, _) = strided_expr(im, &xn, d, &xdims, ax, k * d2, s2, outn)?;
+            let t = im.tmp(&format!("{out}_tap"), e);
+            acc = if k == 0 {
+                t
+            } else {
+                im.tmp(&format!("{out}_max"), format!("maximum({acc}, {t})"))
+            };
+        }
+        x = acc;
+        xdims[ax] = outn;
+        (kernel[a], strides[a]) = (1, 1);
+    }
+    let (n, c) = (xdims[0], xdims[1]);
+    if sp == 1 {
+        // 1-D: a 2-D pooling over [N, C, 1, L].
+        kernel.insert(0, 1);
+        strides.insert(0, 1);
+        before.insert(0, 0);
+        after.insert(0, 0);
+    }
+    let p = |i: usize, j: usize| Pool2d {
+        kernel: [kernel[i], kernel[j]],
+        strides: [strides[i], strides[j]],
+        before: [before[i], before[j]],
+        after: [after[i], after[j]],
+        ceil,
+        max,
+        include_pad,
+    };
+    let (e, dims) = match sp {
+        1 => {
+            let (e, od) = pool2d_expr(
+                im,
+                out,
+                format!("unsqueeze({x}, axis: 2)"),
+                d,
+                [n, c, 1, xdims[2]],
+                p(0, 1),
+            )?;
+            (format!("squeeze({e}, axis: 2)"), vec![n, c, od[3]])
+        }
+        2 => {
+            let (e, od) = pool2d_expr(im, out, x, d, [n, c, xdims[2], xdims[3]], p(0, 1))?;
+            (e, od.to_vec())
+        }
+        _ => {
+            // Separable: over (H, W) for each depth, then over the depths.
+            let dep = xdims[2];
+            let (e, od) = pool2d_expr(
+                im,
+                out,
+                format!("reshape({x}, {})", list(&[n, c * dep, xdims[3], xdims[4]])),
+                d,
+                [n, c * dep, xdims[3], xdims[4]],
+                p(1, 2),
+            )?;
+            let t = im.tmp(
+                &format!("{out}_hw"),
+                format!("reshape({e}, {})", list(&[n, c, dep, od[2] * od[3]])),
+            );
+            let depth = Pool2d {
+                kernel: [kernel[0], 1],
+                strides: [strides[0], 1],
+                before: [before[0], 0],
+                after: [after[0], 0],
+                ceil,
+                max,
+                include_pad,
+            };
+            let (e2, od2) = pool2d_expr(im, out, t, d, [n, c, dep, od[2] * od[3]], depth)?;
+            (
+                format!("reshape({e2}, {})", list(&[n, c, od2[2], od[2], od[3]])),
+                vec![n, c, od2[2], od[2], od[3]],
+            )
+        }
+    };
     im.bind(out, e, d, dims);
     Ok(())
 }
