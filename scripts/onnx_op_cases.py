@@ -258,6 +258,18 @@ def main(out_dir):
     c("maxpool3d_ceil", [n("MaxPool", ["x"], ["y"], kernel_shape=[2, 2, 3], strides=[2, 2, 2], ceil_mode=1)],
       [("x", F, [1, 3, 5, 6, 7])], ["y"], opset=12)
 
+    # Sequences with constant positions and splits fold at import.
+    c("sequence_split_scalar_concat_new_axis",
+      [n("SplitToSequence", ["x", "k"], ["s"], axis=1), n("SequenceErase", ["s"], ["s2"]),
+       n("SequenceInsert", ["s2", "z", "p"], ["s3"]),
+       n("ConcatFromSequence", ["s3"], ["y"], axis=-1, new_axis=0)],
+      [("x", F, [2, 5]), ("z", F, [2, 1])], ["y"],
+      [("k", np.array(2, np.int64)), ("p", np.array(-1, np.int64))], opset=13)
+    c("sequence_split_no_keepdims_stack",
+      [n("SplitToSequence", ["x"], ["s"], axis=0, keepdims=0),
+       n("ConcatFromSequence", ["s"], ["y"], axis=-1, new_axis=1)],
+      [("x", F, [3, 2, 4])], ["y"], opset=13)
+
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "tests/cases/onnx/ops")

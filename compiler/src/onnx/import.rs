@@ -282,6 +282,8 @@ struct Importer {
     deferred: Option<ImportError>,
     /// Initializer names: these always become `param`s, so they stay trainable.
     initializers: BTreeSet<String>,
+    /// Sequences (folded at import): their elements.
+    seqs: HashMap<String, Vec<Val>>,
 }
 
 /// The most elements a tensor may have (past tcc's 1 TiB limit for every dtype).
@@ -512,6 +514,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
         node: String::new(),
         deferred: None,
         initializers: graph.initializer.iter().map(|t| t.name.clone()).collect(),
+        seqs: HashMap::new(),
     };
     // Initializers: constants until a runtime op reads them.
     for t in &graph.initializer {
@@ -620,6 +623,13 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
         } else {
             node.name.clone()
         };
+        if node.domain == "ai.onnx.preview.training" && node.op_type == "Gradient" {
+            gradient(&mut im, node)?;
+            if let Some(e) = im.deferred.take() {
+                return Err(e);
+            }
+            continue;
+        }
         if !(node.domain.is_empty() || node.domain == "ai.onnx") {
             return Err(ImportError::Unsupported {
                 op: format!("{}.{}", node.domain, node.op_type),
@@ -627,6 +637,13 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
                 opset,
                 why: ": only the default ONNX domain is supported".into(),
             });
+        }
+        if SEQUENCE_OPS.contains(&node.op_type.as_str()) {
+            sequence_op(&mut im, node)?;
+            if let Some(e) = im.deferred.take() {
+                return Err(e);
+            }
+            continue;
         }
         let mut ins = Vec::with_capacity(node.input.len());
         for name in &node.input {
@@ -636,6 +653,11 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
             }
             match im.vals.get(name) {
                 Some(v) => ins.push(Some(v.clone())),
+                None if im.seqs.contains_key(name) => {
+                    return Err(im.unsupported(format!(
+                        "its input `{name}` is a sequence (tcc reads sequences in the Sequence* ops, ConcatFromSequence and SplitToSequence)"
+                    )))
+                }
                 None => {
                     return Err(ImportError::Missing {
                         op: node.op_type.clone(),
@@ -654,6 +676,12 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
     let mut outputs = Vec::new();
     let mut out_names = Vec::new();
     for vi in &graph.output {
+        if im.seqs.contains_key(&vi.name) {
+            return Err(ImportError::Other(format!(
+                "graph output `{}` is a sequence; tcc outputs tensors",
+                vi.name
+            )));
+        }
         let v = im.vals.get(&vi.name).cloned().ok_or_else(|| {
             ImportError::Other(format!(
                 "graph output `{}` is not computed by any node",
@@ -3220,5 +3248,286 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
         }
     };
     im.bind(out, e, d, dims);
+    Ok(())
+}
+
+/// The sequence ops tcc folds at import: a sequence is a list of values whose length and
+/// positions are known when the model is imported.
+const SEQUENCE_OPS: &[&str] = &[
+    "SequenceEmpty",
+    "SequenceConstruct",
+    "SequenceInsert",
+    "SequenceErase",
+    "SequenceAt",
+    "SequenceLength",
+    "ConcatFromSequence",
+    "SplitToSequence",
+];
+
+fn sequence_op(im: &mut Importer, node: &NodeProto) -> R<()> {
+    let at = Attrs(node);
+    let out = node
+        .output
+        .first()
+        .filter(|o| !o.is_empty())
+        .cloned()
+        .ok_or_else(|| im.err("the node has no output"))?;
+    let name_of =
+        |i: usize| -> Option<String> { node.input.get(i).filter(|n| !n.is_empty()).cloned() };
+    let seq_in = |im: &Importer, i: usize| -> R<Vec<Val>> {
+        let name = name_of(i).ok_or_else(|| im.err(format!("input {i} is missing")))?;
+        im.seqs
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| im.err(format!("input `{name}` is not a sequence")))
+    };
+    let val_in = |im: &Importer, i: usize| -> R<Option<Val>> {
+        match name_of(i) {
+            None => Ok(None),
+            Some(name) => {
+                im.vals
+                    .get(&name)
+                    .cloned()
+                    .map(Some)
+                    .ok_or_else(|| ImportError::Missing {
+                        op: node.op_type.clone(),
+                        node: im.node.clone(),
+                        value: name,
+                    })
+            }
+        }
+    };
+    // A position: one constant integer in [-len, len) (or [-len, len] to insert).
+    let pos = |im: &Importer, v: Option<Val>, len: usize, insert: bool| -> R<Option<usize>> {
+        let Some(p) = const_ints(im, v.as_ref(), "position")? else {
+            return Ok(None);
+        };
+        let [p] = p.as_slice() else {
+            return Err(im.err("a position must be one integer"));
+        };
+        let n = len as i64;
+        let hi = if insert { n } else { n - 1 };
+        if *p < -n || *p > hi {
+            return Err(im.err(format!(
+                "position {p} is outside a sequence of {len} element(s)"
+            )));
+        }
+        Ok(Some(if *p < 0 { p + n } else { *p } as usize))
+    };
+    match node.op_type.as_str() {
+        "SequenceEmpty" => {
+            im.seqs.insert(out, Vec::new());
+        }
+        "SequenceConstruct" => {
+            let mut s = Vec::new();
+            for i in 0..node.input.len() {
+                s.push(val_in(im, i)?.ok_or_else(|| im.err(format!("input {i} is missing")))?);
+            }
+            im.seqs.insert(out, s);
+        }
+        "SequenceInsert" => {
+            let mut s = seq_in(im, 0)?;
+            let t = val_in(im, 1)?.ok_or_else(|| im.err("no tensor to insert"))?;
+            let p = pos(im, val_in(im, 2)?, s.len(), true)?.unwrap_or(s.len());
+            s.insert(p, t);
+            im.seqs.insert(out, s);
+        }
+        "SequenceErase" => {
+            let mut s = seq_in(im, 0)?;
+            if s.is_empty() {
+                return Err(im.err("erasing from an empty sequence"));
+            }
+            let p = pos(im, val_in(im, 1)?, s.len(), false)?.unwrap_or(s.len() - 1);
+            s.remove(p);
+            im.seqs.insert(out, s);
+        }
+        "SequenceAt" => {
+            let s = seq_in(im, 0)?;
+            let p =
+                pos(im, val_in(im, 1)?, s.len(), false)?.ok_or_else(|| im.err("no position"))?;
+            im.set(&out, s[p].clone());
+        }
+        "SequenceLength" => {
+            let n = seq_in(im, 0)?.len() as i64;
+            im.vals.insert(
+                out,
+                Val::C(HostTensor {
+                    dims: Vec::new(),
+                    data: CData::I(vec![n]),
+                    onnx_type: dt::INT64,
+                }),
+            );
+        }
+        "ConcatFromSequence" => {
+            let s = seq_in(im, 0)?;
+            let Some(first) = s.first() else {
+                return Err(im.err("concatenating an empty sequence"));
+            };
+            let new_axis = at.i("new_axis", 0) != 0;
+            let rank = first.dims().len() + usize::from(new_axis);
+            let axis = at
+                .get("axis")
+                .map(|a| a.i)
+                .ok_or_else(|| im.err("no axis"))?;
+            let axis = norm_axis(axis, rank)
+                .ok_or_else(|| im.err(format!("axis {axis} for rank {rank}")))?;
+            let mut parts = Vec::new();
+            let mut dims: Option<Vec<usize>> = None;
+            let mut dtype = None;
+            for (i, v) in s.iter().enumerate() {
+                let (e, d, mut vd) = im.rt(v, &format!("{out}_{i}"))?;
+                let e = if new_axis {
+                    vd.insert(axis, 1);
+                    format!("unsqueeze({e}, axis: {axis})")
+                } else {
+                    e
+                };
+                match (&mut dims, dtype) {
+                    (None, _) => {
+                        dims = Some(vd);
+                        dtype = Some(d);
+                    }
+                    (Some(acc), Some(d0)) => {
+                        let fits = d == d0
+                            && acc.len() == vd.len()
+                            && (0..vd.len()).all(|a| a == axis || acc[a] == vd[a]);
+                        if !fits {
+                            return Err(im.err(format!(
+                                "element {i} ({d}{vd:?}) does not concatenate with {d0}{acc:?} on axis {axis}"
+                            )));
+                        }
+                        acc[axis] += vd[axis];
+                    }
+                    _ => {}
+                }
+                parts.push(e);
+            }
+            let (Some(dims), Some(d)) = (dims, dtype) else {
+                return Err(im.err("concatenating an empty sequence"));
+            };
+            let e = if parts.len() == 1 {
+                parts.remove(0)
+            } else {
+                format!("concat([{}], axis: {axis})", parts.join(", "))
+            };
+            im.bind(&out, e, d, dims);
+        }
+        "SplitToSequence" => {
+            let x = val_in(im, 0)?.ok_or_else(|| im.err("no input"))?;
+            let dims = x.dims().to_vec();
+            let axis = at.i("axis", 0);
+            let axis = norm_axis(axis, dims.len())
+                .ok_or_else(|| im.err(format!("axis {axis} for rank {}", dims.len())))?;
+            let len = dims[axis];
+            let split = val_in(im, 1)?;
+            let keep = at.i("keepdims", 1) != 0 || split.is_some();
+            let sizes: Vec<usize> = match const_ints(im, split.as_ref(), "split")? {
+                None => vec![1; len],
+                Some(v) if split.as_ref().is_some_and(|s| s.dims().is_empty()) => {
+                    let k = v.first().copied().unwrap_or(0);
+                    if k <= 0 {
+                        return Err(im.err(format!("a split of {k}")));
+                    }
+                    let k = k as usize;
+                    (0..len.div_ceil(k)).map(|i| k.min(len - i * k)).collect()
+                }
+                Some(v) => {
+                    if v.iter().any(|&k| k < 0) || v.iter().sum::<i64>() != len as i64 {
+                        return Err(im.err(format!(
+                            "split sizes {v:?} do not add up to the axis' {len}"
+                        )));
+                    }
+                    v.iter().map(|&k| k as usize).collect()
+                }
+            };
+            let mut s = Vec::new();
+            let mut start = 0;
+            for (i, &k) in sizes.iter().enumerate() {
+                let mut ranges: Vec<(usize, usize)> = dims.iter().map(|&d| (0, d)).collect();
+                ranges[axis] = (start, start + k);
+                start += k;
+                let key = format!("{out}\u{1}{i}");
+                slice_to(im, &key, &x, &node.input[0], &ranges)?;
+                if !keep {
+                    let v = im
+                        .vals
+                        .get(&key)
+                        .cloned()
+                        .ok_or_else(|| im.err("lost a piece"))?;
+                    let mut nd = v.dims().to_vec();
+                    nd.remove(axis);
+                    reshape_to(im, &key, v, &format!("{out}_{i}"), nd)?;
+                }
+                s.push(im.vals.remove(&key).ok_or_else(|| im.err("lost a piece"))?);
+            }
+            im.seqs.insert(out, s);
+        }
+        other => return Err(im.unsupported(format!("`{other}` on sequences"))),
+    }
+    Ok(())
+}
+
+/// `ai.onnx.preview.training.Gradient`: the gradients of a scalar `y` with respect to the
+/// runtime tensors `xs`, as TDSL `grad(y, x)` (one backward pass for all of them).
+fn gradient(im: &mut Importer, node: &NodeProto) -> R<()> {
+    let at = Attrs(node);
+    if at.get("zs").is_some_and(|a| !a.strings.is_empty()) {
+        return Err(im.unsupported("the `zs` attribute"));
+    }
+    let y = at.s("y").ok_or_else(|| im.err("no `y` attribute"))?;
+    let xs: Vec<String> = at
+        .get("xs")
+        .map(|a| {
+            a.strings
+                .iter()
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    if xs.len() != node.output.len() {
+        return Err(im.err(format!(
+            "{} names in `xs` for {} outputs",
+            xs.len(),
+            node.output.len()
+        )));
+    }
+    let yv = im
+        .vals
+        .get(&y)
+        .cloned()
+        .ok_or_else(|| ImportError::Missing {
+            op: node.op_type.clone(),
+            node: im.node.clone(),
+            value: y.clone(),
+        })?;
+    let Val::Rt {
+        name: yn, dims: yd, ..
+    } = yv
+    else {
+        return Err(im.unsupported(format!("`{y}` is a constant: its gradient is zero")));
+    };
+    if !yd.is_empty() {
+        return Err(im.unsupported(format!("`y` is {yd:?}; tcc takes gradients of scalars")));
+    }
+    for (x, out) in xs.iter().zip(&node.output) {
+        let xv = im
+            .vals
+            .get(x)
+            .cloned()
+            .ok_or_else(|| ImportError::Missing {
+                op: node.op_type.clone(),
+                node: im.node.clone(),
+                value: x.clone(),
+            })?;
+        let Val::Rt { name, dtype, dims } = xv else {
+            return Err(im.unsupported(format!("a gradient with respect to the constant `{x}`")));
+        };
+        if !dtype.is_float() {
+            return Err(im.unsupported(format!("a gradient with respect to {dtype} `{x}`")));
+        }
+        if !out.is_empty() {
+            im.bind(out, format!("grad({yn}, {name})"), dtype, dims);
+        }
+    }
     Ok(())
 }

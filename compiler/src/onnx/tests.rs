@@ -306,3 +306,73 @@ fn reserved_names_are_renamed() {
     }
     assert!(crate::front::predefined_functions().any(|f| f == "cross_entropy"));
 }
+
+/// Sequences fold at import; what cannot be folded is an error naming the node.
+#[test]
+fn sequence_errors_name_the_node() {
+    let x = || vi("x", data_type::FLOAT, &[Dim::N(2), Dim::N(3)]);
+    let scalar = |name: &str, v: i64| TensorProto {
+        dims: vec![],
+        data_type: data_type::INT64,
+        int64_data: vec![v],
+        name: name.into(),
+        ..Default::default()
+    };
+    // A position past the end.
+    let m = model(
+        vec![
+            node("SequenceConstruct", "mk", &["x", "x"], &["s"], vec![]),
+            node("SequenceAt", "at5", &["s", "p"], &["y"], vec![]),
+        ],
+        vec![scalar("p", 5)],
+        vec![x()],
+        &["y"],
+    );
+    let s = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(s.contains("at5") && s.contains("position 5"), "{s}");
+    // A sequence read by a tensor op.
+    let m = model(
+        vec![
+            node("SequenceConstruct", "mk", &["x"], &["s"], vec![]),
+            node("Relu", "act", &["s"], &["y"], vec![]),
+        ],
+        vec![],
+        vec![x()],
+        &["y"],
+    );
+    let s = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(s.contains("act") && s.contains("is a sequence"), "{s}");
+    // A sequence as a graph output.
+    let m = model(
+        vec![node("SequenceConstruct", "mk", &["x"], &["s"], vec![])],
+        vec![],
+        vec![x()],
+        &["s"],
+    );
+    let s = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(s.contains("`s` is a sequence"), "{s}");
+    // Erasing from an empty one; a split that does not add up.
+    let m = model(
+        vec![
+            node("SequenceEmpty", "e", &[], &["s"], vec![]),
+            node("SequenceErase", "er", &["s"], &["s2"], vec![]),
+            node("SequenceLength", "n", &["s2"], &["y"], vec![]),
+        ],
+        vec![],
+        vec![x()],
+        &["y"],
+    );
+    let s = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(s.contains("er") && s.contains("empty sequence"), "{s}");
+    let m = model(
+        vec![
+            node("SplitToSequence", "sp", &["x", "sz"], &["s"], vec![]),
+            node("SequenceAt", "a", &["s", "p"], &["y"], vec![]),
+        ],
+        vec![ints("sz", &[1, 2]), scalar("p", 0)],
+        vec![x()],
+        &["y"],
+    );
+    let s = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(s.contains("sp") && s.contains("do not add up"), "{s}");
+}
