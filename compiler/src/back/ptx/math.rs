@@ -230,10 +230,48 @@ impl Px<'_> {
                         self.line(format!("sub.f32 {r}, {x}, {q};"));
                     }
                     B::Pow => {
-                        let l = self.fresh("f");
-                        self.line(format!("lg2.approx.f32 {l}, {x};"));
+                        // C's powf: |x|^y as 2^(y·log2|x|), negated for a negative x and an
+                        // odd integer y, NaN for a negative x and a non-integer y, 1 where y
+                        // is 0 or x is 1.
+                        let (ax, l, t, h, nr) = (
+                            self.fresh("f"),
+                            self.fresh("f"),
+                            self.fresh("f"),
+                            self.fresh("f"),
+                            self.fresh("f"),
+                        );
+                        let (int, odd, neg, flip, nan, one) = (
+                            self.fresh("p"),
+                            self.fresh("p"),
+                            self.fresh("p"),
+                            self.fresh("p"),
+                            self.fresh("p"),
+                            self.fresh("p"),
+                        );
+                        let zero = f32_lit(0.0);
+                        self.line(format!("abs.f32 {ax}, {x};"));
+                        self.line(format!("lg2.approx.f32 {l}, {ax};"));
                         self.line(format!("mul.f32 {l}, {l}, {y};"));
                         self.line(format!("ex2.approx.f32 {r}, {l};"));
+                        self.line(format!("cvt.rzi.f32.f32 {t}, {y};"));
+                        self.line(format!("setp.eq.f32 {int}, {t}, {y};"));
+                        self.line(format!("mul.f32 {h}, {y}, {};", f32_lit(0.5)));
+                        self.line(format!("cvt.rzi.f32.f32 {t}, {h};"));
+                        self.line(format!("setp.neu.f32 {odd}, {t}, {h};"));
+                        self.line(format!("setp.lt.f32 {neg}, {x}, {zero};"));
+                        self.line(format!("and.pred {flip}, {neg}, {odd};"));
+                        self.line(format!("and.pred {flip}, {flip}, {int};"));
+                        self.line(format!("neg.f32 {nr}, {r};"));
+                        self.line(format!("selp.f32 {r}, {nr}, {r}, {flip};"));
+                        self.line(format!("not.pred {nan}, {int};"));
+                        self.line(format!("and.pred {nan}, {nan}, {neg};"));
+                        self.line(format!("selp.f32 {r}, 0f7FC00000, {r}, {nan};"));
+                        self.line(format!("setp.eq.f32 {one}, {y}, {zero};"));
+                        self.line(format!(
+                            "setp.eq.or.f32 {one}, {x}, {}, {one};",
+                            f32_lit(1.0)
+                        ));
+                        self.line(format!("selp.f32 {r}, {}, {r}, {one};", f32_lit(1.0)));
                     }
                     B::Maximum => self.line(format!("max.NaN.f32 {r}, {x}, {y};")),
                     B::Minimum => self.line(format!("min.NaN.f32 {r}, {x}, {y};")),
