@@ -85,6 +85,11 @@ pub const CPU_PACK_B_BYTES: usize = 128 * 1024;
 /// The greatest `k` a CPU implicit GEMM packs at once (its A rows and at least one column
 /// tile of B must fit their stack buffers); a weight gradient splits its `k` below it.
 pub const CPU_MAX_K: usize = CPU_PACK_B_BYTES / (8 * 4);
+/// The greatest window (`k`) of a CPU convolution or input gradient run as an implicit GEMM:
+/// twice [`CPU_MAX_K`], so that 3×3 windows over 512 channels (ResNet's last stage, VGG) take
+/// it. Its packed column tile of B (up to 256 KiB) then fills the panel alone; the packed
+/// copies stay under 400 KiB of the thread's stack.
+pub const CPU_MAX_WINDOW_K: usize = 2 * CPU_MAX_K;
 
 /// How many slices of `k` a convolution's weight gradient is split into when lowered as an
 /// implicit GEMM (1: not split). Its `k` is every output pixel of the batch (131072 for the
@@ -147,8 +152,8 @@ pub fn cpu_conv_gemm_ok(g: &Graph, n: NodeId) -> bool {
         return false;
     }
     match node.op {
-        Op::Conv2d { .. } => d1[1] * d1[2] * d1[3] <= CPU_MAX_K,
-        Op::Conv2dGradInput { .. } => d1[0] * d1[2] * d1[3] <= CPU_MAX_K,
+        Op::Conv2d { .. } => d1[1] * d1[2] * d1[3] <= CPU_MAX_WINDOW_K,
+        Op::Conv2dGradInput { .. } => d1[0] * d1[2] * d1[3] <= CPU_MAX_WINDOW_K,
         Op::Conv2dGradWeight { .. } => d1[3] <= CPU_MAX_K,
         _ => false,
     }
