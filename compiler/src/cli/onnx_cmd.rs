@@ -59,8 +59,27 @@ fn onnx_model_name(stem: &str) -> String {
 /// The program of an `.onnx` file for the front end (with `--set` as dimension sizes).
 pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
     let imp = import_file(&program.file, dims(&program.sets, "--set")?)?;
+    // The names a command line uses (`--input`, `--save-outputs`) one by one; the others
+    // (every intermediate value of a large model) as a count.
+    let io: Vec<&str> = imp
+        .inputs
+        .iter()
+        .chain(&imp.outputs)
+        .map(|v| v.onnx.as_str())
+        .collect();
+    let mut others = 0;
     for (from, to) in &imp.renamed {
-        eprintln!("note: ONNX name `{from}` is `{to}` in the imported program");
+        if io.contains(&from.as_str()) {
+            eprintln!("note: ONNX name `{from}` is `{to}` in the imported program");
+        } else {
+            others += 1;
+        }
+    }
+    if others > 0 {
+        eprintln!(
+            "note: {others} other ONNX name{} renamed (`tcc import` lists them all)",
+            if others == 1 { " is" } else { "s are" }
+        );
     }
     Ok(imp)
 }
