@@ -429,6 +429,31 @@ fn cpu_convolutions_are_implicit_gemms() {
         .any(|m| m.split_k > 1 && m.a.gather.is_some());
     assert!(split, "{}", print_kernels(&c.fused.kernels, None));
     tcc_tests::assert_cpu_like_eager(&g, 5, 1e-4, "split weight gradient");
+    // Windows past CPU_MAX_K (3x3 over 512 channels: ResNet's last stage) up to
+    // CPU_MAX_WINDOW_K: the forward convolution and the input gradient are implicit GEMMs.
+    let deep = "model m {\n\
+            input x: f32[2, 8, 5, 5]\n\
+            param w0: f32[8, 8, 1, 1] = normal(0.0, 0.3)\n\
+            param w1: f32[512, 8, 3, 3] = normal(0.0, 0.1)\n\
+            param w2: f32[8, 512, 3, 3] = normal(0.0, 0.02)\n\
+            let h = conv2d(conv2d(x, w0), w1, padding: 1)\n\
+            let y = conv2d(h, w2, padding: 1)\n\
+            let loss = mean(y * y)\n\
+            output loss\n\
+            train sgd(lr: 0.1) minimize loss\n\
+        }\n";
+    let g = compile_pipeline(deep, &Default::default()).unwrap();
+    let c = tcc::artifact::compile(&g, &Default::default()).unwrap();
+    for op in ["conv2d %", "conv2d_grad_input"] {
+        let deep = c.fused.kernels.iter().any(|k| {
+            k.describe.contains(op)
+                && k.matmul
+                    .as_ref()
+                    .is_some_and(|m| m.a.gather.is_some() && m.k > tcc::kernel::lower::CPU_MAX_K)
+        });
+        assert!(deep, "{op}: {}", print_kernels(&c.fused.kernels, None));
+    }
+    tcc_tests::assert_cpu_like_eager(&g, 3, 1e-4, "a 4608-deep window");
 }
 
 /// Outputs of `steps` compiled CPU steps of `c` fed `inputs`, on `threads` threads.
