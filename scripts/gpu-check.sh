@@ -9,6 +9,7 @@
 #   memcheck on every example, tcc's benchmarks and PyTorch's (bench/torch_bench.py), and
 #   prints a short table last. `device-tests` runs only the tests and memcheck,
 #   `device-bench` only the benchmarks and the table (each fits one 10-minute call).
+#   `device-onnx` runs the ONNX backend cases on the GPU and bench/onnx_models.py.
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,18 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "cuda" in m["target"]["name"]:
         print(m["executable"])' | while read -r exe; do cp "$exe" "$OUT/runtime-$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    # The ONNX backend cases on the GPU (`device-onnx`), with the onnx package's data (the GPU
+    # machine cannot install the pinned package).
+    cargo test --release -p tcc-tests --features cuda --test onnx_backend --no-run --message-format=json \
+        | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "onnx_backend":
+        print(m["executable"])' | head -1 | xargs -I{} cp {} "$OUT/onnx-backend"
+    local data
+    data="$(python3 -c 'import onnx, os; print(os.path.dirname(onnx.__file__))')/backend/test/data"
+    rm -rf "$OUT/onnx-data" && mkdir -p "$OUT/onnx-data"
+    for f in pytorch-converted pytorch-operator simple; do cp -r "$data/$f" "$OUT/onnx-data/"; done
     ls -la "$OUT"
 }
 
@@ -99,6 +112,26 @@ device() {
         echo "== summary"
         python3 bench/summary.py "$log" || true
     fi
+    return $status
+}
+
+# ONNX: the backend test cases on the GPU (tests/tests/onnx_backend.rs with
+# TCC_ONNX_DEVICE=cuda), then resnet18, mobilenet_v2 and a 4-layer GPT-2 exported from PyTorch
+# and run by tcc on the GPU and the CPU beside ONNX Runtime and PyTorch (bench/onnx_models.py).
+device_onnx() {
+    local log="$OUT/log" status=0
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    echo "== ONNX backend cases on the GPU"
+    if TCC_ONNX_DEVICE=cuda TCC_ONNX_DATA="$OUT/onnx-data" "$OUT/onnx-backend" --nocapture >"$log/onnx-backend.txt" 2>&1; then
+        echo "ok"
+    else
+        echo "FAIL"; status=1
+    fi
+    grep -E "^(FAIL|onnx_backend)" "$log/onnx-backend.txt"
+    echo "== real architectures"
+    python3 bench/onnx_models.py --tcc "$OUT/tcc" --json "$log/onnx-models.json" 2>"$log/onnx-models.txt" || status=1
+    tail -5 "$log/onnx-models.txt"
     return $status
 }
 
@@ -178,11 +211,12 @@ case "$mode" in
     build) build ;;
     device-ab) device_ab ;;
     device-amp) device_amp ;;
+    device-onnx) device_onnx ;;
     device) device all ;;
     device-tests) device tests ;;
     device-bench) device bench ;;
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-ab]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab]"; exit 2 ;;
 esac

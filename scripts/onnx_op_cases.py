@@ -270,6 +270,29 @@ def main(out_dir):
        n("ConcatFromSequence", ["s"], ["y"], axis=-1, new_axis=1)],
       [("x", F, [3, 2, 4])], ["y"], opset=13)
 
+    # What the dynamo exporter writes for GPT-2's attention: a boolean mask initializer, scalar
+    # initializers, softmax, then IsNaN guarding fully masked rows.
+    mask = np.tril(np.ones((4, 4), bool))[None, None].repeat(2, 0)
+    c("masked_softmax_isnan",
+      [n("Where", ["mask", "zero", "ninf"], ["bias"]), n("MatMul", ["q", "kt"], ["s"]), n("Add", ["s", "bias"], ["sb"]),
+       n("Softmax", ["sb"], ["p"], axis=-1), n("IsNaN", ["p"], ["nan"]), n("Where", ["nan", "zero", "p"], ["pz"]),
+       n("MatMul", ["pz", "v"], ["y"])],
+      [("q", F, [2, 3, 4, 8]), ("kt", F, [2, 3, 8, 4]), ("v", F, [2, 3, 4, 8])], ["y"],
+      [("mask", mask), ("zero", np.array(0.0, np.float32)),
+       ("ninf", np.array(-np.inf, np.float32))], opset=18)
+
+    # Pow's edges (GELU's tanh form cubes negative values): integer exponents of negative
+    # bases, a zero exponent, a base of 1, a fractional exponent of a negative base (NaN).
+    c("pow_negative_bases",
+      [n("Pow", ["x", "three"], ["a"]), n("Pow", ["x", "y"], ["b"]), n("Add", ["a", "b"], ["s"]),
+       n("Pow", ["x", "half"], ["h"]), n("IsNaN", ["h"], ["hn"]), n("Cast", ["hn"], ["hf"], to=F),
+       n("Add", ["s", "hf"], ["z"])],
+      [("x", F, [2, 6]), ("y", F, [2, 6])], ["z"],
+      [("three", np.array(3.0, np.float32)), ("half", np.array(0.5, np.float32))],
+      feeds={"x": np.array([[-2.0, -1.5, -0.5, 0.0, 1.0, 2.5], [-3.0, -1.0, 0.5, 1.0, 0.0, 4.0]], np.float32),
+             "y": np.array([[2.0, 3.0, 0.0, 2.0, 7.5, -1.0], [-2.0, 5.0, 1.5, 0.0, 0.0, 0.5]], np.float32)},
+      opset=13)
+
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "tests/cases/onnx/ops")

@@ -1,8 +1,8 @@
 //! The ONNX backend test cases shipped in the `onnx` Python package
 //! (`onnx/backend/test/data/{pytorch-converted,pytorch-operator,simple}`): each `model.onnx` is
-//! imported, compiled for the CPU and run on every `test_data_set_*`, and its outputs are
-//! compared with the stored ones: floats within `|got - want| <= ATOL + RTOL * |want|`,
-//! integers and booleans exactly.
+//! imported, compiled for the CPU (the GPU with `TCC_ONNX_DEVICE=cuda`) and run on every
+//! `test_data_set_*`, and its outputs are compared with the stored ones: floats within
+//! `|got - want| <= ATOL + RTOL * |want|`, integers and booleans exactly.
 //!
 //! `tests/cases/onnx/ops` (written by `scripts/onnx_op_cases.py`: the ops and opsets exporters
 //! emit today, expected outputs from onnx's reference evaluator) runs the same way, with or
@@ -106,6 +106,15 @@ fn compare(name: &str, got: &Tensor, want: &Tensor) -> Result<(), String> {
     }
 }
 
+/// Where the cases run: the CPU, or with `TCC_ONNX_DEVICE=cuda` (a binary built with the
+/// `cuda` feature, as `scripts/gpu-check.sh device-onnx` runs it) the first GPU.
+fn device() -> tcc_runtime::Device {
+    match std::env::var("TCC_ONNX_DEVICE").as_deref() {
+        Ok("cuda") => tcc_runtime::Device::Cuda(0),
+        _ => tcc_runtime::Device::Cpu,
+    }
+}
+
 fn run_case(dir: &Path) -> Outcome {
     let bytes = match std::fs::read(dir.join("model.onnx")) {
         Ok(b) => b,
@@ -144,7 +153,7 @@ fn run_case(dir: &Path) -> Outcome {
         Ok(_) => return Outcome::Fail("the pipeline gave no graph".into()),
         Err(e) => return Outcome::Fail(format!("pipeline: {e}")),
     };
-    let opts = tcc_tests::device_options(tcc_runtime::Device::Cpu, true);
+    let opts = tcc_tests::device_options(device(), true);
     let c = match tcc::artifact::compile(&g, &opts) {
         Ok(c) => c,
         Err(e) => return Outcome::Fail(format!("compile: {e}")),
@@ -159,7 +168,7 @@ fn run_case(dir: &Path) -> Outcome {
         Ok(m) => m,
         Err(e) => return Outcome::Fail(format!("load: {e}")),
     };
-    let mut s = match tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu) {
+    let mut s = match tcc_runtime::Session::new(&model, device()) {
         Ok(s) => s,
         Err(e) => return Outcome::Fail(format!("session: {e}")),
     };
@@ -308,8 +317,12 @@ fn onnx_backend_cases() {
         totals.push(format!("{folder}: {p} passed, {f} failed, {u} unsupported"));
     }
     eprint!("{report}");
+    let on = match device() {
+        tcc_runtime::Device::Cpu => "",
+        tcc_runtime::Device::Cuda(_) => " (cuda)",
+    };
     for t in &totals {
-        eprintln!("onnx_backend: {t}");
+        eprintln!("onnx_backend{on}: {t}");
     }
     if only.is_some() {
         return;

@@ -424,6 +424,13 @@ impl Importer {
         }
     }
 
+    /// Whether a view of the constant `name` (a transpose, a reshape) reads it as its param
+    /// instead of folding a copy: a large initializer, so that a weight read both directly
+    /// and through a view (tied embeddings) is stored once and stays one trainable param.
+    fn keeps_param(&self, name: &str, h: &HostTensor) -> bool {
+        self.initializers.contains(name) && h.numel() > 1 << 16
+    }
+
     /// Adds the node to a dtype error.
     fn at(&self, e: ImportError) -> ImportError {
         match e {
@@ -1060,6 +1067,26 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         return Ok(());
     }
     match op {
+        "IsNaN" | "IsInf" => {
+            let (x, d, dims) = im.rt(&input(0)?, &node.input[0])?;
+            if !d.is_float() {
+                return Err(im.unsupported(format!("on {d} tensors")));
+            }
+            let e = if op == "IsNaN" {
+                format!("{x} != {x}")
+            } else {
+                match (
+                    at.i("detect_positive", 1) != 0,
+                    at.i("detect_negative", 1) != 0,
+                ) {
+                    (true, true) => format!("abs({x}) == inf"),
+                    (true, false) => format!("{x} == inf"),
+                    (false, true) => format!("{x} == (-inf)"),
+                    (false, false) => format!("{x} != {x} && {x} == {x}"),
+                }
+            };
+            im.bind(&out0, e, DType::Bool, dims);
+        }
         "Identity" | "Dropout" => {
             if op == "Dropout" && node.output.len() > 1 && !node.output[1].is_empty() {
                 // The mask: all true in inference.
@@ -1664,7 +1691,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             }
             let dims: Vec<usize> = perm.iter().map(|&p| v.dims()[p]).collect();
             match v {
-                Val::C(h) => {
+                Val::C(h) if !im.keeps_param(&node.input[0], &h) => {
                     let data = h.data.pick(&permute_index(&h.dims, &perm));
                     im.vals.insert(
                         out0,
@@ -2217,7 +2244,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
 /// `out = reshape(v, nd)`; folded on constants.
 fn reshape_to(im: &mut Importer, out: &str, v: Val, hint: &str, nd: Vec<usize>) -> R<()> {
     match v {
-        Val::C(h) => {
+        Val::C(h) if !im.keeps_param(hint, &h) => {
             im.vals.insert(
                 out.to_string(),
                 Val::C(HostTensor {
