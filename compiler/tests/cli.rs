@@ -998,12 +998,23 @@ fn options_that_do_not_apply_to_an_artifact_are_errors() {
         "--mem-budget",
         "1MiB",
         "--allow-tf32",
+        "--f64-as-f32",
     ]);
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert!(
-        e.contains("`--set`, `--mem-budget`, `--allow-tf32` apply when a program is compiled"),
+        e.contains(
+            "`--set`, `--f64-as-f32`, `--mem-budget`, `--allow-tf32` apply when a program is compiled"
+        ),
         "{e}"
+    );
+    // `--f64-as-f32` reads ONNX models only.
+    let o = tcc(&["run", "examples/tiny.tdsl", "--f64-as-f32"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--f64-as-f32 applies to .onnx models"),
+        "{}",
+        stderr(&o)
     );
     // The target is the artifact's; naming another one is an error, naming its own is fine.
     let o = tcc(&["run", &art, "--target", "cuda"]);

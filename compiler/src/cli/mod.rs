@@ -72,6 +72,10 @@ pub struct ProgramArgs {
     /// The model to compile, when the file has several.
     #[arg(long, value_name = "NAME")]
     pub model: Option<String>,
+    /// For an `.onnx` model: compute its float64 tensors in f32 (tcc has no f64), as JAX does
+    /// without x64. Without it a float64 tensor is an error.
+    #[arg(long = "f64-as-f32")]
+    pub f64_as_f32: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -212,6 +216,10 @@ pub enum Command {
         /// Size a named (dynamic) dimension of the inputs: `--dim batch=8` (repeatable).
         #[arg(long = "dim", value_name = "NAME=N", value_parser = parse_set)]
         dims: Vec<(String, String)>,
+        /// Compute float64 tensors in f32 (tcc has no f64), as JAX does without x64; without
+        /// it a float64 tensor is an error.
+        #[arg(long = "f64-as-f32")]
+        f64_as_f32: bool,
     },
     /// Run a program (a .tdsl file, compiled first, or a compiled .tcc artifact).
     Run {
@@ -725,7 +733,14 @@ pub fn run(cli: Cli) -> ExitCode {
             out_dir,
             out_tdsl,
             dims,
-        } => match onnx_cmd::run_import(&file, out_dir.as_deref(), out_tdsl.as_deref(), &dims) {
+            f64_as_f32,
+        } => match onnx_cmd::run_import(
+            &file,
+            out_dir.as_deref(),
+            out_tdsl.as_deref(),
+            &dims,
+            f64_as_f32,
+        ) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 let _ = writeln!(stderr, "error: {e}");
@@ -803,6 +818,9 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
                 if program.model.is_some() {
                     ignored.push("--model");
+                }
+                if program.f64_as_f32 {
+                    ignored.push("--f64-as-f32");
                 }
                 if remat.mem_budget.is_some() {
                     ignored.push("--mem-budget");
@@ -1062,6 +1080,14 @@ fn load(
         selection = ModelSelection::One(program.model.clone());
     }
     let onnx = onnx_cmd::is_onnx(&program.file);
+    if program.f64_as_f32 && !onnx {
+        let _ = writeln!(
+            stderr,
+            "error: --f64-as-f32 applies to .onnx models; {} is a TDSL program",
+            program.file.display()
+        );
+        return None;
+    }
     let bytes = if onnx {
         match onnx_cmd::program_source(program) {
             Ok(imp) => imp.tdsl.into_bytes(),

@@ -28,7 +28,11 @@ pub fn dims(pairs: &[(String, String)], flag: &str) -> Result<Vec<(String, usize
 }
 
 /// Imports `file` with the named dimension sizes.
-pub fn import_file(file: &Path, dims: Vec<(String, usize)>) -> Result<Imported, String> {
+pub fn import_file(
+    file: &Path,
+    dims: Vec<(String, usize)>,
+    f64_as_f32: bool,
+) -> Result<Imported, String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let stem = file
         .file_stem()
@@ -37,8 +41,28 @@ pub fn import_file(file: &Path, dims: Vec<(String, usize)>) -> Result<Imported, 
     let opts = ImportOptions {
         dims,
         name: Some(onnx_model_name(&stem)),
+        f64_as_f32,
     };
-    onnx::import(&bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))
+    let imp = onnx::import(&bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))?;
+    if !imp.demoted.is_empty() {
+        eprintln!(
+            "note: --f64-as-f32: {} float64 value{} computed in f32 ({})",
+            imp.demoted.len(),
+            if imp.demoted.len() == 1 {
+                " is"
+            } else {
+                "s are"
+            },
+            imp.demoted
+                .iter()
+                .take(5)
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+                + if imp.demoted.len() > 5 { ", …" } else { "" }
+        );
+    }
+    Ok(imp)
 }
 
 /// The TDSL model name for a file stem.
@@ -58,7 +82,11 @@ fn onnx_model_name(stem: &str) -> String {
 
 /// The program of an `.onnx` file for the front end (with `--set` as dimension sizes).
 pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
-    let imp = import_file(&program.file, dims(&program.sets, "--set")?)?;
+    let imp = import_file(
+        &program.file,
+        dims(&program.sets, "--set")?,
+        program.f64_as_f32,
+    )?;
     // The names a command line uses (`--input`, `--save-outputs`) one by one; the others
     // (every intermediate value of a large model) as a count.
     let io: Vec<&str> = imp
@@ -89,7 +117,11 @@ pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, Tensor>, S
     if !is_onnx(&program.file) {
         return Ok(BTreeMap::new());
     }
-    let imp = import_file(&program.file, dims(&program.sets, "--set")?)?;
+    let imp = import_file(
+        &program.file,
+        dims(&program.sets, "--set")?,
+        program.f64_as_f32,
+    )?;
     Ok(imp.params.into_iter().collect())
 }
 
@@ -99,8 +131,9 @@ pub fn run_import(
     out_dir: Option<&Path>,
     out_tdsl: Option<&Path>,
     dim_pairs: &[(String, String)],
+    f64_as_f32: bool,
 ) -> Result<(), String> {
-    let imp = import_file(file, dims(dim_pairs, "--dim")?)?;
+    let imp = import_file(file, dims(dim_pairs, "--dim")?, f64_as_f32)?;
     // The program must compile as it is written: check it before writing anything.
     let mut sources = crate::front::Sources::new("imported.tdsl", imp.tdsl.as_bytes());
     if let Err(diags) = crate::front::compile(&mut sources, &Default::default()) {

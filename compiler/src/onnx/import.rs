@@ -7,7 +7,7 @@
 //! elements equal) or a `param` whose value goes to the params file.
 
 use super::proto::{data_type as dt, DimValue, ModelProto, NodeProto};
-use super::tensor::{host_tensor, runtime_dtype, to_tensor, CData, FloatKind, HostTensor};
+use super::tensor::{host_tensor, runtime_dtype, to_tensor_as, CData, FloatKind, HostTensor};
 use super::ImportError;
 use crate::eager::Tensor;
 use crate::ir::DType;
@@ -21,6 +21,9 @@ pub struct ImportOptions {
     pub dims: Vec<(String, usize)>,
     /// The TDSL model's name (default: the graph's name, else `model`).
     pub name: Option<String>,
+    /// Compute float64 tensors (inputs, initializers, casts) in f32, which tcc holds, as JAX
+    /// does without x64; off, a float64 tensor is an error naming it.
+    pub f64_as_f32: bool,
 }
 
 /// A graph input or output: its ONNX name, its TDSL name and type.
@@ -47,6 +50,8 @@ pub struct Imported {
     pub outputs: Vec<IoValue>,
     /// The default-domain opset.
     pub opset: i64,
+    /// The float64 values computed in f32 ([`ImportOptions::f64_as_f32`]), by ONNX name.
+    pub demoted: Vec<String>,
 }
 
 /// Words of TDSL a program may not bind besides its functions
@@ -284,6 +289,9 @@ struct Importer {
     initializers: BTreeSet<String>,
     /// Sequences (folded at import): their elements.
     seqs: HashMap<String, Vec<Val>>,
+    /// [`ImportOptions::f64_as_f32`], and the float64 values it applied to.
+    f64_as_f32: bool,
+    demoted: BTreeSet<String>,
 }
 
 /// The most elements a tensor may have (past tcc's 1 TiB limit for every dtype).
@@ -378,7 +386,7 @@ impl Importer {
         match v {
             Val::Rt { name, dtype, dims } => Ok((name.clone(), *dtype, dims.clone())),
             Val::C(h) => {
-                let dtype = runtime_dtype(hint, h).map_err(|e| self.at(e))?;
+                let dtype = self.dtype_of(hint, h)?;
                 let key = format!("{hint}{:?}", h.dims);
                 if let Some(p) = self.param_of.get(&key) {
                     return Ok((p.clone(), dtype, h.dims.clone()));
@@ -416,7 +424,7 @@ impl Importer {
                 let name = self.fresh(hint, true);
                 self.decls
                     .push(format!("    param  {name}: {}", ty_str(dtype, &h.dims)));
-                let t = to_tensor(hint, h).map_err(|e| self.at(e))?;
+                let t = to_tensor_as(h, dtype);
                 self.params.insert(name.clone(), t);
                 self.param_of.insert(key, name.clone());
                 Ok((name, dtype, h.dims.clone()))
@@ -429,6 +437,16 @@ impl Importer {
     /// and through a view (tied embeddings) is stored once and stays one trainable param.
     fn keeps_param(&self, name: &str, h: &HostTensor) -> bool {
         self.initializers.contains(name) && h.numel() > 1 << 16
+    }
+
+    /// The runtime dtype of a constant: f32 for a float64 one under
+    /// [`ImportOptions::f64_as_f32`], else [`runtime_dtype`]'s.
+    fn dtype_of(&mut self, hint: &str, h: &HostTensor) -> R<DType> {
+        if self.f64_as_f32 && matches!(h.data, CData::F(_, FloatKind::F64)) {
+            self.demoted.insert(hint.to_string());
+            return Ok(DType::F32);
+        }
+        runtime_dtype(hint, h).map_err(|e| self.at(e))
     }
 
     /// Adds the node to a dtype error.
@@ -453,7 +471,7 @@ impl Importer {
     ) -> R<(String, DType, Vec<usize>)> {
         if let Val::C(h) = v {
             if h.numel() == 1 && h.dims.len() <= other_rank {
-                let dtype = runtime_dtype(hint, h).map_err(|e| self.at(e))?;
+                let dtype = self.dtype_of(hint, h)?;
                 if let Some(l) = h.data.as_f64().first().and_then(|&x| lit(x, dtype)) {
                     return Ok((l, dtype, h.dims.clone()));
                 }
@@ -522,6 +540,8 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
         deferred: None,
         initializers: graph.initializer.iter().map(|t| t.name.clone()).collect(),
         seqs: HashMap::new(),
+        f64_as_f32: opts.f64_as_f32,
+        demoted: BTreeSet::new(),
     };
     // Initializers: constants until a runtime op reads them.
     for t in &graph.initializer {
@@ -552,6 +572,10 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
             dt::BFLOAT16 => DType::BF16,
             dt::INT32 | dt::INT64 => DType::I32,
             dt::BOOL => DType::Bool,
+            dt::DOUBLE if im.f64_as_f32 => {
+                im.demoted.insert(vi.name.clone());
+                DType::F32
+            }
             other => {
                 return Err(ImportError::DType {
                     name: vi.name.clone(),
@@ -766,6 +790,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
         inputs,
         outputs,
         opset,
+        demoted: im.demoted.into_iter().collect(),
     })
 }
 
@@ -1172,7 +1197,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             }
             if n > MAX_FOLD {
                 // Too large to hold at import: filled at run time.
-                let dtype = runtime_dtype(&out0, &value).map_err(|e| im.at(e))?;
+                let dtype = im.dtype_of(&out0, &value)?;
                 let v = value.data.as_f64().first().copied().unwrap_or(0.0);
                 let l = lit(v, dtype).ok_or_else(|| im.unsupported("a NaN fill value"))?;
                 im.bind(
@@ -1231,7 +1256,13 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         }
         "Cast" => {
             let to = at.i("to", 0);
-            let (dtype, _) = cast_target(to).ok_or_else(|| ImportError::DType {
+            let target = if im.f64_as_f32 && to as i32 == dt::DOUBLE {
+                im.demoted.insert(out0.clone());
+                cast_target(dt::FLOAT as i64)
+            } else {
+                cast_target(to)
+            };
+            let (dtype, _) = target.ok_or_else(|| ImportError::DType {
                 name: out0.clone(),
                 at: format!(" (node `{}`, Cast)", im.node),
                 dtype: dt::name(to as i32),

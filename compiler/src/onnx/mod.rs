@@ -18,7 +18,7 @@ pub mod tensor;
 mod tests;
 
 pub use import::{import, ImportOptions, Imported, IoValue};
-pub use tensor::read_tensor_file;
+pub use tensor::{read_tensor_file, read_tensor_file_as};
 
 /// Why a model could not be imported.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
@@ -48,7 +48,7 @@ pub enum ImportError {
         node: String,
         value: String,
     },
-    #[error("`{name}`{at}: {dtype} tensors are not supported (tcc holds f32, f16, bf16, i32 and bool; int64 is read as i32 where its values fit)")]
+    #[error("`{name}`{at}: {dtype} tensors are not supported (tcc holds f32, f16, bf16, i32 and bool; int64 is read as i32 where its values fit){}", if dtype == "double" { "; `--f64-as-f32` computes float64 in f32" } else { "" })]
     DType {
         name: String,
         at: String,

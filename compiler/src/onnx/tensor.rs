@@ -316,21 +316,34 @@ pub fn runtime_dtype(name: &str, t: &HostTensor) -> Result<DType, ImportError> {
 
 /// A host tensor as an interpreter tensor of its runtime dtype.
 pub fn to_tensor(name: &str, t: &HostTensor) -> Result<Tensor, ImportError> {
-    let dtype = runtime_dtype(name, t)?;
+    Ok(to_tensor_as(t, runtime_dtype(name, t)?))
+}
+
+/// A host tensor as an interpreter tensor of `dtype` (its values converted).
+pub fn to_tensor_as(t: &HostTensor, dtype: DType) -> Tensor {
     let shape = crate::ir::Shape(t.dims.clone());
-    Ok(match &t.data {
+    match &t.data {
         CData::F(v, _) => Tensor::from_f64(dtype, shape, v.clone()),
         CData::I(v) => Tensor::from_i32(shape, v.iter().map(|&x| x as i32).collect()),
         CData::B(v) => Tensor {
             ty: crate::ir::TensorType::new(DType::Bool, shape),
             data: crate::eager::tensor::Data::B(v.clone()),
         },
-    })
+    }
 }
 
 /// Reads a serialized `TensorProto` (the backend test cases' `input_*.pb`/`output_*.pb`):
 /// its name and its value as a tcc tensor.
 pub fn read_tensor_file(bytes: &[u8]) -> Result<(String, Tensor), ImportError> {
+    read_tensor_file_as(bytes, false)
+}
+
+/// [`read_tensor_file`], reading a float64 tensor as f32 where `f64_as_f32` (the data of a
+/// model imported with [`super::ImportOptions::f64_as_f32`]).
+pub fn read_tensor_file_as(
+    bytes: &[u8],
+    f64_as_f32: bool,
+) -> Result<(String, Tensor), ImportError> {
     let t = TensorProto::decode(bytes).map_err(|e| ImportError::Decode(e.to_string()))?;
     let h = host_tensor(&t)?;
     let name = if t.name.is_empty() {
@@ -338,5 +351,8 @@ pub fn read_tensor_file(bytes: &[u8]) -> Result<(String, Tensor), ImportError> {
     } else {
         t.name.clone()
     };
+    if f64_as_f32 && matches!(h.data, CData::F(_, FloatKind::F64)) {
+        return Ok((t.name.clone(), to_tensor_as(&h, DType::F32)));
+    }
     Ok((t.name.clone(), to_tensor(&name, &h)?))
 }

@@ -140,6 +140,7 @@ fn opts(dims: &[(&str, usize)]) -> ImportOptions {
     ImportOptions {
         dims: dims.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
         name: None,
+        f64_as_f32: false,
     }
 }
 
@@ -375,4 +376,52 @@ fn sequence_errors_name_the_node() {
     );
     let s = import(&m, &opts(&[])).unwrap_err().to_string();
     assert!(s.contains("sp") && s.contains("do not add up"), "{s}");
+}
+
+/// `--f64-as-f32`: float64 inputs, initializers and casts become f32 and are listed; without
+/// it the error says how to ask for that.
+#[test]
+fn f64_as_f32_demotes_inputs_initializers_and_casts() {
+    let m = model(
+        vec![
+            node("Add", "plus", &["x", "c"], &["s"], vec![]),
+            node(
+                "Cast",
+                "to_f64",
+                &["s"],
+                &["y"],
+                vec![AttributeProto {
+                    name: "to".into(),
+                    i: data_type::DOUBLE as i64,
+                    r#type: 2,
+                    ..Default::default()
+                }],
+            ),
+        ],
+        vec![TensorProto {
+            dims: vec![2],
+            data_type: data_type::DOUBLE,
+            double_data: vec![1.0, 2.5],
+            name: "c".into(),
+            ..Default::default()
+        }],
+        vec![vi("x", data_type::DOUBLE, &[Dim::N(2)])],
+        &["y"],
+    );
+    let e = import(&m, &opts(&[])).unwrap_err().to_string();
+    assert!(e.contains("--f64-as-f32"), "{e}");
+    let o = ImportOptions {
+        f64_as_f32: true,
+        ..opts(&[])
+    };
+    let imp = import(&m, &o).unwrap();
+    assert_eq!(imp.demoted, ["c", "x", "y"]);
+    assert_eq!(imp.inputs[0].dtype, crate::ir::DType::F32);
+    assert_eq!(imp.outputs[0].dtype, crate::ir::DType::F32);
+    let c = imp
+        .params
+        .iter()
+        .find(|(n, _)| n == "c")
+        .map(|(_, t)| t.to_f64());
+    assert_eq!(c, Some(vec![1.0, 2.5]));
 }
