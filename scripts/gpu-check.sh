@@ -16,32 +16,31 @@ cd "$(dirname "$0")/.."
 OUT=.gpu
 mode="${1:-auto}"
 
+# The test executables cargo builds for `cargo test --no-run ARGS` whose target name
+# contains $1 (one per line).
+test_executables() {
+    local want="$1"
+    shift
+    cargo test --release --no-run --message-format=json "$@" | WANT="$want" python3 -c 'import json, os, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and os.environ["WANT"] in m["target"]["name"]:
+        print(m["executable"])'
+}
+
 build() {
     set -e
     mkdir -p "$OUT"
     cargo build --release -p tcc --features cuda
     cp target/release/tcc "$OUT/tcc"
     # Test binaries: the GPU differential tests and the runtime's CUDA tests.
-    cargo test --release -p tcc-tests --features cuda --test gpu --no-run --message-format=json \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
-        print(m["executable"])' | head -1 | xargs -I{} cp {} "$OUT/gpu-tests"
-    cargo test --release -p tcc-runtime --features cuda --no-run --message-format=json \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "cuda" in m["target"]["name"]:
-        print(m["executable"])' | while read -r exe; do cp "$exe" "$OUT/runtime-$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    test_executables gpu -p tcc-tests --features cuda --test gpu | head -1 | xargs -I{} cp {} "$OUT/gpu-tests"
+    test_executables cuda -p tcc-runtime --features cuda \
+        | while read -r exe; do cp "$exe" "$OUT/runtime-$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
     # The ONNX backend cases on the GPU (`device-onnx`), with the onnx package's data (the GPU
     # machine cannot install the pinned package).
-    cargo test --release -p tcc-tests --features cuda --test onnx_backend --no-run --message-format=json \
-        | python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "onnx_backend":
-        print(m["executable"])' | head -1 | xargs -I{} cp {} "$OUT/onnx-backend"
+    test_executables onnx_backend -p tcc-tests --features cuda --test onnx_backend | head -1 \
+        | xargs -I{} cp {} "$OUT/onnx-backend"
     local data
     data="$(python3 -c 'import onnx, os; print(os.path.dirname(onnx.__file__))')/backend/test/data"
     rm -rf "$OUT/onnx-data" && mkdir -p "$OUT/onnx-data"
