@@ -112,6 +112,10 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
         order: order.to_vec(),
         ..Liveness::default()
     };
+    // For each buffer, the last step at which any of its nodes is read (0 where none is):
+    // kept as nodes join it, so the in-place test below need not walk a long chain of
+    // nodes written over one buffer at every step.
+    let mut read_until: Vec<usize> = Vec::new();
     let new_buffer = |lv: &mut Liveness, x: NodeId, kind: BufferKind, start: usize| {
         lv.buffers.push(Buffer {
             owner: x,
@@ -148,7 +152,7 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
                         && !buf.output
                         && buf.nodes.last() == Some(&i)
                         && !g.node(i).op.is_view_candidate()
-                        && buf.nodes.iter().all(|m| last_read.get(m).is_none_or(|&r| r <= t))
+                        && read_until.get(b).is_none_or(|&r| r <= t)
                         && g.ty(i).shape == node.ty.shape
                         && g.ty(i).size_bytes() == node.ty.size_bytes()
                         && last_read.get(&i) == Some(&t)
@@ -167,6 +171,10 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
         };
         if let Some(b) = buf {
             lv.buffer_of.insert(x, b);
+            if read_until.len() <= b {
+                read_until.resize(b + 1, 0);
+            }
+            read_until[b] = read_until[b].max(last_read.get(&x).copied().unwrap_or(0));
             let bufm = &mut lv.buffers[b];
             if bufm.owner != x {
                 bufm.nodes.push(x);

@@ -8,7 +8,8 @@
 //! order), so gradients are consumed and activations freed as early as their inputs allow;
 //! the result is kept only when it lowers max-live. An optimizer update (written in place
 //! into its param) runs only after every other reader of that param.
-//! Cost: O(nodes × ready nodes × operands).
+//! Cost: O(nodes × operands × log nodes), plus the re-ranking of a ready node each time a root
+//! it reads comes down to its last reads.
 
 use crate::analysis::liveness::liveness;
 use crate::ir::{Graph, NodeId, Op};
@@ -82,48 +83,87 @@ pub fn list_schedule(g: &Graph) -> Vec<NodeId> {
     }
     let persistent = |r: NodeId| matches!(g.node(r).op, Op::Param { .. } | Op::State { .. });
     let bytes = |r: NodeId| g.ty(r).size_bytes() as i64;
-    let mut ready: BTreeSet<(usize, NodeId)> = program
-        .iter()
-        .filter(|n| waiting[n] == 0)
-        .map(|&n| (pos[&n], n))
-        .collect();
-    let mut order = Vec::with_capacity(program.len());
-    while !ready.is_empty() {
-        let mut best: Option<(i64, usize, NodeId)> = None;
-        for &(p, n) in &ready {
-            let node = g.node(n);
-            let allocates = root[&n] == n
-                && !matches!(
-                    node.op,
-                    Op::Literal { .. } | Op::Param { .. } | Op::State { .. }
-                );
-            let mut delta = if allocates { bytes(n) } else { 0 };
-            let mut counted: BTreeMap<NodeId, usize> = BTreeMap::new();
-            for i in &node.inputs {
-                *counted.entry(root[i]).or_default() += 1;
-            }
-            for (r, k) in counted {
-                if reads.get(&r) == Some(&k) && !outputs.contains(&r) && !persistent(r) {
-                    delta -= bytes(r);
-                }
-            }
-            if best.is_none_or(|(bd, bp, _)| (delta, p) < (bd, bp)) {
-                best = Some((delta, p, n));
+    // What running `n` now changes of the live bytes: what it allocates, minus the roots it
+    // reads for the last time.
+    let delta_of = |n: NodeId, reads: &BTreeMap<NodeId, usize>| -> i64 {
+        let node = g.node(n);
+        let allocates = root[&n] == n
+            && !matches!(
+                node.op,
+                Op::Literal { .. } | Op::Param { .. } | Op::State { .. }
+            );
+        let mut delta = if allocates { bytes(n) } else { 0 };
+        let mut counted: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for i in &node.inputs {
+            *counted.entry(root[i]).or_default() += 1;
+        }
+        for (r, k) in counted {
+            if reads.get(&r) == Some(&k) && !outputs.contains(&r) && !persistent(r) {
+                delta -= bytes(r);
             }
         }
-        let Some((_, p, n)) = best else { break };
-        ready.remove(&(p, n));
-        order.push(n);
+        delta
+    };
+    // The readers of each root, and the most reads one of them makes: a reader's delta can
+    // change only once the root's remaining reads are down to that many, so a ready node's
+    // delta is recomputed then, not at every step (a long unrolled loop keeps thousands of
+    // nodes ready).
+    let mut readers: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    let mut most: BTreeMap<NodeId, usize> = BTreeMap::new();
+    for &n in &program {
+        let mut counted: BTreeMap<NodeId, usize> = BTreeMap::new();
         for i in &g.node(n).inputs {
-            if let Some(c) = reads.get_mut(&root[i]) {
+            *counted.entry(root[i]).or_default() += 1;
+        }
+        for (r, k) in counted {
+            readers.entry(r).or_default().push(n);
+            let m = most.entry(r).or_default();
+            *m = (*m).max(k);
+        }
+    }
+    // Ready nodes by (delta, program position): the scheduler takes the first.
+    let mut key: BTreeMap<NodeId, (i64, usize)> = BTreeMap::new();
+    let mut ready: BTreeSet<(i64, usize, NodeId)> = BTreeSet::new();
+    for &n in program.iter().filter(|n| waiting[n] == 0) {
+        let k = (delta_of(n, &reads), pos[&n]);
+        key.insert(n, k);
+        ready.insert((k.0, k.1, n));
+    }
+    let mut order = Vec::with_capacity(program.len());
+    while let Some((_, _, n)) = ready.pop_first() {
+        key.remove(&n);
+        order.push(n);
+        let mut touched: Vec<NodeId> = Vec::new();
+        for i in &g.node(n).inputs {
+            let r = root[i];
+            if let Some(c) = reads.get_mut(&r) {
                 *c -= 1;
+                if !touched.contains(&r) {
+                    touched.push(r);
+                }
+            }
+        }
+        for r in touched {
+            if reads[&r] > most[&r] || outputs.contains(&r) || persistent(r) {
+                continue;
+            }
+            for &m in &readers[&r] {
+                let Some(&(d, p)) = key.get(&m) else { continue };
+                let nd = delta_of(m, &reads);
+                if nd != d {
+                    ready.remove(&(d, p, m));
+                    ready.insert((nd, p, m));
+                    key.insert(m, (nd, p));
+                }
             }
         }
         for &s in succs.get(&n).map(Vec::as_slice).unwrap_or(&[]) {
             if let Some(w) = waiting.get_mut(&s) {
                 *w -= 1;
                 if *w == 0 {
-                    ready.insert((pos[&s], s));
+                    let k = (delta_of(s, &reads), pos[&s]);
+                    key.insert(s, k);
+                    ready.insert((k.0, k.1, s));
                 }
             }
         }
