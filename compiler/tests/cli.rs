@@ -975,6 +975,28 @@ fn build_writes_the_artifact_in_the_current_directory() {
     assert!(!root().join("examples/tiny.tcc").exists());
     let o = tcc(&["build", "examples/tiny.tdsl", "--emit", "ir"]);
     assert!(stdout(&o).contains("model tiny"), "{}", stdout(&o));
+    // `-o -` is standard output, for the artifact and for a stage's text, and no file `-`.
+    let o = Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args(["build", &tiny.display().to_string(), "-o", "-"])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(o.stdout.starts_with(b"TCCMODEL"), "{}", stderr(&o));
+    let o = Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args([
+            "build",
+            &tiny.display().to_string(),
+            "--stop-after",
+            "schedule",
+            "-o",
+            "-",
+        ])
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    assert!(stdout(&o).contains("model tiny"), "{}", stdout(&o));
+    assert!(!d.join("-").exists());
 }
 
 #[test]

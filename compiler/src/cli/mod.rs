@@ -94,7 +94,7 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = Emit::Artifact)]
         emit: Emit,
         /// Where to write it (default: the artifact to `STEM.tcc` in the current directory,
-        /// as rustc names its output; text to standard output).
+        /// as rustc names its output; text to standard output; `-` is standard output).
         #[arg(short = 'o', long, value_name = "OUT")]
         output: Option<PathBuf>,
         /// The device to compile for.
@@ -513,6 +513,8 @@ pub fn run(cli: Cli) -> ExitCode {
                     PathBuf::from(program.file.file_stem().unwrap_or_default())
                         .with_extension("tcc"),
                 ),
+                // `-o -`: standard output, as most tools read it.
+                (_, Some(o)) if o.as_os_str() == "-" => None,
                 (_, o) => o,
             };
             if pipeline.stop_after.is_none() && !build::check_emit(emit, target, &mut stderr) {
