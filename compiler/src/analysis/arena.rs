@@ -32,6 +32,7 @@
 //!
 //! `TCC_ARENA_DEBUG=1` makes every search report its node count and outcome on stderr.
 
+use crate::kernel::gcd;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -142,14 +143,6 @@ fn round_up(x: u64, a: u64) -> u64 {
         x
     } else {
         x.div_ceil(a).saturating_mul(a)
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

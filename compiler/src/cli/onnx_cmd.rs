@@ -43,7 +43,11 @@ pub fn import_file(
         name: Some(onnx_model_name(&stem)),
         f64_as_f32,
     };
-    let imp = onnx::import(&bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))?;
+    onnx::import(&bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))
+}
+
+/// The note on the float64 values `--f64-as-f32` computed in f32 (printed once per command).
+fn note_demoted(imp: &Imported) {
     if !imp.demoted.is_empty() {
         eprintln!(
             "note: --f64-as-f32: {} float64 value{} computed in f32 ({})",
@@ -62,7 +66,6 @@ pub fn import_file(
                 + if imp.demoted.len() > 5 { ", …" } else { "" }
         );
     }
-    Ok(imp)
 }
 
 /// The TDSL model name for a file stem.
@@ -87,6 +90,7 @@ pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
         dims(&program.sets, "--set")?,
         program.f64_as_f32,
     )?;
+    note_demoted(&imp);
     // The names a command line uses (`--input`, `--save-outputs`) one by one; the others
     // (every intermediate value of a large model) as a count.
     let io: Vec<&str> = imp
@@ -134,6 +138,7 @@ pub fn run_import(
     f64_as_f32: bool,
 ) -> Result<(), String> {
     let imp = import_file(file, dims(dim_pairs, "--dim")?, f64_as_f32)?;
+    note_demoted(&imp);
     // The program must compile as it is written: check it before writing anything.
     let mut sources = crate::front::Sources::new("imported.tdsl", imp.tdsl.as_bytes());
     if let Err(diags) = crate::front::compile(&mut sources, &Default::default()) {

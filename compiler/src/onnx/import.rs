@@ -3141,14 +3141,6 @@ fn pool2d_expr(
     Ok((e, [n, c, oh, ow]))
 }
 
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
 fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> R<()> {
     let at = Attrs(node);
     let op = node.op_type.as_str();
@@ -3209,7 +3201,7 @@ fn pool(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>], out: &str) -> 
             .ok_or_else(|| im.err("the window is larger than the padded input"))?
             / strides[a]
             + 1;
-        let gg = gcd(strides[a], dl);
+        let gg = crate::kernel::gcd(strides[a] as u64, dl as u64) as usize;
         let (s2, d2) = (strides[a] / gg, dl / gg);
         if gg > 1 {
             let xn = im.tmp(&format!("{out}_x"), x);
