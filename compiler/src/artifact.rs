@@ -44,6 +44,9 @@ pub struct CompileOptions {
     pub allow_tf32: bool,
     /// Mixed precision (`--amp`): the policy of [`crate::passes::amp`] and loss scaling.
     pub amp: crate::passes::amp::Amp,
+    /// Data-parallel ranks the step is built for (`--gpus N`; 1: none): see
+    /// [`crate::autodiff::expand_data_parallel`].
+    pub ranks: usize,
 }
 
 impl Default for CompileOptions {
@@ -54,6 +57,7 @@ impl Default for CompileOptions {
             plan_budget: Duration::from_millis(500),
             allow_tf32: false,
             amp: Default::default(),
+            ranks: 1,
         }
     }
 }
@@ -264,6 +268,31 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
     }
 }
 
+/// The collective of an `all_reduce`'s kernel, which reduces `operand`'s buffer.
+fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::Collective {
+    let ty = c.graph.ty(operand);
+    let offset = c.offset_of(operand).unwrap_or(0);
+    // A plain copy onto itself: the one store reads the operand where it writes, and the
+    // result took the operand's bytes.
+    let in_place = match k.stores.as_slice() {
+        [s] => {
+            c.offset_of(s.buf) == Some(offset)
+                && matches!(
+                    k.pool.get(s.value),
+                    crate::kernel::E::Load { buf, index, .. } if *buf == operand && *index == s.index
+                )
+        }
+        _ => false,
+    };
+    fmt::Collective {
+        op: fmt::CollectiveOp::AllReduceSum,
+        offset,
+        bytes: ty.size_bytes() as u64,
+        dtype: dtype(ty.dtype),
+        in_place,
+    }
+}
+
 /// The manifest of a compiled program whose persistent region starts as `persistent` says
 /// (sections are filled in by the writer).
 pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fmt::Manifest {
@@ -324,6 +353,7 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
                 launch,
                 after: c.deps.get(i).cloned(),
                 describe: k.describe.clone(),
+                collective: k.collective.map(|x| collective(c, k, x)),
             }
         })
         .collect();
@@ -365,6 +395,7 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
         outputs,
         persistent,
         kernels,
+        ranks: g.ranks.map(|r| r as u32),
         plan: fmt::PlanInfo {
             persistent_bytes: c.plan.persistent_bytes,
             lower_bound: c.plan.lower_bound,

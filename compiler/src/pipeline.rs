@@ -261,8 +261,10 @@ pub const PIPELINE: &[Stage] = &[
         invariant: "the graph verifier; no `grad` node is left",
         why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node",
         run: Some(|p, o, _| {
-            let scale = o.compile.amp.loss_scale;
-            graph_stage(p, "autodiff", |g| crate::autodiff::expand_scaled(g, scale))
+            let (scale, ranks) = (o.compile.amp.loss_scale, o.compile.ranks);
+            graph_stage(p, "autodiff", |g| {
+                crate::autodiff::expand_data_parallel(g, scale, ranks)
+            })
         }),
     },
     Stage {

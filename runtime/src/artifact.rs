@@ -105,6 +105,34 @@ pub struct KernelEntry {
     /// One line on what the kernel computes (the fused graph nodes), for humans.
     #[serde(default)]
     pub describe: String,
+    /// A collective of a data-parallel step (`tcc build --gpus N`): what the ranks combine
+    /// before this kernel runs. A single session runs the kernel alone, which is the whole
+    /// op on one rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<Collective>,
+}
+
+/// What the ranks of a data-parallel step combine across their arenas before a kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Collective {
+    pub op: CollectiveOp,
+    /// The arena bytes `[offset, offset + bytes)` reduced in place: `bytes / dtype size`
+    /// elements of `dtype`.
+    pub offset: u64,
+    pub bytes: u64,
+    pub dtype: DType,
+    /// The kernel only copies those bytes onto themselves (the result took the operand's
+    /// buffer): a data-parallel executor may skip it after the collective.
+    #[serde(default)]
+    pub in_place: bool,
+}
+
+/// The collectives a step may contain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveOp {
+    /// Every rank gets the element-wise sum over the ranks.
+    AllReduceSum,
 }
 
 /// A CUDA launch configuration.
@@ -176,6 +204,11 @@ pub struct Manifest {
     /// `[0, plan.persistent_bytes)`.
     pub persistent: Vec<PersistentSlot>,
     pub kernels: Vec<KernelEntry>,
+    /// The ranks a data-parallel step was built for (`tcc build --gpus N`): its loss's
+    /// gradient is seeded with `1/N` and its kernels carry the collectives that sum the
+    /// gradients. Absent: a step that runs alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<u32>,
     pub plan: PlanInfo,
     /// Sections present in the file: `code` (UTF-8 text) and `persistent` (the initial
     /// bytes of the arena's persistent region, `plan.persistent_bytes` long).
@@ -569,6 +602,36 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
                 k.name
             ));
         }
+        if let Some(c) = &k.collective {
+            let elem = c.dtype.size_bytes() as u64;
+            let inside = c
+                .offset
+                .checked_add(c.bytes)
+                .is_some_and(|end| end <= m.arena_bytes);
+            if !inside || c.bytes == 0 || !c.bytes.is_multiple_of(elem) {
+                return bad(format!(
+                    "kernel `{}`: its collective's bytes [{}, {}+{}) are not whole {} \
+                     elements inside the arena ({} bytes)",
+                    k.name, c.offset, c.offset, c.bytes, c.dtype, m.arena_bytes
+                ));
+            }
+            if !c.offset.is_multiple_of(m.alignment) {
+                return bad(format!(
+                    "kernel `{}`: its collective's offset {} is not a multiple of the \
+                     alignment {}",
+                    k.name, c.offset, m.alignment
+                ));
+            }
+            if m.ranks.is_none() {
+                return bad(format!(
+                    "kernel `{}` has a collective but the step names no ranks",
+                    k.name
+                ));
+            }
+        }
+    }
+    if m.ranks == Some(0) {
+        return bad("a data-parallel step of 0 ranks".into());
     }
     Ok(())
 }

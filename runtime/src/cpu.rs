@@ -104,6 +104,8 @@ struct Launch {
     extent: u64,
     parallel: bool,
     name: String,
+    /// What the ranks of a data-parallel step combine before this kernel.
+    collective: Option<crate::artifact::Collective>,
 }
 
 /// The compiled code of one session plus its helper table and (optional) worker pool.
@@ -249,6 +251,7 @@ impl CpuExecutor {
                 extent: k.extent,
                 parallel: k.parallel,
                 name: k.name.clone(),
+                collective: k.collective.clone(),
             });
         }
         Ok(CpuExecutor {
@@ -281,6 +284,34 @@ impl CpuExecutor {
         for l in &self.launches {
             self.launch(l, arena);
         }
+    }
+
+    /// Launches every kernel in order as one rank of a data-parallel step: before a kernel
+    /// that carries a collective, `combine` combines its bytes of `arena` with the other
+    /// ranks' (the kernel is then skipped where it would only copy them onto themselves).
+    pub(crate) fn run_rank(
+        &mut self,
+        arena: &mut [u8],
+        combine: &mut dyn FnMut(&crate::artifact::Collective, &mut [u8]) -> crate::Result<()>,
+    ) -> crate::Result<()> {
+        for l in &self.launches {
+            if let Some(c) = &l.collective {
+                // In the arena: `artifact::validate` checked the range.
+                let range = c.offset as usize..(c.offset + c.bytes) as usize;
+                let bytes = arena.get_mut(range).ok_or_else(|| {
+                    crate::Error::BadManifest(format!(
+                        "kernel `{}`: its collective lies outside the arena",
+                        l.name
+                    ))
+                })?;
+                combine(c, bytes)?;
+                if c.in_place {
+                    continue;
+                }
+            }
+            self.launch(l, arena.as_mut_ptr());
+        }
+        Ok(())
     }
 
     /// Wall time of each kernel of one step, launched in order (a profiling aid: it runs

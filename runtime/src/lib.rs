@@ -55,6 +55,7 @@ pub mod cpu;
 mod cuda;
 pub mod fsutil;
 pub mod init;
+pub mod parallel;
 pub mod ptx;
 
 use std::alloc::Layout;
@@ -66,6 +67,7 @@ use std::sync::Arc;
 
 pub use artifact::{DType, Manifest, PersistentKind, PersistentSlot, Target, TensorSlot};
 pub use cpu::CPU_HELPERS;
+pub use parallel::DataParallel;
 
 /// Where a session runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,6 +211,16 @@ pub enum Error {
     /// The artifact was compiled for another target than the device.
     #[error("the artifact was compiled for target `{target}` and cannot run on device {device}")]
     TargetMismatch { target: Target, device: Device },
+    /// The step was built for another number of data-parallel ranks than it is run with.
+    #[error(
+        "the artifact was built for {built} data-parallel rank(s) and is run with {given}; \
+         build it again with `tcc build --gpus {given}`{}",
+        if *.built > 1 { " or run it with `DataParallel` (`tcc run --gpus N`)" } else { "" }
+    )]
+    Ranks { built: usize, given: usize },
+    /// A collective of a data-parallel step failed, timed out, or another rank stopped.
+    #[error("data-parallel rank {rank}: {message}")]
+    Collective { rank: usize, message: String },
     /// A params file is not valid safetensors or holds an unsupported dtype.
     #[error("safetensors: {0}")]
     Safetensors(String),
@@ -453,7 +465,7 @@ impl Model {
     }
 
     /// Input `name` and its index in [`Model::inputs`].
-    fn input_slot(&self, name: &str) -> Result<(usize, &TensorSlot)> {
+    pub(crate) fn input_slot(&self, name: &str) -> Result<(usize, &TensorSlot)> {
         find_slot("input", self.inputs().iter(), name)
     }
 
@@ -514,7 +526,7 @@ pub fn cuda_device_count() -> Result<usize> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn no_cuda(device: Device) -> Error {
+pub(crate) fn no_cuda(device: Device) -> Error {
     Error::UnsupportedDevice {
         device,
         reason: "built without CUDA support (enable the `cuda` feature of tcc-runtime)",
@@ -711,6 +723,18 @@ fn check_device(model: &Model, device: Device) -> Result<()> {
     Ok(())
 }
 
+/// A step built for several data-parallel ranks seeds its gradients with `1/N` and relies
+/// on the other ranks' sums: alone it would train on a fraction of the gradient.
+fn check_alone(model: &Model) -> Result<()> {
+    match model.manifest().ranks {
+        Some(n) if n > 1 => Err(Error::Ranks {
+            built: n as usize,
+            given: 1,
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl Session<'static> {
     /// Compiles `model` for `device` and allocates its arena: exactly one allocation of
     /// [`Model::arena_bytes`] bytes, aligned to the manifest's `alignment`, holding the
@@ -722,6 +746,12 @@ impl Session<'static> {
     /// allocation, the PTX is loaded and the step is built as a CUDA graph here; a missing
     /// driver or device, or any failing CUDA call, is an [`Error::Cuda`].
     pub fn new(model: &Model, device: Device) -> Result<Session<'static>> {
+        check_alone(model)?;
+        Session::new_rank(model, device)
+    }
+
+    /// [`Session::new`] for one rank of a [`DataParallel`] step.
+    pub(crate) fn new_rank(model: &Model, device: Device) -> Result<Session<'static>> {
         check_device(model, device)?;
         let exec = match device {
             Device::Cpu => Executor::Cpu(cpu::CpuExecutor::compile(
@@ -762,6 +792,7 @@ impl<'a> Session<'a> {
     /// persistent bytes and zeros. As with [`Session::new`], `parallel` kernels run on one
     /// thread per available core (workers started here).
     pub fn with_arena(model: &Model, arena: &'a mut [u8]) -> Result<Session<'a>> {
+        check_alone(model)?;
         check_device(model, Device::Cpu)?;
         let needed = model.arena_bytes();
         let got = arena.len();
@@ -1046,6 +1077,22 @@ impl<'a> Session<'a> {
             Executor::Cuda(c) => return c.run(),
         }
         Ok(())
+    }
+
+    /// Runs one step as a rank of a CPU [`DataParallel`]: `combine` sums each collective's
+    /// bytes with the other ranks'.
+    pub(crate) fn run_rank(
+        &mut self,
+        combine: &mut dyn FnMut(&artifact::Collective, &mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        match &mut self.exec {
+            Executor::Cpu(c) => c.run_rank(self.arena.bytes_mut(), combine),
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(_) => Err(Error::Collective {
+                rank: 0,
+                message: "a CUDA session's collectives go through NCCL".into(),
+            }),
+        }
     }
 
     /// Reads output `name` (valid after [`Session::run`] until inputs are set again).

@@ -1013,3 +1013,118 @@ pub fn random_program(
     src.push_str("}\n");
     src
 }
+
+/// A data-parallel step against the same step on the whole batch: `src` with `{B}` standing
+/// for its batch is compiled once at `ranks * b` (one session) and once at `b` for `ranks`
+/// ranks (`--gpus`), on `devices` (one per rank; the whole-batch session runs on the first).
+/// Both run `steps` steps on the same random whole batch (the ranks each get their slice);
+/// returns the params' and optimizer state's relative error ([`params_rel_err`]) and the
+/// loss of each (the ranks' mean).
+pub fn data_parallel_vs_whole(
+    src: &str,
+    b: usize,
+    steps: usize,
+    devices: &[tcc_runtime::Device],
+    amp: tcc::passes::amp::Amp,
+) -> Result<(f64, f64, f64), String> {
+    use std::collections::BTreeMap;
+    use tcc::artifact;
+    let ranks = devices.len();
+    let first = *devices.first().ok_or("no devices")?;
+    let build = |batch: usize,
+                 ranks: usize|
+     -> Result<(tcc::ir::Graph, tcc_runtime::Model), String> {
+        let text = src.replace("{B}", &batch.to_string());
+        let (sources, mut lowered) =
+            compile_bytes("case.tdsl", text.as_bytes(), &Default::default())?;
+        let g = lowered.graphs.remove(0);
+        let compile = artifact::CompileOptions {
+            ranks,
+            amp,
+            ..device_options(first, true)
+        };
+        let popts = tcc::pipeline::Options {
+            compile,
+            verify: true,
+            ..Default::default()
+        };
+        let g =
+            match tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+            {
+                Ok((tcc::pipeline::Product::Graph(g), _)) => g,
+                Ok((p, _)) => return Err(format!("`schedule` gave {}", p.form())),
+                Err(e) => return Err(render_all(&e.diagnostics(), &sources.map)),
+            };
+        let c = artifact::compile(&g, &compile).map_err(|e| e.to_string())?;
+        let img =
+            artifact::persistent_image(&c, 7, &Default::default()).map_err(|e| e.to_string())?;
+        let bytes = artifact::write_artifact(&c, compile.target, &img);
+        let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
+        Ok((g, model))
+    };
+    let (gw, whole) = build(ranks * b, 1)?;
+    let (_, part) = build(b, ranks)?;
+    let inputs = tcc::eager::random_inputs(&gw, 3);
+    let mut s = tcc_runtime::Session::new(&whole, first).map_err(|e| e.to_string())?;
+    let mut dp = tcc_runtime::DataParallel::new(&part, devices).map_err(|e| e.to_string())?;
+    for _ in 0..steps {
+        for (name, t) in &inputs {
+            let bytes = t.to_le_bytes();
+            s.set_input_bytes(name, &bytes).map_err(|e| e.to_string())?;
+            dp.set_input_split(name, &bytes)
+                .map_err(|e| e.to_string())?;
+        }
+        s.run().map_err(|e| e.to_string())?;
+        dp.run().map_err(|e| e.to_string())?;
+    }
+    let read =
+        |s: &tcc_runtime::Session<'_>| -> Result<BTreeMap<String, tcc::eager::Tensor>, String> {
+            let mut out = BTreeMap::new();
+            for p in s.model().persistent() {
+                let b = s.param_bytes(&p.slot.name).map_err(|e| e.to_string())?;
+                let ty = gw
+                .params
+                .iter()
+                .chain(&gw.states)
+                .find(|&&n| matches!(&gw.node(n).op, tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } if *name == p.slot.name))
+                .map(|&n| gw.ty(n).clone())
+                .ok_or_else(|| format!("no `{}` in the graph", p.slot.name))?;
+                let t = tcc::eager::Tensor::from_le_bytes(ty, b).ok_or("wrong size")?;
+                out.insert(p.slot.name.clone(), t);
+            }
+            Ok(out)
+        };
+    let want = read(&s)?;
+    let mut worst = 0.0f64;
+    for r in 0..ranks {
+        let got = read(dp.session(r).ok_or("no rank")?)?;
+        worst = worst.max(params_rel_err(&got, &want).ok_or("params differ in name or size")?);
+    }
+    let loss = s.output::<f32>("loss").map_err(|e| e.to_string())?[0] as f64;
+    let mut mean = 0.0;
+    for r in 0..ranks {
+        let l = dp
+            .session(r)
+            .ok_or("no rank")?
+            .output::<f32>("loss")
+            .map_err(|e| e.to_string())?;
+        mean += l[0] as f64 / ranks as f64;
+    }
+    Ok((worst, loss, mean))
+}
+
+/// A small MLP with Adam for the data-parallel tests (`{B}`: the batch).
+pub const DATA_PARALLEL_MLP: &str = "
+model dp {
+    input  x: f32[{B}, 24]
+    input  labels: i32[{B}]
+    param  w1: f32[24, 32] = normal(0.0, 0.2)
+    param  b1: f32[32] = zeros
+    param  w2: f32[32, 5] = normal(0.0, 0.2)
+    param  b2: f32[5] = zeros
+    let h = gelu(linear(x, w1, b1))
+    let loss = cross_entropy(linear(h, w2, b2), labels)
+    output loss
+    train adam(lr: 0.01) minimize loss
+}
+";

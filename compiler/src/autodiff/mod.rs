@@ -460,11 +460,45 @@ pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     expand_scaled(g, None)
 }
 
+/// [`expand_scaled`] for a step of `ranks` data-parallel ranks (`--gpus N`), each running
+/// it on its own slice of the batch: the loss's gradient is seeded with `1/ranks` (each
+/// rank's loss is the mean over its slice, so the ranks' gradients then sum to the
+/// gradient of the mean over the whole batch: the mean folds into the seed and costs no
+/// kernel) and every gradient `train` applies is summed over the ranks by an `all_reduce`
+/// before anything reads it (loss-scale checks included, so every rank takes the same
+/// decision). `ranks` of 1 or less is [`expand_scaled`].
+pub fn expand_data_parallel(
+    g: &mut Graph,
+    loss_scale: Option<scale::LossScale>,
+    ranks: usize,
+) -> Result<(), Vec<Diagnostic>> {
+    if ranks <= 1 {
+        return expand_scaled(g, loss_scale);
+    }
+    if g.train.is_none() {
+        return Err(vec![Diagnostic::error(
+            "E0530",
+            "`--gpus` needs a training step: data parallelism splits a `train` step's batch \
+             over the GPUs and sums the gradients, and this program has no `train` statement",
+        )]);
+    }
+    g.ranks = Some(ranks);
+    expand_with(g, loss_scale, ranks)
+}
+
 /// [`expand`], with dynamic loss scaling of `train` when `loss_scale` is given
 /// ([`scale`]).
 pub fn expand_scaled(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
+) -> Result<(), Vec<Diagnostic>> {
+    expand_with(g, loss_scale, 1)
+}
+
+fn expand_with(
+    g: &mut Graph,
+    loss_scale: Option<scale::LossScale>,
+    ranks: usize,
 ) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
@@ -522,16 +556,36 @@ pub fn expand_scaled(
             .collect();
         let at = |e, g: &Graph| vec![internal(e, g, train.loss)];
         match loss_scale {
-            None => {
+            None if ranks <= 1 => {
                 let grads = backward(g, train.loss, &params).map_err(|d| vec![d])?;
+                optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+            }
+            None => {
+                let ty = g.ty(train.loss).clone();
+                let seed = Builder::new(g, train.span)
+                    .full(1.0 / ranks as f64, ty)
+                    .map_err(|e| at(e, g))?;
+                let grads =
+                    backward_from(g, train.loss, &params, Some(seed)).map_err(|d| vec![d])?;
+                let grads = all_reduce(g, grads, train.span).map_err(|e| at(e, g))?;
                 optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
             }
             Some(settings) => {
                 let scaler = scale::begin(g, settings, train.span).map_err(|e| at(e, g))?;
                 let ty = g.ty(train.loss).clone();
-                let seed = scaler.seed(g, &ty, train.span).map_err(|e| at(e, g))?;
+                let mut seed = scaler.seed(g, &ty, train.span).map_err(|e| at(e, g))?;
+                if ranks > 1 {
+                    seed = Builder::new(g, train.span)
+                        .scale(seed, 1.0 / ranks as f64)
+                        .map_err(|e| at(e, g))?;
+                }
                 let grads =
                     backward_from(g, train.loss, &params, Some(seed)).map_err(|d| vec![d])?;
+                let grads = if ranks > 1 {
+                    all_reduce(g, grads, train.span).map_err(|e| at(e, g))?
+                } else {
+                    grads
+                };
                 let (grads, finite) = scaler
                     .unscale(g, &grads, train.span)
                     .map_err(|e| at(e, g))?;
@@ -542,4 +596,17 @@ pub fn expand_scaled(
     }
     *g = g.compacted();
     Ok(())
+}
+
+/// Each gradient summed over the ranks of a data-parallel step.
+fn all_reduce(
+    g: &mut Graph,
+    grads: BTreeMap<NodeId, NodeId>,
+    span: tcc_grammar::span::Span,
+) -> Result<BTreeMap<NodeId, NodeId>, crate::ir::TypeError> {
+    let mut b = Builder::new(g, span);
+    grads
+        .into_iter()
+        .map(|(p, d)| Ok((p, b.add(Op::AllReduce, vec![d])?)))
+        .collect()
 }

@@ -198,6 +198,7 @@ pub fn vjp(
         | Op::EmbeddingGrad { .. }
         | Op::Attention { .. }
         | Op::AttentionLse { .. }
+        | Op::AllReduce
         | Op::Grad => {
             if wants.iter().any(|&w| w) {
                 return Err(TypeError::new(

@@ -115,6 +115,11 @@ pub enum Command {
         /// Seed of the params' initial values stored in the artifact.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Data parallelism: build the training step for N GPUs (N ranks on the CPU), each
+        /// running it on its own slice of the batch (the program's batch is one rank's), with
+        /// the gradients summed across them before the optimizer (NCCL on CUDA).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+        gpus: Option<u32>,
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
@@ -143,6 +148,11 @@ pub enum Command {
         /// convolutions as implicit GEMMs).
         #[arg(long, value_enum, default_value_t = Target::Cpu)]
         target: Target,
+        /// Data parallelism: plan the training step for N GPUs (N ranks on the CPU), each
+        /// running it on its own slice of the batch (the program's batch is one rank's), with
+        /// the gradients summed across them before the optimizer (NCCL on CUDA).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+        gpus: Option<u32>,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -267,6 +277,13 @@ pub enum Command {
         /// there with exit code 1 and `--save-params` refuses.
         #[arg(long)]
         allow_nonfinite: bool,
+        /// Data parallelism: run the training step for N GPUs (N ranks on the CPU), each
+        /// running it on its own slice of the batch (the program's batch is one rank's), with
+        /// the gradients summed across them before the optimizer (NCCL on CUDA). An
+        /// artifact runs with the ranks it was built for; `--input` files then hold the
+        /// whole batch (N times one rank's first axis), split in order.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+        gpus: Option<u32>,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -500,6 +517,7 @@ pub fn run(cli: Cli) -> ExitCode {
             layout,
             allow_tf32,
             seed,
+            gpus,
             remat,
             amp,
         } => {
@@ -529,6 +547,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 compile: crate::artifact::CompileOptions {
                     allow_tf32,
                     amp,
+                    ranks: gpus.unwrap_or(1) as usize,
                     ..build::compile_options(target, no_fuse, layout)
                 },
                 remat,
@@ -590,6 +609,7 @@ pub fn run(cli: Cli) -> ExitCode {
             json,
             budget_ms,
             target,
+            gpus,
             remat,
             amp,
         } => {
@@ -605,6 +625,7 @@ pub fn run(cli: Cli) -> ExitCode {
             // weighs the target's plans too).
             let compile = crate::artifact::CompileOptions {
                 amp,
+                ranks: gpus.unwrap_or(1) as usize,
                 ..build::compile_options(target, false, Layout::Auto)
             };
             let opts = crate::pipeline::Options {
@@ -770,6 +791,7 @@ pub fn run(cli: Cli) -> ExitCode {
             save_params,
             save_outputs,
             allow_nonfinite,
+            gpus,
             remat,
             amp,
         } => {
@@ -794,6 +816,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 amp,
                 params: Default::default(),
                 save_outputs,
+                gpus,
             };
             let mut opts = opts;
             if eager {
@@ -804,6 +827,13 @@ pub fn run(cli: Cli) -> ExitCode {
                         return ExitCode::from(1);
                     }
                 }
+            }
+            if eager && gpus.is_some_and(|n| n > 1) {
+                let _ = writeln!(
+                    stderr,
+                    "error: `--eager` runs one interpreter, not data-parallel ranks: drop `--gpus` or `--eager`"
+                );
+                return ExitCode::from(1);
             }
             if program.file.extension().is_some_and(|e| e == "tcc") {
                 if eager {
@@ -940,6 +970,7 @@ fn run_compiled(
             compile: crate::artifact::CompileOptions {
                 allow_tf32: opts.allow_tf32,
                 amp: opts.amp,
+                ranks: opts.gpus.unwrap_or(1) as usize,
                 ..build::compile_options(target, false, Layout::Auto)
             },
             remat,

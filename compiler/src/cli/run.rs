@@ -1,7 +1,7 @@
 //! `tcc run --eager`: steps of the reference interpreter with outputs, timing and the eager
 //! memory accounting.
 
-use crate::eager::{self, memory, Persistent, Precision, Tensor};
+use crate::eager::{self, memory, Data, Persistent, Precision, Tensor};
 use crate::front::Sources;
 use crate::ir::{Graph, Op};
 use std::fmt::Write as _;
@@ -19,6 +19,8 @@ pub struct RunOptions {
     pub threads: usize,
     /// f32 matmuls may use TF32 tensor cores (CUDA).
     pub allow_tf32: bool,
+    /// `--gpus N`: data-parallel ranks (an artifact's own when not given).
+    pub gpus: Option<u32>,
     /// Mixed precision of a `.tdsl` compiled or interpreted here.
     pub amp: crate::passes::amp::Amp,
     /// Go on after non-finite outputs, and save non-finite params (`--allow-nonfinite`).
@@ -282,6 +284,17 @@ pub fn run_compiled(
     opts: &RunOptions,
     compile_ms: f64,
 ) -> Result<(), String> {
+    let built = model.manifest().ranks.unwrap_or(1);
+    if let Some(n) = opts.gpus.filter(|&n| n != built) {
+        return Err(tcc_runtime::Error::Ranks {
+            built: built as usize,
+            given: n as usize,
+        }
+        .to_string());
+    }
+    if built > 1 {
+        return run_data_parallel(model, graph, opts, compile_ms, built as usize);
+    }
     let device = match model.target() {
         tcc_runtime::artifact::Target::Cpu => tcc_runtime::Device::Cpu,
         tcc_runtime::artifact::Target::Cuda => tcc_runtime::Device::Cuda(0),
@@ -498,6 +511,206 @@ pub fn run_compiled(
         }
         s.save_params(path).map_err(|e| e.to_string())?;
         super::info!("saved params to {}", path.display());
+    }
+    Ok(())
+}
+
+/// `tcc run --gpus N`: the step on N ranks (GPUs, or CPU ranks for a CPU artifact), each
+/// on its own slice of the batch. Random inputs differ per rank (seed + rank); an
+/// `--input` file holds the whole batch (split along its first axis) or one rank's (given
+/// to every rank). Scalar outputs print as their mean over the ranks (the loss of the
+/// whole batch), other outputs as rank 0 has them.
+fn run_data_parallel(
+    model: &tcc_runtime::Model,
+    graph: Option<&Graph>,
+    opts: &RunOptions,
+    compile_ms: f64,
+    ranks: usize,
+) -> Result<(), String> {
+    let devices: Vec<tcc_runtime::Device> = match model.target() {
+        tcc_runtime::artifact::Target::Cpu => vec![tcc_runtime::Device::Cpu; ranks],
+        tcc_runtime::artifact::Target::Cuda => (0..ranks).map(tcc_runtime::Device::Cuda).collect(),
+    };
+    let t0 = Instant::now();
+    let spinner = crate::progress::Spinner::start(
+        &format!(
+            "loading `{}` on {ranks} ranks ({}): compiling {} kernels each",
+            model.manifest().model,
+            devices
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            model.manifest().kernels.len()
+        ),
+        super::quiet(),
+    );
+    let mut dp = tcc_runtime::DataParallel::new(model, &devices).map_err(|e| e.to_string())?;
+    drop(spinner);
+    if model.target() == tcc_runtime::artifact::Target::Cpu {
+        // The ranks share the host's cores.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let per = if opts.threads > 0 {
+            opts.threads
+        } else {
+            (cores / ranks).max(1)
+        };
+        for r in 0..ranks {
+            if let Some(s) = dp.session_mut(r) {
+                s.set_threads(per).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    super::info!(
+        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {ranks} ranks in {:.1} ms; arena {} per rank",
+        model.manifest().model,
+        model.manifest().kernels.len(),
+        if graph.is_some() { "compiled" } else { "read and checked" },
+        t0.elapsed().as_secs_f64() * 1e3,
+        bytes(model.arena_bytes() as u64),
+    );
+    if let Some(path) = &opts.param_file {
+        for r in 0..ranks {
+            if let Some(s) = dp.session_mut(r) {
+                s.load_params(path).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    for (name, _) in &opts.inputs {
+        if !model.inputs().iter().any(|s| s.name == *name) {
+            let names: Vec<&str> = model.inputs().iter().map(|s| s.name.as_str()).collect();
+            return Err(format!(
+                "--input {name}: the model has no input `{name}` (inputs: {})",
+                names.join(", ")
+            ));
+        }
+    }
+    // Each input's bytes for every rank (the whole batch, rank after rank).
+    let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
+    for slot in model.inputs() {
+        let ty = tensor_type(slot);
+        let mut whole = Vec::new();
+        if let Some((_, file)) = opts.inputs.iter().find(|(n, _)| *n == slot.name) {
+            let mut dims = ty.dims().to_vec();
+            let path = std::path::Path::new(file);
+            let t = match dims.first_mut() {
+                Some(d) => {
+                    *d *= ranks;
+                    let big = crate::ir::TensorType::new(ty.dtype, dims);
+                    eager::io::read_npy(path, &slot.name, &big)
+                        .or_else(|_| eager::io::read_npy(path, &slot.name, &ty))
+                }
+                None => eager::io::read_npy(path, &slot.name, &ty),
+            }
+            .map_err(|e| e.to_string())?;
+            whole = t.to_le_bytes();
+        } else {
+            for r in 0..ranks {
+                let seed = opts.seed.wrapping_add(r as u64);
+                let t = match graph {
+                    Some(g) => eager::random_inputs(g, seed)
+                        .get(&slot.name)
+                        .cloned()
+                        .unwrap_or_else(|| Tensor::zeros(ty.clone())),
+                    None => eager::random_input(
+                        &slot.name,
+                        &ty,
+                        slot.index_bound.map(|b| b as usize),
+                        seed,
+                    ),
+                };
+                whole.extend(t.to_le_bytes());
+            }
+        }
+        inputs.push((slot.name.clone(), whole));
+    }
+    let mut times = Vec::with_capacity(opts.steps as usize);
+    for step in 1..=opts.steps {
+        for (name, b) in &inputs {
+            dp.set_input_split(name, b).map_err(|e| e.to_string())?;
+        }
+        let start = Instant::now();
+        dp.run().map_err(|e| e.to_string())?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+        let printed = step % opts.every == 0 || step == opts.steps;
+        let mut outs: Vec<(&str, Tensor)> = Vec::new();
+        for slot in model.outputs() {
+            let one = slot.shape.iter().product::<usize>() == 1;
+            if !(printed || one) {
+                continue;
+            }
+            // Rank 0's tensor; a float scalar becomes the mean over the ranks.
+            let mut first: Option<Tensor> = None;
+            let mut sum = 0.0;
+            for r in 0..ranks {
+                let s = dp.session(r).ok_or("no such rank")?;
+                let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
+                let t = Tensor::from_le_bytes(tensor_type(slot), b)
+                    .ok_or_else(|| format!("output `{}` has the wrong size", slot.name))?;
+                if let (true, Data::F(v)) = (one, &t.data) {
+                    sum += v.first().copied().unwrap_or(0.0);
+                }
+                if r == 0 {
+                    first = Some(t);
+                }
+                if !one {
+                    break;
+                }
+            }
+            if let Some(mut t) = first {
+                if let (true, Data::F(v)) = (one, &mut t.data) {
+                    if let Some(x) = v.first_mut() {
+                        *x = sum / ranks as f64;
+                    }
+                }
+                outs.push((&slot.name, t));
+            }
+        }
+        let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (*n, t)));
+        if printed || check.is_err() {
+            let mut line = format!("step {step:>4}");
+            for (name, t) in &outs {
+                let _ = write!(line, "  {name}: {}", summary(t));
+            }
+            println!("{line}");
+        }
+        if !opts.allow_nonfinite {
+            check?;
+        }
+    }
+    println!(
+        "arena: {} per rank on {ranks} ranks (params and optimizer state {})",
+        bytes(model.arena_bytes() as u64),
+        bytes(model.manifest().plan.persistent_bytes)
+    );
+    if !times.is_empty() {
+        let mut sorted = times.clone();
+        sorted.sort_by(f64::total_cmp);
+        println!(
+            "step time ({ranks} ranks): median {:.2} ms, min {:.2} ms over {} steps (first {:.2} ms)",
+            sorted[sorted.len() / 2],
+            sorted[0],
+            times.len(),
+            times[0]
+        );
+    }
+    for r in 0..ranks {
+        if let Some(Ok(used)) = dp.session(r).map(|s| s.session_device_bytes()) {
+            println!(
+                "device memory of rank {r}: {} (arena {} + runtime {})",
+                bytes(used as u64),
+                bytes(model.arena_bytes() as u64),
+                bytes((used as u64).saturating_sub(model.arena_bytes() as u64))
+            );
+        }
+    }
+    if let Some(path) = &opts.save_params {
+        let s = dp.session(0).ok_or("no rank 0")?;
+        s.save_params(path).map_err(|e| e.to_string())?;
+        super::info!(
+            "saved params (rank 0's; every rank holds the same) to {}",
+            path.display()
+        );
     }
     Ok(())
 }

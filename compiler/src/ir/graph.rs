@@ -133,6 +133,10 @@ pub struct Graph {
     /// `(param, gradient)` for every param `train` updates: the gradient the optimizer
     /// applies (after any loss-scale unscaling). Mixed precision keeps these f32.
     pub grads: Vec<(NodeId, NodeId)>,
+    /// The ranks of a data-parallel step (`--gpus N`: autodiff seeded the loss's gradient
+    /// with `1/N` and put an `all_reduce` on every gradient the optimizer applies); `None`
+    /// for a step that runs alone.
+    pub ranks: Option<usize>,
 }
 
 /// The largest tensor a program may make, in bytes (1 TiB): far above any device's
@@ -416,6 +420,7 @@ impl Graph {
             .iter()
             .filter_map(|(p, d)| Some((m(p)?, m(d)?)))
             .collect();
+        out.ranks = self.ranks;
         out
     }
 

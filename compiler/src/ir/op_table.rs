@@ -433,6 +433,9 @@ pub enum OpClass {
     Attention,
     /// `grad`: expanded by autodiff, never computed.
     Symbolic,
+    /// Combined across the ranks of a data-parallel step: `all_reduce`. Its operand and
+    /// its result each get a buffer, and its kernel computes nothing else.
+    Collective,
 }
 
 impl Op {
@@ -468,6 +471,7 @@ impl Op {
             | Op::EmbeddingGrad { .. } => OpClass::Scatter,
             Op::Attention { .. } | Op::AttentionLse { .. } => OpClass::Attention,
             Op::Grad => OpClass::Symbolic,
+            Op::AllReduce => OpClass::Collective,
         }
     }
 
@@ -526,6 +530,11 @@ impl Op {
     /// Computed by accumulating into a zeroed buffer.
     pub fn is_scatter(&self) -> bool {
         self.class() == OpClass::Scatter
+    }
+
+    /// Combined across data-parallel ranks (`all_reduce`).
+    pub fn is_collective(&self) -> bool {
+        self.class() == OpClass::Collective
     }
 
     /// Image ops over `[N, C, H, W]`: convolutions, pooling and their gradients.

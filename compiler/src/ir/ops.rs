@@ -299,6 +299,14 @@ pub enum Op {
         causal: bool,
         scale: f32,
     },
+    /// Sum of its operand over the ranks of a data-parallel step (`--gpus N`): every rank
+    /// runs the same step on its own slice of the batch and gets the sum of all ranks'
+    /// operands. Not written by programs: autodiff puts one on each param's gradient when
+    /// the step is built for several ranks. One rank alone computes the identity (what the
+    /// interpreter and a single session do); the runtime's data-parallel executors reduce
+    /// the operand's buffer in place across the ranks (NCCL on CUDA) before its kernel,
+    /// which copies it into the result's buffer, runs.
+    AllReduce,
 }
 
 impl Op {
@@ -337,6 +345,7 @@ impl Op {
             Op::EmbeddingGrad { .. } => "embedding_grad".into(),
             Op::Attention { .. } => "attention".into(),
             Op::AttentionLse { .. } => "attention_lse".into(),
+            Op::AllReduce => "all_reduce".into(),
         }
     }
 
@@ -434,7 +443,8 @@ impl Op {
             | Op::Select { .. }
             | Op::Pool2d { .. }
             | Op::Dropout { .. }
-            | Op::Tri { .. } => 1,
+            | Op::Tri { .. }
+            | Op::AllReduce => 1,
             Op::Binary(_)
             | Op::MatMul
             | Op::Conv2d { .. }
@@ -992,6 +1002,17 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             infer_attention(q, k, Some(v))
         }
         Op::AttentionLse { .. } => infer_attention(ins[0], ins[1], None),
+        Op::AllReduce => {
+            let x = ins[0];
+            if !x.dtype.is_numeric() {
+                return Err(wrong_dtype(
+                    "all_reduce operand",
+                    x.dtype,
+                    "a numeric dtype",
+                ));
+            }
+            Ok(x.clone())
+        }
     }
 }
 

@@ -247,6 +247,12 @@ fn decide(
         if op.is_leaf() || outputs.contains(&n) || updates.contains(&n) || op.is_scatter() {
             m.insert(n);
         }
+        // The ranks reduce the operand's buffer in place, then the collective's kernel
+        // copies it: both are buffers, and that kernel computes nothing else.
+        if op.is_collective() {
+            m.insert(n);
+            m.extend(g.node(n).inputs.iter().copied());
+        }
         // A weight gradient split along k accumulates into a buffer of its own.
         if opts.conv_gemm && lower::conv_split_k(g, n, opts.implicit_gemm) > 1 {
             m.insert(n);
@@ -476,6 +482,7 @@ fn recompute_hosts(
     let busy = |hosts: &BTreeMap<NodeId, NodeId>, r: NodeId| {
         hosts.contains_key(&r)
             || update_hosts.contains(&r)
+            || g.node(r).op.is_collective()
             || hosts.values().filter(|&&h| h == r).count() >= MAX_RECOMPUTE_GUESTS
     };
     for &c in order {

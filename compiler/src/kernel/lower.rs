@@ -809,6 +809,9 @@ impl<'a> Builder<'a> {
                 "`{}` is an attention kernel, not an expression",
                 node.op.name()
             ))),
+            // Fusion gives the operand a buffer (the one the ranks reduce in place); the
+            // kernel copies it into the result's.
+            Op::AllReduce => self.value(ins[0], idx),
         }
     }
 
@@ -1310,6 +1313,12 @@ impl<'a> Builder<'a> {
             .map(|&x| format!("{} %{}", self.d.g.node(x).op.name(), x.index()))
             .collect::<Vec<_>>()
             .join(", ");
+        let root = self.d.g.node(self.root);
+        let collective = root
+            .op
+            .is_collective()
+            .then(|| root.inputs.first().copied())
+            .flatten();
         Kernel {
             name,
             domain: self.domain,
@@ -1320,6 +1329,7 @@ impl<'a> Builder<'a> {
             nodes,
             parallel,
             describe,
+            collective,
         }
     }
 }

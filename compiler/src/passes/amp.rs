@@ -82,6 +82,7 @@ pub fn precision(op: &Op) -> Precision {
         | Op::Arange { .. }
         | Op::Cast { .. }
         | Op::ArgMax { .. }
+        | Op::AllReduce
         | Op::Grad => AsIs,
     }
 }
@@ -280,6 +281,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         .iter()
         .map(|(p, d)| Ok((m(p)?, m(d)?)))
         .collect::<Result<_, TypeError>>()?;
+    h.ranks = g.ranks;
     Ok(h)
 }
 

@@ -27,6 +27,7 @@ pub fn kernel(name: &str, extent: u64, parallel: bool) -> KernelEntry {
         launch: None,
         after: None,
         describe: format!("test kernel {name}"),
+        collective: None,
     }
 }
 
@@ -146,6 +147,7 @@ pub fn tiny_manifest() -> Manifest {
         target: Target::Cpu,
         arena_bytes: 256,
         alignment: ALIGN,
+        ranks: None,
         inputs: vec![slot("x", DType::F32, &[4], 64)],
         outputs: vec![
             slot("y", DType::F32, &[4], 128),

@@ -1,0 +1,435 @@
+//! Data-parallel execution of a step built with `tcc build --gpus N`: one session (its own
+//! arena) per rank, all running the same compiled step on their own slices of the batch,
+//! each on its own thread. Before a kernel that carries a collective (the `all_reduce` of
+//! a gradient), the ranks sum that buffer across their arenas:
+//!
+//! - on the CPU, through [`HostComm`] (shared memory; every rank sums in rank order, so
+//!   all ranks get bit-identical results and the run is deterministic);
+//! - on CUDA: not yet (NCCL is the plan); [`DataParallel::new`] says so with an error.
+//!
+//! A collective that does not complete within the timeout (a rank that failed or never
+//! came) is an [`Error::Collective`], never a hang.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::artifact::{Collective, CollectiveOp, DType};
+use crate::{Device, Error, Model, Result, Session};
+
+/// How long a rank waits for the others at a collective before giving up.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn collective_error(rank: usize, message: impl Into<String>) -> Error {
+    Error::Collective {
+        rank,
+        message: message.into(),
+    }
+}
+
+/// Where a round of [`HostComm`] stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Ranks hand in their bytes.
+    Deposit,
+    /// The sum is ready; ranks copy it out.
+    Collect,
+}
+
+struct HostState {
+    phase: Phase,
+    arrived: usize,
+    taken: usize,
+    slots: Vec<Vec<u8>>,
+    sum: Vec<u8>,
+    /// Set once a rank failed or timed out: every waiting rank returns this error.
+    failed: Option<String>,
+}
+
+/// An in-process communicator for ranks that run on threads of one process (the CPU
+/// executor's collectives).
+pub struct HostComm {
+    ranks: usize,
+    timeout: Duration,
+    state: Mutex<HostState>,
+    changed: Condvar,
+}
+
+impl HostComm {
+    pub fn new(ranks: usize, timeout: Duration) -> HostComm {
+        HostComm {
+            ranks,
+            timeout,
+            state: Mutex::new(HostState {
+                phase: Phase::Deposit,
+                arrived: 0,
+                taken: 0,
+                slots: vec![Vec::new(); ranks],
+                sum: Vec::new(),
+                failed: None,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Marks the communicator failed (a rank stopped): every rank waiting at a collective,
+    /// and every later one, gets an error instead of waiting for it.
+    pub fn abort(&self, why: &str) {
+        let mut st = self.lock();
+        if st.failed.is_none() {
+            st.failed = Some(why.to_string());
+        }
+        self.changed.notify_all();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HostState> {
+        // A rank that panicked while holding the lock left the state as it was between two
+        // assignments; the `failed` flag it could not set is set by `DataParallel::run`.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until `ready` holds, the communicator fails or the deadline passes.
+    fn wait<'a>(
+        &self,
+        mut st: MutexGuard<'a, HostState>,
+        rank: usize,
+        deadline: Instant,
+        what: &str,
+        ready: impl Fn(&HostState) -> bool,
+    ) -> Result<MutexGuard<'a, HostState>> {
+        loop {
+            if let Some(why) = &st.failed {
+                return Err(collective_error(rank, format!("{what}: {why}")));
+            }
+            if ready(&st) {
+                return Ok(st);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let msg = format!(
+                    "{what}: the other ranks did not arrive within {:.0} s",
+                    self.timeout.as_secs_f64()
+                );
+                st.failed = Some(format!("rank {rank} timed out"));
+                self.changed.notify_all();
+                return Err(collective_error(rank, msg));
+            }
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// Sums `bytes` (elements of `dtype`) over the ranks, in place on every rank.
+    pub fn all_reduce_sum(&self, rank: usize, c: &Collective, bytes: &mut [u8]) -> Result<()> {
+        let CollectiveOp::AllReduceSum = c.op;
+        let what = format!("all-reduce of {} bytes at offset {}", c.bytes, c.offset);
+        if rank >= self.ranks {
+            return Err(collective_error(rank, format!("{what}: no such rank")));
+        }
+        let deadline = Instant::now() + self.timeout;
+        let st = self.lock();
+        let mut st = self.wait(st, rank, deadline, &what, |s| s.phase == Phase::Deposit)?;
+        st.slots[rank].clear();
+        st.slots[rank].extend_from_slice(bytes);
+        st.arrived += 1;
+        if st.arrived == self.ranks {
+            if st.slots.iter().any(|s| s.len() != bytes.len()) {
+                st.failed = Some("the ranks handed in buffers of different sizes".into());
+                self.changed.notify_all();
+                return Err(collective_error(
+                    rank,
+                    format!("{what}: the ranks handed in buffers of different sizes"),
+                ));
+            }
+            let sum = sum_in_rank_order(&st.slots, c.dtype);
+            st.sum = sum;
+            st.phase = Phase::Collect;
+            st.taken = 0;
+            self.changed.notify_all();
+        }
+        let mut st = self.wait(st, rank, deadline, &what, |s| s.phase == Phase::Collect)?;
+        bytes.copy_from_slice(&st.sum);
+        st.taken += 1;
+        if st.taken == self.ranks {
+            st.phase = Phase::Deposit;
+            st.arrived = 0;
+            self.changed.notify_all();
+        }
+        Ok(())
+    }
+}
+
+/// The element-wise sum of the ranks' bytes, added in rank order (so every rank gets the
+/// same bits): f16 and bf16 are summed in f32 and rounded once, i32 wraps.
+fn sum_in_rank_order(slots: &[Vec<u8>], dtype: DType) -> Vec<u8> {
+    let len = slots.first().map_or(0, Vec::len);
+    let mut out = vec![0u8; len];
+    let size = dtype.size_bytes();
+    for (i, o) in out.chunks_exact_mut(size).enumerate() {
+        let at = i * size..(i + 1) * size;
+        let elems = slots.iter().map(|s| &s[at.clone()]);
+        match dtype {
+            DType::F32 => {
+                let v: f32 = elems
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .sum();
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+            DType::F16 => {
+                let v: f32 = elems
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .sum();
+                o.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+            DType::Bf16 => {
+                let v: f32 = elems
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .sum();
+                o.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
+            }
+            DType::I32 => {
+                let v = elems
+                    .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .fold(0i32, i32::wrapping_add);
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+            DType::Bool => {
+                let v = elems.into_iter().any(|b| b[0] != 0);
+                o[0] = u8::from(v);
+            }
+        }
+    }
+    out
+}
+
+/// How the ranks of a [`DataParallel`] talk.
+enum Comm {
+    Host(Arc<HostComm>),
+}
+
+/// One step run by several ranks, each in its own session and arena on its own thread,
+/// with the gradients summed across them (see the module docs).
+///
+/// Inputs are per rank: set each rank's slice of the batch with
+/// [`DataParallel::session_mut`] (or [`DataParallel::set_input_split`] for the whole
+/// batch, split along its first axis). Params and optimizer state start equal on every
+/// rank and stay equal, since every rank applies the same summed gradients.
+pub struct DataParallel {
+    // Drop order: the communicators before the sessions whose streams they use.
+    comm: Comm,
+    sessions: Vec<Session<'static>>,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("ranks", &self.sessions.len())
+            .field("sessions", &self.sessions)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DataParallel {
+    /// A session of `model` on each of `devices` (rank `i` on `devices[i]`). The model must
+    /// have been built for exactly `devices.len()` ranks (`tcc build --gpus N`); CPU ranks
+    /// share the host (`[Device::Cpu; N]`). CUDA ranks are an error until the NCCL
+    /// executor lands.
+    pub fn new(model: &Model, devices: &[Device]) -> Result<DataParallel> {
+        DataParallel::with_timeout(model, devices, DEFAULT_TIMEOUT)
+    }
+
+    /// [`DataParallel::new`] with the time a collective may wait for the other ranks.
+    pub fn with_timeout(
+        model: &Model,
+        devices: &[Device],
+        timeout: Duration,
+    ) -> Result<DataParallel> {
+        let built = model.manifest().ranks.unwrap_or(1) as usize;
+        if devices.len() != built {
+            return Err(Error::Ranks {
+                built,
+                given: devices.len(),
+            });
+        }
+        if let Some(&d) = devices.iter().find(|&&d| d != Device::Cpu) {
+            return Err(collective_error(
+                0,
+                format!(
+                    "{d}: data-parallel steps run on CPU ranks only so far (the NCCL \
+                     executor for GPUs is not built yet)"
+                ),
+            ));
+        }
+        let mut sessions = Vec::with_capacity(devices.len());
+        for &d in devices {
+            sessions.push(Session::new_rank(model, d)?);
+        }
+        let comm = Comm::Host(Arc::new(HostComm::new(devices.len(), timeout)));
+        Ok(DataParallel { comm, sessions })
+    }
+
+    /// Number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Rank `rank`'s session (its inputs, outputs and params).
+    pub fn session(&self, rank: usize) -> Option<&Session<'static>> {
+        self.sessions.get(rank)
+    }
+
+    /// Rank `rank`'s session, to set its inputs. Running it alone is an error: a
+    /// data-parallel step runs only through [`DataParallel::run`].
+    pub fn session_mut(&mut self, rank: usize) -> Option<&mut Session<'static>> {
+        self.sessions.get_mut(rank)
+    }
+
+    /// Sets input `name` on every rank from the whole batch's bytes: split into equal
+    /// parts along the first axis when it holds `ranks` times the input's bytes, or given
+    /// to every rank whole when it holds exactly the input's bytes.
+    pub fn set_input_split(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let n = self.sessions.len();
+        let Some(first) = self.sessions.first() else {
+            return Ok(());
+        };
+        let (_, slot) = first.model().input_slot(name)?;
+        let one = slot.bytes as usize;
+        if bytes.len() == one {
+            for s in &mut self.sessions {
+                s.set_input_bytes(name, bytes)?;
+            }
+            return Ok(());
+        }
+        if bytes.len() != one * n {
+            return Err(Error::ByteLenMismatch {
+                name: name.to_string(),
+                expected: one * n,
+                got: bytes.len(),
+            });
+        }
+        for (s, part) in self.sessions.iter_mut().zip(bytes.chunks_exact(one)) {
+            s.set_input_bytes(name, part)?;
+        }
+        Ok(())
+    }
+
+    /// Runs one step on every rank, each on its own thread, summing the gradients across
+    /// them. The first error of any rank is returned (the others stop at their next
+    /// collective instead of waiting for it).
+    pub fn run(&mut self) -> Result<()> {
+        match &self.comm {
+            Comm::Host(comm) => {
+                let results: Vec<Result<()>> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = self
+                        .sessions
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(rank, s)| {
+                            let comm = Arc::clone(comm);
+                            scope.spawn(move || {
+                                let r =
+                                    s.run_rank(&mut |c, bytes| comm.all_reduce_sum(rank, c, bytes));
+                                if let Err(e) = &r {
+                                    comm.abort(&format!("rank {rank} failed: {e}"));
+                                }
+                                r
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, h)| {
+                            h.join().unwrap_or_else(|_| {
+                                comm.abort(&format!("rank {rank} panicked"));
+                                Err(collective_error(rank, "the rank's thread panicked"))
+                            })
+                        })
+                        .collect()
+                });
+                first_error(results)
+            }
+        }
+    }
+}
+
+/// The first error, preferring one that is not another rank's consequence of it.
+fn first_error(results: Vec<Result<()>>) -> Result<()> {
+    let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+    if errors.is_empty() {
+        return Ok(());
+    }
+    let own = errors
+        .iter()
+        .position(|e| !matches!(e, Error::Collective { .. }))
+        .unwrap_or(0);
+    Err(errors.swap_remove(own))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn host_all_reduce_sums_in_rank_order_on_every_rank() {
+        let comm = Arc::new(HostComm::new(3, Duration::from_secs(10)));
+        let c = Collective {
+            op: CollectiveOp::AllReduceSum,
+            offset: 0,
+            bytes: 8,
+            dtype: DType::F32,
+            in_place: true,
+        };
+        let outs: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let comm = Arc::clone(&comm);
+                    let c = c.clone();
+                    s.spawn(move || {
+                        let mut last = Vec::new();
+                        // Several rounds back to back: a fast rank must not overtake.
+                        for round in 0..20 {
+                            let mut b = f32s(&[r as f32 + round as f32, 1e8 * (r as f32 - 1.0)]);
+                            comm.all_reduce_sum(r, &c, &mut b)
+                                .map_err(|e| e.to_string())?;
+                            last = b;
+                        }
+                        Ok::<_, String>(last)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("no panic").expect("no error"))
+                .collect()
+        });
+        // 19+20+21, and (-1e8 + 0) + 1e8 in rank order.
+        let want = f32s(&[60.0, (-1e8f32 + 0.0) + 1e8]);
+        for o in outs {
+            assert_eq!(o, want);
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_is_an_error_after_the_timeout_not_a_hang() {
+        let comm = HostComm::new(2, Duration::from_millis(50));
+        let c = Collective {
+            op: CollectiveOp::AllReduceSum,
+            offset: 0,
+            bytes: 4,
+            dtype: DType::F32,
+            in_place: true,
+        };
+        let mut b = f32s(&[1.0]);
+        let e = comm.all_reduce_sum(0, &c, &mut b).unwrap_err();
+        assert!(e.to_string().contains("did not arrive"), "{e}");
+        // Later collectives fail at once.
+        let e = comm.all_reduce_sum(1, &c, &mut b).unwrap_err();
+        assert!(e.to_string().contains("timed out"), "{e}");
+    }
+}

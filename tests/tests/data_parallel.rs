@@ -1,0 +1,99 @@
+//! Data parallelism (`--gpus N`) on CPU ranks: a step on N ranks, each on its slice of the
+//! batch with the gradients summed across them, equals the step on the whole batch in one
+//! session (the same compiled kernels per rank; NCCL on GPUs is checked in `gpu.rs`).
+
+use tcc_runtime::Device;
+use tcc_tests::{data_parallel_vs_whole, DATA_PARALLEL_MLP};
+
+#[test]
+fn two_and_four_cpu_ranks_equal_one_session_on_the_whole_batch() {
+    for ranks in [2usize, 4] {
+        let devices = vec![Device::Cpu; ranks];
+        let (err, loss, mean) =
+            data_parallel_vs_whole(DATA_PARALLEL_MLP, 4, 10, &devices, Default::default())
+                .unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
+        eprintln!("{ranks} ranks: params rel err {err:e}, loss {loss} (whole) vs {mean} (ranks)");
+        // 10 Adam steps: f32 rounding only (sums in another order).
+        assert!(err < 1e-5, "{ranks} ranks: params differ by {err:e}");
+        assert!(
+            (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
+            "{ranks} ranks: loss {loss} vs {mean}"
+        );
+    }
+}
+
+#[test]
+fn a_data_parallel_step_alone_or_on_the_wrong_count_is_an_error() {
+    let src = DATA_PARALLEL_MLP.replace("{B}", "4");
+    let (sources, mut lowered) =
+        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
+            .expect("compiles");
+    drop(sources);
+    let g = lowered.graphs.remove(0);
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        ..Default::default()
+    };
+    let popts = tcc::pipeline::Options {
+        compile,
+        ..Default::default()
+    };
+    let Ok((tcc::pipeline::Product::Graph(g), _)) =
+        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+    else {
+        panic!("the pipeline failed");
+    };
+    assert_eq!(g.ranks, Some(2));
+    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
+    assert_eq!(
+        c.fused
+            .kernels
+            .iter()
+            .filter(|k| k.collective.is_some())
+            .count(),
+        4
+    );
+    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
+    let model =
+        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
+            .expect("loads");
+    assert_eq!(model.manifest().ranks, Some(2));
+    // Every gradient is reduced in place: the ranks skip the copy kernels.
+    assert!(model
+        .manifest()
+        .kernels
+        .iter()
+        .filter_map(|k| k.collective.as_ref())
+        .all(|c| c.in_place));
+    let alone = tcc_runtime::Session::new(&model, Device::Cpu).unwrap_err();
+    assert!(
+        matches!(alone, tcc_runtime::Error::Ranks { built: 2, given: 1 }),
+        "{alone}"
+    );
+    let three = tcc_runtime::DataParallel::new(&model, &[Device::Cpu; 3]).unwrap_err();
+    assert!(
+        three
+            .to_string()
+            .contains("built for 2 data-parallel rank(s) and is run with 3"),
+        "{three}"
+    );
+}
+
+#[test]
+fn gpus_needs_a_training_step() {
+    let src = "model m {\n input x: f32[4]\n output y = relu(x)\n}\n";
+    let (_s, mut lowered) =
+        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
+            .expect("compiles");
+    let g = lowered.graphs.remove(0);
+    let popts = tcc::pipeline::Options {
+        compile: tcc::artifact::CompileOptions {
+            ranks: 2,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let e = tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+        .expect_err("an error");
+    assert!(e.to_string().contains("needs a training step"), "{e}");
+}
