@@ -97,3 +97,28 @@ fn gpus_needs_a_training_step() {
         .expect_err("an error");
     assert!(e.to_string().contains("needs a training step"), "{e}");
 }
+
+/// Two weights added before use get one gradient node: its sum across the ranks is taken
+/// once.
+#[test]
+fn params_that_share_a_gradient_are_reduced_once() {
+    let src = "
+model dp {
+    input  x: f32[{B}, 6]
+    input  labels: i32[{B}]
+    param  w1: f32[6, 3] = normal(0.0, 0.3)
+    param  w2: f32[6, 3] = normal(0.0, 0.3)
+    let loss = cross_entropy(x @ (w1 + w2), labels)
+    output loss
+    train sgd(lr: 0.1, momentum: 0.9) minimize loss
+}
+";
+    let (err, loss, mean) =
+        data_parallel_vs_whole(src, 3, 5, &[Device::Cpu; 2], Default::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert!(err < 1e-5, "params differ by {err:e}");
+    assert!(
+        (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
+        "loss {loss} vs {mean}"
+    );
+}

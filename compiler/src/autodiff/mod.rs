@@ -598,15 +598,27 @@ fn expand_with(
     Ok(())
 }
 
-/// Each gradient summed over the ranks of a data-parallel step.
+/// Each gradient summed over the ranks of a data-parallel step. Params that share a
+/// gradient node (`a + b` passes one gradient to both) share its sum: two reductions of one
+/// buffer would add the ranks' values twice.
 fn all_reduce(
     g: &mut Graph,
     grads: BTreeMap<NodeId, NodeId>,
     span: tcc_grammar::span::Span,
 ) -> Result<BTreeMap<NodeId, NodeId>, crate::ir::TypeError> {
     let mut b = Builder::new(g, span);
-    grads
-        .into_iter()
-        .map(|(p, d)| Ok((p, b.add(Op::AllReduce, vec![d])?)))
-        .collect()
+    let mut summed: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for (p, d) in grads {
+        let r = match summed.get(&d) {
+            Some(&r) => r,
+            None => {
+                let r = b.add(Op::AllReduce, vec![d])?;
+                summed.insert(d, r);
+                r
+            }
+        };
+        out.insert(p, r);
+    }
+    Ok(out)
 }
