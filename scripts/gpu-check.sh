@@ -10,6 +10,7 @@
 #   prints a short table last. `device-tests` runs only the tests and memcheck,
 #   `device-bench` only the benchmarks and the table (each fits one 10-minute call).
 #   `device-onnx` runs the ONNX backend cases on the GPU and bench/onnx_models.py.
+#   `device-dp` runs the data-parallel (NCCL) tests and benchmarks beside PyTorch DDP.
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -206,8 +207,42 @@ device_ab() {
     return $status
 }
 
+# Data parallelism (`--gpus N`, issue 31): the NCCL tests of the GPU test binary (one rank on
+# any machine; every GPU of a machine with 2 or more), then gpt and mlp on 1 and N GPUs
+# (B per GPU as in examples/) beside PyTorch DDP and ZeroRedundancyOptimizer launched
+# with torchrun (bench/ddp.py). Carry .gpu/tcc and .gpu/gpu-tests.
+device_dp() {
+    local log="$OUT/log" status=0 n
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    n=$(nvidia-smi -L | wc -l)
+    echo "== NCCL tests ($n GPUs)"
+    if TCC_REQUIRE_GPU=1 "$OUT/gpu-tests" --test-threads 1 --nocapture nccl >"$log/dp-tests.txt" 2>&1; then
+        echo "ok"
+    else
+        echo "FAIL"; status=1
+    fi
+    grep -E "rel err|^test |test result|panicked|skipped" "$log/dp-tests.txt"
+    for m in gpt mlp; do
+        echo "== $m: tcc on 1 GPU, then on $n"
+        "$OUT/tcc" run "examples/$m.tdsl" --target cuda --steps 20 --every 100 >"$log/dp-$m-1.txt" 2>&1 || status=1
+        grep -E "step time|device memory of this session|arena" "$log/dp-$m-1.txt"
+        if [ "$n" -ge 2 ]; then
+            "$OUT/tcc" run "examples/$m.tdsl" --target cuda --gpus "$n" --steps 20 --every 100 >"$log/dp-$m-$n.txt" 2>&1 || status=1
+            grep -E "step time|device memory of rank|arena|error" "$log/dp-$m-$n.txt"
+        fi
+        echo "== $m: PyTorch DDP (torchrun)"
+        for w in 1 $([ "$n" -ge 2 ] && echo "$n"); do
+            torchrun --standalone --nproc-per-node "$w" bench/ddp.py --model "$m" 2>"$log/ddp-$m-$w.err" | tail -1 || status=1
+            torchrun --standalone --nproc-per-node "$w" bench/ddp.py --model "$m" --zero 2>"$log/ddp-$m-$w-zero.err" | tail -1 || status=1
+        done
+    done
+    return $status
+}
+
 case "$mode" in
     build) build ;;
+    device-dp) device_dp ;;
     device-ab) device_ab ;;
     device-amp) device_amp ;;
     device-onnx) device_onnx ;;

@@ -36,6 +36,10 @@ use crate::{Error, Model, Result};
 
 /// Alignment of every `cuMemAlloc` allocation: the largest arena alignment we can honour.
 pub(crate) const DEVICE_ALIGN: u64 = 256;
+/// A data-parallel rank's collectives go to NCCL in groups of at least this many bytes
+/// (PyTorch DDP's default bucket, 25 MiB).
+const BUCKET_BYTES: u64 = 25 << 20;
+
 /// Dynamic shared memory a kernel gets without opting in (`cudaFuncSetAttribute`).
 const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
@@ -879,6 +883,299 @@ impl CudaExecutor {
     }
 
     fn launch_one(&self, k: &Kernel) -> Result<()> {
+        self.launch_on(k, self.cu_stream())
+    }
+
+    /// The context the session runs in (a data-parallel rank's NCCL communicator is made
+    /// in it).
+    pub(crate) fn context(&self) -> Arc<CudaContext> {
+        Arc::clone(&self.ctx)
+    }
+
+    /// Runs one step as rank `rank` of a data-parallel step (graphs off: kernels launched
+    /// one by one, see `launch_ranked`), waiting at most the rank's timeout for it.
+    pub(crate) fn run_nccl(&mut self, rank: &mut crate::nccl::Rank) -> Result<()> {
+        if let Some(e) = self.pending.take() {
+            return Err(e);
+        }
+        self.invalidate_copies();
+        guard("running a data-parallel step", || {
+            self.bind()?;
+            let enqueued = (|| {
+                self.copy_inputs()?;
+                if let Some((a, _)) = self.events {
+                    // SAFETY: the event lives as long as the executor; recorded on the
+                    // session's stream before the step's kernels.
+                    unsafe { result::event::record(a.0, self.cu_stream()) }
+                        .map_err(driver_error("recording a timing event"))?;
+                }
+                self.launch_ranked(rank)?;
+                if let Some((_, b)) = self.events {
+                    // SAFETY: as above, after the step (the other streams joined).
+                    unsafe { result::event::record(b.0, self.cu_stream()) }
+                        .map_err(driver_error("recording a timing event"))?;
+                }
+                self.copy_outputs()
+            })();
+            let synced = self.sync_within(rank);
+            enqueued.and(synced)?;
+            if let Some((a, b)) = self.events {
+                // SAFETY: both events were recorded in this step and the stream is
+                // synchronised, so they have completed.
+                self.last_device_ms = unsafe { result::event::elapsed(a.0, b.0) }.ok();
+            }
+            Ok(())
+        })
+    }
+
+    /// Waits for the session's stream, at most the rank's timeout, watching the
+    /// communicator for errors; on either, aborts the communicator.
+    fn sync_within(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+        let deadline = std::time::Instant::now() + rank.timeout;
+        let mut nap = std::time::Duration::from_micros(20);
+        loop {
+            // SAFETY: the session's live stream.
+            match unsafe { sys::cuStreamQuery(self.cu_stream()) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    rank.abort();
+                    return Err(cuda_error(
+                        "running a data-parallel step (a kernel, copy or collective failed)",
+                        describe(DriverError(e)),
+                    ));
+                }
+            }
+            if let Err(e) = rank.async_error() {
+                rank.abort();
+                return Err(e);
+            }
+            if std::time::Instant::now() >= deadline {
+                rank.abort();
+                return Err(Error::Collective {
+                    rank: rank.rank(),
+                    message: format!(
+                        "the step did not finish within {:.0} s (a rank stopped, or a \
+                         collective waits for one that never came); the communicator was \
+                         aborted",
+                        rank.timeout.as_secs_f64()
+                    ),
+                });
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(2));
+        }
+    }
+
+    /// Launches the step's kernels for a data-parallel rank on three streams:
+    ///
+    /// - the session's (compute) stream runs, in launch order, every kernel that does not
+    ///   wait (through the manifest's `after`, transitively) for a collective;
+    /// - the communication stream runs the collectives, in buckets of at least
+    ///   [`BUCKET_BYTES`] in one NCCL group (PyTorch DDP's size), each after the compute
+    ///   stream's work so far, then the copies of the collectives not reduced in place;
+    /// - the waiting stream runs the kernels that wait for a collective (the optimizer's
+    ///   updates and what follows them), in launch order, each after the bucket it needs.
+    ///
+    /// So the gradients are reduced while the compute stream goes on with the backward pass.
+    /// A collective that itself waits for another's dependents joins the three streams
+    /// first. At the end the compute stream waits for the other two.
+    fn launch_ranked(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+        let entries = &self.model.manifest().kernels;
+        let n = self.kernels.len();
+        let compute = self.cu_stream();
+        let comm = rank.comm_stream.cu_stream();
+        let later = rank.after_stream.cu_stream();
+        let deps = |i: usize| -> Vec<usize> {
+            match &self.kernels[i].after {
+                Some(a) => a.iter().map(|&d| d as usize).collect(),
+                None => i.checked_sub(1).into_iter().collect(),
+            }
+        };
+        let record = |ev: sys::CUevent, stream: sys::CUstream| {
+            // SAFETY: a live event and stream of this context.
+            unsafe { result::event::record(ev, stream) }
+                .map_err(driver_error("recording a stream event"))
+        };
+        let wait = |stream: sys::CUstream, ev: sys::CUevent| {
+            // SAFETY: a live stream and event of this context.
+            unsafe {
+                result::stream::wait_event(
+                    stream,
+                    ev,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(driver_error("making a stream wait for another"))
+        };
+        // Events: 0 marks the compute stream, 1 the waiting stream, 2 + b bucket b's end.
+        // `TCC_BUCKET_MB`: another bucket size (0: one bucket per collective).
+        let bucket_bytes = std::env::var("TCC_BUCKET_MB")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(BUCKET_BYTES, |mb| mb << 20);
+        let ev_compute = rank.event(0)?;
+        let ev_later = rank.event(1)?;
+        let mut tainted = vec![false; n];
+        let mut bucket_of: Vec<Option<usize>> = vec![None; n];
+        let mut pending: Vec<usize> = Vec::new();
+        let mut pending_bytes = 0u64;
+        let mut buckets = 0usize;
+        let mut queued: std::collections::VecDeque<usize> = Default::default();
+        // Kernels before this index finished before everything launched since (joined).
+        let mut joined = 0usize;
+        let mut later_waited: Option<usize> = None;
+
+        let flush = |rank: &mut crate::nccl::Rank,
+                     pending: &mut Vec<usize>,
+                     pending_bytes: &mut u64,
+                     buckets: &mut usize,
+                     bucket_of: &mut Vec<Option<usize>>|
+         -> Result<()> {
+            if pending.is_empty() {
+                return Ok(());
+            }
+            record(ev_compute, compute)?;
+            wait(comm, ev_compute)?;
+            rank.group_start()?;
+            let mut reduced = Ok(());
+            for &i in pending.iter() {
+                let Some(c) = &entries[i].collective else {
+                    continue;
+                };
+                let count = (c.bytes / c.dtype.size_bytes() as u64) as usize;
+                // SAFETY: `[offset, offset + bytes)` lies in the arena (validated manifest),
+                // a live allocation of this context; the kernels that write those bytes were
+                // enqueued on the compute stream, which the communication stream now waits
+                // for, and those that read or write them later wait for this bucket.
+                reduced = unsafe {
+                    rank.all_reduce_in_place(
+                        self.arena.ptr + c.offset,
+                        count,
+                        crate::nccl::nccl_dtype(c.dtype),
+                    )
+                };
+                if reduced.is_err() {
+                    break;
+                }
+            }
+            let ended = rank.group_end();
+            reduced.and(ended)?;
+            for &i in pending.iter() {
+                if entries[i].collective.as_ref().is_some_and(|c| !c.in_place) {
+                    self.launch_on(&self.kernels[i], comm)?;
+                }
+                bucket_of[i] = Some(*buckets);
+            }
+            let ev = rank.event(2 + *buckets)?;
+            record(ev, comm)?;
+            *buckets += 1;
+            pending.clear();
+            *pending_bytes = 0;
+            Ok(())
+        };
+        // Launches the queued kernels whose collectives have all been enqueued, in order.
+        let drain = |rank: &mut crate::nccl::Rank,
+                     queued: &mut std::collections::VecDeque<usize>,
+                     bucket_of: &[Option<usize>],
+                     later_waited: &mut Option<usize>|
+         -> Result<()> {
+            let mut marked = false;
+            while let Some(&q) = queued.front() {
+                let mut need: Option<usize> = None;
+                let mut ready = true;
+                for d in deps(q) {
+                    if entries[d].collective.is_some() {
+                        match bucket_of[d] {
+                            Some(b) => need = need.max(Some(b)),
+                            None => ready = false,
+                        }
+                    }
+                }
+                if !ready {
+                    break;
+                }
+                if !marked {
+                    record(ev_compute, compute)?;
+                    wait(later, ev_compute)?;
+                    marked = true;
+                }
+                if let Some(b) = need {
+                    if *later_waited < Some(b) {
+                        wait(later, rank.event(2 + b)?)?;
+                        *later_waited = Some(b);
+                    }
+                }
+                self.launch_on(&self.kernels[q], later)?;
+                queued.pop_front();
+            }
+            Ok(())
+        };
+        for i in 0..n {
+            let waits = deps(i)
+                .into_iter()
+                .any(|d| d >= joined && (tainted[d] || entries[d].collective.is_some()));
+            if let Some(c) = &entries[i].collective {
+                if waits {
+                    // Everything so far first: the three streams join.
+                    flush(
+                        rank,
+                        &mut pending,
+                        &mut pending_bytes,
+                        &mut buckets,
+                        &mut bucket_of,
+                    )?;
+                    drain(rank, &mut queued, &bucket_of, &mut later_waited)?;
+                    record(ev_later, later)?;
+                    wait(compute, ev_later)?;
+                    if buckets > 0 {
+                        wait(compute, rank.event(1 + buckets)?)?;
+                    }
+                    joined = i;
+                }
+                pending.push(i);
+                pending_bytes += c.bytes;
+                tainted[i] = true;
+                if pending_bytes >= bucket_bytes {
+                    flush(
+                        rank,
+                        &mut pending,
+                        &mut pending_bytes,
+                        &mut buckets,
+                        &mut bucket_of,
+                    )?;
+                    drain(rank, &mut queued, &bucket_of, &mut later_waited)?;
+                }
+            } else if waits {
+                tainted[i] = true;
+                queued.push_back(i);
+            } else {
+                self.launch_on(&self.kernels[i], compute)?;
+            }
+        }
+        flush(
+            rank,
+            &mut pending,
+            &mut pending_bytes,
+            &mut buckets,
+            &mut bucket_of,
+        )?;
+        drain(rank, &mut queued, &bucket_of, &mut later_waited)?;
+        if !queued.is_empty() {
+            return Err(cuda_error(
+                "launching a data-parallel step",
+                "a kernel waits for a collective that was never enqueued",
+            ));
+        }
+        record(ev_later, later)?;
+        wait(compute, ev_later)?;
+        if buckets > 0 {
+            wait(compute, rank.event(1 + buckets)?)?;
+        }
+        Ok(())
+    }
+
+    fn launch_on(&self, k: &Kernel, stream: sys::CUstream) -> Result<()> {
         let mut arena: u64 = self.arena.ptr;
         {
             let mut params = [std::ptr::addr_of_mut!(arena).cast::<c_void>()];
@@ -901,7 +1198,7 @@ impl CudaExecutor {
                     (grid[0], grid[1], grid[2]),
                     (block[0], block[1], block[2]),
                     shared_bytes,
-                    self.cu_stream(),
+                    stream,
                     &mut params,
                 )
             }
@@ -1067,23 +1364,7 @@ impl CudaExecutor {
 
     fn enqueue_step(&mut self) -> Result<()> {
         let stream = self.cu_stream();
-        let base = self.arena.ptr;
-        for (s, slot) in self.inputs.iter_mut().zip(self.model.inputs()) {
-            if !s.dirty || s.host.len == 0 {
-                continue;
-            }
-            s.dirty = false;
-            // SAFETY: the source is the input's pinned buffer (alive while the executor is,
-            // and not written before the stream is synchronised at the end of `run`); the
-            // destination `[offset, offset + len)` lies inside the arena (validated manifest).
-            unsafe { result::memcpy_htod_async(base + s.offset, s.host.as_slice(), stream) }
-                .map_err(|e| {
-                    cuda_error(
-                        format!("copying input `{}` to the device", slot.name),
-                        describe(e),
-                    )
-                })?;
-        }
+        self.copy_inputs()?;
         if self.use_graph {
             self.build_graph()?;
         }
@@ -1105,6 +1386,36 @@ impl CudaExecutor {
             unsafe { result::event::record(b.0, stream) }
                 .map_err(driver_error("recording a timing event"))?;
         }
+        self.copy_outputs()
+    }
+
+    /// Enqueues the copies of the inputs set since the last step to the arena.
+    fn copy_inputs(&mut self) -> Result<()> {
+        let stream = self.cu_stream();
+        let base = self.arena.ptr;
+        for (s, slot) in self.inputs.iter_mut().zip(self.model.inputs()) {
+            if !s.dirty || s.host.len == 0 {
+                continue;
+            }
+            s.dirty = false;
+            // SAFETY: the source is the input's pinned buffer (alive while the executor is,
+            // and not written before the stream is synchronised at the end of `run`); the
+            // destination `[offset, offset + len)` lies inside the arena (validated manifest).
+            unsafe { result::memcpy_htod_async(base + s.offset, s.host.as_slice(), stream) }
+                .map_err(|e| {
+                    cuda_error(
+                        format!("copying input `{}` to the device", slot.name),
+                        describe(e),
+                    )
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the copies of every output to its pinned host buffer.
+    fn copy_outputs(&mut self) -> Result<()> {
+        let stream = self.cu_stream();
+        let base = self.arena.ptr;
         for (s, slot) in self.outputs.iter_mut().zip(self.model.outputs()) {
             if s.host.len == 0 {
                 continue;

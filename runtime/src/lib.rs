@@ -55,6 +55,8 @@ pub mod cpu;
 mod cuda;
 pub mod fsutil;
 pub mod init;
+#[cfg(feature = "cuda")]
+mod nccl;
 pub mod parallel;
 pub mod ptx;
 
@@ -1092,6 +1094,27 @@ impl<'a> Session<'a> {
                 rank: 0,
                 message: "a CUDA session's collectives go through NCCL".into(),
             }),
+        }
+    }
+
+    /// Runs one step as a rank of a CUDA [`DataParallel`], its collectives through NCCL.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn run_nccl(&mut self, rank: &mut nccl::Rank) -> Result<()> {
+        match &mut self.exec {
+            Executor::Cuda(c) => c.run_nccl(rank),
+            Executor::Cpu(_) => Err(Error::Collective {
+                rank: rank.rank(),
+                message: "a CPU session has no NCCL communicator".into(),
+            }),
+        }
+    }
+
+    /// The CUDA context of a session on a GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_context(&mut self) -> Option<Arc<cudarc::driver::CudaContext>> {
+        match &mut self.exec {
+            Executor::Cuda(c) => Some(c.context()),
+            Executor::Cpu(_) => None,
         }
     }
 

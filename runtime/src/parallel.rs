@@ -5,7 +5,8 @@
 //!
 //! - on the CPU, through [`HostComm`] (shared memory; every rank sums in rank order, so
 //!   all ranks get bit-identical results and the run is deterministic);
-//! - on CUDA: not yet (NCCL is the plan); [`DataParallel::new`] says so with an error.
+//! - on CUDA (feature `cuda`), through NCCL, on a communication stream per GPU, in buckets,
+//!   while the compute stream goes on with the backward pass (`cuda.rs`, `launch_ranked`).
 //!
 //! A collective that does not complete within the timeout (a rank that failed or never
 //! came) is an [`Error::Collective`], never a hang.
@@ -207,6 +208,8 @@ fn sum_in_rank_order(slots: &[Vec<u8>], dtype: DType) -> Vec<u8> {
 /// How the ranks of a [`DataParallel`] talk.
 enum Comm {
     Host(Arc<HostComm>),
+    #[cfg(feature = "cuda")]
+    Nccl(Vec<crate::nccl::Rank>),
 }
 
 /// One step run by several ranks, each in its own session and arena on its own thread,
@@ -234,8 +237,8 @@ impl std::fmt::Debug for DataParallel {
 impl DataParallel {
     /// A session of `model` on each of `devices` (rank `i` on `devices[i]`). The model must
     /// have been built for exactly `devices.len()` ranks (`tcc build --gpus N`); CPU ranks
-    /// share the host (`[Device::Cpu; N]`). CUDA ranks are an error until the NCCL
-    /// executor lands.
+    /// share the host (`[Device::Cpu; N]`); CUDA ranks need distinct GPUs and NCCL (found as
+    /// `nccl.rs` says).
     pub fn new(model: &Model, devices: &[Device]) -> Result<DataParallel> {
         DataParallel::with_timeout(model, devices, DEFAULT_TIMEOUT)
     }
@@ -253,20 +256,38 @@ impl DataParallel {
                 given: devices.len(),
             });
         }
-        if let Some(&d) = devices.iter().find(|&&d| d != Device::Cpu) {
+        let cpu = devices.iter().all(|&d| d == Device::Cpu);
+        let cuda = devices.iter().all(|d| matches!(d, Device::Cuda(_)));
+        if !cpu && !cuda {
             return Err(collective_error(
                 0,
-                format!(
-                    "{d}: data-parallel steps run on CPU ranks only so far (the NCCL \
-                     executor for GPUs is not built yet)"
-                ),
+                "the ranks must all be CPU ranks or all be CUDA devices",
             ));
+        }
+        for (i, d) in devices.iter().enumerate() {
+            if matches!(d, Device::Cuda(_)) && devices[..i].contains(d) {
+                return Err(collective_error(
+                    i,
+                    format!("{d} is given twice (NCCL runs one rank per GPU)"),
+                ));
+            }
         }
         let mut sessions = Vec::with_capacity(devices.len());
         for &d in devices {
             sessions.push(Session::new_rank(model, d)?);
         }
-        let comm = Comm::Host(Arc::new(HostComm::new(devices.len(), timeout)));
+        let comm = if cpu {
+            Comm::Host(Arc::new(HostComm::new(devices.len(), timeout)))
+        } else {
+            #[cfg(feature = "cuda")]
+            {
+                Comm::Nccl(crate::nccl::Rank::init_all(&mut sessions, timeout)?)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                return Err(crate::no_cuda(devices[0]));
+            }
+        };
         Ok(DataParallel { comm, sessions })
     }
 
@@ -319,7 +340,7 @@ impl DataParallel {
     /// them. The first error of any rank is returned (the others stop at their next
     /// collective instead of waiting for it).
     pub fn run(&mut self) -> Result<()> {
-        match &self.comm {
+        match &mut self.comm {
             Comm::Host(comm) => {
                 let results: Vec<Result<()>> = std::thread::scope(|scope| {
                     let handles: Vec<_> = self
@@ -344,6 +365,27 @@ impl DataParallel {
                         .map(|(rank, h)| {
                             h.join().unwrap_or_else(|_| {
                                 comm.abort(&format!("rank {rank} panicked"));
+                                Err(collective_error(rank, "the rank's thread panicked"))
+                            })
+                        })
+                        .collect()
+                });
+                first_error(results)
+            }
+            #[cfg(feature = "cuda")]
+            Comm::Nccl(ranks) => {
+                let results: Vec<Result<()>> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = self
+                        .sessions
+                        .iter_mut()
+                        .zip(ranks.iter_mut())
+                        .map(|(s, r)| scope.spawn(move || s.run_nccl(r)))
+                        .collect();
+                    handles
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, h)| {
+                            h.join().unwrap_or_else(|_| {
                                 Err(collective_error(rank, "the rank's thread panicked"))
                             })
                         })

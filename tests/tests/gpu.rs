@@ -283,3 +283,100 @@ fn gpu_builtins_agree_under_mixed_precision() {
         tcc_tests::amp::agree(&src, "", 1, 1.0, expr, Device::Cuda(0));
     }
 }
+
+/// How many GPUs this machine has (0 when none is usable).
+fn gpu_count() -> usize {
+    tcc_runtime::cuda_device_count().unwrap_or(0)
+}
+
+/// One rank through NCCL (a world of one GPU): the communicator is made and the rank's
+/// three-stream launch runs the step as one session does.
+#[test]
+fn gpu_one_nccl_rank_equals_one_session() {
+    if !gpu() {
+        return;
+    }
+    let (err, loss, mean) = tcc_tests::data_parallel_vs_whole(
+        tcc_tests::DATA_PARALLEL_MLP,
+        8,
+        10,
+        &[Device::Cuda(0)],
+        Default::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("1 NCCL rank: params rel err {err:e}, loss {loss} vs {mean}");
+    assert!(err < 1e-6, "params differ by {err:e}");
+}
+
+/// Data parallelism over NCCL on every GPU of the machine (2 or more): N ranks equal one
+/// session on the whole batch, with one bucket (the small MLP) and with several (64 MiB of
+/// gradients in 25 MiB buckets), under f32 and bf16 autocast.
+#[test]
+fn gpu_data_parallel_over_nccl_equals_the_whole_batch() {
+    if !gpu() {
+        return;
+    }
+    let n = gpu_count();
+    if n < 2 {
+        tcc_tests::skipped(
+            "gpu_data_parallel_over_nccl_equals_the_whole_batch",
+            &format!("{n} GPU(s); needs 2"),
+        );
+        return;
+    }
+    let devices: Vec<Device> = (0..n).map(Device::Cuda).collect();
+    let wide = "
+model dp {
+    input  x: f32[{B}, 2048]
+    input  labels: i32[{B}]
+    param  w1: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w2: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w3: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w4: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w5: f32[2048, 10] = normal(0.0, 0.02)
+    let h = relu(relu(relu(relu(x @ w1) @ w2) @ w3) @ w4)
+    let loss = cross_entropy(h @ w5, labels)
+    output loss
+    train adam(lr: 0.00002) minimize loss
+}
+";
+    for (name, src, b, amp, tol) in [
+        ("mlp f32", tcc_tests::DATA_PARALLEL_MLP, 8, "off", 1e-5),
+        ("wide f32", wide, 4, "off", 1e-5),
+        ("wide bf16", wide, 4, "bf16", 2e-2),
+    ] {
+        let amp = tcc::passes::amp::Amp::named(amp).expect("a policy");
+        let (err, loss, mean) = tcc_tests::data_parallel_vs_whole(src, b, 10, &devices, amp)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!(
+            "{name} on {n} GPUs: params rel err {err:e}, loss {loss} (whole) vs {mean} (ranks)"
+        );
+        assert!(err < tol, "{name}: params differ by {err:e}");
+    }
+    // A world of the wrong size is an error, not a hang.
+    let src = tcc_tests::DATA_PARALLEL_MLP.replace("{B}", "4");
+    let (_s, mut lowered) =
+        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
+            .expect("compiles");
+    let g = lowered.graphs.remove(0);
+    let compile = tcc::artifact::CompileOptions {
+        ranks: n + 1,
+        ..tcc_tests::device_options(Device::Cuda(0), true)
+    };
+    let popts = tcc::pipeline::Options {
+        compile,
+        ..Default::default()
+    };
+    let Ok((tcc::pipeline::Product::Graph(g), _)) =
+        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+    else {
+        panic!("the pipeline failed");
+    };
+    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
+    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
+    let model =
+        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
+            .expect("loads");
+    let e = tcc_runtime::DataParallel::new(&model, &devices).unwrap_err();
+    assert!(matches!(e, tcc_runtime::Error::Ranks { .. }), "{e}");
+}

@@ -314,6 +314,11 @@ pub fn run_compiled(
     if device == tcc_runtime::Device::Cpu {
         s.set_threads(opts.threads).map_err(|e| e.to_string())?;
     }
+    // `TCC_CUDA_GRAPH=0`: launch the kernels one by one instead of replaying the step's
+    // CUDA graph (to measure what the graph saves).
+    if std::env::var_os("TCC_CUDA_GRAPH").is_some_and(|v| v == "0") {
+        s.set_cuda_graph(false);
+    }
     super::info!(
         "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {device}{} in {load_ms:.1} ms; arena {} in one allocation",
         model.manifest().model,

