@@ -122,3 +122,57 @@ model dp {
         "loss {loss} vs {mean}"
     );
 }
+
+/// `tcc fit --gpus 2`: the largest per-GPU batch whose 2-rank arena fits the budget (the
+/// arena of the next one does not).
+#[test]
+fn fit_with_gpus_answers_per_gpu_with_the_data_parallel_arena() {
+    let file = tcc_tests::root().join("examples/mlp.tdsl");
+    let arena = |b: usize| -> u64 {
+        let src = std::fs::read_to_string(&file).expect("reads");
+        let opts = tcc::front::Options {
+            sets: vec![("D".into(), "64".into()), ("B".into(), b.to_string())],
+            ..Default::default()
+        };
+        let (_s, mut lowered) =
+            tcc_tests::compile_bytes("mlp.tdsl", src.as_bytes(), &opts).expect("compiles");
+        let g = lowered.graphs.remove(0);
+        let compile = tcc::artifact::CompileOptions {
+            ranks: 2,
+            ..Default::default()
+        };
+        let popts = tcc::pipeline::Options {
+            compile,
+            ..Default::default()
+        };
+        let Ok((tcc::pipeline::Product::Graph(g), _)) =
+            tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+        else {
+            panic!("the pipeline failed");
+        };
+        tcc::artifact::compile(&g, &compile)
+            .expect("compiles")
+            .plan
+            .arena_bytes
+    };
+    let budget = arena(40);
+    let sets = vec![("D".to_string(), "64".to_string())];
+    let b = tcc::cli::fit::run(
+        &file,
+        &sets,
+        &None,
+        budget,
+        "B",
+        4096,
+        tcc::cli::remat_cmd::RematMode::None,
+        200,
+        Default::default(),
+        2,
+    )
+    .expect("fits");
+    assert!(b >= 40, "{b}");
+    assert!(
+        arena(b as usize) <= budget && arena(b as usize + 1) > budget,
+        "{b}"
+    );
+}

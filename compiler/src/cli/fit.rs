@@ -67,13 +67,23 @@ fn try_value(
     remat: RematMode,
     time_ms: u64,
     amp: Amp,
+    ranks: usize,
 ) -> Result<Try, String> {
     let mut sets = sets.to_vec();
     sets.retain(|(n, _)| n != name);
     sets.push((name.to_string(), value.to_string()));
-    let g = step_graph(file, bytes, &sets, model, remat != RematMode::Manual, amp)?;
+    let g = step_graph(
+        file,
+        bytes,
+        &sets,
+        model,
+        remat != RematMode::Manual,
+        amp,
+        ranks,
+    )?;
     let copts = CompileOptions {
         amp,
+        ranks,
         ..Default::default()
     };
     let base = step::measure(&g, &Default::default(), &copts).map_err(|e| e.to_string())?;
@@ -114,6 +124,7 @@ pub fn run(
     remat: RematMode,
     time_ms: u64,
     amp: Amp,
+    ranks: usize,
 ) -> Result<u64, String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
@@ -125,7 +136,7 @@ pub fn run(
         }
         let spinner = crate::progress::Spinner::start(&format!("{name} = {v}"), super::quiet());
         let t = try_value(
-            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp,
+            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp, ranks,
         )?;
         drop(spinner);
         let what = match t.remat {
@@ -194,5 +205,12 @@ pub fn run(
             ""
         }
     );
+    if ranks > 1 {
+        println!(
+            "on {ranks} GPUs (data parallel, {name} per GPU, each GPU's arena within the budget): \
+             a global {name} of {}",
+            lo.saturating_mul(ranks as u64)
+        );
+    }
     Ok(lo)
 }

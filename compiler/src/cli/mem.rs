@@ -37,6 +37,9 @@ pub struct MemReport {
     pub target: String,
     /// `--amp`: `off`, `bf16` or `f16`.
     pub amp: String,
+    /// `--gpus N`: the plan is each data-parallel rank's (absent: a step that runs alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<usize>,
     /// Nodes of the final graph (the one the kernels compute).
     pub nodes: usize,
     /// tcc's own op-by-op execution of the step (`tcc run --eager`): every value
@@ -292,6 +295,7 @@ pub fn report(
         model: scheduled.name.clone(),
         target: compile.target.name().to_string(),
         amp: amp.name().to_string(),
+        ranks: final_graph.ranks,
         nodes: final_graph.node_count(),
         eager_peak_bytes: eager.peak_bytes(),
         eager_param_bytes: eager.param_bytes,
@@ -350,8 +354,17 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         s.push_str(&format!("  {k:<30} {:>12}  {note}\n", bytes(v)));
     };
     s.push_str(&format!(
-        "memory plan of model `{}` for {} ({} nodes)\n",
-        r.model, r.target, r.nodes
+        "memory plan of model `{}` for {} ({} nodes){}\n",
+        r.model,
+        r.target,
+        r.nodes,
+        match r.ranks {
+            Some(n) => format!(
+                "; each of {n} data-parallel ranks (GPUs): one rank's batch, its gradients \
+                 stored for the reduction"
+            ),
+            None => String::new(),
+        }
     ));
     line(
         &mut s,

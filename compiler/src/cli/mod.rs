@@ -207,6 +207,10 @@ pub enum Command {
         /// Time for each round of the remat search, in milliseconds.
         #[arg(long, default_value_t = 1000, value_name = "MS")]
         remat_time_ms: u64,
+        /// Data parallelism: the budget is each GPU's and the constant is one GPU's share
+        /// (the step built for N ranks, its gradients reduced); also prints the global value.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+        gpus: Option<u32>,
         #[command(flatten)]
         amp: AmpArgs,
     },
@@ -728,6 +732,7 @@ pub fn run(cli: Cli) -> ExitCode {
             max,
             remat,
             remat_time_ms,
+            gpus,
             amp,
         } => {
             let Some(amp) = amp_options(&amp, &mut stderr) else {
@@ -743,6 +748,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 remat,
                 remat_time_ms,
                 amp,
+                gpus.unwrap_or(1) as usize,
             ) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {

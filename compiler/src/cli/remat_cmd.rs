@@ -154,6 +154,7 @@ pub fn step_graph(
     model: &Option<String>,
     clear: bool,
     amp: Amp,
+    ranks: usize,
 ) -> Result<Graph, String> {
     let name = file.display().to_string();
     let mut sources = Sources::new(&name, bytes);
@@ -175,6 +176,7 @@ pub fn step_graph(
         },
         compile: CompileOptions {
             amp,
+            ranks,
             ..Default::default()
         },
         ..Default::default()
@@ -225,7 +227,7 @@ fn run_tdsl(
 ) -> Result<(), String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let t = Instant::now();
-    let g = step_graph(file, &bytes, sets, model, true, amp)?;
+    let g = step_graph(file, &bytes, sets, model, true, amp, 1)?;
     let copts = CompileOptions {
         amp,
         ..Default::default()
