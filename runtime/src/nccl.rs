@@ -243,12 +243,25 @@ impl Rank {
                     .ok_or_else(|| error(r, "not a CUDA session"))
             })
             .collect::<Result<_>>()?;
-        let made: Vec<Result<Rank>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = ctxs
-                .into_iter()
-                .enumerate()
-                .map(|(rank, ctx)| {
-                    scope.spawn(move || -> Result<Rank> {
+        // `TCC_NCCL_FAIL_RANK=R`: rank R fails before joining (fault injection for the
+        // tests: the others must not wait for it).
+        let fail: Option<usize> = std::env::var("TCC_NCCL_FAIL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        // One detached thread per rank: `ncclCommInitRank` waits until every rank joins, so
+        // a rank that fails would leave the others waiting. The first error (or the
+        // timeout) is returned at once; a rank still waiting then stays blocked on its
+        // thread, which holds nothing of the caller's.
+        let (send, receive) = std::sync::mpsc::channel::<(usize, Result<Rank>)>();
+        for (rank, ctx) in ctxs.into_iter().enumerate() {
+            let send = send.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("tcc-nccl-init-{rank}"))
+                .spawn(move || {
+                    let made = (|| -> Result<Rank> {
+                        if fail == Some(rank) {
+                            return Err(error(rank, "failed on purpose (TCC_NCCL_FAIL_RANK)"));
+                        }
                         ctx.bind_to_thread()
                             .map_err(|e| error(rank, format!("binding the context: {e:?}")))?;
                         let streams = (ctx.new_stream(), ctx.new_stream());
@@ -273,19 +286,45 @@ impl Rank {
                             ctx,
                             failed: false,
                         })
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(error(rank, "the NCCL init thread panicked")))
-                })
-                .collect()
-        });
-        made.into_iter().collect()
+                    })();
+                    // The receiver is gone when another rank failed first: the rank made
+                    // here is then dropped on this thread.
+                    let _ = send.send((rank, made));
+                });
+            if let Err(e) = spawned {
+                return Err(error(rank, format!("starting the NCCL init thread: {e}")));
+            }
+        }
+        drop(send);
+        let deadline = std::time::Instant::now() + timeout;
+        let mut made: Vec<Option<Rank>> = (0..n).map(|_| None).collect();
+        for _ in 0..n {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match receive.recv_timeout(left) {
+                Ok((rank, Ok(r))) => made[rank] = Some(r),
+                Ok((_, Err(e))) => return Err(e),
+                Err(_) => {
+                    let waiting: Vec<String> = made
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.is_none())
+                        .map(|(i, _)| i.to_string())
+                        .collect();
+                    return Err(error(
+                        0,
+                        format!(
+                            "NCCL init did not finish within {:.0} s (ranks {} still waiting)",
+                            timeout.as_secs_f64(),
+                            waiting.join(", ")
+                        ),
+                    ));
+                }
+            }
+        }
+        made.into_iter()
+            .enumerate()
+            .map(|(rank, r)| r.ok_or_else(|| error(rank, "no communicator was made")))
+            .collect()
     }
 
     /// The event number `i`, made on first use.

@@ -379,4 +379,47 @@ model dp {
             .expect("loads");
     let e = tcc_runtime::DataParallel::new(&model, &devices).unwrap_err();
     assert!(matches!(e, tcc_runtime::Error::Ranks { .. }), "{e}");
+    // A rank whose NCCL init fails: the others, waiting for it in `ncclCommInitRank`, are
+    // not waited for; the error comes at once.
+    let (_s, mut lowered) =
+        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
+            .expect("compiles");
+    let g = lowered.graphs.remove(0);
+    let compile = tcc::artifact::CompileOptions {
+        ranks: n,
+        ..tcc_tests::device_options(Device::Cuda(0), true)
+    };
+    let popts = tcc::pipeline::Options {
+        compile,
+        ..Default::default()
+    };
+    let Ok((tcc::pipeline::Product::Graph(g), _)) =
+        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+    else {
+        panic!("the pipeline failed");
+    };
+    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
+    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
+    let model =
+        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
+            .expect("loads");
+    std::env::set_var("TCC_NCCL_FAIL_RANK", (n - 1).to_string());
+    let t = std::time::Instant::now();
+    let e = tcc_runtime::DataParallel::with_timeout(
+        &model,
+        &devices,
+        std::time::Duration::from_secs(60),
+    )
+    .unwrap_err();
+    std::env::remove_var("TCC_NCCL_FAIL_RANK");
+    eprintln!(
+        "failed NCCL init: {e} (after {:.2} s)",
+        t.elapsed().as_secs_f64()
+    );
+    assert!(e.to_string().contains("failed on purpose"), "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
 }
