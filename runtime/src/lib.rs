@@ -27,6 +27,26 @@
 //! Running a model executes the machine code compiled from its artifact; load only artifacts
 //! you trust, as you would a shared library.
 //!
+//! # Data parallelism
+//!
+//! A step built with `tcc build --gpus N` runs on N ranks through [`DataParallel`]: one
+//! session (and arena) per rank, each on its own thread and its own slice of the batch, the
+//! gradients summed across the ranks before the optimizer (in shared memory for CPU ranks,
+//! through NCCL for CUDA ranks). [`Session::new`] refuses such an artifact.
+//!
+//! ```no_run
+//! use tcc_runtime::{DataParallel, Device, Model};
+//!
+//! # fn main() -> Result<(), tcc_runtime::Error> {
+//! let model = Model::load("gpt.tcc")?; // tcc build examples/gpt.tdsl --target cuda --gpus 2
+//! let mut dp = DataParallel::new(&model, &[Device::Cuda(0), Device::Cuda(1)])?;
+//! let whole_batch: Vec<u8> = vec![0; 2 * model.inputs()[0].bytes as usize];
+//! dp.set_input_split(&model.inputs()[0].name, &whole_batch)?; // half to each GPU
+//! dp.run()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! # CUDA
 //!
 //! With the cargo feature `cuda`, `Session::new(&model, Device::Cuda(i))` runs an artifact
