@@ -268,25 +268,28 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
     }
 }
 
-/// The collective of an `all_reduce`'s kernel, which reduces `operand`'s buffer.
+/// The collective of an `all_reduce`'s kernel: the ranks sum its result's buffer (the one
+/// store, a copy of `operand`) after the kernel. The operand itself is never written, so
+/// its other readers see this rank's values in any order.
 fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::Collective {
-    let ty = c.graph.ty(operand);
-    let offset = c.offset_of(operand).unwrap_or(0);
-    // A plain copy onto itself: the one store reads the operand where it writes, and the
-    // result took the operand's bytes.
-    let in_place = match k.stores.as_slice() {
+    let (result, in_place) = match k.stores.as_slice() {
         [s] => {
-            c.offset_of(s.buf) == Some(offset)
-                && matches!(
-                    k.pool.get(s.value),
-                    crate::kernel::E::Load { buf, index, .. } if *buf == operand && *index == s.index
-                )
+            // A plain copy onto itself: the one store reads the operand where it writes,
+            // and the result took the operand's bytes.
+            let same = c.offset_of(s.buf).is_some() && c.offset_of(s.buf) == c.offset_of(operand);
+            let copy = matches!(
+                k.pool.get(s.value),
+                crate::kernel::E::Load { buf, index, .. } if *buf == operand && *index == s.index
+            );
+            (s.buf, same && copy)
         }
-        _ => false,
+        _ => (operand, false),
     };
+    let ty = c.graph.ty(result);
     fmt::Collective {
         op: fmt::CollectiveOp::AllReduceSum,
-        offset,
+        // Stored by this kernel, so planned (the plan verifier checks every store has bytes).
+        offset: c.offset_of(result).unwrap_or(0),
         bytes: ty.size_bytes() as u64,
         dtype: dtype(ty.dtype),
         in_place,

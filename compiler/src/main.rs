@@ -6,6 +6,11 @@ use clap::Parser;
 const STACK_BYTES: usize = 1 << 30;
 
 fn main() -> std::process::ExitCode {
+    // NVLink SHARP (multicast) stays off for NCCL (`--gpus`), set here while this is the
+    // process's only thread (the runtime sets it too, for library users, unless set).
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     let cli = tcc::cli::Cli::parse();
     match std::thread::Builder::new()
         .name("tcc".into())

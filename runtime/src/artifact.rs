@@ -106,23 +106,23 @@ pub struct KernelEntry {
     #[serde(default)]
     pub describe: String,
     /// A collective of a data-parallel step (`tcc build --gpus N`): what the ranks combine
-    /// before this kernel runs. A single session runs the kernel alone, which is the whole
+    /// after this kernel runs. A single session runs the kernel alone, which is the whole
     /// op on one rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub collective: Option<Collective>,
 }
 
-/// What the ranks of a data-parallel step combine across their arenas before a kernel.
+/// What the ranks of a data-parallel step combine across their arenas after a kernel.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Collective {
     pub op: CollectiveOp,
-    /// The arena bytes `[offset, offset + bytes)` reduced in place: `bytes / dtype size`
-    /// elements of `dtype`.
+    /// The arena bytes `[offset, offset + bytes)` the kernel writes (its result), reduced
+    /// in place after it: `bytes / dtype size` elements of `dtype`.
     pub offset: u64,
     pub bytes: u64,
     pub dtype: DType,
-    /// The kernel only copies those bytes onto themselves (the result took the operand's
-    /// buffer): a data-parallel executor may skip it after the collective.
+    /// The kernel only copies those bytes onto themselves (the result took its operand's
+    /// buffer): a data-parallel executor may skip it.
     #[serde(default)]
     pub in_place: bool,
 }

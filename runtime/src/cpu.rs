@@ -286,30 +286,32 @@ impl CpuExecutor {
         }
     }
 
-    /// Launches every kernel in order as one rank of a data-parallel step: before a kernel
-    /// that carries a collective, `combine` combines its bytes of `arena` with the other
-    /// ranks' (the kernel is then skipped where it would only copy them onto themselves).
+    /// Launches every kernel in order as one rank of a data-parallel step: after a kernel
+    /// that carries a collective, `combine` combines the bytes it wrote with the other
+    /// ranks' (the kernel itself is skipped where it would only copy them onto themselves).
     pub(crate) fn run_rank(
         &mut self,
         arena: &mut [u8],
         combine: &mut dyn FnMut(&crate::artifact::Collective, &mut [u8]) -> crate::Result<()>,
     ) -> crate::Result<()> {
         for l in &self.launches {
-            if let Some(c) = &l.collective {
-                // In the arena: `artifact::validate` checked the range.
-                let range = c.offset as usize..(c.offset + c.bytes) as usize;
-                let bytes = arena.get_mut(range).ok_or_else(|| {
-                    crate::Error::BadManifest(format!(
-                        "kernel `{}`: its collective lies outside the arena",
-                        l.name
-                    ))
-                })?;
-                combine(c, bytes)?;
-                if c.in_place {
-                    continue;
+            match &l.collective {
+                None => self.launch(l, arena.as_mut_ptr()),
+                Some(c) => {
+                    if !c.in_place {
+                        self.launch(l, arena.as_mut_ptr());
+                    }
+                    // In the arena: `artifact::validate` checked the range.
+                    let range = c.offset as usize..(c.offset + c.bytes) as usize;
+                    let bytes = arena.get_mut(range).ok_or_else(|| {
+                        crate::Error::BadManifest(format!(
+                            "kernel `{}`: its collective lies outside the arena",
+                            l.name
+                        ))
+                    })?;
+                    combine(c, bytes)?;
                 }
             }
-            self.launch(l, arena.as_mut_ptr());
         }
         Ok(())
     }

@@ -894,9 +894,21 @@ impl CudaExecutor {
 
     /// Runs one step as rank `rank` of a data-parallel step (graphs off: kernels launched
     /// one by one, see `launch_ranked`), waiting at most the rank's timeout for it.
-    pub(crate) fn run_nccl(&mut self, rank: &mut crate::nccl::Rank) -> Result<()> {
+    pub(crate) fn run_nccl(
+        &mut self,
+        rank: &mut crate::nccl::Rank,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<()> {
         if let Some(e) = self.pending.take() {
             return Err(e);
+        }
+        if rank.aborted() {
+            return Err(Error::Collective {
+                rank: rank.rank(),
+                message: "the communicator was aborted after an earlier failure; make a new \
+                          DataParallel"
+                    .into(),
+            });
         }
         self.invalidate_copies();
         guard("running a data-parallel step", || {
@@ -917,7 +929,19 @@ impl CudaExecutor {
                 }
                 self.copy_outputs()
             })();
-            let synced = self.sync_within(rank);
+            let synced = match &enqueued {
+                Ok(()) => self.sync_within(rank, stop),
+                Err(_) => Ok(()),
+            };
+            if enqueued.is_err() || synced.is_err() {
+                // Stop this rank's collectives (a peer would wait for them), then let every
+                // stream drain: nothing may still write the arena or the pinned buffers.
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                rank.abort();
+                let _ = self.sync("stopping a failed data-parallel step");
+                let _ = rank.comm_stream.synchronize();
+                let _ = rank.after_stream.synchronize();
+            }
             enqueued.and(synced)?;
             if let Some((a, b)) = self.events {
                 // SAFETY: both events were recorded in this step and the stream is
@@ -930,7 +954,11 @@ impl CudaExecutor {
 
     /// Waits for the session's stream, at most the rank's timeout, watching the
     /// communicator for errors; on either, aborts the communicator.
-    fn sync_within(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+    fn sync_within(
+        &self,
+        rank: &mut crate::nccl::Rank,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<()> {
         let deadline = std::time::Instant::now() + rank.timeout;
         let mut nap = std::time::Duration::from_micros(20);
         loop {
@@ -949,6 +977,13 @@ impl CudaExecutor {
             if let Err(e) = rank.async_error() {
                 rank.abort();
                 return Err(e);
+            }
+            if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                rank.abort();
+                return Err(Error::Collective {
+                    rank: rank.rank(),
+                    message: "stopped: another rank failed".into(),
+                });
             }
             if std::time::Instant::now() >= deadline {
                 rank.abort();
@@ -1037,6 +1072,13 @@ impl CudaExecutor {
             }
             record(ev_compute, compute)?;
             wait(comm, ev_compute)?;
+            // Each collective's kernel copies its gradient into the bytes the ranks reduce
+            // (skipped where they are the gradient's own).
+            for &i in pending.iter() {
+                if entries[i].collective.as_ref().is_some_and(|c| !c.in_place) {
+                    self.launch_on(&self.kernels[i], comm)?;
+                }
+            }
             rank.group_start()?;
             let mut reduced = Ok(());
             for &i in pending.iter() {
@@ -1045,9 +1087,11 @@ impl CudaExecutor {
                 };
                 let count = (c.bytes / c.dtype.size_bytes() as u64) as usize;
                 // SAFETY: `[offset, offset + bytes)` lies in the arena (validated manifest),
-                // a live allocation of this context; the kernels that write those bytes were
-                // enqueued on the compute stream, which the communication stream now waits
-                // for, and those that read or write them later wait for this bucket.
+                // a live allocation of this context, and is the collective kernel's result:
+                // written by that kernel just before on this stream (or, in place, by the
+                // compute kernels this stream now waits for). Every later kernel that reads
+                // or writes those bytes lists the collective kernel in its `after` (it
+                // writes them), so it waits for this bucket's event.
                 reduced = unsafe {
                     rank.all_reduce_in_place(
                         self.arena.ptr + c.offset,
@@ -1062,9 +1106,6 @@ impl CudaExecutor {
             let ended = rank.group_end();
             reduced.and(ended)?;
             for &i in pending.iter() {
-                if entries[i].collective.as_ref().is_some_and(|c| !c.in_place) {
-                    self.launch_on(&self.kernels[i], comm)?;
-                }
                 bucket_of[i] = Some(*buckets);
             }
             let ev = rank.event(2 + *buckets)?;

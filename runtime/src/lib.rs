@@ -1092,6 +1092,8 @@ impl<'a> Session<'a> {
     /// [`Session::set_cuda_graph`]), copies every output to its pinned host buffer and waits
     /// for all of it; a failing launch, kernel or copy is an [`Error::Cuda`].
     pub fn run(&mut self) -> Result<()> {
+        // A rank of a data-parallel step runs only through `DataParallel::run`.
+        check_alone(&self.model)?;
         let base = self.arena.base();
         match &mut self.exec {
             Executor::Cpu(c) => c.run(base),
@@ -1119,9 +1121,13 @@ impl<'a> Session<'a> {
 
     /// Runs one step as a rank of a CUDA [`DataParallel`], its collectives through NCCL.
     #[cfg(feature = "cuda")]
-    pub(crate) fn run_nccl(&mut self, rank: &mut nccl::Rank) -> Result<()> {
+    pub(crate) fn run_nccl(
+        &mut self,
+        rank: &mut nccl::Rank,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<()> {
         match &mut self.exec {
-            Executor::Cuda(c) => c.run_nccl(rank),
+            Executor::Cuda(c) => c.run_nccl(rank, stop),
             Executor::Cpu(_) => Err(Error::Collective {
                 rank: rank.rank(),
                 message: "a CPU session has no NCCL communicator".into(),

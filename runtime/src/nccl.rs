@@ -219,6 +219,23 @@ impl Rank {
         self.rank
     }
 
+    /// The library, while the communicator is live (not aborted).
+    fn live(&self) -> Result<&'static Lib> {
+        if self.failed {
+            return Err(error(
+                self.rank,
+                "the communicator was aborted after an earlier failure; make a new \
+                 DataParallel",
+            ));
+        }
+        lib().map_err(|e| error(self.rank, e))
+    }
+
+    /// Whether the communicator was aborted.
+    pub(crate) fn aborted(&self) -> bool {
+        self.failed
+    }
+
     /// The communicators of every session, made together (`ncclCommInitRank` on one thread
     /// per GPU, as each waits for all the others).
     pub(crate) fn init_all(
@@ -226,6 +243,9 @@ impl Rank {
         timeout: Duration,
     ) -> Result<Vec<Rank>> {
         let lib = lib().map_err(|e| error(0, e))?;
+        // `tcc` sets this at its start, while it has one thread; a library user should set
+        // it before starting threads (setting it here races with threads reading the
+        // environment).
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
         }
@@ -339,7 +359,7 @@ impl Rank {
     }
 
     pub(crate) fn group_start(&self) -> Result<()> {
-        let lib = lib().map_err(|e| error(self.rank, e))?;
+        let lib = self.live()?;
         // SAFETY: no arguments; pairs with `group_end`.
         check(lib, self.rank, "ncclGroupStart", unsafe {
             (lib.group_start)()
@@ -347,7 +367,7 @@ impl Rank {
     }
 
     pub(crate) fn group_end(&self) -> Result<()> {
-        let lib = lib().map_err(|e| error(self.rank, e))?;
+        let lib = self.live()?;
         // SAFETY: closes the group `group_start` opened on this thread.
         check(lib, self.rank, "ncclGroupEnd", unsafe { (lib.group_end)() })
     }
@@ -364,7 +384,7 @@ impl Rank {
         count: usize,
         dtype: c_int,
     ) -> Result<()> {
-        let lib = lib().map_err(|e| error(self.rank, e))?;
+        let lib = self.live()?;
         let p = ptr as *mut c_void;
         // SAFETY: the caller's contract; in-place (send == receive) is allowed by NCCL.
         let r = unsafe {
@@ -383,7 +403,7 @@ impl Rank {
 
     /// The communicator's asynchronous error, if any (a peer failed, a network error).
     pub(crate) fn async_error(&self) -> Result<()> {
-        let lib = lib().map_err(|e| error(self.rank, e))?;
+        let lib = self.live()?;
         let mut state: NcclResult = NCCL_SUCCESS;
         // SAFETY: a live communicator and a valid out-pointer.
         check(lib, self.rank, "ncclCommGetAsyncError", unsafe {

@@ -301,8 +301,8 @@ impl DataParallel {
         self.sessions.get(rank)
     }
 
-    /// Rank `rank`'s session, to set its inputs. Running it alone is an error: a
-    /// data-parallel step runs only through [`DataParallel::run`].
+    /// Rank `rank`'s session, to set its inputs. Running it alone is an error
+    /// ([`Error::Ranks`]): a data-parallel step runs only through [`DataParallel::run`].
     pub fn session_mut(&mut self, rank: usize) -> Option<&mut Session<'static>> {
         self.sessions.get_mut(rank)
     }
@@ -337,8 +337,9 @@ impl DataParallel {
     }
 
     /// Runs one step on every rank, each on its own thread, summing the gradients across
-    /// them. The first error of any rank is returned (the others stop at their next
-    /// collective instead of waiting for it).
+    /// them. The first error of any rank is returned; the others stop instead of waiting
+    /// for it. After an error the communicator is aborted, and every later `run` fails:
+    /// make a new `DataParallel`.
     pub fn run(&mut self) -> Result<()> {
         match &mut self.comm {
             Comm::Host(comm) => {
@@ -374,12 +375,16 @@ impl DataParallel {
             }
             #[cfg(feature = "cuda")]
             Comm::Nccl(ranks) => {
+                // Set by a rank that fails: the others abort their communicators instead
+                // of waiting out the timeout for it.
+                let stop = std::sync::atomic::AtomicBool::new(false);
+                let stop = &stop;
                 let results: Vec<Result<()>> = std::thread::scope(|scope| {
                     let handles: Vec<_> = self
                         .sessions
                         .iter_mut()
                         .zip(ranks.iter_mut())
-                        .map(|(s, r)| scope.spawn(move || s.run_nccl(r)))
+                        .map(|(s, r)| scope.spawn(move || s.run_nccl(r, stop)))
                         .collect();
                     handles
                         .into_iter()

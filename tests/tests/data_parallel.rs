@@ -176,3 +176,32 @@ fn fit_with_gpus_answers_per_gpu_with_the_data_parallel_arena() {
         "{b}"
     );
 }
+
+/// A gradient that one param takes whole and that flows on into others (`w1 + a @ b`, as
+/// LoRA): its sum across the ranks must not reach the backward pass of `a @ b`, whatever
+/// the order the schedule gives them.
+#[test]
+fn a_reduced_gradient_that_other_params_read_stays_local_for_them() {
+    let src = "
+model dp {
+    input  x: f32[{B}, 6]
+    input  labels: i32[{B}]
+    param  w1: f32[6, 4] = normal(0.0, 0.3)
+    param  a: f32[6, 2] = normal(0.0, 0.3)
+    param  b: f32[2, 4] = normal(0.0, 0.3)
+    let loss = cross_entropy(x @ (w1 + a @ b), labels)
+    output loss
+    train adam(lr: 0.01) minimize loss
+}
+";
+    for ranks in [2usize, 3] {
+        let (err, loss, mean) =
+            data_parallel_vs_whole(src, 3, 5, &vec![Device::Cpu; ranks], Default::default())
+                .unwrap_or_else(|e| panic!("{e}"));
+        assert!(err < 1e-5, "{ranks} ranks: params differ by {err:e}");
+        assert!(
+            (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
+            "loss {loss} vs {mean}"
+        );
+    }
+}

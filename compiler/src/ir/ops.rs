@@ -303,9 +303,9 @@ pub enum Op {
     /// runs the same step on its own slice of the batch and gets the sum of all ranks'
     /// operands. Not written by programs: autodiff puts one on each param's gradient when
     /// the step is built for several ranks. One rank alone computes the identity (what the
-    /// interpreter and a single session do); the runtime's data-parallel executors reduce
-    /// the operand's buffer in place across the ranks (NCCL on CUDA) before its kernel,
-    /// which copies it into the result's buffer, runs.
+    /// interpreter and a single session do); its kernel copies the operand into the
+    /// result's buffer, which the runtime's data-parallel executors then sum in place
+    /// across the ranks (NCCL on CUDA). The operand is never written.
     AllReduce,
 }
 

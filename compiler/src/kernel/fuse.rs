@@ -247,8 +247,9 @@ fn decide(
         if op.is_leaf() || outputs.contains(&n) || updates.contains(&n) || op.is_scatter() {
             m.insert(n);
         }
-        // The ranks reduce the operand's buffer in place, then the collective's kernel
-        // copies it: both are buffers, and that kernel computes nothing else.
+        // The collective's kernel copies its operand into the result's buffer, which the
+        // ranks then reduce in place: both are buffers, and that kernel computes nothing
+        // else.
         if op.is_collective() {
             m.insert(n);
             m.extend(g.node(n).inputs.iter().copied());

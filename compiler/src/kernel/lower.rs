@@ -809,8 +809,8 @@ impl<'a> Builder<'a> {
                 "`{}` is an attention kernel, not an expression",
                 node.op.name()
             ))),
-            // Fusion gives the operand a buffer (the one the ranks reduce in place); the
-            // kernel copies it into the result's.
+            // Fusion gives the operand and the result buffers; the kernel copies one into
+            // the other, which the ranks then reduce in place.
             Op::AllReduce => self.value(ins[0], idx),
         }
     }

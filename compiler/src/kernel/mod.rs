@@ -1099,9 +1099,9 @@ pub struct Kernel {
     pub parallel: bool,
     /// One line naming the fused ops.
     pub describe: String,
-    /// An `all_reduce`'s kernel: the operand buffer the ranks of a data-parallel step sum
-    /// in place before the kernel copies it into the result's buffer (on one rank the
-    /// kernel alone is the whole op).
+    /// An `all_reduce`'s kernel, with its operand: the kernel copies the operand into the
+    /// result's buffer, which the ranks of a data-parallel step then sum in place (on one
+    /// rank the kernel alone is the whole op).
     pub collective: Option<NodeId>,
 }
 

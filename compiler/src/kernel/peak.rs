@@ -323,8 +323,8 @@ pub fn prune_in_place(g: &Graph, mut f: Fused) -> Fused {
     }
     let entries: Vec<(NodeId, NodeId)> = f.in_place.iter().map(|(&n, &d)| (n, d)).collect();
     for (n, _) in entries {
-        // A collective's result stays in its operand's bytes: the ranks then reduce the
-        // buffer in place and skip the kernel, which would only copy it onto itself.
+        // A collective's result stays in its operand's bytes: the kernel would only copy
+        // them onto themselves, so the ranks skip it and reduce the buffer in place.
         if g.node(n).op.is_collective() {
             continue;
         }
