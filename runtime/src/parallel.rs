@@ -342,64 +342,63 @@ impl DataParallel {
     /// make a new `DataParallel`.
     pub fn run(&mut self) -> Result<()> {
         match &mut self.comm {
-            Comm::Host(comm) => {
-                let results: Vec<Result<()>> = std::thread::scope(|scope| {
-                    let handles: Vec<_> = self
-                        .sessions
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(rank, s)| {
-                            let comm = Arc::clone(comm);
-                            scope.spawn(move || {
-                                let r =
-                                    s.run_rank(&mut |c, bytes| comm.all_reduce_sum(rank, c, bytes));
-                                if let Err(e) = &r {
-                                    comm.abort(&format!("rank {rank} failed: {e}"));
-                                }
-                                r
-                            })
+            Comm::Host(comm) => std::thread::scope(|scope| {
+                let handles: Vec<_> = self
+                    .sessions
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(rank, s)| {
+                        let comm = Arc::clone(comm);
+                        scope.spawn(move || {
+                            let r = s.run_rank(&mut |c, bytes| comm.all_reduce_sum(rank, c, bytes));
+                            if let Err(e) = &r {
+                                comm.abort(&format!("rank {rank} failed: {e}"));
+                            }
+                            r
                         })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .enumerate()
-                        .map(|(rank, h)| {
-                            h.join().unwrap_or_else(|_| {
-                                comm.abort(&format!("rank {rank} panicked"));
-                                Err(collective_error(rank, "the rank's thread panicked"))
-                            })
-                        })
-                        .collect()
-                });
-                first_error(results)
-            }
+                    })
+                    .collect();
+                join_ranks(handles, |rank| comm.abort(&format!("rank {rank} panicked")))
+            }),
             #[cfg(feature = "cuda")]
             Comm::Nccl(ranks) => {
                 // Set by a rank that fails: the others abort their communicators instead
                 // of waiting out the timeout for it.
                 let stop = std::sync::atomic::AtomicBool::new(false);
                 let stop = &stop;
-                let results: Vec<Result<()>> = std::thread::scope(|scope| {
+                std::thread::scope(|scope| {
                     let handles: Vec<_> = self
                         .sessions
                         .iter_mut()
                         .zip(ranks.iter_mut())
                         .map(|(s, r)| scope.spawn(move || s.run_nccl(r, stop)))
                         .collect();
-                    handles
-                        .into_iter()
-                        .enumerate()
-                        .map(|(rank, h)| {
-                            h.join().unwrap_or_else(|_| {
-                                Err(collective_error(rank, "the rank's thread panicked"))
-                            })
-                        })
-                        .collect()
-                });
-                first_error(results)
+                    join_ranks(handles, |_| {
+                        stop.store(true, std::sync::atomic::Ordering::SeqCst)
+                    })
+                })
             }
         }
     }
+}
+
+/// Waits for every rank's thread: the first error ([`first_error`]); a thread that
+/// panicked is an error too, after `on_panic(rank)` tells the others to stop.
+fn join_ranks(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<()>>>,
+    on_panic: impl Fn(usize),
+) -> Result<()> {
+    let results = handles
+        .into_iter()
+        .enumerate()
+        .map(|(rank, h)| {
+            h.join().unwrap_or_else(|_| {
+                on_panic(rank);
+                Err(collective_error(rank, "the rank's thread panicked"))
+            })
+        })
+        .collect();
+    first_error(results)
 }
 
 /// The first error, preferring one that is not another rank's consequence of it.

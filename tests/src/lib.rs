@@ -1031,36 +1031,14 @@ pub fn data_parallel_vs_whole(
     use tcc::artifact;
     let ranks = devices.len();
     let first = *devices.first().ok_or("no devices")?;
-    let build = |batch: usize,
-                 ranks: usize|
-     -> Result<(tcc::ir::Graph, tcc_runtime::Model), String> {
-        let text = src.replace("{B}", &batch.to_string());
-        let (sources, mut lowered) =
-            compile_bytes("case.tdsl", text.as_bytes(), &Default::default())?;
-        let g = lowered.graphs.remove(0);
+    let build = |batch: usize, ranks: usize| {
         let compile = artifact::CompileOptions {
             ranks,
             amp,
             ..device_options(first, true)
         };
-        let popts = tcc::pipeline::Options {
-            compile,
-            verify: true,
-            ..Default::default()
-        };
-        let g =
-            match tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
-            {
-                Ok((tcc::pipeline::Product::Graph(g), _)) => g,
-                Ok((p, _)) => return Err(format!("`schedule` gave {}", p.form())),
-                Err(e) => return Err(render_all(&e.diagnostics(), &sources.map)),
-            };
-        let c = artifact::compile(&g, &compile).map_err(|e| e.to_string())?;
-        let img =
-            artifact::persistent_image(&c, 7, &Default::default()).map_err(|e| e.to_string())?;
-        let bytes = artifact::write_artifact(&c, compile.target, &img);
-        let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
-        Ok((g, model))
+        let text = src.replace("{B}", &batch.to_string());
+        compile_step(&text, &Default::default(), &compile).map(|(g, _, model)| (g, model))
     };
     let (gw, whole) = build(ranks * b, 1)?;
     let (_, part) = build(b, ranks)?;
@@ -1111,6 +1089,35 @@ pub fn data_parallel_vs_whole(
         mean += l[0] as f64 / ranks as f64;
     }
     Ok((worst, loss, mean))
+}
+
+/// The single model of `src` compiled with `compile` (stages `autodiff` to `codegen`,
+/// verified; params drawn with seed 7): its scheduled graph, the compiled program and the
+/// artifact loaded back.
+pub fn compile_step(
+    src: &str,
+    front: &Options,
+    compile: &tcc::artifact::CompileOptions,
+) -> Result<(tcc::ir::Graph, tcc::artifact::Compiled, tcc_runtime::Model), String> {
+    use tcc::artifact;
+    let (sources, mut lowered) = compile_bytes("case.tdsl", src.as_bytes(), front)?;
+    let g = lowered.graphs.remove(0);
+    let popts = tcc::pipeline::Options {
+        compile: *compile,
+        verify: true,
+        ..Default::default()
+    };
+    let g = match tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
+    {
+        Ok((tcc::pipeline::Product::Graph(g), _)) => g,
+        Ok((p, _)) => return Err(format!("`schedule` gave {}", p.form())),
+        Err(e) => return Err(render_all(&e.diagnostics(), &sources.map)),
+    };
+    let c = artifact::compile(&g, compile).map_err(|e| e.to_string())?;
+    let img = artifact::persistent_image(&c, 7, &Default::default()).map_err(|e| e.to_string())?;
+    let bytes = artifact::write_artifact(&c, compile.target, &img);
+    let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
+    Ok((g, c, model))
 }
 
 /// A small MLP with Adam for the data-parallel tests (`{B}`: the batch).

@@ -25,26 +25,13 @@ fn two_and_four_cpu_ranks_equal_one_session_on_the_whole_batch() {
 #[test]
 fn a_data_parallel_step_alone_or_on_the_wrong_count_is_an_error() {
     let src = DATA_PARALLEL_MLP.replace("{B}", "4");
-    let (sources, mut lowered) =
-        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
-            .expect("compiles");
-    drop(sources);
-    let g = lowered.graphs.remove(0);
     let compile = tcc::artifact::CompileOptions {
         ranks: 2,
         ..Default::default()
     };
-    let popts = tcc::pipeline::Options {
-        compile,
-        ..Default::default()
-    };
-    let Ok((tcc::pipeline::Product::Graph(g), _)) =
-        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
-    else {
-        panic!("the pipeline failed");
-    };
+    let (g, c, model) =
+        tcc_tests::compile_step(&src, &Default::default(), &compile).expect("compiles");
     assert_eq!(g.ranks, Some(2));
-    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
     assert_eq!(
         c.fused
             .kernels
@@ -53,10 +40,6 @@ fn a_data_parallel_step_alone_or_on_the_wrong_count_is_an_error() {
             .count(),
         4
     );
-    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
-    let model =
-        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
-            .expect("loads");
     assert_eq!(model.manifest().ranks, Some(2));
     // Every gradient is reduced in place: the ranks skip the copy kernels.
     assert!(model
@@ -130,30 +113,16 @@ fn fit_with_gpus_answers_per_gpu_with_the_data_parallel_arena() {
     let file = tcc_tests::root().join("examples/mlp.tdsl");
     let arena = |b: usize| -> u64 {
         let src = std::fs::read_to_string(&file).expect("reads");
-        let opts = tcc::front::Options {
+        let front = tcc::front::Options {
             sets: vec![("D".into(), "64".into()), ("B".into(), b.to_string())],
             ..Default::default()
         };
-        let (_s, mut lowered) =
-            tcc_tests::compile_bytes("mlp.tdsl", src.as_bytes(), &opts).expect("compiles");
-        let g = lowered.graphs.remove(0);
         let compile = tcc::artifact::CompileOptions {
             ranks: 2,
             ..Default::default()
         };
-        let popts = tcc::pipeline::Options {
-            compile,
-            ..Default::default()
-        };
-        let Ok((tcc::pipeline::Product::Graph(g), _)) =
-            tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
-        else {
-            panic!("the pipeline failed");
-        };
-        tcc::artifact::compile(&g, &compile)
-            .expect("compiles")
-            .plan
-            .arena_bytes
+        let (_, c, _) = tcc_tests::compile_step(&src, &front, &compile).expect("compiles");
+        c.plan.arena_bytes
     };
     let budget = arena(40);
     let sets = vec![("D".to_string(), "64".to_string())];

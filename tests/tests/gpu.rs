@@ -355,54 +355,20 @@ model dp {
     }
     // A world of the wrong size is an error, not a hang.
     let src = tcc_tests::DATA_PARALLEL_MLP.replace("{B}", "4");
-    let (_s, mut lowered) =
-        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
-            .expect("compiles");
-    let g = lowered.graphs.remove(0);
-    let compile = tcc::artifact::CompileOptions {
-        ranks: n + 1,
-        ..tcc_tests::device_options(Device::Cuda(0), true)
+    let built_for = |ranks: usize| {
+        let compile = tcc::artifact::CompileOptions {
+            ranks,
+            ..tcc_tests::device_options(Device::Cuda(0), true)
+        };
+        tcc_tests::compile_step(&src, &Default::default(), &compile)
+            .expect("compiles")
+            .2
     };
-    let popts = tcc::pipeline::Options {
-        compile,
-        ..Default::default()
-    };
-    let Ok((tcc::pipeline::Product::Graph(g), _)) =
-        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
-    else {
-        panic!("the pipeline failed");
-    };
-    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
-    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
-    let model =
-        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
-            .expect("loads");
-    let e = tcc_runtime::DataParallel::new(&model, &devices).unwrap_err();
+    let e = tcc_runtime::DataParallel::new(&built_for(n + 1), &devices).unwrap_err();
     assert!(matches!(e, tcc_runtime::Error::Ranks { .. }), "{e}");
     // A rank whose NCCL init fails: the others, waiting for it in `ncclCommInitRank`, are
     // not waited for; the error comes at once.
-    let (_s, mut lowered) =
-        tcc_tests::compile_bytes("case.tdsl", src.as_bytes(), &Default::default())
-            .expect("compiles");
-    let g = lowered.graphs.remove(0);
-    let compile = tcc::artifact::CompileOptions {
-        ranks: n,
-        ..tcc_tests::device_options(Device::Cuda(0), true)
-    };
-    let popts = tcc::pipeline::Options {
-        compile,
-        ..Default::default()
-    };
-    let Ok((tcc::pipeline::Product::Graph(g), _)) =
-        tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {})
-    else {
-        panic!("the pipeline failed");
-    };
-    let c = tcc::artifact::compile(&g, &compile).expect("compiles");
-    let img = tcc::artifact::persistent_image(&c, 0, &Default::default()).expect("image");
-    let model =
-        tcc_runtime::Model::from_bytes(tcc::artifact::write_artifact(&c, compile.target, &img))
-            .expect("loads");
+    let model = built_for(n);
     std::env::set_var("TCC_NCCL_FAIL_RANK", (n - 1).to_string());
     let t = std::time::Instant::now();
     let e = tcc_runtime::DataParallel::with_timeout(

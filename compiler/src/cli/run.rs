@@ -274,6 +274,43 @@ fn tensor_type(s: &tcc_runtime::artifact::TensorSlot) -> crate::ir::TensorType {
     crate::ir::TensorType::new(d, s.shape.clone())
 }
 
+/// Prints a step's outputs (the scalar ones every step, all on printed steps, and all on a
+/// step whose outputs are not finite), and fails on non-finite ones unless allowed.
+fn report_step(
+    step: u32,
+    printed: bool,
+    outs: &[(&str, Tensor)],
+    allow_nonfinite: bool,
+) -> Result<(), String> {
+    let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (*n, t)));
+    if printed || check.is_err() {
+        let mut line = format!("step {step:>4}");
+        for (name, t) in outs {
+            let _ = write!(line, "  {name}: {}", summary(t));
+        }
+        println!("{line}");
+    }
+    if allow_nonfinite {
+        Ok(())
+    } else {
+        check
+    }
+}
+
+/// Every `--input NAME=FILE` must name an input of the model.
+fn check_input_names(model: &tcc_runtime::Model, opts: &RunOptions) -> Result<(), String> {
+    for (name, _) in &opts.inputs {
+        if !model.inputs().iter().any(|s| s.name == *name) {
+            let names: Vec<&str> = model.inputs().iter().map(|s| s.name.as_str()).collect();
+            return Err(format!(
+                "--input {name}: the model has no input `{name}` (inputs: {})",
+                names.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `tcc run` on compiled code (the artifact's target picks the device): one session on the
 /// compiled artifact. Inputs not given with `--input` are seeded random values, the same
 /// from the source (`graph`) as from an artifact (whose manifest records the index inputs'
@@ -374,15 +411,7 @@ pub fn run_compiled(
         };
         inputs.push((slot.name.clone(), t.to_le_bytes()));
     }
-    for (name, _) in &opts.inputs {
-        if !model.inputs().iter().any(|s| s.name == *name) {
-            let names: Vec<&str> = model.inputs().iter().map(|s| s.name.as_str()).collect();
-            return Err(format!(
-                "--input {name}: the model has no input `{name}` (inputs: {})",
-                names.join(", ")
-            ));
-        }
-    }
+    check_input_names(model, opts)?;
     let mut times = Vec::with_capacity(opts.steps as usize);
     let mut device_times = Vec::with_capacity(opts.steps as usize);
     for step in 1..=opts.steps {
@@ -408,17 +437,7 @@ pub fn run_compiled(
                 outs.push((&slot.name, t));
             }
         }
-        let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (*n, t)));
-        if printed || check.is_err() {
-            let mut line = format!("step {step:>4}");
-            for (name, t) in &outs {
-                let _ = write!(line, "  {name}: {}", summary(t));
-            }
-            println!("{line}");
-        }
-        if !opts.allow_nonfinite {
-            check?;
-        }
+        report_step(step, printed, &outs, opts.allow_nonfinite)?;
     }
     if let Some(dir) = &opts.save_outputs {
         let mut outs = Vec::new();
@@ -581,15 +600,7 @@ fn run_data_parallel(
             }
         }
     }
-    for (name, _) in &opts.inputs {
-        if !model.inputs().iter().any(|s| s.name == *name) {
-            let names: Vec<&str> = model.inputs().iter().map(|s| s.name.as_str()).collect();
-            return Err(format!(
-                "--input {name}: the model has no input `{name}` (inputs: {})",
-                names.join(", ")
-            ));
-        }
-    }
+    check_input_names(model, opts)?;
     // Each input's bytes for every rank (the whole batch, rank after rank).
     let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
     for slot in model.inputs() {
@@ -671,17 +682,7 @@ fn run_data_parallel(
                 outs.push((&slot.name, t));
             }
         }
-        let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (*n, t)));
-        if printed || check.is_err() {
-            let mut line = format!("step {step:>4}");
-            for (name, t) in &outs {
-                let _ = write!(line, "  {name}: {}", summary(t));
-            }
-            println!("{line}");
-        }
-        if !opts.allow_nonfinite {
-            check?;
-        }
+        report_step(step, printed, &outs, opts.allow_nonfinite)?;
     }
     println!(
         "arena: {} per rank on {ranks} ranks (params and optimizer state {})",
