@@ -209,7 +209,7 @@ device_ab() {
 
 # Data parallelism (`--gpus N`, issue 31): the NCCL tests of the GPU test binary (one rank on
 # any machine; every GPU of a machine with 2 or more), then gpt and mlp on 1 and N GPUs
-# (B per GPU as in examples/) beside PyTorch DDP and ZeroRedundancyOptimizer launched
+# (B per GPU as in examples/; on N also with --zero 1) beside PyTorch DDP and ZeroRedundancyOptimizer launched
 # with torchrun (bench/ddp.py). Carry .gpu/tcc and .gpu/gpu-tests.
 device_dp() {
     local log="$OUT/log" status=0 n
@@ -223,13 +223,17 @@ device_dp() {
         echo "FAIL"; status=1
     fi
     grep -E "rel err|^test |test result|panicked|skipped" "$log/dp-tests.txt"
-    for m in gpt mlp; do
+    for m in ${DP_MODELS:-gpt cnn mlp}; do
         echo "== $m: tcc on 1 GPU, then on $n"
         "$OUT/tcc" run "examples/$m.tdsl" --target cuda --steps 20 --every 100 >"$log/dp-$m-1.txt" 2>&1 || status=1
         grep -E "step time|device memory of this session|arena" "$log/dp-$m-1.txt"
         if [ "$n" -ge 2 ]; then
             "$OUT/tcc" run "examples/$m.tdsl" --target cuda --gpus "$n" --steps 20 --every 100 >"$log/dp-$m-$n.txt" 2>&1 || status=1
             grep -E "step time|device memory of rank|arena|error" "$log/dp-$m-$n.txt"
+            echo "-- $m: tcc on $n GPUs, ZeRO-1"
+            "$OUT/tcc" run "examples/$m.tdsl" --target cuda --gpus "$n" --zero 1 --steps 20 --every 100 >"$log/dp-$m-$n-zero.txt" 2>&1 || status=1
+            grep -E "step time|device memory of rank|arena|error" "$log/dp-$m-$n-zero.txt"
+            "$OUT/tcc" mem "examples/$m.tdsl" --target cuda --gpus "$n" --zero 1 2>&1 | grep -E "model states|arena, fused" || status=1
         fi
         echo "== $m: PyTorch DDP (torchrun)"
         for w in 1 $([ "$n" -ge 2 ] && echo "$n"); do

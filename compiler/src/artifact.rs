@@ -47,6 +47,9 @@ pub struct CompileOptions {
     /// Data-parallel ranks the step is built for (`--gpus N`; 1: none): see
     /// [`crate::autodiff::expand_data_parallel`].
     pub ranks: usize,
+    /// ZeRO-1 (`--zero 1`): with several ranks, each keeps and updates 1/N of the
+    /// optimizer state ([`crate::autodiff::optim::lower_sharded`]).
+    pub zero: bool,
 }
 
 impl Default for CompileOptions {
@@ -58,6 +61,7 @@ impl Default for CompileOptions {
             allow_tf32: false,
             amp: Default::default(),
             ranks: 1,
+            zero: false,
         }
     }
 }
@@ -271,7 +275,31 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
 /// The collective of an `all_reduce`'s kernel: the ranks sum its result's buffer (the one
 /// store, a copy of `operand`) after the kernel. The operand itself is never written, so
 /// its other readers see this rank's values in any order.
+///
+/// A `reduce_scatter`, `all_gather` or `shard` names its operand's bytes as the input and
+/// its result as the bytes the ranks write (its kernel is a placeholder).
 fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::Collective {
+    let root = k.stores.first().map(|s| s.buf);
+    let other = root.and_then(|r| match c.graph.node(r).op {
+        Op::ReduceScatter { .. } => Some((r, fmt::CollectiveOp::ReduceScatterSum)),
+        Op::AllGather { .. } => Some((r, fmt::CollectiveOp::AllGather)),
+        Op::Shard { .. } => Some((r, fmt::CollectiveOp::Shard)),
+        _ => None,
+    });
+    if let Some((result, op)) = other {
+        let ty = c.graph.ty(result);
+        return fmt::Collective {
+            op,
+            offset: c.offset_of(result).unwrap_or(0),
+            bytes: ty.size_bytes() as u64,
+            dtype: dtype(ty.dtype),
+            in_place: false,
+            input: Some(fmt::Region {
+                offset: c.offset_of(operand).unwrap_or(0),
+                bytes: c.graph.ty(operand).size_bytes() as u64,
+            }),
+        };
+    }
     let (result, in_place) = match k.stores.as_slice() {
         [s] => {
             // A plain copy onto itself: the one store reads the operand where it writes,
@@ -293,6 +321,7 @@ fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::
         bytes: ty.size_bytes() as u64,
         dtype: dtype(ty.dtype),
         in_place,
+        input: None,
     }
 }
 

@@ -261,9 +261,9 @@ pub const PIPELINE: &[Stage] = &[
         invariant: "the graph verifier; no `grad` node is left",
         why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node",
         run: Some(|p, o, _| {
-            let (scale, ranks) = (o.compile.amp.loss_scale, o.compile.ranks);
+            let (scale, ranks, zero) = (o.compile.amp.loss_scale, o.compile.ranks, o.compile.zero);
             graph_stage(p, "autodiff", |g| {
-                crate::autodiff::expand_data_parallel(g, scale, ranks)
+                crate::autodiff::expand_data_parallel(g, scale, ranks, zero)
             })
         }),
     },

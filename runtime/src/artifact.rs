@@ -116,8 +116,9 @@ pub struct KernelEntry {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Collective {
     pub op: CollectiveOp,
-    /// The arena bytes `[offset, offset + bytes)` the kernel writes (its result), reduced
-    /// in place after it: `bytes / dtype size` elements of `dtype`.
+    /// The arena bytes `[offset, offset + bytes)` the kernel writes (its result):
+    /// `bytes / dtype size` elements of `dtype`. An all-reduce sums them in place after
+    /// the kernel; the other ops write them from `input` instead of the kernel.
     pub offset: u64,
     pub bytes: u64,
     pub dtype: DType,
@@ -125,14 +126,34 @@ pub struct Collective {
     /// buffer): a data-parallel executor may skip it.
     #[serde(default)]
     pub in_place: bool,
+    /// The operand's bytes, for every op but the all-reduce (which reduces its result in
+    /// place): the kernel of such an op is a placeholder a data-parallel executor never
+    /// launches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<Region>,
 }
 
-/// The collectives a step may contain.
+/// Arena bytes `[offset, offset + bytes)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// The collectives a step may contain (`N` ranks; rank `r`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CollectiveOp {
     /// Every rank gets the element-wise sum over the ranks.
     AllReduceSum,
+    /// The input is `N` blocks of the result's size; rank `r` gets block `r` of the
+    /// element-wise sum over the ranks.
+    ReduceScatterSum,
+    /// The result is `N` blocks of the input's size; block `r` is rank `r`'s input.
+    AllGather,
+    /// Within each rank: the result is block `r` of the input cut into blocks of the
+    /// result's size, zero past the input's end (`N` blocks cover the input).
+    Shard,
 }
 
 /// A CUDA launch configuration.
@@ -622,16 +643,63 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
                     k.name, c.offset, m.alignment
                 ));
             }
-            if m.ranks.is_none() {
+            let Some(ranks) = m.ranks else {
                 return bad(format!(
                     "kernel `{}` has a collective but the step names no ranks",
                     k.name
                 ));
+            };
+            if let Err(why) = collective_sizes(c, u64::from(ranks), m) {
+                return bad(format!("kernel `{}`: its collective {why}", k.name));
             }
         }
     }
     if m.ranks == Some(0) {
         return bad("a data-parallel step of 0 ranks".into());
+    }
+    Ok(())
+}
+
+/// Whether a collective's input fits its op, its result and the arena.
+fn collective_sizes(c: &Collective, ranks: u64, m: &Manifest) -> std::result::Result<(), String> {
+    let elem = c.dtype.size_bytes() as u64;
+    let input = match (c.op, c.input) {
+        (CollectiveOp::AllReduceSum, None) => return Ok(()),
+        (CollectiveOp::AllReduceSum, Some(_)) => {
+            return Err("is an all-reduce with an input".into())
+        }
+        (_, None) => return Err(format!("({:?}) names no input", c.op)),
+        (_, Some(i)) => i,
+    };
+    if c.in_place {
+        return Err("is marked in place but has an input".into());
+    }
+    let inside = input
+        .offset
+        .checked_add(input.bytes)
+        .is_some_and(|end| end <= m.arena_bytes);
+    if !inside || input.bytes == 0 || !input.bytes.is_multiple_of(elem) {
+        return Err(format!(
+            "input [{}, {}+{}) is not whole {} elements inside the arena",
+            input.offset, input.offset, input.bytes, c.dtype
+        ));
+    }
+    if input.offset < c.offset + c.bytes && c.offset < input.offset + input.bytes {
+        return Err("input overlaps its result".into());
+    }
+    let fits = match c.op {
+        CollectiveOp::AllReduceSum => true,
+        CollectiveOp::ReduceScatterSum => ranks.checked_mul(c.bytes) == Some(input.bytes),
+        CollectiveOp::AllGather => ranks.checked_mul(input.bytes) == Some(c.bytes),
+        CollectiveOp::Shard => {
+            (input.bytes / elem).div_ceil(ranks).checked_mul(elem) == Some(c.bytes)
+        }
+    };
+    if !fits {
+        return Err(format!(
+            "({:?}) of {} input bytes into {} result bytes does not fit {ranks} ranks",
+            c.op, input.bytes, c.bytes
+        ));
     }
     Ok(())
 }

@@ -287,8 +287,10 @@ impl CpuExecutor {
     }
 
     /// Launches every kernel in order as one rank of a data-parallel step: after a kernel
-    /// that carries a collective, `combine` combines the bytes it wrote with the other
-    /// ranks' (the kernel itself is skipped where it would only copy them onto themselves).
+    /// that carries a collective, `combine` runs it on the arena with the other ranks
+    /// (an all-reduce's kernel is skipped where it would only copy its bytes onto
+    /// themselves; the other collectives' kernels are always: the collective writes their
+    /// result).
     pub(crate) fn run_rank(
         &mut self,
         arena: &mut [u8],
@@ -298,18 +300,13 @@ impl CpuExecutor {
             match &l.collective {
                 None => self.launch(l, arena.as_mut_ptr()),
                 Some(c) => {
-                    if !c.in_place {
+                    // An all-reduce's kernel copies the gradient into the bytes reduced in
+                    // place; the other collectives write their result instead of their
+                    // (placeholder) kernel.
+                    if c.op == crate::artifact::CollectiveOp::AllReduceSum && !c.in_place {
                         self.launch(l, arena.as_mut_ptr());
                     }
-                    // In the arena: `artifact::validate` checked the range.
-                    let range = c.offset as usize..(c.offset + c.bytes) as usize;
-                    let bytes = arena.get_mut(range).ok_or_else(|| {
-                        crate::Error::BadManifest(format!(
-                            "kernel `{}`: its collective lies outside the arena",
-                            l.name
-                        ))
-                    })?;
-                    combine(c, bytes)?;
+                    combine(c, arena)?;
                 }
             }
         }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
-use crate::artifact::{KernelEntry, Launch, Target};
+use crate::artifact::{CollectiveOp, KernelEntry, Launch, Target};
 use crate::{Error, Model, Result};
 
 /// Alignment of every `cuMemAlloc` allocation: the largest arena alignment we can honour.
@@ -1072,11 +1072,51 @@ impl CudaExecutor {
             }
             record(ev_compute, compute)?;
             wait(comm, ev_compute)?;
-            // Each collective's kernel copies its gradient into the bytes the ranks reduce
-            // (skipped where they are the gradient's own).
+            // Each all-reduce's kernel copies its gradient into the bytes the ranks reduce
+            // (skipped where they are the gradient's own); a shard is a copy within the
+            // rank. The other collectives' kernels are placeholders, never launched.
             for &i in pending.iter() {
-                if entries[i].collective.as_ref().is_some_and(|c| !c.in_place) {
-                    self.launch_on(&self.kernels[i], comm)?;
+                let Some(c) = &entries[i].collective else {
+                    continue;
+                };
+                match (c.op, c.input) {
+                    (CollectiveOp::AllReduceSum, _) if !c.in_place => {
+                        self.launch_on(&self.kernels[i], comm)?;
+                    }
+                    (CollectiveOp::Shard, Some(input)) => {
+                        // Block `rank` of the input, zero past its end.
+                        let from = (rank.rank() as u64)
+                            .saturating_mul(c.bytes)
+                            .min(input.bytes);
+                        let copied = c.bytes.min(input.bytes - from);
+                        let dst = self.arena.ptr + c.offset;
+                        // SAFETY: both ranges lie in the arena (validated manifest: the
+                        // result and the input are inside it and do not overlap, and
+                        // `from + copied <= input.bytes`); this stream waits for the compute
+                        // stream's work so far, which wrote the input, and every later
+                        // reader or writer of either range waits for this bucket.
+                        unsafe {
+                            if copied > 0 {
+                                result::memcpy_dtod_async(
+                                    dst,
+                                    self.arena.ptr + input.offset + from,
+                                    copied as usize,
+                                    comm,
+                                )
+                                .map_err(driver_error("copying a param's shard"))?;
+                            }
+                            if copied < c.bytes {
+                                result::memset_d8_async(
+                                    dst + copied,
+                                    0,
+                                    (c.bytes - copied) as usize,
+                                    comm,
+                                )
+                                .map_err(driver_error("zeroing a param shard's padding"))?;
+                            }
+                        }
+                    }
+                    _ => {}
                 }
             }
             rank.group_start()?;
@@ -1086,18 +1126,29 @@ impl CudaExecutor {
                     continue;
                 };
                 let count = (c.bytes / c.dtype.size_bytes() as u64) as usize;
-                // SAFETY: `[offset, offset + bytes)` lies in the arena (validated manifest),
-                // a live allocation of this context, and is the collective kernel's result:
-                // written by that kernel just before on this stream (or, in place, by the
-                // compute kernels this stream now waits for). Every later kernel that reads
-                // or writes those bytes lists the collective kernel in its `after` (it
-                // writes them), so it waits for this bucket's event.
-                reduced = unsafe {
-                    rank.all_reduce_in_place(
-                        self.arena.ptr + c.offset,
-                        count,
-                        crate::nccl::nccl_dtype(c.dtype),
-                    )
+                let dtype = crate::nccl::nccl_dtype(c.dtype);
+                let result = self.arena.ptr + c.offset;
+                // SAFETY: `[offset, offset + bytes)` and the input's bytes lie in the arena
+                // (validated manifest), a live allocation of this context, and do not
+                // overlap. An all-reduce's bytes are its kernel's result: written by that
+                // kernel just before on this stream (or, in place, by the compute kernels
+                // this stream now waits for); the other ops' inputs were written by the
+                // compute kernels this stream waits for. Every later kernel that reads or
+                // writes the result lists the collective's kernel in its `after` (it writes
+                // them), and every later writer of the input too (it reads them), so they
+                // wait for this bucket's event.
+                reduced = match (c.op, c.input) {
+                    (CollectiveOp::AllReduceSum, _) => unsafe {
+                        rank.all_reduce_in_place(result, count, dtype)
+                    },
+                    (CollectiveOp::ReduceScatterSum, Some(input)) => unsafe {
+                        rank.reduce_scatter(self.arena.ptr + input.offset, result, count, dtype)
+                    },
+                    (CollectiveOp::AllGather, Some(input)) => unsafe {
+                        let sent = (input.bytes / c.dtype.size_bytes() as u64) as usize;
+                        rank.all_gather(self.arena.ptr + input.offset, result, sent, dtype)
+                    },
+                    _ => Ok(()),
                 };
                 if reduced.is_err() {
                     break;

@@ -1103,8 +1103,8 @@ impl<'a> Session<'a> {
         Ok(())
     }
 
-    /// Runs one step as a rank of a CPU [`DataParallel`]: `combine` sums each collective's
-    /// bytes with the other ranks'.
+    /// Runs one step as a rank of a CPU [`DataParallel`]: `combine` runs each collective on
+    /// the rank's arena with the other ranks.
     pub(crate) fn run_rank(
         &mut self,
         combine: &mut dyn FnMut(&artifact::Collective, &mut [u8]) -> Result<()>,

@@ -62,6 +62,25 @@ struct Lib {
         Comm,
         sys::CUstream,
     ) -> NcclResult,
+    /// `ncclReduceScatter(send, recv, recvcount, dtype, op, comm, stream)`.
+    reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        Comm,
+        sys::CUstream,
+    ) -> NcclResult,
+    /// `ncclAllGather(send, recv, sendcount, dtype, comm, stream)`.
+    all_gather: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        Comm,
+        sys::CUstream,
+    ) -> NcclResult,
     group_start: unsafe extern "C" fn() -> NcclResult,
     group_end: unsafe extern "C" fn() -> NcclResult,
     comm_destroy: unsafe extern "C" fn(Comm) -> NcclResult,
@@ -141,6 +160,8 @@ fn load() -> std::result::Result<Lib, String> {
             get_unique_id: sym!(b"ncclGetUniqueId"),
             comm_init_rank: sym!(b"ncclCommInitRank"),
             all_reduce: sym!(b"ncclAllReduce"),
+            reduce_scatter: sym!(b"ncclReduceScatter"),
+            all_gather: sym!(b"ncclAllGather"),
             group_start: sym!(b"ncclGroupStart"),
             group_end: sym!(b"ncclGroupEnd"),
             comm_destroy: sym!(b"ncclCommDestroy"),
@@ -399,6 +420,63 @@ impl Rank {
             )
         };
         check(lib, self.rank, "ncclAllReduce", r)
+    }
+
+    /// Enqueues on the communication stream: rank `r` receives at `recv` block `r` (of
+    /// `count` elements) of the sum over the ranks of the `ranks · count` elements at
+    /// `send`.
+    ///
+    /// # Safety
+    /// Both ranges lie in live device allocations of this rank's context, do not overlap,
+    /// and nothing else touches them until the stream reaches the collective.
+    pub(crate) unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: c_int,
+    ) -> Result<()> {
+        let lib = self.live()?;
+        // SAFETY: the caller's contract.
+        let r = unsafe {
+            (lib.reduce_scatter)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                dtype,
+                SUM,
+                self.comm,
+                self.comm_stream.cu_stream(),
+            )
+        };
+        check(lib, self.rank, "ncclReduceScatter", r)
+    }
+
+    /// Enqueues on the communication stream: the `count` elements at `send` of every rank,
+    /// in rank order, into the `ranks · count` elements at `recv`.
+    ///
+    /// # Safety
+    /// As [`Rank::reduce_scatter`].
+    pub(crate) unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: c_int,
+    ) -> Result<()> {
+        let lib = self.live()?;
+        // SAFETY: the caller's contract.
+        let r = unsafe {
+            (lib.all_gather)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                dtype,
+                self.comm,
+                self.comm_stream.cu_stream(),
+            )
+        };
+        check(lib, self.rank, "ncclAllGather", r)
     }
 
     /// The communicator's asynchronous error, if any (a peer failed, a network error).

@@ -124,19 +124,113 @@ impl HostComm {
 
     /// Sums `bytes` (elements of `dtype`) over the ranks, in place on every rank.
     pub fn all_reduce_sum(&self, rank: usize, c: &Collective, bytes: &mut [u8]) -> Result<()> {
-        let CollectiveOp::AllReduceSum = c.op;
         let what = format!("all-reduce of {} bytes at offset {}", c.bytes, c.offset);
+        let sum = self.exchange(rank, &what, bytes, |slots| {
+            sum_in_rank_order(slots, c.dtype)
+        })?;
+        bytes.copy_from_slice(&sum);
+        Ok(())
+    }
+
+    /// Runs collective `c` as rank `rank`, on that rank's arena.
+    pub fn run(&self, rank: usize, c: &Collective, arena: &mut [u8]) -> Result<()> {
+        let region = |offset: u64, bytes: u64| {
+            let start = usize::try_from(offset).ok()?;
+            start
+                .checked_add(usize::try_from(bytes).ok()?)
+                .map(|end| start..end)
+        };
+        let outside = || {
+            collective_error(
+                rank,
+                format!("{:?} at offset {}: bytes outside the arena", c.op, c.offset),
+            )
+        };
+        let out = region(c.offset, c.bytes)
+            .filter(|r| r.end <= arena.len())
+            .ok_or_else(outside)?;
+        let input = match c.input {
+            Some(i) => Some(
+                region(i.offset, i.bytes)
+                    .filter(|r| r.end <= arena.len())
+                    .ok_or_else(outside)?,
+            ),
+            None => None,
+        };
+        let block = out.len();
+        match (c.op, input) {
+            (CollectiveOp::AllReduceSum, _) => self.all_reduce_sum(rank, c, &mut arena[out]),
+            (CollectiveOp::ReduceScatterSum, Some(input)) => {
+                let what = format!(
+                    "reduce-scatter of {} bytes at offset {}",
+                    input.len(),
+                    input.start
+                );
+                let sent = arena[input].to_vec();
+                let sum = self.exchange(rank, &what, &sent, |slots| {
+                    sum_in_rank_order(slots, c.dtype)
+                })?;
+                let mine = sum.get(rank * block..(rank + 1) * block).ok_or_else(|| {
+                    collective_error(rank, format!("{what}: no block for this rank"))
+                })?;
+                arena[out].copy_from_slice(mine);
+                Ok(())
+            }
+            (CollectiveOp::AllGather, Some(input)) => {
+                let what = format!(
+                    "all-gather of {} bytes at offset {}",
+                    input.len(),
+                    input.start
+                );
+                let sent = arena[input].to_vec();
+                let all = self.exchange(rank, &what, &sent, |slots| slots.concat())?;
+                if all.len() != block {
+                    return Err(collective_error(
+                        rank,
+                        format!("{what}: {} bytes gathered into {block}", all.len()),
+                    ));
+                }
+                arena[out].copy_from_slice(&all);
+                Ok(())
+            }
+            (CollectiveOp::Shard, Some(input)) => {
+                // Block `rank` of the input, zero past its end.
+                let from = input
+                    .start
+                    .saturating_add(rank.saturating_mul(block))
+                    .min(input.end);
+                let to = from.saturating_add(block).min(input.end);
+                let mine = arena[from..to].to_vec();
+                let dst = &mut arena[out];
+                let (head, tail) = dst.split_at_mut(mine.len());
+                head.copy_from_slice(&mine);
+                tail.fill(0);
+                Ok(())
+            }
+            (op, None) => Err(collective_error(rank, format!("{op:?} without an input"))),
+        }
+    }
+
+    /// One round: every rank hands in `sent`; once all have, `combine` makes one buffer of
+    /// the ranks' bytes (in rank order), which every rank gets.
+    fn exchange(
+        &self,
+        rank: usize,
+        what: &str,
+        sent: &[u8],
+        combine: impl FnOnce(&[Vec<u8>]) -> Vec<u8>,
+    ) -> Result<Vec<u8>> {
         if rank >= self.ranks {
             return Err(collective_error(rank, format!("{what}: no such rank")));
         }
         let deadline = Instant::now() + self.timeout;
         let st = self.lock();
-        let mut st = self.wait(st, rank, deadline, &what, |s| s.phase == Phase::Deposit)?;
+        let mut st = self.wait(st, rank, deadline, what, |s| s.phase == Phase::Deposit)?;
         st.slots[rank].clear();
-        st.slots[rank].extend_from_slice(bytes);
+        st.slots[rank].extend_from_slice(sent);
         st.arrived += 1;
         if st.arrived == self.ranks {
-            if st.slots.iter().any(|s| s.len() != bytes.len()) {
+            if st.slots.iter().any(|s| s.len() != sent.len()) {
                 st.failed = Some("the ranks handed in buffers of different sizes".into());
                 self.changed.notify_all();
                 return Err(collective_error(
@@ -144,21 +238,21 @@ impl HostComm {
                     format!("{what}: the ranks handed in buffers of different sizes"),
                 ));
             }
-            let sum = sum_in_rank_order(&st.slots, c.dtype);
+            let sum = combine(&st.slots);
             st.sum = sum;
             st.phase = Phase::Collect;
             st.taken = 0;
             self.changed.notify_all();
         }
-        let mut st = self.wait(st, rank, deadline, &what, |s| s.phase == Phase::Collect)?;
-        bytes.copy_from_slice(&st.sum);
+        let mut st = self.wait(st, rank, deadline, what, |s| s.phase == Phase::Collect)?;
+        let out = st.sum.clone();
         st.taken += 1;
         if st.taken == self.ranks {
             st.phase = Phase::Deposit;
             st.arrived = 0;
             self.changed.notify_all();
         }
-        Ok(())
+        Ok(out)
     }
 }
 
@@ -350,7 +444,7 @@ impl DataParallel {
                     .map(|(rank, s)| {
                         let comm = Arc::clone(comm);
                         scope.spawn(move || {
-                            let r = s.run_rank(&mut |c, bytes| comm.all_reduce_sum(rank, c, bytes));
+                            let r = s.run_rank(&mut |c, arena| comm.run(rank, c, arena));
                             if let Err(e) = &r {
                                 comm.abort(&format!("rank {rank} failed: {e}"));
                             }
@@ -431,6 +525,7 @@ mod tests {
             bytes: 8,
             dtype: DType::F32,
             in_place: true,
+            input: None,
         };
         let outs: Vec<Vec<u8>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
@@ -470,6 +565,7 @@ mod tests {
             bytes: 4,
             dtype: DType::F32,
             in_place: true,
+            input: None,
         };
         let mut b = f32s(&[1.0]);
         let e = comm.all_reduce_sum(0, &c, &mut b).unwrap_err();
@@ -477,5 +573,83 @@ mod tests {
         // Later collectives fail at once.
         let e = comm.all_reduce_sum(1, &c, &mut b).unwrap_err();
         assert!(e.to_string().contains("timed out"), "{e}");
+    }
+
+    /// ZeRO-1's collectives on a 2-rank arena of 16 bytes: 3 floats of input at 0 (a
+    /// param of 3, padded to 2 shards of 2), the result at 12 (or, gathered, at 0).
+    #[test]
+    fn host_reduce_scatter_all_gather_and_shard_give_each_rank_its_block() {
+        use crate::artifact::Region;
+        let comm = Arc::new(HostComm::new(2, Duration::from_secs(10)));
+        let run = |op, input: Region, offset, bytes, arenas: [Vec<f32>; 2]| {
+            let c = Collective {
+                op,
+                offset,
+                bytes,
+                dtype: DType::F32,
+                in_place: false,
+                input: Some(input),
+            };
+            std::thread::scope(|s| {
+                let hs: Vec<_> = arenas
+                    .iter()
+                    .enumerate()
+                    .map(|(r, a)| {
+                        let (comm, c) = (Arc::clone(&comm), c.clone());
+                        let mut a = f32s(a);
+                        s.spawn(move || comm.run(r, &c, &mut a).map(|()| a))
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| {
+                        let a = h.join().expect("no panic").expect("no error");
+                        a.chunks_exact(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                            .collect::<Vec<f32>>()
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        let at = |offset, bytes| Region { offset, bytes };
+        // Reduce-scatter of 4 floats: rank r gets the sum's floats 2r, 2r + 1.
+        let out = run(
+            CollectiveOp::ReduceScatterSum,
+            at(0, 16),
+            16,
+            8,
+            [
+                vec![1.0, 2.0, 3.0, 4.0, 0.0, 0.0],
+                vec![10.0, 20.0, 30.0, 40.0, 0.0, 0.0],
+            ],
+        );
+        assert_eq!(out[0][4..], [11.0, 22.0]);
+        assert_eq!(out[1][4..], [33.0, 44.0]);
+        // Shard of a 3-float param: rank 1's block is its third float and a zero.
+        let out = run(
+            CollectiveOp::Shard,
+            at(0, 12),
+            16,
+            8,
+            [
+                vec![1.0, 2.0, 3.0, 9.0, 9.0, 9.0],
+                vec![1.0, 2.0, 3.0, 9.0, 9.0, 9.0],
+            ],
+        );
+        assert_eq!(out[0][4..], [1.0, 2.0]);
+        assert_eq!(out[1][4..], [3.0, 0.0]);
+        // All-gather of 2 floats each into 4.
+        let out = run(
+            CollectiveOp::AllGather,
+            at(16, 8),
+            0,
+            16,
+            [
+                vec![0.0, 0.0, 0.0, 0.0, 1.0, 2.0],
+                vec![0.0, 0.0, 0.0, 0.0, 3.0, 4.0],
+            ],
+        );
+        for o in out {
+            assert_eq!(o[..4], [1.0, 2.0, 3.0, 4.0]);
+        }
     }
 }

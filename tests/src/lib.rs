@@ -1091,6 +1091,106 @@ pub fn data_parallel_vs_whole(
     Ok((worst, loss, mean))
 }
 
+/// ZeRO-1 against plain data parallelism: `src` (`{B}`: one rank's batch) built for
+/// `devices.len()` ranks with and without `zero`, run `steps` steps on the same per-rank
+/// inputs. Returns the relative errors of every rank's params, of the optimizer state
+/// (each rank's ZeRO shards concatenated, padding dropped, against the plain state) and
+/// the largest loss difference of any rank at any step.
+pub fn zero_vs_plain(
+    src: &str,
+    b: usize,
+    steps: usize,
+    devices: &[tcc_runtime::Device],
+    amp: tcc::passes::amp::Amp,
+) -> Result<(f64, f64, f64), String> {
+    use std::collections::BTreeMap;
+    use tcc::eager::Tensor;
+    let ranks = devices.len();
+    let first = *devices.first().ok_or("no devices")?;
+    let text = src.replace("{B}", &b.to_string());
+    let build = |zero: bool| {
+        let compile = tcc::artifact::CompileOptions {
+            ranks,
+            zero,
+            amp,
+            ..device_options(first, true)
+        };
+        compile_step(&text, &Default::default(), &compile).map(|(g, _, model)| (g, model))
+    };
+    let (gp, plain) = build(false)?;
+    let (gz, zero) = build(true)?;
+    let e = |e: tcc_runtime::Error| e.to_string();
+    let mut dp = tcc_runtime::DataParallel::new(&plain, devices).map_err(e)?;
+    let mut dz = tcc_runtime::DataParallel::new(&zero, devices).map_err(e)?;
+    let mut loss_diff = 0.0f64;
+    for step in 0..steps {
+        for r in 0..ranks {
+            for (name, t) in &tcc::eager::random_inputs(&gp, (step * ranks + r) as u64) {
+                let bytes = t.to_le_bytes();
+                for d in [&mut dp, &mut dz] {
+                    let s = d.session_mut(r).ok_or("no rank")?;
+                    s.set_input_bytes(name, &bytes).map_err(e)?;
+                }
+            }
+        }
+        dp.run().map_err(e)?;
+        dz.run().map_err(e)?;
+        for r in 0..ranks {
+            let loss = |d: &tcc_runtime::DataParallel| -> Result<f64, String> {
+                let s = d.session(r).ok_or("no rank")?;
+                Ok(s.output::<f32>("loss").map_err(e)?[0] as f64)
+            };
+            loss_diff = loss_diff.max((loss(&dp)? - loss(&dz)?).abs());
+        }
+    }
+    let named = |g: &tcc::ir::Graph, n: tcc::ir::NodeId| match &g.node(n).op {
+        tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } => Some(name.clone()),
+        _ => None,
+    };
+    let mut param_err = 0.0f64;
+    for r in 0..ranks {
+        let (mut want, mut got) = (BTreeMap::new(), BTreeMap::new());
+        for &p in &gp.params {
+            let name = named(&gp, p).ok_or("unnamed param")?;
+            for (d, map) in [(&dp, &mut want), (&dz, &mut got)] {
+                let s = d.session(r).ok_or("no rank")?;
+                let bytes = s.param_bytes(&name).map_err(e)?;
+                let t = Tensor::from_le_bytes(gp.ty(p).clone(), bytes).ok_or("param size")?;
+                map.insert(name.clone(), t);
+            }
+        }
+        param_err = param_err.max(params_rel_err(&got, &want).ok_or("params differ")?);
+    }
+    let (mut want, mut got) = (BTreeMap::new(), BTreeMap::new());
+    for &st in &gp.states {
+        let name = named(&gp, st).ok_or("unnamed state")?;
+        let ty = gp.ty(st).clone();
+        let whole = dp
+            .session(0)
+            .ok_or("no rank")?
+            .param_bytes(&name)
+            .map_err(e)?;
+        want.insert(
+            name.clone(),
+            Tensor::from_le_bytes(ty.clone(), whole).ok_or("size")?,
+        );
+        // The ZeRO step's state of this name: sharded (one block per rank) or whole.
+        let sharded = gz
+            .states
+            .iter()
+            .any(|&z| named(&gz, z).as_deref() == Some(&name) && gz.ty(z).shape != ty.shape);
+        let mut cat = Vec::new();
+        for r in 0..if sharded { ranks } else { 1 } {
+            let s = dz.session(r).ok_or("no rank")?;
+            cat.extend_from_slice(s.param_bytes(&name).map_err(e)?);
+        }
+        cat.truncate(ty.size_bytes());
+        got.insert(name, Tensor::from_le_bytes(ty, &cat).ok_or("shard sizes")?);
+    }
+    let state_err = params_rel_err(&got, &want).ok_or("states differ")?;
+    Ok((param_err, state_err, loss_diff))
+}
+
 /// The single model of `src` compiled with `compile` (stages `autodiff` to `codegen`,
 /// verified; params drawn with seed 7): its scheduled graph, the compiled program and the
 /// artifact loaded back.

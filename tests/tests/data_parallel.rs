@@ -106,44 +106,62 @@ model dp {
     );
 }
 
-/// `tcc fit --gpus 2`: the largest per-GPU batch whose 2-rank arena fits the budget (the
-/// arena of the next one does not).
+/// `tcc fit --gpus 2` (and `--zero 1`): the largest per-GPU batch whose 2-rank arena fits
+/// the budget (the arena of the next one does not); with Adam's state sharded, a batch at
+/// least as large fits the same budget.
 #[test]
 fn fit_with_gpus_answers_per_gpu_with_the_data_parallel_arena() {
-    let file = tcc_tests::root().join("examples/mlp.tdsl");
-    let arena = |b: usize| -> u64 {
-        let src = std::fs::read_to_string(&file).expect("reads");
+    let mlp = std::fs::read_to_string(tcc_tests::root().join("examples/mlp.tdsl")).expect("reads");
+    let src = mlp.replace("train sgd(lr: 0.05)", "train adam(lr: 0.001)");
+    assert_ne!(src, mlp, "examples/mlp.tdsl changed its optimizer line");
+    let dir = std::env::temp_dir().join(format!("tcc-fit-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("mlp_adam.tdsl");
+    std::fs::write(&file, &src).expect("writes");
+    let arena = |b: usize, zero: bool| -> u64 {
         let front = tcc::front::Options {
             sets: vec![("D".into(), "64".into()), ("B".into(), b.to_string())],
             ..Default::default()
         };
         let compile = tcc::artifact::CompileOptions {
             ranks: 2,
+            zero,
             ..Default::default()
         };
         let (_, c, _) = tcc_tests::compile_step(&src, &front, &compile).expect("compiles");
         c.plan.arena_bytes
     };
-    let budget = arena(40);
+    let budget = arena(40, false);
     let sets = vec![("D".to_string(), "64".to_string())];
-    let b = tcc::cli::fit::run(
-        &file,
-        &sets,
-        &None,
-        budget,
-        "B",
-        4096,
-        tcc::cli::remat_cmd::RematMode::None,
-        200,
-        Default::default(),
-        2,
-    )
-    .expect("fits");
-    assert!(b >= 40, "{b}");
+    let mut fits = Vec::new();
+    for zero in [false, true] {
+        let b = tcc::cli::fit::run(
+            &file,
+            &sets,
+            &None,
+            budget,
+            "B",
+            4096,
+            tcc::cli::remat_cmd::RematMode::None,
+            200,
+            Default::default(),
+            tcc::cli::Parallel { ranks: 2, zero },
+        )
+        .expect("fits");
+        assert!(b >= 40, "{b}");
+        assert!(
+            arena(b as usize, zero) <= budget && arena(b as usize + 1, zero) > budget,
+            "zero {zero}: {b}"
+        );
+        fits.push(b);
+    }
     assert!(
-        arena(b as usize) <= budget && arena(b as usize + 1) > budget,
-        "{b}"
+        fits[1] > fits[0],
+        "ZeRO-1 fits {} against {}",
+        fits[1],
+        fits[0]
     );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A gradient that one param takes whole and that flows on into others (`w1 + a @ b`, as
@@ -171,6 +189,148 @@ model dp {
         assert!(
             (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
             "loss {loss} vs {mean}"
+        );
+    }
+}
+
+/// ZeRO-1 (`--zero 1`): each rank updates a shard of every param and keeps only that
+/// shard's Adam state, so the step equals plain data parallelism: params on every rank,
+/// the sharded state put back together, and the losses of 10 Adam steps, to f32 rounding.
+/// Three ranks pad params whose sizes do not split (`b2: f32[5]`, `w2: f32[32, 5]`).
+#[test]
+fn zero_one_equals_plain_data_parallelism_over_ten_adam_steps() {
+    for ranks in [2usize, 3] {
+        let (params, state, loss) = tcc_tests::zero_vs_plain(
+            DATA_PARALLEL_MLP,
+            4,
+            10,
+            &vec![Device::Cpu; ranks],
+            Default::default(),
+        )
+        .unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
+        eprintln!("{ranks} ranks: params {params:e}, state {state:e}, loss {loss:e}");
+        assert!(params < 1e-6, "{ranks} ranks: params differ by {params:e}");
+        assert!(
+            state < 1e-6,
+            "{ranks} ranks: optimizer state differs by {state:e}"
+        );
+        assert!(loss < 1e-6, "{ranks} ranks: losses differ by {loss:e}");
+    }
+}
+
+/// ZeRO-1 with SGD momentum, weight decay and a gradient shared by two params, and with
+/// f16 loss scaling (the ranks must agree on skipping a step: the overflow test sums the
+/// shards' magnitudes over the ranks).
+#[test]
+fn zero_one_with_momentum_shared_gradients_and_f16_loss_scaling() {
+    let src = "
+model dp {
+    input  x: f32[{B}, 6]
+    input  labels: i32[{B}]
+    param  w1: f32[6, 4] = normal(0.0, 0.3)
+    param  w2: f32[6, 4] = normal(0.0, 0.3)
+    param  c: f32[3] = normal(0.0, 0.3)
+    let loss = cross_entropy(x @ (w1 + w2), labels) + sum(c * c)
+    output loss
+    train sgd(lr: 0.05, momentum: 0.9, weight_decay: 0.01) minimize loss
+}
+";
+    let f16 = tcc::passes::amp::Amp {
+        dtype: Some(tcc::ir::DType::F16),
+        ..Default::default()
+    };
+    for (ranks, amp) in [
+        (2usize, Default::default()),
+        (4, Default::default()),
+        (2, f16),
+    ] {
+        let (params, state, loss) =
+            tcc_tests::zero_vs_plain(src, 3, 6, &vec![Device::Cpu; ranks], amp)
+                .unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
+        assert!(params < 1e-6, "{ranks} ranks: params differ by {params:e}");
+        assert!(state < 1e-6, "{ranks} ranks: momentum differs by {state:e}");
+        assert!(loss < 1e-6, "{ranks} ranks: losses differ by {loss:e}");
+    }
+}
+
+/// What `--zero 1` builds: a reduce-scatter per gradient, a shard and an all-gather per
+/// param, state of one shard, and a manifest the runtime checks; `tcc mem` prints the
+/// formula next to the plan's persistent bytes.
+#[test]
+fn zero_one_shards_the_state_and_reports_the_formula() {
+    let src = DATA_PARALLEL_MLP.replace("{B}", "4");
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        zero: true,
+        ..Default::default()
+    };
+    let (g, c, model) =
+        tcc_tests::compile_step(&src, &Default::default(), &compile).expect("compiles");
+    let count = |f: fn(&tcc::ir::Op) -> bool| g.node_ids().filter(|&n| f(&g.node(n).op)).count();
+    assert_eq!(count(|o| matches!(o, tcc::ir::Op::ReduceScatter { .. })), 4);
+    assert_eq!(count(|o| matches!(o, tcc::ir::Op::Shard { .. })), 4);
+    assert_eq!(count(|o| matches!(o, tcc::ir::Op::AllGather { .. })), 4);
+    // w1 [24, 32]: its moments are [384] on each of 2 ranks.
+    let m = g
+        .states
+        .iter()
+        .find(
+            |&&s| matches!(&g.node(s).op, tcc::ir::Op::State { name, .. } if name == "w1.exp_avg"),
+        )
+        .expect("w1.exp_avg");
+    assert_eq!(g.ty(*m).dims(), &[384]);
+    use tcc_runtime::artifact::CollectiveOp;
+    let ops: Vec<CollectiveOp> = model
+        .manifest()
+        .kernels
+        .iter()
+        .filter_map(|k| k.collective.as_ref().map(|c| c.op))
+        .collect();
+    for op in [
+        CollectiveOp::ReduceScatterSum,
+        CollectiveOp::Shard,
+        CollectiveOp::AllGather,
+    ] {
+        assert_eq!(ops.iter().filter(|&&o| o == op).count(), 4, "{op:?}");
+    }
+    assert!(
+        c.fused.kernels.len() < 40,
+        "{} kernels",
+        c.fused.kernels.len()
+    );
+    let states = tcc::cli::mem::model_states(&g, c.plan.persistent_bytes).expect("ranks");
+    // params 24·32 + 32 + 32·5 + 5 = 965 floats, Adam: 2 moments, whole 2·965 floats.
+    assert!(states.zero);
+    assert_eq!(states.param_bytes, 965 * 4);
+    assert_eq!(states.gradient_bytes, 965 * 4);
+    assert_eq!(states.state_bytes, 2 * 965 * 4 + 4);
+    assert_eq!(states.formula_bytes, 965 * 4 * 2 + (2 * 965 * 4 + 4) / 2);
+    // Planned: params + one shard of each moment + the step counter, each buffer aligned
+    // (4 params, 8 moment shards, 1 counter).
+    let share = states.param_bytes + states.state_bytes / 2;
+    let align = tcc::plan::align_up(1);
+    let planned = states.planned_persistent_bytes;
+    assert!(
+        planned >= share && planned <= share + 13 * align,
+        "persistent {planned} vs {share}"
+    );
+}
+
+#[test]
+fn zero_without_gpus_is_an_error() {
+    use clap::Parser;
+    let file = tcc_tests::root().join("examples/mlp.tdsl");
+    let file = file.display().to_string();
+    let cli = |args: &[&str]| {
+        let mut all = vec!["tcc"];
+        all.extend_from_slice(args);
+        tcc::cli::run(tcc::cli::Cli::parse_from(all))
+    };
+    for cmd in ["mem", "build"] {
+        assert_eq!(
+            cli(&[cmd, "--zero", "1", &file]),
+            std::process::ExitCode::from(1),
+            "{cmd}"
         );
     }
 }

@@ -308,6 +308,50 @@ fn gpu_one_nccl_rank_equals_one_session() {
     assert!(err < 1e-6, "params differ by {err:e}");
 }
 
+/// ZeRO-1 over NCCL on every GPU of the machine (2 or more): reduce-scatter, shard and
+/// all-gather on the communication stream give the params, the state (shards put back
+/// together) and the losses of plain data parallelism over 10 Adam steps (NCCL sums the
+/// shards in its own order: f32 rounding), with one bucket and with several.
+#[test]
+fn gpu_zero_one_over_nccl_equals_plain_data_parallelism() {
+    if !gpu() {
+        return;
+    }
+    let n = gpu_count();
+    if n < 2 {
+        tcc_tests::skipped(
+            "gpu_zero_one_over_nccl_equals_plain_data_parallelism",
+            &format!("{n} GPU(s); needs 2"),
+        );
+        return;
+    }
+    let devices: Vec<Device> = (0..n).map(Device::Cuda).collect();
+    let wide = "
+model dp {
+    input  x: f32[{B}, 2048]
+    input  labels: i32[{B}]
+    param  w1: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w2: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w3: f32[2048, 2048] = normal(0.0, 0.02)
+    param  w5: f32[2048, 10] = normal(0.0, 0.02)
+    param  c: f32[2047] = normal(0.0, 0.1)
+    let h = relu(relu(relu(x @ w1) @ w2) @ w3)
+    let loss = cross_entropy(h @ w5, labels) + sum(c * c)
+    output loss
+    train adam(lr: 0.00002) minimize loss
+}
+";
+    for (name, src, b) in [("mlp", tcc_tests::DATA_PARALLEL_MLP, 8), ("wide", wide, 4)] {
+        let (params, state, loss) =
+            tcc_tests::zero_vs_plain(src, b, 10, &devices, Default::default())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!("{name} on {n} GPUs, ZeRO-1 vs plain: params {params:e}, state {state:e}, loss {loss:e}");
+        assert!(params < 1e-5, "{name}: params differ by {params:e}");
+        assert!(state < 1e-5, "{name}: optimizer state differs by {state:e}");
+        assert!(loss < 1e-4, "{name}: losses differ by {loss:e}");
+    }
+}
+
 /// Data parallelism over NCCL on every GPU of the machine (2 or more): N ranks equal one
 /// session on the whole batch, with one bucket (the small MLP) and with several (64 MiB of
 /// gradients in 25 MiB buckets), under f32 and bf16 autocast.

@@ -15,7 +15,16 @@ fn graph(file: &str, sets: &[(&str, &str)]) -> tcc::ir::Graph {
         .iter()
         .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
-    step_graph(&p, &bytes, &sets, &None, true, Default::default(), 1).unwrap()
+    step_graph(
+        &p,
+        &bytes,
+        &sets,
+        &None,
+        true,
+        Default::default(),
+        Default::default(),
+    )
+    .unwrap()
 }
 
 const GPT: &[(&str, &str)] = &[
@@ -237,7 +246,7 @@ fn fit_finds_a_larger_batch_with_remat() {
             remat,
             200,
             Default::default(),
-            1,
+            Default::default(),
         )
         .unwrap()
     };

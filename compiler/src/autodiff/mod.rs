@@ -471,6 +471,7 @@ pub fn expand_data_parallel(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
+    zero: bool,
 ) -> Result<(), Vec<Diagnostic>> {
     if ranks <= 1 {
         return expand_scaled(g, loss_scale);
@@ -483,7 +484,7 @@ pub fn expand_data_parallel(
         )]);
     }
     g.ranks = Some(ranks);
-    expand_with(g, loss_scale, ranks)
+    expand_with(g, loss_scale, ranks, zero)
 }
 
 /// [`expand`], with dynamic loss scaling of `train` when `loss_scale` is given
@@ -492,13 +493,14 @@ pub fn expand_scaled(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
 ) -> Result<(), Vec<Diagnostic>> {
-    expand_with(g, loss_scale, 1)
+    expand_with(g, loss_scale, 1, false)
 }
 
 fn expand_with(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
+    zero: bool,
 ) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
@@ -567,8 +569,15 @@ fn expand_with(
                     .map_err(|e| at(e, g))?;
                 let grads =
                     backward_from(g, train.loss, &params, Some(seed)).map_err(|d| vec![d])?;
-                let grads = all_reduce(g, grads, train.span).map_err(|e| at(e, g))?;
-                optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+                if zero {
+                    let shards =
+                        reduce_scatter(g, grads, ranks, train.span).map_err(|e| at(e, g))?;
+                    optim::lower_sharded(g, &train, &params, &shards, Some(ranks))
+                        .map_err(|e| at(e, g))?;
+                } else {
+                    let grads = all_reduce(g, grads, train.span).map_err(|e| at(e, g))?;
+                    optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+                }
             }
             Some(settings) => {
                 let scaler = scale::begin(g, settings, train.span).map_err(|e| at(e, g))?;
@@ -581,21 +590,63 @@ fn expand_with(
                 }
                 let grads =
                     backward_from(g, train.loss, &params, Some(seed)).map_err(|d| vec![d])?;
-                let grads = if ranks > 1 {
+                let sharded = zero && ranks > 1;
+                let grads = if sharded {
+                    reduce_scatter(g, grads, ranks, train.span).map_err(|e| at(e, g))?
+                } else if ranks > 1 {
                     all_reduce(g, grads, train.span).map_err(|e| at(e, g))?
                 } else {
                     grads
                 };
                 let (grads, finite) = scaler
-                    .unscale(g, &grads, train.span)
+                    .unscale(g, &grads, train.span, sharded)
                     .map_err(|e| at(e, g))?;
-                optim::lower(g, &train, &params, &grads).map_err(|e| at(e, g))?;
+                optim::lower_sharded(g, &train, &params, &grads, sharded.then_some(ranks))
+                    .map_err(|e| at(e, g))?;
                 scaler.finish(g, finite, train.span).map_err(|e| at(e, g))?;
             }
         }
     }
     *g = g.compacted();
     Ok(())
+}
+
+/// This rank's shard of each gradient summed over the ranks of a ZeRO-1 step
+/// (`reduce_scatter`), for [`optim::lower_sharded`]. A gradient whose elements do not split
+/// evenly is flattened and padded with zeros to `ranks · S` first. Params that share a
+/// gradient node share its shard.
+fn reduce_scatter(
+    g: &mut Graph,
+    grads: BTreeMap<NodeId, NodeId>,
+    ranks: usize,
+    span: tcc_grammar::span::Span,
+) -> Result<BTreeMap<NodeId, NodeId>, crate::ir::TypeError> {
+    let mut b = Builder::new(g, span);
+    let mut done: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for (p, d) in grads {
+        let r = match done.get(&d) {
+            Some(&r) => r,
+            None => {
+                let ty = b.ty(d);
+                let n = ty.shape.numel();
+                let padded = n.div_ceil(ranks) * ranks;
+                let operand = if padded == n {
+                    d
+                } else {
+                    let flat = b.reshape(d, crate::ir::Shape(vec![n]))?;
+                    let zeros =
+                        b.full(0.0, crate::ir::TensorType::new(ty.dtype, vec![padded - n]))?;
+                    b.add(Op::Concat { axis: 0 }, vec![flat, zeros])?
+                };
+                let r = b.add(Op::ReduceScatter { ranks }, vec![operand])?;
+                done.insert(d, r);
+                r
+            }
+        };
+        out.insert(p, r);
+    }
+    Ok(out)
 }
 
 /// Each gradient summed over the ranks of a data-parallel step. Params that share a

@@ -10,6 +10,12 @@
 //! State tensors (`NAME.momentum`, `NAME.exp_avg`, `NAME.exp_avg_sq`, `adam.step`) are
 //! persistent, zero-initialised `state` nodes. Params the loss does not depend on get no
 //! update (PyTorch skips params whose `.grad` is `None`).
+//!
+//! ZeRO-1 ([`lower_sharded`]): each of N ranks updates `S = ⌈n / N⌉` elements of an
+//! `n`-element param, its `shard`, from its shard of the summed gradient
+//! (`reduce_scatter`), and keeps only that shard's state (`[S]`); the updated shards are
+//! gathered back into the param (`all_gather`), so every rank holds the whole param.
+//! The update rules are the same element by element, so the step equals the unsharded one.
 
 use super::builder::Builder;
 use crate::ir::{
@@ -30,6 +36,18 @@ pub fn lower(
     train: &TrainSpec,
     params: &[NodeId],
     grads: &BTreeMap<NodeId, NodeId>,
+) -> Result<(), TypeError> {
+    lower_sharded(g, train, params, grads, None)
+}
+
+/// [`lower`] for one rank of a ZeRO-1 step over `ranks` ranks (`None`: unsharded):
+/// `grads` are this rank's `[S]` gradient shards.
+pub fn lower_sharded(
+    g: &mut Graph,
+    train: &TrainSpec,
+    params: &[NodeId],
+    grads: &BTreeMap<NodeId, NodeId>,
+    ranks: Option<usize>,
 ) -> Result<(), TypeError> {
     let span = train.span;
     let mut updates = Vec::new();
@@ -62,9 +80,18 @@ pub fn lower(
         let Some(&grad) = grads.get(&p) else { continue };
         b.g.grads.push((p, grad));
         let name = param_name(b.g, p);
-        let ty = b.ty(p);
-        let dt = ty.dtype;
+        let whole = b.ty(p);
+        let dt = whole.dtype;
         b.span = b.g.node(p).span;
+        let param = p;
+        // The values updated here: the param, or this rank's shard of it.
+        let (p, ty) = match ranks {
+            None => (p, whole.clone()),
+            Some(r) => {
+                let s = b.add(Op::Shard { ranks: r }, vec![p])?;
+                (s, b.ty(s))
+            }
+        };
         let state = |b: &mut Builder, suffix: &str| {
             b.add(
                 Op::State {
@@ -140,8 +167,47 @@ pub fn lower(
                 b.sub(base, step)?
             }
         };
-        updates.push((p, new_p));
+        let new_p = match ranks {
+            None => new_p,
+            Some(r) => gather(&mut b, new_p, &whole, r)?,
+        };
+        updates.push((param, new_p));
     }
     g.updates.extend(updates);
     Ok(())
+}
+
+/// The updated shards of every rank gathered into a param of type `whole`: straight into
+/// its shape when the shards tile it, else through the padded `[N·S]` and a slice.
+fn gather(
+    b: &mut Builder,
+    shard: NodeId,
+    whole: &TensorType,
+    ranks: usize,
+) -> Result<NodeId, TypeError> {
+    let n = whole.shape.numel();
+    let padded = b.ty(shard).shape.numel() * ranks;
+    if padded == n {
+        return b.add(
+            Op::AllGather {
+                ranks,
+                shape: whole.shape.clone(),
+            },
+            vec![shard],
+        );
+    }
+    let all = b.add(
+        Op::AllGather {
+            ranks,
+            shape: crate::ir::Shape(vec![padded]),
+        },
+        vec![shard],
+    )?;
+    let head = b.add(
+        Op::Slice {
+            ranges: vec![(0, n)],
+        },
+        vec![all],
+    )?;
+    b.reshape(head, whole.shape.clone())
 }

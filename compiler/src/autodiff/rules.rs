@@ -199,6 +199,9 @@ pub fn vjp(
         | Op::Attention { .. }
         | Op::AttentionLse { .. }
         | Op::AllReduce
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::Shard { .. }
         | Op::Grad => {
             if wants.iter().any(|&w| w) {
                 return Err(TypeError::new(

@@ -94,11 +94,15 @@ impl Scaler {
 
     /// Unscales every gradient and returns the unscaled ones with the step's verdict: a
     /// bool scalar, true when every gradient is finite.
+    /// With `sharded` (ZeRO-1: each rank holds a shard of every gradient), the sum of the
+    /// magnitudes is summed over the ranks before the test, so every rank takes the same
+    /// decision.
     pub fn unscale(
         &self,
         g: &mut Graph,
         grads: &BTreeMap<NodeId, NodeId>,
         span: Span,
+        sharded: bool,
     ) -> Result<(BTreeMap<NodeId, NodeId>, NodeId), TypeError> {
         let mut b = Builder::new(g, span);
         let inv = b.un(UnaryOp::Recip, self.current)?;
@@ -120,6 +124,11 @@ impl Scaler {
         }
         let finite = match total {
             Some(t) => {
+                let t = if sharded {
+                    b.add(Op::AllReduce, vec![t])?
+                } else {
+                    t
+                };
                 let inf = b.add(
                     Op::Literal {
                         value: Scalar::Float(f64::INFINITY),

@@ -67,7 +67,7 @@ fn try_value(
     remat: RematMode,
     time_ms: u64,
     amp: Amp,
-    ranks: usize,
+    parallel: super::Parallel,
 ) -> Result<Try, String> {
     let mut sets = sets.to_vec();
     sets.retain(|(n, _)| n != name);
@@ -79,11 +79,12 @@ fn try_value(
         model,
         remat != RematMode::Manual,
         amp,
-        ranks,
+        parallel,
     )?;
     let copts = CompileOptions {
         amp,
-        ranks,
+        ranks: parallel.ranks,
+        zero: parallel.zero,
         ..Default::default()
     };
     let base = step::measure(&g, &Default::default(), &copts).map_err(|e| e.to_string())?;
@@ -124,8 +125,9 @@ pub fn run(
     remat: RematMode,
     time_ms: u64,
     amp: Amp,
-    ranks: usize,
+    parallel: super::Parallel,
 ) -> Result<u64, String> {
+    let ranks = parallel.ranks;
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut last_fit: Option<(u64, String)> = None;
@@ -136,7 +138,7 @@ pub fn run(
         }
         let spinner = crate::progress::Spinner::start(&format!("{name} = {v}"), super::quiet());
         let t = try_value(
-            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp, ranks,
+            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp, parallel,
         )?;
         drop(spinner);
         let what = match t.remat {
@@ -207,8 +209,9 @@ pub fn run(
     );
     if ranks > 1 {
         println!(
-            "on {ranks} GPUs (data parallel, {name} per GPU, each GPU's arena within the budget): \
-             a global {name} of {}",
+            "on {ranks} GPUs (data parallel{}, {name} per GPU, each GPU's arena within the \
+             budget): a global {name} of {}",
+            if parallel.zero { ", ZeRO-1" } else { "" },
             lo.saturating_mul(ranks as u64)
         );
     }

@@ -107,6 +107,76 @@ pub struct MemReport {
     pub live_at_peak: Vec<LiveTensor>,
     /// The compiled plan's bytes by dtype.
     pub fused_bytes_by_dtype: Vec<DtypeBytes>,
+    /// A data-parallel step's model states on each GPU, against the ZeRO formula.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_states: Option<ModelStates>,
+}
+
+/// The model states of one rank of a data-parallel step: the formula `params + gradients
+/// + optimizer state / N` (ZeRO-1; `/ 1` without `--zero 1`) against the plan.
+#[derive(Serialize, Debug, Clone, Copy, PartialEq)]
+pub struct ModelStates {
+    pub ranks: usize,
+    pub zero: bool,
+    /// Every param, every trained param's gradient, and the optimizer state of all ranks
+    /// together (each param's shards counted whole).
+    pub param_bytes: u64,
+    pub gradient_bytes: u64,
+    pub state_bytes: u64,
+    /// `param_bytes + gradient_bytes + state_bytes / N` (with ZeRO-1; else `/ 1`).
+    pub formula_bytes: u64,
+    /// The plan's persistent bytes: params and this rank's optimizer state, each aligned;
+    /// the formula's share without gradients is `param_bytes + state_bytes / N`.
+    pub planned_persistent_bytes: u64,
+}
+
+/// [`ModelStates`] of a data-parallel graph (`None` for a step that runs alone). A state
+/// named after a param (`NAME.suffix`) with `⌈n / N⌉` of the param's `n` elements is a
+/// ZeRO-1 shard.
+pub fn model_states(g: &Graph, planned_persistent_bytes: u64) -> Option<ModelStates> {
+    use crate::ir::Op;
+    let ranks = g.ranks?;
+    let zero = g
+        .node_ids()
+        .any(|n| matches!(g.node(n).op, Op::ReduceScatter { .. }));
+    let mut params: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
+    let mut param_bytes = 0;
+    for &p in &g.params {
+        if let Op::Param { name, .. } = &g.node(p).op {
+            let ty = g.ty(p);
+            params.insert(name, (ty.shape.numel(), ty.size_bytes() as u64));
+            param_bytes += ty.size_bytes() as u64;
+        }
+    }
+    let gradient_bytes = g
+        .grads
+        .iter()
+        .map(|&(p, _)| g.ty(p).size_bytes() as u64)
+        .sum();
+    let mut state_bytes = 0u64;
+    for n in g.node_ids() {
+        let Op::State { name, ty } = &g.node(n).op else {
+            continue;
+        };
+        let owner = name.rsplit_once('.').and_then(|(o, _)| params.get(o));
+        state_bytes += match owner {
+            // A shard: the whole state has the param's elements.
+            Some(&(numel, _)) if zero && ty.shape.numel() == numel.div_ceil(ranks) => {
+                (numel * ty.dtype.size_bytes()) as u64
+            }
+            _ => ty.size_bytes() as u64,
+        };
+    }
+    let divisor = if zero { ranks as u64 } else { 1 };
+    Some(ModelStates {
+        ranks,
+        zero,
+        param_bytes,
+        gradient_bytes,
+        state_bytes,
+        formula_bytes: param_bytes + gradient_bytes + state_bytes / divisor,
+        planned_persistent_bytes,
+    })
 }
 
 /// The step at which the transient buffers of `lv` peak.
@@ -130,7 +200,8 @@ fn peak_step(lv: &crate::analysis::liveness::Liveness) -> usize {
 }
 
 /// The nodes that hold parameter gradients: each gradient the optimizer applies
-/// (`Graph::grads`) and, through the adds, concats, casts and views that build it, every
+/// (`Graph::grads`) and, through the adds, concats, casts, views and collectives (a
+/// data-parallel step's reductions) that build it, every
 /// contribution whose only uses lead there (a layer's weight-gradient product, the pieces of
 /// a stacked parameter's gradient).
 fn gradient_nodes(g: &Graph) -> std::collections::BTreeSet<crate::ir::NodeId> {
@@ -144,6 +215,7 @@ fn gradient_nodes(g: &Graph) -> std::collections::BTreeSet<crate::ir::NodeId> {
             node.op,
             Op::Binary(crate::ir::BinaryOp::Add) | Op::Concat { .. } | Op::Cast { .. }
         ) || node.op.is_view_candidate()
+            || node.op.is_collective()
             || g.grads.iter().any(|&(_, d)| d == n);
         if !through {
             continue;
@@ -338,6 +410,7 @@ pub fn report(
         free_recompute_line: free.map(|f| f.line()),
         live_at_peak,
         fused_bytes_by_dtype,
+        model_states: model_states(&final_graph, fp.persistent_bytes),
     };
     Ok(MemFindings {
         report: r,
@@ -459,6 +532,30 @@ pub fn text(r: &MemReport, timing: bool) -> String {
             String::new()
         }
     ));
+    if let Some(m) = &r.model_states {
+        let n = if m.zero { m.ranks } else { 1 };
+        s.push_str(&format!(
+            "  {:<30} {:>12}  params {} + gradients {} + optimizer state {} / {n}{}; planned \
+             persistent {} (params + {}optimizer state: {:+.2}% of the formula's {})\n",
+            "model states per GPU",
+            bytes(m.formula_bytes),
+            bytes(m.param_bytes),
+            bytes(m.gradient_bytes),
+            bytes(m.state_bytes),
+            if m.zero { " (ZeRO-1)" } else { "" },
+            bytes(m.planned_persistent_bytes),
+            if m.zero {
+                "this GPU's shard of the "
+            } else {
+                ""
+            },
+            (m.planned_persistent_bytes as f64
+                / (m.param_bytes + m.state_bytes / n as u64).max(1) as f64
+                - 1.0)
+                * 100.0,
+            bytes(m.param_bytes + m.state_bytes / n as u64),
+        ));
+    }
     s.push_str(&format!(
         "  {:<30} {:>12}  in {} buffers (parameter gradients and their contributions)\n",
         "gradients live at the peak",

@@ -40,6 +40,36 @@ pub(crate) use info;
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TCC_BUILD_INFO"), ")");
 
 /// tcc — compile TDSL tensor programs into one static memory arena.
+/// `--zero 1` shards the optimizer state over the ranks `--gpus N` makes: alone it is an
+/// error, not a silent no-op.
+fn zero_with_gpus(zero: u8, gpus: Option<u32>, stderr: &mut dyn Write) -> bool {
+    if zero != 0 && gpus.is_none() {
+        let _ = writeln!(
+            stderr,
+            "error: `--zero {zero}` shards the optimizer state over data-parallel ranks: give \
+             `--gpus N` too"
+        );
+        return false;
+    }
+    true
+}
+
+/// Data parallelism of a step (`--gpus N`, `--zero 1`).
+#[derive(Clone, Copy, Debug)]
+pub struct Parallel {
+    pub ranks: usize,
+    pub zero: bool,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Parallel {
+            ranks: 1,
+            zero: false,
+        }
+    }
+}
+
 #[derive(Parser, Debug)]
 #[command(name = "tcc", version = VERSION, about, long_about = None, propagate_version = true)]
 pub struct Cli {
@@ -120,6 +150,11 @@ pub enum Command {
         /// the gradients summed across them before the optimizer (NCCL on CUDA).
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
         gpus: Option<u32>,
+        /// ZeRO-1 (`--zero 1`, with `--gpus N`): each rank keeps and updates 1/N of the
+        /// optimizer state (Adam's moments, SGD's momentum), after a reduce-scatter of the
+        /// gradients, then all-gathers the updated params. 0: every rank keeps all of it.
+        #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+        zero: u8,
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
@@ -153,6 +188,11 @@ pub enum Command {
         /// the gradients summed across them before the optimizer (NCCL on CUDA).
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
         gpus: Option<u32>,
+        /// ZeRO-1 (`--zero 1`, with `--gpus N`): each rank keeps and updates 1/N of the
+        /// optimizer state (Adam's moments, SGD's momentum), after a reduce-scatter of the
+        /// gradients, then all-gathers the updated params. 0: every rank keeps all of it.
+        #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+        zero: u8,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -211,6 +251,11 @@ pub enum Command {
         /// (the step built for N ranks, its gradients reduced); also prints the global value.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
         gpus: Option<u32>,
+        /// ZeRO-1 (`--zero 1`, with `--gpus N`): each rank keeps and updates 1/N of the
+        /// optimizer state (Adam's moments, SGD's momentum), after a reduce-scatter of the
+        /// gradients, then all-gathers the updated params. 0: every rank keeps all of it.
+        #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+        zero: u8,
         #[command(flatten)]
         amp: AmpArgs,
     },
@@ -288,6 +333,11 @@ pub enum Command {
         /// whole batch (N times one rank's first axis), split in order.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
         gpus: Option<u32>,
+        /// ZeRO-1 (`--zero 1`, with `--gpus N`): each rank keeps and updates 1/N of the
+        /// optimizer state (Adam's moments, SGD's momentum), after a reduce-scatter of the
+        /// gradients, then all-gathers the updated params. 0: every rank keeps all of it.
+        #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+        zero: u8,
         #[command(flatten)]
         remat: RematArgs,
         #[command(flatten)]
@@ -522,9 +572,13 @@ pub fn run(cli: Cli) -> ExitCode {
             allow_tf32,
             seed,
             gpus,
+            zero,
             remat,
             amp,
         } => {
+            if !zero_with_gpus(zero, gpus, &mut stderr) {
+                return ExitCode::from(1);
+            }
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
@@ -552,6 +606,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     allow_tf32,
                     amp,
                     ranks: gpus.unwrap_or(1) as usize,
+                    zero: zero == 1,
                     ..build::compile_options(target, no_fuse, layout)
                 },
                 remat,
@@ -614,9 +669,13 @@ pub fn run(cli: Cli) -> ExitCode {
             budget_ms,
             target,
             gpus,
+            zero,
             remat,
             amp,
         } => {
+            if !zero_with_gpus(zero, gpus, &mut stderr) {
+                return ExitCode::from(1);
+            }
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
@@ -630,6 +689,7 @@ pub fn run(cli: Cli) -> ExitCode {
             let compile = crate::artifact::CompileOptions {
                 amp,
                 ranks: gpus.unwrap_or(1) as usize,
+                zero: zero == 1,
                 ..build::compile_options(target, false, Layout::Auto)
             };
             let opts = crate::pipeline::Options {
@@ -733,8 +793,12 @@ pub fn run(cli: Cli) -> ExitCode {
             remat,
             remat_time_ms,
             gpus,
+            zero,
             amp,
         } => {
+            if !zero_with_gpus(zero, gpus, &mut stderr) {
+                return ExitCode::from(1);
+            }
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
@@ -748,7 +812,10 @@ pub fn run(cli: Cli) -> ExitCode {
                 remat,
                 remat_time_ms,
                 amp,
-                gpus.unwrap_or(1) as usize,
+                Parallel {
+                    ranks: gpus.unwrap_or(1) as usize,
+                    zero: zero == 1,
+                },
             ) {
                 Ok(_) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -798,9 +865,13 @@ pub fn run(cli: Cli) -> ExitCode {
             save_outputs,
             allow_nonfinite,
             gpus,
+            zero,
             remat,
             amp,
         } => {
+            if !zero_with_gpus(zero, gpus, &mut stderr) {
+                return ExitCode::from(1);
+            }
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
@@ -823,6 +894,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 params: Default::default(),
                 save_outputs,
                 gpus,
+                zero: zero == 1,
             };
             let mut opts = opts;
             if eager {
@@ -868,6 +940,9 @@ pub fn run(cli: Cli) -> ExitCode {
                 }
                 if allow_tf32 {
                     ignored.push("--allow-tf32");
+                }
+                if zero != 0 {
+                    ignored.push("--zero");
                 }
                 if !ignored.is_empty() {
                     let _ = writeln!(
@@ -977,6 +1052,7 @@ fn run_compiled(
                 allow_tf32: opts.allow_tf32,
                 amp: opts.amp,
                 ranks: opts.gpus.unwrap_or(1) as usize,
+                zero: opts.zero,
                 ..build::compile_options(target, false, Layout::Auto)
             },
             remat,

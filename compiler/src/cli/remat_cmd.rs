@@ -154,7 +154,7 @@ pub fn step_graph(
     model: &Option<String>,
     clear: bool,
     amp: Amp,
-    ranks: usize,
+    parallel: super::Parallel,
 ) -> Result<Graph, String> {
     let name = file.display().to_string();
     let mut sources = Sources::new(&name, bytes);
@@ -176,7 +176,8 @@ pub fn step_graph(
         },
         compile: CompileOptions {
             amp,
-            ranks,
+            ranks: parallel.ranks,
+            zero: parallel.zero,
             ..Default::default()
         },
         ..Default::default()
@@ -227,7 +228,7 @@ fn run_tdsl(
 ) -> Result<(), String> {
     let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let t = Instant::now();
-    let g = step_graph(file, &bytes, sets, model, true, amp, 1)?;
+    let g = step_graph(file, &bytes, sets, model, true, amp, Default::default())?;
     let copts = CompileOptions {
         amp,
         ..Default::default()

@@ -21,6 +21,8 @@ pub struct RunOptions {
     pub allow_tf32: bool,
     /// `--gpus N`: data-parallel ranks (an artifact's own when not given).
     pub gpus: Option<u32>,
+    /// ZeRO-1 for a `.tdsl` compiled here (`--zero 1`).
+    pub zero: bool,
     /// Mixed precision of a `.tdsl` compiled or interpreted here.
     pub amp: crate::passes::amp::Amp,
     /// Go on after non-finite outputs, and save non-finite params (`--allow-nonfinite`).

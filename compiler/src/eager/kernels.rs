@@ -289,6 +289,9 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
         Op::MatMul => matmul(ins[0], ins[1], ty, p),
         // One rank: the sum over the ranks is its own operand.
         Op::AllReduce => Ok(ins[0].clone()),
+        Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::Shard { .. } => Err(internal(
+            "a ZeRO-1 step (`--zero 1`) runs only on its ranks, not in the interpreter",
+        )),
         Op::Attention { causal, scale } => {
             let out = attention(ins[0], ins[1], Some(ins[2]), *causal, *scale)?;
             Ok(store_f(ty, out, p))

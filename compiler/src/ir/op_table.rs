@@ -433,8 +433,9 @@ pub enum OpClass {
     Attention,
     /// `grad`: expanded by autodiff, never computed.
     Symbolic,
-    /// Combined across the ranks of a data-parallel step: `all_reduce`. Its operand and
-    /// its result each get a buffer, and its kernel computes nothing else.
+    /// Combined across the ranks of a data-parallel step: `all_reduce`, `reduce_scatter`,
+    /// `all_gather`, `shard`. Its operand and its result each get a buffer, and its kernel
+    /// computes nothing else.
     Collective,
 }
 
@@ -471,7 +472,9 @@ impl Op {
             | Op::EmbeddingGrad { .. } => OpClass::Scatter,
             Op::Attention { .. } | Op::AttentionLse { .. } => OpClass::Attention,
             Op::Grad => OpClass::Symbolic,
-            Op::AllReduce => OpClass::Collective,
+            Op::AllReduce | Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::Shard { .. } => {
+                OpClass::Collective
+            }
         }
     }
 

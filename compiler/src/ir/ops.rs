@@ -307,6 +307,30 @@ pub enum Op {
     /// result's buffer, which the runtime's data-parallel executors then sum in place
     /// across the ranks (NCCL on CUDA). The operand is never written.
     AllReduce,
+    /// This rank's shard of the sum over the ranks (`--zero 1`): the operand's `ranks · S`
+    /// elements, in logical order, summed over the ranks; rank `r` gets elements
+    /// `[r·S, (r+1)·S)` as `[S]`. Autodiff puts one on each gradient of a ZeRO-1 step.
+    ReduceScatter {
+        ranks: usize,
+    },
+    /// Every rank's `[S]` operand in rank order, as `shape` (`ranks · S` elements): the
+    /// updated shards of a ZeRO-1 step's param, gathered into the param.
+    AllGather {
+        ranks: usize,
+        shape: Shape,
+    },
+    /// This rank's slice of its operand (flattened, logical order): elements
+    /// `[r·S, (r+1)·S)` of its `n`, zero past `n`, as `[S]` with `S = ⌈n / ranks⌉`. The
+    /// param shard a ZeRO-1 rank updates. Copies within the rank; collective because its
+    /// result depends on the rank.
+    ///
+    /// The kernels of these three read the operand and write the result (rank 0's
+    /// elements, as if alone), so the plan orders and places them like any kernel; the
+    /// data-parallel executors run the collective in their place, and a single session
+    /// refuses a step that has them.
+    Shard {
+        ranks: usize,
+    },
 }
 
 impl Op {
@@ -346,6 +370,9 @@ impl Op {
             Op::Attention { .. } => "attention".into(),
             Op::AttentionLse { .. } => "attention_lse".into(),
             Op::AllReduce => "all_reduce".into(),
+            Op::ReduceScatter { .. } => "reduce_scatter".into(),
+            Op::AllGather { .. } => "all_gather".into(),
+            Op::Shard { .. } => "shard".into(),
         }
     }
 
@@ -419,6 +446,8 @@ impl Op {
             Op::Attention { causal, scale } | Op::AttentionLse { causal, scale } => {
                 format!("causal={causal} scale={scale:?}")
             }
+            Op::ReduceScatter { ranks } | Op::Shard { ranks } => format!("ranks={ranks}"),
+            Op::AllGather { ranks, shape } => format!("ranks={ranks} shape={shape}"),
             _ => String::new(),
         }
     }
@@ -444,7 +473,10 @@ impl Op {
             | Op::Pool2d { .. }
             | Op::Dropout { .. }
             | Op::Tri { .. }
-            | Op::AllReduce => 1,
+            | Op::AllReduce
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::Shard { .. } => 1,
             Op::Binary(_)
             | Op::MatMul
             | Op::Conv2d { .. }
@@ -1012,6 +1044,38 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
                 ));
             }
             Ok(x.clone())
+        }
+        Op::ReduceScatter { ranks } | Op::Shard { ranks } => {
+            let x = ins[0];
+            if !x.dtype.is_numeric() {
+                return Err(wrong_dtype(
+                    &format!("{} operand", op.name()),
+                    x.dtype,
+                    "a numeric dtype",
+                ));
+            }
+            let n = x.shape.numel();
+            if *ranks == 0 || (matches!(op, Op::ReduceScatter { .. }) && !n.is_multiple_of(*ranks))
+            {
+                return Err(TypeError::new(
+                    "E0002",
+                    "a reduce_scatter needs a whole shard per rank",
+                    format!("{n} elements over {ranks} ranks"),
+                ));
+            }
+            Ok(TensorType::new(x.dtype, vec![n.div_ceil(*ranks)]))
+        }
+        Op::AllGather { ranks, shape } => {
+            let x = ins[0];
+            let whole = TensorType::new(x.dtype, shape.0.clone());
+            if x.rank() != 1 || x.shape.numel() * ranks != whole.shape.numel() {
+                return Err(TypeError::new(
+                    "E0002",
+                    "an all_gather gathers one [S] shard per rank",
+                    format!("{ranks} shards of {} into {shape}", x.shape),
+                ));
+            }
+            Ok(whole)
         }
     }
 }

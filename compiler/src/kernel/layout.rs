@@ -36,6 +36,13 @@ fn passes_layout(op: &Op) -> bool {
 pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<NodeId, Vec<usize>> {
     let outputs: BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
     let updates: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+    // A reduce-scatter's shards are runs of its operand's bytes, which must be in logical
+    // order to line up with the param's shards.
+    let sharded: BTreeSet<NodeId> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, Op::ReduceScatter { .. }))
+        .flat_map(|n| g.node(n).inputs.clone())
+        .collect();
     // Nodes connected to a conv-family op through layout-preserving ops.
     let mut in_chain: BTreeSet<NodeId> = BTreeSet::new();
     let mut stack: Vec<NodeId> = Vec::new();
@@ -67,6 +74,7 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
                 && (passes_layout(op) || op.is_spatial())
                 && !outputs.contains(n)
                 && !updates.contains(n)
+                && !sharded.contains(n)
         })
         .map(|n| (n, vec![0, 2, 3, 1]))
         .collect()

@@ -812,6 +812,19 @@ impl<'a> Builder<'a> {
             // Fusion gives the operand and the result buffers; the kernel copies one into
             // the other, which the ranks then reduce in place.
             Op::AllReduce => self.value(ins[0], idx),
+            // The placeholders the data-parallel executors replace by the collective (see
+            // `Op::Shard`): rank 0's elements, as if alone.
+            Op::ReduceScatter { .. } | Op::Shard { .. } => {
+                let in_dims = ity(0).dims().to_vec();
+                let i0 = self.unflatten(idx[0], &in_dims);
+                self.value(ins[0], &i0)
+            }
+            Op::AllGather { .. } => {
+                let lin = self.linear(idx, &dims);
+                let shard = ity(0).shape.numel() as i64;
+                let i0 = self.irem(lin, shard);
+                self.value(ins[0], &[i0])
+            }
         }
     }
 

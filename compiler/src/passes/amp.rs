@@ -83,6 +83,9 @@ pub fn precision(op: &Op) -> Precision {
         | Op::Cast { .. }
         | Op::ArgMax { .. }
         | Op::AllReduce
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::Shard { .. }
         | Op::Grad => AsIs,
     }
 }
