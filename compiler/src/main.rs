@@ -11,6 +11,10 @@ fn main() -> std::process::ExitCode {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
+    // No NCCL buffer registration inside a captured step (see the runtime's `nccl.rs`).
+    if std::env::var_os("NCCL_GRAPH_REGISTER").is_none() {
+        std::env::set_var("NCCL_GRAPH_REGISTER", "0");
+    }
     let cli = tcc::cli::Cli::parse();
     match std::thread::Builder::new()
         .name("tcc".into())

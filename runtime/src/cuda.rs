@@ -40,6 +40,18 @@ pub(crate) const DEVICE_ALIGN: u64 = 256;
 /// (PyTorch DDP's default bucket, 25 MiB).
 const BUCKET_BYTES: u64 = 25 << 20;
 
+/// The bytes of a bucket of collectives: [`BUCKET_BYTES`], or `TCC_BUCKET_MB` MiB (0: one
+/// bucket per collective).
+fn bucket_bytes() -> u64 {
+    std::env::var("TCC_BUCKET_MB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(BUCKET_BYTES, |mb| mb << 20)
+}
+
+/// Streams a data-parallel rank's captured step spreads its kernels over (`launch_dag`).
+const DAG_STREAMS: usize = 4;
+
 /// Dynamic shared memory a kernel gets without opting in (`cudaFuncSetAttribute`).
 const DEFAULT_DYNAMIC_SHARED: u32 = 48 * 1024;
 
@@ -892,8 +904,9 @@ impl CudaExecutor {
         Arc::clone(&self.ctx)
     }
 
-    /// Runs one step as rank `rank` of a data-parallel step (graphs off: kernels launched
-    /// one by one, see `launch_ranked`), waiting at most the rank's timeout for it.
+    /// Runs one step as rank `rank` of a data-parallel step (see `launch_rank_step`: a
+    /// captured CUDA graph from the third step on), waiting at most the rank's timeout for
+    /// it.
     pub(crate) fn run_nccl(
         &mut self,
         rank: &mut crate::nccl::Rank,
@@ -921,7 +934,7 @@ impl CudaExecutor {
                     unsafe { result::event::record(a.0, self.cu_stream()) }
                         .map_err(driver_error("recording a timing event"))?;
                 }
-                self.launch_ranked(rank)?;
+                self.launch_rank_step(rank)?;
                 if let Some((_, b)) = self.events {
                     // SAFETY: as above, after the step (the other streams joined).
                     unsafe { result::event::record(b.0, self.cu_stream()) }
@@ -954,6 +967,8 @@ impl CudaExecutor {
 
     /// Waits for the session's stream, at most the rank's timeout, watching the
     /// communicator for errors; on either, aborts the communicator.
+    /// Polls at most every 0.1 ms (a cap of 2 ms left up to 2 ms between the step's end and
+    /// the host seeing it).
     fn sync_within(
         &self,
         rank: &mut crate::nccl::Rank,
@@ -998,8 +1013,343 @@ impl CudaExecutor {
                 });
             }
             std::thread::sleep(nap);
-            nap = (nap * 2).min(std::time::Duration::from_millis(2));
+            nap = (nap * 2).min(std::time::Duration::from_micros(100));
         }
+    }
+
+    /// Launches one data-parallel step on the session's stream: kernel by kernel for the
+    /// first two steps (NCCL makes its connections and buffers on first use), then captured
+    /// once as a CUDA graph (kernels, copies and collectives of all three streams, as
+    /// `launch_ranked` enqueues them) which every later step replays. Off with
+    /// `TCC_RANK_GRAPH=0` or `TCC_CUDA_GRAPH=0`; a capture that fails (and leaves the
+    /// communicator usable) turns it off for the rank with a warning.
+    fn launch_rank_step(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+        let stream = self.cu_stream();
+        if let Some((_, exec)) = rank.graph {
+            // SAFETY: `exec` was instantiated from a capture of this session's step on
+            // this stream and is destroyed only with the rank (after synchronising); the
+            // arena and the events it uses live as long as the session and the rank.
+            return unsafe { result::graph::launch(exec, stream) }
+                .map_err(driver_error("launching the rank's step graph"));
+        }
+        let wanted = self.use_graph
+            && !rank.no_graph
+            && std::env::var("TCC_RANK_GRAPH").map_or(true, |v| v != "0");
+        if !wanted || rank.eager_steps < 2 {
+            rank.eager_steps = rank.eager_steps.saturating_add(1);
+            return self.launch_ranked(rank);
+        }
+        // SAFETY: this session's live stream, captured from this thread only (thread-local
+        // mode: other ranks' threads capture their own streams at the same time).
+        unsafe {
+            result::stream::begin_capture(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(driver_error("capturing the rank's step"))?;
+        let launched = self.launch_dag(rank);
+        // SAFETY: ends the capture begun above on the same stream, whatever happened in
+        // between (a failed launch leaves the capture invalidated, not open).
+        let ended = unsafe { result::stream::end_capture(stream) };
+        let captured = match (launched, ended) {
+            (Ok(()), Ok(graph)) if !graph.is_null() => {
+                // SAFETY: a graph just captured from this context.
+                match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+                {
+                    Ok(exec) => Ok((graph, exec)),
+                    Err(e) => {
+                        // SAFETY: the graph above, destroyed once.
+                        let _ = unsafe { result::graph::destroy(graph) };
+                        Err(describe(e))
+                    }
+                }
+            }
+            (Ok(()), Ok(_)) => Err("the capture gave no graph".to_string()),
+            (Err(e), ended) => {
+                if let Ok(graph) = ended {
+                    if !graph.is_null() {
+                        // SAFETY: as above.
+                        let _ = unsafe { result::graph::destroy(graph) };
+                    }
+                }
+                Err(e.to_string())
+            }
+            (Ok(()), Err(e)) => Err(describe(e)),
+        };
+        match captured {
+            Ok((graph, exec)) => {
+                rank.graph = Some((graph, exec));
+                // SAFETY: as for a replay above.
+                unsafe { result::graph::launch(exec, stream) }
+                    .map_err(driver_error("launching the rank's step graph"))
+            }
+            Err(why) if !rank.aborted() => {
+                eprintln!(
+                    "warning: rank {}: the step could not be captured as a CUDA graph ({why}); \
+                     it runs kernel by kernel",
+                    rank.rank()
+                );
+                rank.no_graph = true;
+                self.launch_ranked(rank)
+            }
+            Err(why) => Err(Error::Collective {
+                rank: rank.rank(),
+                message: format!("capturing the step as a CUDA graph: {why}"),
+            }),
+        }
+    }
+
+    /// The step as a graph for a capture on the session's stream: each kernel goes on one
+    /// of [`DAG_STREAMS`] streams after waiting for the events of the kernels its `after`
+    /// names (on another stream), so the captured graph has the manifest's edges and
+    /// independent kernels overlap as in a single session's graph; the collectives go in
+    /// buckets of [`BUCKET_BYTES`] on the communication stream, each after the kernels its
+    /// collectives wait for, and a kernel that waits for a collective waits for its bucket.
+    /// One stream order of the collectives, the same on every rank (launch order).
+    fn launch_dag(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+        let entries = &self.model.manifest().kernels;
+        let n = self.kernels.len();
+        let compute = self.cu_stream();
+        let comm = rank.comm_stream.cu_stream();
+        let streams: Vec<sys::CUstream> = (0..DAG_STREAMS)
+            .map(|i| rank.dag_stream(i))
+            .collect::<Result<_>>()?;
+        let deps = |i: usize| -> Vec<usize> {
+            match &self.kernels[i].after {
+                Some(a) => a.iter().map(|&d| d as usize).collect(),
+                None => i.checked_sub(1).into_iter().collect(),
+            }
+        };
+        let record = |ev: sys::CUevent, stream: sys::CUstream| {
+            // SAFETY: a live event and stream of this context.
+            unsafe { result::event::record(ev, stream) }
+                .map_err(driver_error("recording a stream event"))
+        };
+        let wait = |stream: sys::CUstream, ev: sys::CUevent| {
+            // SAFETY: a live stream and event of this context.
+            unsafe {
+                result::stream::wait_event(
+                    stream,
+                    ev,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(driver_error("making a stream wait for another"))
+        };
+        // Events: kernel i's is i; bucket b's is n + b (at most n buckets); the fork 2n;
+        // the joins 2n + 1 + s.
+        let fork = rank.dag_event(2 * n)?;
+        record(fork, compute)?;
+        for &s in streams.iter().chain([&comm]) {
+            wait(s, fork)?;
+        }
+        let mut stream_of: Vec<Option<usize>> = vec![None; n];
+        let mut last_on: Vec<Option<usize>> = vec![None; DAG_STREAMS];
+        let mut bucket_of: Vec<Option<usize>> = vec![None; n];
+        let mut pending: Vec<usize> = Vec::new();
+        let mut pending_bytes = 0u64;
+        let mut buckets = 0usize;
+        let mut next = 0usize;
+        let bucket_bytes = bucket_bytes();
+        let flush = |rank: &mut crate::nccl::Rank,
+                     pending: &mut Vec<usize>,
+                     pending_bytes: &mut u64,
+                     buckets: &mut usize,
+                     bucket_of: &mut Vec<Option<usize>>,
+                     stream_of: &[Option<usize>]|
+         -> Result<()> {
+            if pending.is_empty() {
+                return Ok(());
+            }
+            // The kernels each collective waits for (and an all-reduce's own copy kernel);
+            // earlier buckets are before it on this stream.
+            let mut waited: Vec<usize> = Vec::new();
+            for &i in pending.iter() {
+                for d in deps(i).into_iter().chain([i]) {
+                    if stream_of[d].is_some() && !waited.contains(&d) {
+                        waited.push(d);
+                        wait(comm, rank.dag_event(d)?)?;
+                    }
+                }
+            }
+            self.enqueue_bucket(rank, pending, comm, false)?;
+            record(rank.dag_event(n + *buckets)?, comm)?;
+            for &i in pending.iter() {
+                bucket_of[i] = Some(*buckets);
+            }
+            *buckets += 1;
+            pending.clear();
+            *pending_bytes = 0;
+            Ok(())
+        };
+        for i in 0..n {
+            let ds = deps(i);
+            if ds.iter().any(|d| pending.contains(d)) {
+                flush(
+                    rank,
+                    &mut pending,
+                    &mut pending_bytes,
+                    &mut buckets,
+                    &mut bucket_of,
+                    &stream_of,
+                )?;
+            }
+            let collective = entries[i].collective.as_ref();
+            // A kernel node: every kernel but the collectives', except an all-reduce's copy.
+            let launched = match collective {
+                None => true,
+                Some(c) => c.op == CollectiveOp::AllReduceSum && !c.in_place,
+            };
+            if launched {
+                // Continue the stream of a kernel waited for, where it is that stream's last.
+                let s = ds
+                    .iter()
+                    .find_map(|&d| stream_of[d].filter(|&s| last_on[s] == Some(d)))
+                    .unwrap_or_else(|| {
+                        next = (next + 1) % DAG_STREAMS;
+                        next
+                    });
+                for &d in &ds {
+                    if let Some(b) = bucket_of[d] {
+                        wait(streams[s], rank.dag_event(n + b)?)?;
+                    } else if stream_of[d].is_some_and(|t| t != s) {
+                        wait(streams[s], rank.dag_event(d)?)?;
+                    }
+                }
+                self.launch_on(&self.kernels[i], streams[s])?;
+                record(rank.dag_event(i)?, streams[s])?;
+                stream_of[i] = Some(s);
+                last_on[s] = Some(i);
+            }
+            if let Some(c) = collective {
+                pending.push(i);
+                pending_bytes += c.bytes;
+                if pending_bytes >= bucket_bytes {
+                    flush(
+                        rank,
+                        &mut pending,
+                        &mut pending_bytes,
+                        &mut buckets,
+                        &mut bucket_of,
+                        &stream_of,
+                    )?;
+                }
+            }
+        }
+        flush(
+            rank,
+            &mut pending,
+            &mut pending_bytes,
+            &mut buckets,
+            &mut bucket_of,
+            &stream_of,
+        )?;
+        for (k, &s) in streams.iter().chain([&comm]).enumerate() {
+            let join = rank.dag_event(2 * n + 1 + k)?;
+            record(join, s)?;
+            wait(compute, join)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one bucket's collectives (kernel indices `pending`) on `comm`, the rank's
+    /// communication stream, after whatever `comm` already waits for: the shards' copies,
+    /// then one NCCL group. With `copies`, each all-reduce's kernel (copying its gradient
+    /// into the bytes the ranks reduce) goes first on `comm`; without, the caller launched
+    /// it already.
+    fn enqueue_bucket(
+        &self,
+        rank: &mut crate::nccl::Rank,
+        pending: &[usize],
+        comm: sys::CUstream,
+        copies: bool,
+    ) -> Result<()> {
+        let entries = &self.model.manifest().kernels;
+        // Each all-reduce's kernel copies its gradient into the bytes the ranks reduce
+        // (skipped where they are the gradient's own); a shard is a copy within the
+        // rank. The other collectives' kernels are placeholders, never launched.
+        for &i in pending.iter() {
+            let Some(c) = &entries[i].collective else {
+                continue;
+            };
+            match (c.op, c.input) {
+                (CollectiveOp::AllReduceSum, _) if copies && !c.in_place => {
+                    self.launch_on(&self.kernels[i], comm)?;
+                }
+                (CollectiveOp::Shard, Some(input)) => {
+                    // Block `rank` of the input, zero past its end.
+                    let from = (rank.rank() as u64)
+                        .saturating_mul(c.bytes)
+                        .min(input.bytes);
+                    let copied = c.bytes.min(input.bytes - from);
+                    let dst = self.arena.ptr + c.offset;
+                    // SAFETY: both ranges lie in the arena (validated manifest: the
+                    // result and the input are inside it and do not overlap, and
+                    // `from + copied <= input.bytes`); this stream waits for the kernels
+                    // that wrote the input (the caller's waits), and every later reader
+                    // or writer of either range waits for this bucket.
+                    unsafe {
+                        if copied > 0 {
+                            result::memcpy_dtod_async(
+                                dst,
+                                self.arena.ptr + input.offset + from,
+                                copied as usize,
+                                comm,
+                            )
+                            .map_err(driver_error("copying a param's shard"))?;
+                        }
+                        if copied < c.bytes {
+                            result::memset_d8_async(
+                                dst + copied,
+                                0,
+                                (c.bytes - copied) as usize,
+                                comm,
+                            )
+                            .map_err(driver_error("zeroing a param shard's padding"))?;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        rank.group_start()?;
+        let mut reduced = Ok(());
+        for &i in pending.iter() {
+            let Some(c) = &entries[i].collective else {
+                continue;
+            };
+            let count = (c.bytes / c.dtype.size_bytes() as u64) as usize;
+            let dtype = crate::nccl::nccl_dtype(c.dtype);
+            let result = self.arena.ptr + c.offset;
+            // SAFETY: `[offset, offset + bytes)` and the input's bytes lie in the arena
+            // (validated manifest), a live allocation of this context, and do not
+            // overlap. An all-reduce's bytes are its kernel's result: written by that
+            // kernel just before on this stream (or, in place, by the compute kernels
+            // this stream now waits for); the other ops' inputs were written by the
+            // compute kernels this stream waits for. Every later kernel that reads or
+            // writes the result lists the collective's kernel in its `after` (it writes
+            // them), and every later writer of the input too (it reads them), so they
+            // wait for this bucket's event.
+            reduced = match (c.op, c.input) {
+                (CollectiveOp::AllReduceSum, _) => unsafe {
+                    rank.all_reduce_in_place(result, count, dtype)
+                },
+                (CollectiveOp::ReduceScatterSum, Some(input)) => unsafe {
+                    rank.reduce_scatter(self.arena.ptr + input.offset, result, count, dtype)
+                },
+                (CollectiveOp::AllGather, Some(input)) => unsafe {
+                    let sent = (input.bytes / c.dtype.size_bytes() as u64) as usize;
+                    rank.all_gather(self.arena.ptr + input.offset, result, sent, dtype)
+                },
+                _ => Ok(()),
+            };
+            if reduced.is_err() {
+                break;
+            }
+        }
+        let ended = rank.group_end();
+        reduced.and(ended)
     }
 
     /// Launches the step's kernels for a data-parallel rank on three streams:
@@ -1044,13 +1394,15 @@ impl CudaExecutor {
             .map_err(driver_error("making a stream wait for another"))
         };
         // Events: 0 marks the compute stream, 1 the waiting stream, 2 + b bucket b's end.
-        // `TCC_BUCKET_MB`: another bucket size (0: one bucket per collective).
-        let bucket_bytes = std::env::var("TCC_BUCKET_MB")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(BUCKET_BYTES, |mb| mb << 20);
+        let bucket_bytes = bucket_bytes();
         let ev_compute = rank.event(0)?;
         let ev_later = rank.event(1)?;
+        // Both side streams start after the compute stream's work so far (the input
+        // copies); in a capture this also brings them into it, so that every later wait
+        // between the three streams is on captured work.
+        record(ev_compute, compute)?;
+        wait(comm, ev_compute)?;
+        wait(later, ev_compute)?;
         let mut tainted = vec![false; n];
         let mut bucket_of: Vec<Option<usize>> = vec![None; n];
         let mut pending: Vec<usize> = Vec::new();
@@ -1072,90 +1424,7 @@ impl CudaExecutor {
             }
             record(ev_compute, compute)?;
             wait(comm, ev_compute)?;
-            // Each all-reduce's kernel copies its gradient into the bytes the ranks reduce
-            // (skipped where they are the gradient's own); a shard is a copy within the
-            // rank. The other collectives' kernels are placeholders, never launched.
-            for &i in pending.iter() {
-                let Some(c) = &entries[i].collective else {
-                    continue;
-                };
-                match (c.op, c.input) {
-                    (CollectiveOp::AllReduceSum, _) if !c.in_place => {
-                        self.launch_on(&self.kernels[i], comm)?;
-                    }
-                    (CollectiveOp::Shard, Some(input)) => {
-                        // Block `rank` of the input, zero past its end.
-                        let from = (rank.rank() as u64)
-                            .saturating_mul(c.bytes)
-                            .min(input.bytes);
-                        let copied = c.bytes.min(input.bytes - from);
-                        let dst = self.arena.ptr + c.offset;
-                        // SAFETY: both ranges lie in the arena (validated manifest: the
-                        // result and the input are inside it and do not overlap, and
-                        // `from + copied <= input.bytes`); this stream waits for the compute
-                        // stream's work so far, which wrote the input, and every later
-                        // reader or writer of either range waits for this bucket.
-                        unsafe {
-                            if copied > 0 {
-                                result::memcpy_dtod_async(
-                                    dst,
-                                    self.arena.ptr + input.offset + from,
-                                    copied as usize,
-                                    comm,
-                                )
-                                .map_err(driver_error("copying a param's shard"))?;
-                            }
-                            if copied < c.bytes {
-                                result::memset_d8_async(
-                                    dst + copied,
-                                    0,
-                                    (c.bytes - copied) as usize,
-                                    comm,
-                                )
-                                .map_err(driver_error("zeroing a param shard's padding"))?;
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            rank.group_start()?;
-            let mut reduced = Ok(());
-            for &i in pending.iter() {
-                let Some(c) = &entries[i].collective else {
-                    continue;
-                };
-                let count = (c.bytes / c.dtype.size_bytes() as u64) as usize;
-                let dtype = crate::nccl::nccl_dtype(c.dtype);
-                let result = self.arena.ptr + c.offset;
-                // SAFETY: `[offset, offset + bytes)` and the input's bytes lie in the arena
-                // (validated manifest), a live allocation of this context, and do not
-                // overlap. An all-reduce's bytes are its kernel's result: written by that
-                // kernel just before on this stream (or, in place, by the compute kernels
-                // this stream now waits for); the other ops' inputs were written by the
-                // compute kernels this stream waits for. Every later kernel that reads or
-                // writes the result lists the collective's kernel in its `after` (it writes
-                // them), and every later writer of the input too (it reads them), so they
-                // wait for this bucket's event.
-                reduced = match (c.op, c.input) {
-                    (CollectiveOp::AllReduceSum, _) => unsafe {
-                        rank.all_reduce_in_place(result, count, dtype)
-                    },
-                    (CollectiveOp::ReduceScatterSum, Some(input)) => unsafe {
-                        rank.reduce_scatter(self.arena.ptr + input.offset, result, count, dtype)
-                    },
-                    (CollectiveOp::AllGather, Some(input)) => unsafe {
-                        let sent = (input.bytes / c.dtype.size_bytes() as u64) as usize;
-                        rank.all_gather(self.arena.ptr + input.offset, result, sent, dtype)
-                    },
-                    _ => Ok(()),
-                };
-                if reduced.is_err() {
-                    break;
-                }
-            }
-            let ended = rank.group_end();
-            reduced.and(ended)?;
+            self.enqueue_bucket(rank, pending, comm, true)?;
             for &i in pending.iter() {
                 bucket_of[i] = Some(*buckets);
             }

@@ -229,6 +229,19 @@ pub(crate) struct Rank {
     pub(crate) events: Vec<sys::CUevent>,
     ctx: Arc<CudaContext>,
     failed: bool,
+    /// The step captured as a CUDA graph (kernels, copies and collectives on the three
+    /// streams), launched on the session's stream from the third step on; `None` before,
+    /// or when capture is off (`TCC_RANK_GRAPH=0`, `TCC_CUDA_GRAPH=0`) or failed.
+    pub(crate) graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
+    /// Steps launched kernel by kernel so far (the first two warm NCCL up: connections and
+    /// buffers are made on first use, which a capture cannot do).
+    pub(crate) eager_steps: u32,
+    /// Capture failed once: every later step is launched kernel by kernel.
+    pub(crate) no_graph: bool,
+    /// The streams and events a capture spreads the step's kernels over (made on first
+    /// use): captured, their waits are the step graph's edges.
+    dag_streams: Vec<Arc<CudaStream>>,
+    dag_events: Vec<sys::CUevent>,
 }
 
 // SAFETY: the communicator, streams and events belong to this rank's context and are used
@@ -269,6 +282,11 @@ impl Rank {
         // environment).
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+        // No buffer registration while a step is captured: it is a collective among the
+        // ranks of this one process, made while each rank's thread is in a capture.
+        if std::env::var_os("NCCL_GRAPH_REGISTER").is_none() {
+            std::env::set_var("NCCL_GRAPH_REGISTER", "0");
         }
         let mut id = UniqueId { internal: [0; 128] };
         // SAFETY: `id` is a valid out-pointer to an `ncclUniqueId`.
@@ -326,6 +344,11 @@ impl Rank {
                             events: Vec::new(),
                             ctx,
                             failed: false,
+                            graph: None,
+                            eager_steps: 0,
+                            no_graph: false,
+                            dag_streams: Vec::new(),
+                            dag_events: Vec::new(),
                         })
                     })();
                     // The receiver is gone when another rank failed first: the rank made
@@ -377,6 +400,29 @@ impl Rank {
             self.events.push(e);
         }
         Ok(self.events[i])
+    }
+
+    /// The `i`-th stream of a captured step (made on first use).
+    pub(crate) fn dag_stream(&mut self, i: usize) -> Result<sys::CUstream> {
+        while self.dag_streams.len() <= i {
+            let s = self
+                .ctx
+                .new_stream()
+                .map_err(|e| error(self.rank, format!("creating a stream: {e:?}")))?;
+            self.dag_streams.push(s);
+        }
+        Ok(self.dag_streams[i].cu_stream())
+    }
+
+    /// The `i`-th event of a captured step (made on first use).
+    pub(crate) fn dag_event(&mut self, i: usize) -> Result<sys::CUevent> {
+        while self.dag_events.len() <= i {
+            let e =
+                cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(|e| error(self.rank, format!("creating an event: {e:?}")))?;
+            self.dag_events.push(e);
+        }
+        Ok(self.dag_events[i])
     }
 
     pub(crate) fn group_start(&self) -> Result<()> {
@@ -512,9 +558,22 @@ impl Rank {
 impl Drop for Rank {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        if let Some((graph, exec)) = self.graph.take() {
+            let _ = self.ctx.synchronize();
+            // SAFETY: made by the executor's capture and destroyed once, here, before the
+            // communicator its collectives use; the context was synchronised just above, so
+            // no launch of it still runs.
+            unsafe {
+                let _ = cudarc::driver::result::graph::exec_destroy(exec);
+                let _ = cudarc::driver::result::graph::destroy(graph);
+            }
+        }
         let _ = self.comm_stream.synchronize();
         let _ = self.after_stream.synchronize();
-        for e in self.events.drain(..) {
+        for s in &self.dag_streams {
+            let _ = s.synchronize();
+        }
+        for e in self.events.drain(..).chain(self.dag_events.drain(..)) {
             // SAFETY: made by `event`; both streams are synchronised, so nothing waits on it.
             unsafe {
                 let _ = cudarc::driver::result::event::destroy(e);

@@ -34,17 +34,18 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 /// A data-parallel step's order with every node that reads an `all_reduce` (directly or
 /// not: the optimizer's updates) after every node that does not, each part in `order`'s
 /// order (a topological order still: a node of the first part reads none of the second).
-/// Generally, nodes are ordered stably by how many collectives lie on their longest path
-/// from the step's leaves (a collective counted after itself), and a collective that reads
-/// such waiting values comes after every other node of its level: a ZeRO-1 step's
-/// `all_gather`s come after all of the shards' updates, so the rank's executor joins its
-/// streams once for them instead of once per param.
 /// The backward pass then never reuses the bytes an update frees, so no backward kernel
 /// waits for a collective and the ranks' reductions overlap the rest of the backward pass
 /// (as DDP's gradients live until the optimizer's step). On gpt on two H100s the step took
 /// 67.7 ms before this and 67.6 after (the arena is 2.85 GiB either way): the gap to one
-/// GPU's 61.5 ms is elsewhere (see the runtime's `launch_ranked`), but the order no longer
-/// depends on where the planner happens to reuse bytes.
+/// GPU's 61.5 ms was elsewhere (the runtime's launch), but the order no longer depends on
+/// where the planner happens to reuse bytes.
+///
+/// Generally, nodes are ordered stably by how many collectives lie on their longest path
+/// from the step's leaves (a collective counted after itself), and a collective that reads
+/// such waiting values comes after every other node of its level: a ZeRO-1 step's
+/// `all_gather`s come after all of the shards' updates, so a rank launching kernel by
+/// kernel joins its streams once for them instead of once per param.
 fn collectives_last(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     // level[n]: collectives on the longest path to n's operands, each counted for the
     // nodes after it.
