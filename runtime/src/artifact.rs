@@ -663,6 +663,9 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
 /// Whether a collective's input fits its op, its result and the arena.
 fn collective_sizes(c: &Collective, ranks: u64, m: &Manifest) -> std::result::Result<(), String> {
     let elem = c.dtype.size_bytes() as u64;
+    if ranks == 0 || elem == 0 {
+        return Err("names no ranks".into());
+    }
     let input = match (c.op, c.input) {
         (CollectiveOp::AllReduceSum, None) => return Ok(()),
         (CollectiveOp::AllReduceSum, Some(_)) => {
@@ -674,6 +677,19 @@ fn collective_sizes(c: &Collective, ranks: u64, m: &Manifest) -> std::result::Re
     if c.in_place {
         return Err("is marked in place but has an input".into());
     }
+    if c.op == CollectiveOp::ReduceScatterSum && c.dtype == DType::Bool {
+        return Err("sums bool elements".into());
+    }
+    if !input.offset.is_multiple_of(m.alignment.max(1)) {
+        return Err(format!(
+            "input offset {} is not a multiple of the alignment {}",
+            input.offset, m.alignment
+        ));
+    }
+    let end = c
+        .offset
+        .checked_add(c.bytes)
+        .ok_or("result ends past 2^64")?;
     let inside = input
         .offset
         .checked_add(input.bytes)
@@ -684,7 +700,7 @@ fn collective_sizes(c: &Collective, ranks: u64, m: &Manifest) -> std::result::Re
             input.offset, input.offset, input.bytes, c.dtype
         ));
     }
-    if input.offset < c.offset + c.bytes && c.offset < input.offset + input.bytes {
+    if input.offset < end && c.offset < input.offset + input.bytes {
         return Err("input overlaps its result".into());
     }
     let fits = match c.op {

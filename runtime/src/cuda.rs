@@ -911,6 +911,7 @@ impl CudaExecutor {
         &mut self,
         rank: &mut crate::nccl::Rank,
         stop: &std::sync::atomic::AtomicBool,
+        graph: bool,
     ) -> Result<()> {
         if let Some(e) = self.pending.take() {
             return Err(e);
@@ -934,7 +935,7 @@ impl CudaExecutor {
                     unsafe { result::event::record(a.0, self.cu_stream()) }
                         .map_err(driver_error("recording a timing event"))?;
                 }
-                self.launch_rank_step(rank)?;
+                self.launch_rank_step(rank, graph)?;
                 if let Some((_, b)) = self.events {
                     // SAFETY: as above, after the step (the other streams joined).
                     unsafe { result::event::record(b.0, self.cu_stream()) }
@@ -1018,24 +1019,25 @@ impl CudaExecutor {
     }
 
     /// Launches one data-parallel step on the session's stream: kernel by kernel for the
-    /// first two steps (NCCL makes its connections and buffers on first use), then captured
-    /// once as a CUDA graph (kernels, copies and collectives of all three streams, as
-    /// `launch_ranked` enqueues them) which every later step replays. Off with
-    /// `TCC_RANK_GRAPH=0` or `TCC_CUDA_GRAPH=0`; a capture that fails (and leaves the
-    /// communicator usable) turns it off for the rank with a warning.
-    fn launch_rank_step(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
+    /// first two steps (NCCL makes its connections and buffers on first use), then, with
+    /// `graph` (decided for all ranks together by `DataParallel::run`), captured once as a
+    /// CUDA graph (`launch_dag`) which every later step replays. A capture that fails is an
+    /// error of the step: the ranks must issue the same collectives in the same groups, so
+    /// one rank cannot fall back alone (`TCC_RANK_GRAPH=0` turns capture off for all).
+    fn launch_rank_step(&self, rank: &mut crate::nccl::Rank, graph: bool) -> Result<()> {
         let stream = self.cu_stream();
+        if !graph {
+            return self.launch_ranked(rank);
+        }
         if let Some((_, exec)) = rank.graph {
             // SAFETY: `exec` was instantiated from a capture of this session's step on
-            // this stream and is destroyed only with the rank (after synchronising); the
-            // arena and the events it uses live as long as the session and the rank.
+            // this stream and is destroyed only with the rank (after synchronising) or on
+            // abort; the arena and the events it uses live as long as the session and the
+            // rank.
             return unsafe { result::graph::launch(exec, stream) }
                 .map_err(driver_error("launching the rank's step graph"));
         }
-        let wanted = self.use_graph
-            && !rank.no_graph
-            && std::env::var("TCC_RANK_GRAPH").map_or(true, |v| v != "0");
-        if !wanted || rank.eager_steps < 2 {
+        if rank.eager_steps < 2 {
             rank.eager_steps = rank.eager_steps.saturating_add(1);
             return self.launch_ranked(rank);
         }
@@ -1053,60 +1055,50 @@ impl CudaExecutor {
         // between (a failed launch leaves the capture invalidated, not open).
         let ended = unsafe { result::stream::end_capture(stream) };
         let captured = match (launched, ended) {
-            (Ok(()), Ok(graph)) if !graph.is_null() => {
+            (Ok(()), Ok(g)) if !g.is_null() => {
                 // SAFETY: a graph just captured from this context.
-                match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-                {
-                    Ok(exec) => Ok((graph, exec)),
+                match unsafe { result::graph::instantiate(g, sys::CUgraphInstantiate_flags(0)) } {
+                    Ok(exec) => Ok((g, exec)),
                     Err(e) => {
                         // SAFETY: the graph above, destroyed once.
-                        let _ = unsafe { result::graph::destroy(graph) };
+                        let _ = unsafe { result::graph::destroy(g) };
                         Err(describe(e))
                     }
                 }
             }
             (Ok(()), Ok(_)) => Err("the capture gave no graph".to_string()),
             (Err(e), ended) => {
-                if let Ok(graph) = ended {
-                    if !graph.is_null() {
+                if let Ok(g) = ended {
+                    if !g.is_null() {
                         // SAFETY: as above.
-                        let _ = unsafe { result::graph::destroy(graph) };
+                        let _ = unsafe { result::graph::destroy(g) };
                     }
                 }
                 Err(e.to_string())
             }
             (Ok(()), Err(e)) => Err(describe(e)),
         };
-        match captured {
-            Ok((graph, exec)) => {
-                rank.graph = Some((graph, exec));
-                // SAFETY: as for a replay above.
-                unsafe { result::graph::launch(exec, stream) }
-                    .map_err(driver_error("launching the rank's step graph"))
-            }
-            Err(why) if !rank.aborted() => {
-                eprintln!(
-                    "warning: rank {}: the step could not be captured as a CUDA graph ({why}); \
-                     it runs kernel by kernel",
-                    rank.rank()
-                );
-                rank.no_graph = true;
-                self.launch_ranked(rank)
-            }
-            Err(why) => Err(Error::Collective {
-                rank: rank.rank(),
-                message: format!("capturing the step as a CUDA graph: {why}"),
-            }),
-        }
+        let (g, exec) = captured.map_err(|why| Error::Collective {
+            rank: rank.rank(),
+            message: format!(
+                "capturing the step as a CUDA graph: {why} (TCC_RANK_GRAPH=0 launches it \
+                 kernel by kernel instead)"
+            ),
+        })?;
+        rank.graph = Some((g, exec));
+        // SAFETY: as for a replay above.
+        unsafe { result::graph::launch(exec, stream) }
+            .map_err(driver_error("launching the rank's step graph"))
     }
 
     /// The step as a graph for a capture on the session's stream: each kernel goes on one
     /// of [`DAG_STREAMS`] streams after waiting for the events of the kernels its `after`
     /// names (on another stream), so the captured graph has the manifest's edges and
     /// independent kernels overlap as in a single session's graph; the collectives go in
-    /// buckets of [`BUCKET_BYTES`] on the communication stream, each after the kernels its
+    /// buckets on the communication stream, each after the kernels its
     /// collectives wait for, and a kernel that waits for a collective waits for its bucket.
-    /// One stream order of the collectives, the same on every rank (launch order).
+    /// One stream order of the collectives, the same on every rank (launch order); buckets
+    /// of `bucket_bytes()` as `launch_ranked`'s.
     fn launch_dag(&self, rank: &mut crate::nccl::Rank) -> Result<()> {
         let entries = &self.model.manifest().kernels;
         let n = self.kernels.len();
@@ -1224,7 +1216,7 @@ impl CudaExecutor {
             }
             if let Some(c) = collective {
                 pending.push(i);
-                pending_bytes += c.bytes;
+                pending_bytes += c.bytes.max(c.input.map_or(0, |i| i.bytes));
                 if pending_bytes >= bucket_bytes {
                     flush(
                         rank,
@@ -1495,7 +1487,7 @@ impl CudaExecutor {
                     joined = i;
                 }
                 pending.push(i);
-                pending_bytes += c.bytes;
+                pending_bytes += c.bytes.max(c.input.map_or(0, |i| i.bytes));
                 tainted[i] = true;
                 if pending_bytes >= bucket_bytes {
                     flush(

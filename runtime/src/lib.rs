@@ -1125,9 +1125,10 @@ impl<'a> Session<'a> {
         &mut self,
         rank: &mut nccl::Rank,
         stop: &std::sync::atomic::AtomicBool,
+        graph: bool,
     ) -> Result<()> {
         match &mut self.exec {
-            Executor::Cuda(c) => c.run_nccl(rank, stop),
+            Executor::Cuda(c) => c.run_nccl(rank, stop, graph),
             Executor::Cpu(_) => Err(Error::Collective {
                 rank: rank.rank(),
                 message: "a CPU session has no NCCL communicator".into(),

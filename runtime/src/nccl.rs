@@ -229,15 +229,13 @@ pub(crate) struct Rank {
     pub(crate) events: Vec<sys::CUevent>,
     ctx: Arc<CudaContext>,
     failed: bool,
-    /// The step captured as a CUDA graph (kernels, copies and collectives on the three
-    /// streams), launched on the session's stream from the third step on; `None` before,
-    /// or when capture is off (`TCC_RANK_GRAPH=0`, `TCC_CUDA_GRAPH=0`) or failed.
+    /// The step captured as a CUDA graph (kernels, copies and collectives), launched on
+    /// the session's stream from the third step on; `None` before, or when graphs are off
+    /// for the `DataParallel`.
     pub(crate) graph: Option<(sys::CUgraph, sys::CUgraphExec)>,
     /// Steps launched kernel by kernel so far (the first two warm NCCL up: connections and
     /// buffers are made on first use, which a capture cannot do).
     pub(crate) eager_steps: u32,
-    /// Capture failed once: every later step is launched kernel by kernel.
-    pub(crate) no_graph: bool,
     /// The streams and events a capture spreads the step's kernels over (made on first
     /// use): captured, their waits are the step graph's edges.
     dag_streams: Vec<Arc<CudaStream>>,
@@ -346,7 +344,6 @@ impl Rank {
                             failed: false,
                             graph: None,
                             eager_steps: 0,
-                            no_graph: false,
                             dag_streams: Vec::new(),
                             dag_events: Vec::new(),
                         })
@@ -545,8 +542,11 @@ impl Rank {
             return;
         }
         self.failed = true;
+        let _ = self.ctx.bind_to_thread();
+        // The captured collectives hold the communicator: the graph goes first (a launch of
+        // it still running is freed when it completes, which the abort brings about).
+        self.drop_graph();
         if let Ok(lib) = lib() {
-            let _ = self.ctx.bind_to_thread();
             // SAFETY: a live communicator, aborted once (`failed` guards the drop).
             unsafe {
                 (lib.comm_abort)(self.comm);
@@ -555,18 +555,28 @@ impl Rank {
     }
 }
 
-impl Drop for Rank {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+impl Rank {
+    /// Destroys the captured step graph, if any (before the communicator its collectives
+    /// use). A launch of it still in flight is freed by CUDA when it completes.
+    fn drop_graph(&mut self) {
         if let Some((graph, exec)) = self.graph.take() {
-            let _ = self.ctx.synchronize();
-            // SAFETY: made by the executor's capture and destroyed once, here, before the
-            // communicator its collectives use; the context was synchronised just above, so
-            // no launch of it still runs.
+            // SAFETY: made by the executor's capture, taken out of `self.graph` so destroyed
+            // once; an executable graph destroyed while in flight is freed on completion
+            // (cuGraphExecDestroy), and the graph itself is not launched.
             unsafe {
                 let _ = cudarc::driver::result::graph::exec_destroy(exec);
                 let _ = cudarc::driver::result::graph::destroy(graph);
             }
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        if self.graph.is_some() {
+            let _ = self.ctx.synchronize();
+            self.drop_graph();
         }
         let _ = self.comm_stream.synchronize();
         let _ = self.after_stream.synchronize();

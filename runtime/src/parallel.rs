@@ -1,7 +1,9 @@
 //! Data-parallel execution of a step built with `tcc build --gpus N`: one session (its own
 //! arena) per rank, all running the same compiled step on their own slices of the batch,
-//! each on its own thread. Before a kernel that carries a collective (the `all_reduce` of
-//! a gradient), the ranks sum that buffer across their arenas:
+//! each on its own thread. After a kernel that carries a collective (the `all_reduce` of a
+//! gradient: the ranks sum its bytes across their arenas; under ZeRO-1 a `reduce_scatter`,
+//! a param's `shard` and an `all_gather`, which run in place of their kernels), the ranks
+//! combine their arenas:
 //!
 //! - on the CPU, through [`HostComm`] (shared memory; every rank sums in rank order, so
 //!   all ranks get bit-identical results and the run is deterministic);
@@ -312,7 +314,8 @@ enum Comm {
 /// Inputs are per rank: set each rank's slice of the batch with
 /// [`DataParallel::session_mut`] (or [`DataParallel::set_input_split`] for the whole
 /// batch, split along its first axis). Params and optimizer state start equal on every
-/// rank and stay equal, since every rank applies the same summed gradients.
+/// rank and stay equal, since every rank applies the same summed gradients (under ZeRO-1
+/// each rank holds its own shard of the optimizer state, and the params stay equal).
 pub struct DataParallel {
     // Drop order: the communicators before the sessions whose streams they use.
     comm: Comm,
@@ -430,7 +433,7 @@ impl DataParallel {
         Ok(())
     }
 
-    /// Runs one step on every rank, each on its own thread, summing the gradients across
+    /// Runs one step on every rank, each on its own thread, combining the gradients across
     /// them. The first error of any rank is returned; the others stop instead of waiting
     /// for it. After an error the communicator is aborted, and every later `run` fails:
     /// make a new `DataParallel`.
@@ -460,12 +463,16 @@ impl DataParallel {
                 // of waiting out the timeout for it.
                 let stop = std::sync::atomic::AtomicBool::new(false);
                 let stop = &stop;
+                // Captured CUDA graphs for every rank or for none (`TCC_RANK_GRAPH=0`, or
+                // graphs turned off on any session): the ranks must issue the same groups.
+                let graph = std::env::var("TCC_RANK_GRAPH").map_or(true, |v| v != "0")
+                    && self.sessions.iter().all(|s| s.cuda_graph());
                 std::thread::scope(|scope| {
                     let handles: Vec<_> = self
                         .sessions
                         .iter_mut()
                         .zip(ranks.iter_mut())
-                        .map(|(s, r)| scope.spawn(move || s.run_nccl(r, stop)))
+                        .map(|(s, r)| scope.spawn(move || s.run_nccl(r, stop, graph)))
                         .collect();
                     join_ranks(handles, |_| {
                         stop.store(true, std::sync::atomic::Ordering::SeqCst)
@@ -575,8 +582,9 @@ mod tests {
         assert!(e.to_string().contains("timed out"), "{e}");
     }
 
-    /// ZeRO-1's collectives on a 2-rank arena of 16 bytes: 3 floats of input at 0 (a
-    /// param of 3, padded to 2 shards of 2), the result at 12 (or, gathered, at 0).
+    /// ZeRO-1's collectives on 2 ranks' arenas of 6 floats: the input at 0 (4 floats to
+    /// reduce-scatter, or a param of 3 floats padded to 2 shards of 2), the result at 16
+    /// bytes (gathered: 2 floats at 16 into 4 at 0).
     #[test]
     fn host_reduce_scatter_all_gather_and_shard_give_each_rank_its_block() {
         use crate::artifact::Region;

@@ -363,3 +363,71 @@ fn params_with_a_recipe_are_drawn_at_load() {
     });
     refused(&nan, "not finite");
 }
+
+/// A data-parallel step's collectives: sizes that do not fit the op and the ranks, inputs
+/// that overlap their result or lie outside the arena, and a step of 0 ranks are bad
+/// manifests, never a panic or a wild NCCL call.
+#[test]
+fn collectives_that_do_not_fit_are_rejected() {
+    use artifact::{Collective, CollectiveOp, Region};
+    let with = |op, offset, bytes, input: Option<Region>, ranks: u32| {
+        move |m: &mut artifact::Manifest| {
+            m.ranks = Some(ranks);
+            m.kernels[0].collective = Some(Collective {
+                op,
+                offset,
+                bytes,
+                dtype: DType::F32,
+                in_place: false,
+                input,
+            });
+        }
+    };
+    let at = |offset, bytes| Some(Region { offset, bytes });
+    // A reduce-scatter of 2 ranks takes twice its result.
+    rejects(
+        with(CollectiveOp::ReduceScatterSum, 128, 16, at(64, 16), 2),
+        "does not fit 2 ranks",
+    );
+    // An all-gather of 2 ranks gives twice its input.
+    rejects(
+        with(CollectiveOp::AllGather, 128, 16, at(64, 16), 2),
+        "does not fit 2 ranks",
+    );
+    // A shard of 3 floats over 2 ranks is 2 floats.
+    rejects(
+        with(CollectiveOp::Shard, 128, 4, at(64, 12), 2),
+        "does not fit 2 ranks",
+    );
+    rejects(
+        with(CollectiveOp::ReduceScatterSum, 64, 16, at(64, 32), 2),
+        "overlaps its result",
+    );
+    rejects(
+        with(CollectiveOp::AllGather, 128, 32, at(192, 128), 2),
+        "inside the arena",
+    );
+    rejects(
+        with(CollectiveOp::AllGather, 128, 32, at(68, 16), 2),
+        "not a multiple of the alignment",
+    );
+    rejects(with(CollectiveOp::Shard, 128, 8, None, 2), "names no input");
+    rejects(
+        with(CollectiveOp::AllReduceSum, 128, 8, at(64, 8), 2),
+        "an all-reduce with an input",
+    );
+    rejects(
+        with(CollectiveOp::Shard, 128, 8, at(64, 12), 0),
+        "names no ranks",
+    );
+    // In place with an input.
+    rejects(
+        |m| {
+            with(CollectiveOp::AllGather, 128, 32, at(64, 16), 2)(m);
+            if let Some(c) = &mut m.kernels[0].collective {
+                c.in_place = true;
+            }
+        },
+        "in place but has an input",
+    );
+}

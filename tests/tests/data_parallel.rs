@@ -247,9 +247,9 @@ model dp {
         let (params, state, loss) =
             tcc_tests::zero_vs_plain(src, 3, 6, &vec![Device::Cpu; ranks], amp)
                 .unwrap_or_else(|e| panic!("{ranks} ranks: {e}"));
-        assert!(params < 1e-6, "{ranks} ranks: params differ by {params:e}");
-        assert!(state < 1e-6, "{ranks} ranks: momentum differs by {state:e}");
-        assert!(loss < 1e-6, "{ranks} ranks: losses differ by {loss:e}");
+        assert_eq!(params, 0.0, "{ranks} ranks: params differ by {params:e}");
+        assert_eq!(state, 0.0, "{ranks} ranks: momentum differs by {state:e}");
+        assert_eq!(loss, 0.0, "{ranks} ranks: losses differ by {loss:e}");
     }
 }
 
@@ -319,6 +319,16 @@ fn zero_one_shards_the_state_and_reports_the_formula() {
 #[test]
 fn zero_without_gpus_is_an_error() {
     use clap::Parser;
+    let mut err = Vec::new();
+    assert!(!tcc::cli::zero_with_gpus(1, None, &mut err));
+    let err = String::from_utf8(err).expect("utf-8");
+    assert!(
+        err.contains("`--zero 1`") && err.contains("`--gpus N`"),
+        "{err}"
+    );
+    assert!(tcc::cli::zero_with_gpus(1, Some(2), &mut Vec::new()));
+    assert!(tcc::cli::zero_with_gpus(0, None, &mut Vec::new()));
+    // Every command that takes `--zero` checks it.
     let file = tcc_tests::root().join("examples/mlp.tdsl");
     let file = file.display().to_string();
     let cli = |args: &[&str]| {
@@ -326,11 +336,14 @@ fn zero_without_gpus_is_an_error() {
         all.extend_from_slice(args);
         tcc::cli::run(tcc::cli::Cli::parse_from(all))
     };
-    for cmd in ["mem", "build"] {
-        assert_eq!(
-            cli(&[cmd, "--zero", "1", &file]),
-            std::process::ExitCode::from(1),
-            "{cmd}"
-        );
+    for cmd in [
+        &["mem"][..],
+        &["build"],
+        &["run"],
+        &["fit", "--mem-budget", "1GiB", "--grow", "B"],
+    ] {
+        let mut args = cmd.to_vec();
+        args.extend(["--zero", "1", file.as_str()]);
+        assert_eq!(cli(&args), std::process::ExitCode::from(1), "{cmd:?}");
     }
 }

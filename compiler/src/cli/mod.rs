@@ -39,21 +39,6 @@ pub(crate) use info;
 /// `tcc --version`: the crate version, the commit and what the binary can run.
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TCC_BUILD_INFO"), ")");
 
-/// tcc — compile TDSL tensor programs into one static memory arena.
-/// `--zero 1` shards the optimizer state over the ranks `--gpus N` makes: alone it is an
-/// error, not a silent no-op.
-fn zero_with_gpus(zero: u8, gpus: Option<u32>, stderr: &mut dyn Write) -> bool {
-    if zero != 0 && gpus.is_none() {
-        let _ = writeln!(
-            stderr,
-            "error: `--zero {zero}` shards the optimizer state over data-parallel ranks: give \
-             `--gpus N` too"
-        );
-        return false;
-    }
-    true
-}
-
 /// Data parallelism of a step (`--gpus N`, `--zero 1`).
 #[derive(Clone, Copy, Debug)]
 pub struct Parallel {
@@ -70,6 +55,21 @@ impl Default for Parallel {
     }
 }
 
+/// `--zero 1` shards the optimizer state over the ranks `--gpus N` makes: without `--gpus`
+/// it is an error, not a silent no-op (with `--gpus 1` there is one shard: the plain step).
+pub fn zero_with_gpus(zero: u8, gpus: Option<u32>, stderr: &mut dyn Write) -> bool {
+    if zero != 0 && gpus.is_none() {
+        let _ = writeln!(
+            stderr,
+            "error: `--zero {zero}` shards the optimizer state over data-parallel ranks: give \
+             `--gpus N` too"
+        );
+        return false;
+    }
+    true
+}
+
+/// tcc — compile TDSL tensor programs into one static memory arena.
 #[derive(Parser, Debug)]
 #[command(name = "tcc", version = VERSION, about, long_about = None, propagate_version = true)]
 pub struct Cli {

@@ -587,6 +587,14 @@ fn run_data_parallel(
             }
         }
     }
+    // `TCC_CUDA_GRAPH=0`: every rank launches its kernels one by one (as a single session).
+    if std::env::var_os("TCC_CUDA_GRAPH").is_some_and(|v| v == "0") {
+        for r in 0..ranks {
+            if let Some(s) = dp.session_mut(r) {
+                s.set_cuda_graph(false);
+            }
+        }
+    }
     super::info!(
         "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {ranks} ranks in {:.1} ms; arena {} per rank",
         model.manifest().model,
@@ -595,6 +603,21 @@ fn run_data_parallel(
         t0.elapsed().as_secs_f64() * 1e3,
         bytes(model.arena_bytes() as u64),
     );
+    // A ZeRO-1 step's optimizer state is one shard per rank: a params file holds whole
+    // tensors (or one rank's shards), so neither loads nor saves it faithfully yet.
+    let sharded = model.manifest().kernels.iter().any(|k| {
+        k.collective
+            .as_ref()
+            .is_some_and(|c| c.op == tcc_runtime::artifact::CollectiveOp::Shard)
+    });
+    if sharded && (opts.param_file.is_some() || opts.save_params.is_some()) {
+        return Err(
+            "`--params` and `--save-params` do not handle a ZeRO-1 step's sharded \
+                    optimizer state yet (each rank holds one shard): run without `--zero 1` \
+                    to load or save a checkpoint"
+                .into(),
+        );
+    }
     if let Some(path) = &opts.param_file {
         for r in 0..ranks {
             if let Some(s) = dp.session_mut(r) {

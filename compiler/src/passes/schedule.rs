@@ -45,7 +45,9 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 /// from the step's leaves (a collective counted after itself), and a collective that reads
 /// such waiting values comes after every other node of its level: a ZeRO-1 step's
 /// `all_gather`s come after all of the shards' updates, so a rank launching kernel by
-/// kernel joins its streams once for them instead of once per param.
+/// kernel joins its streams once for them instead of once per param; what reads a gather
+/// alone (a padded param's slice) follows it at once, so the gathered copies are not all
+/// live together.
 fn collectives_last(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     // level[n]: collectives on the longest path to n's operands, each counted for the
     // nodes after it.
@@ -60,8 +62,23 @@ fn collectives_last(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
             .max()
             .unwrap_or(0);
         let collective = node.op.is_collective();
-        // Sort key: 2·level, +1 for a collective that waits (after its level's others).
-        key.insert(n, 2 * l + usize::from(collective && l > 0));
+        // Sort key: 2·level, +1 for a collective that waits (after its level's others). A
+        // node that reads only such a collective (directly or through such readers) at its
+        // own level keeps the collective's key, so it follows it at once: a padded
+        // `all_gather`'s slice into the param, not after every other param's gather.
+        let follows = l > 0
+            && !collective
+            && node
+                .inputs
+                .iter()
+                .filter(|i| level.get(i).copied().unwrap_or(0) == l)
+                .all(|i| key.get(i) == Some(&(2 * l - 1)));
+        let k = if follows {
+            2 * l - 1
+        } else {
+            2 * l + usize::from(collective && l > 0)
+        };
+        key.insert(n, k);
         level.insert(n, l + usize::from(collective));
     }
     let mut out = order.to_vec();
