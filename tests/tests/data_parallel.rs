@@ -347,3 +347,33 @@ fn zero_without_gpus_is_an_error() {
         assert_eq!(cli(&args), std::process::ExitCode::from(1), "{cmd:?}");
     }
 }
+
+/// Under ZeRO-1 with f16 loss scaling each rank tests only its gradient shards for
+/// overflow, so the sum of their magnitudes is all-reduced before the test: one scalar
+/// `all_reduce`, read by the finiteness comparison (without it a rank whose shard overflowed
+/// would skip a step the others take; the equality tests above need an overflow in one
+/// shard to see that).
+#[test]
+fn zero_one_with_f16_sums_the_overflow_test_over_the_ranks() {
+    let src = DATA_PARALLEL_MLP.replace("{B}", "4");
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        zero: true,
+        amp: tcc::passes::amp::Amp::named("f16").expect("f16"),
+        ..Default::default()
+    };
+    let (g, _, _) = tcc_tests::compile_step(&src, &Default::default(), &compile).expect("compiles");
+    let reduced: Vec<_> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, tcc::ir::Op::AllReduce))
+        .collect();
+    assert_eq!(reduced.len(), 1, "one all_reduce: the overflow test's sum");
+    let r = reduced[0];
+    assert_eq!(g.ty(r).rank(), 0, "a scalar");
+    assert!(
+        g.users(r)
+            .iter()
+            .any(|&u| matches!(g.node(u).op, tcc::ir::Op::Binary(tcc::ir::BinaryOp::Lt))),
+        "read by the finiteness test"
+    );
+}
