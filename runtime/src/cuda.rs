@@ -40,6 +40,21 @@ pub(crate) const DEVICE_ALIGN: u64 = 256;
 /// (PyTorch DDP's default bucket, 25 MiB).
 const BUCKET_BYTES: u64 = 25 << 20;
 
+/// Records `ev` on `stream` (both live, of the current context).
+fn record_event(ev: sys::CUevent, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the callers pass a live event and stream of the bound context.
+    unsafe { result::event::record(ev, stream) }.map_err(driver_error("recording a stream event"))
+}
+
+/// Makes `stream` wait for the work `ev` last recorded (both live, of the current context).
+fn wait_event(stream: sys::CUstream, ev: sys::CUevent) -> Result<()> {
+    // SAFETY: the callers pass a live stream and event of the bound context.
+    unsafe {
+        result::stream::wait_event(stream, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+    }
+    .map_err(driver_error("making a stream wait for another"))
+}
+
 /// The bytes of a bucket of collectives: [`BUCKET_BYTES`], or `TCC_BUCKET_MB` MiB (0: one
 /// bucket per collective).
 fn bucket_bytes() -> u64 {
@@ -1091,6 +1106,14 @@ impl CudaExecutor {
             .map_err(driver_error("launching the rank's step graph"))
     }
 
+    /// The kernels kernel `i` waits for: its manifest `after`, or the one before it.
+    fn waits_for(&self, i: usize) -> Vec<usize> {
+        match &self.kernels[i].after {
+            Some(a) => a.iter().map(|&d| d as usize).collect(),
+            None => i.checked_sub(1).into_iter().collect(),
+        }
+    }
+
     /// The step as a graph for a capture on the session's stream: each kernel goes on one
     /// of [`DAG_STREAMS`] streams after waiting for the events of the kernels its `after`
     /// names (on another stream), so the captured graph has the manifest's edges and
@@ -1107,28 +1130,8 @@ impl CudaExecutor {
         let streams: Vec<sys::CUstream> = (0..DAG_STREAMS)
             .map(|i| rank.dag_stream(i))
             .collect::<Result<_>>()?;
-        let deps = |i: usize| -> Vec<usize> {
-            match &self.kernels[i].after {
-                Some(a) => a.iter().map(|&d| d as usize).collect(),
-                None => i.checked_sub(1).into_iter().collect(),
-            }
-        };
-        let record = |ev: sys::CUevent, stream: sys::CUstream| {
-            // SAFETY: a live event and stream of this context.
-            unsafe { result::event::record(ev, stream) }
-                .map_err(driver_error("recording a stream event"))
-        };
-        let wait = |stream: sys::CUstream, ev: sys::CUevent| {
-            // SAFETY: a live stream and event of this context.
-            unsafe {
-                result::stream::wait_event(
-                    stream,
-                    ev,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(driver_error("making a stream wait for another"))
-        };
+        let deps = |i: usize| self.waits_for(i);
+        let (record, wait) = (record_event, wait_event);
         // Events: kernel i's is i; bucket b's is n + b (at most n buckets); the fork 2n;
         // the joins 2n + 1 + s.
         let fork = rank.dag_event(2 * n)?;
@@ -1363,28 +1366,8 @@ impl CudaExecutor {
         let compute = self.cu_stream();
         let comm = rank.comm_stream.cu_stream();
         let later = rank.after_stream.cu_stream();
-        let deps = |i: usize| -> Vec<usize> {
-            match &self.kernels[i].after {
-                Some(a) => a.iter().map(|&d| d as usize).collect(),
-                None => i.checked_sub(1).into_iter().collect(),
-            }
-        };
-        let record = |ev: sys::CUevent, stream: sys::CUstream| {
-            // SAFETY: a live event and stream of this context.
-            unsafe { result::event::record(ev, stream) }
-                .map_err(driver_error("recording a stream event"))
-        };
-        let wait = |stream: sys::CUstream, ev: sys::CUevent| {
-            // SAFETY: a live stream and event of this context.
-            unsafe {
-                result::stream::wait_event(
-                    stream,
-                    ev,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            }
-            .map_err(driver_error("making a stream wait for another"))
-        };
+        let deps = |i: usize| self.waits_for(i);
+        let (record, wait) = (record_event, wait_event);
         // Events: 0 marks the compute stream, 1 the waiting stream, 2 + b bucket b's end.
         let bucket_bytes = bucket_bytes();
         let ev_compute = rank.event(0)?;
