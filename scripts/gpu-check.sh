@@ -11,6 +11,7 @@
 #   `device-bench` only the benchmarks and the table (each fits one 10-minute call).
 #   `device-onnx` runs the ONNX backend cases on the GPU and bench/onnx_models.py.
 #   `device-dp` runs the data-parallel (NCCL) tests and benchmarks beside PyTorch DDP.
+#   `device-load` times each example's first step from a PTX-only and a SASS artifact.
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -244,8 +245,34 @@ device_dp() {
     return $status
 }
 
+# Time to first step (issue 29): each example built with its PTX only and with SASS (`ptxas`
+# of the machine's CUDA, on every core), then run for one step with the driver's JIT cache
+# off (CUDA_CACHE_DISABLE=1, as on a fresh machine). Prints the build time and size, where
+# the kernels came from, the load time `tcc run` reports and the wall time to step 1.
+device_load() {
+    local log="$OUT/log" status=0 m v s e
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    for m in ${LOAD_MODELS:-tiny mlp cnn gpt}; do
+        for v in ptx sass; do
+            local flag="--sass=off"; [ $v = sass ] && flag="--sass=on"
+            s=$(date +%s%N)
+            "$OUT/tcc" build "examples/$m.tdsl" --target cuda "$flag" -o "$OUT/load-$m-$v.tcc" 2>"$log/load-build-$m-$v.txt" || status=1
+            e=$(date +%s%N)
+            echo "$m $v: built in $(( (e - s) / 1000000 )) ms, $(stat -c %s "$OUT/load-$m-$v.tcc") bytes $(grep -E '^sass:' "$log/load-build-$m-$v.txt")"
+            s=$(date +%s%N)
+            CUDA_CACHE_DISABLE=1 "$OUT/tcc" run "$OUT/load-$m-$v.tcc" --steps 1 >"$log/load-run-$m-$v.txt" 2>&1 || status=1
+            e=$(date +%s%N)
+            echo "$m $v: wall to step 1 $(( (e - s) / 1000000 )) ms; $(grep -E 'loaded on' "$log/load-run-$m-$v.txt" | sed -E 's/; arena.*//')"
+            grep -E "^step +1|error" "$log/load-run-$m-$v.txt" | head -2
+        done
+    done
+    return $status
+}
+
 case "$mode" in
     build) build ;;
+    device-load) device_load ;;
     device-dp) device_dp ;;
     device-ab) device_ab ;;
     device-amp) device_amp ;;
@@ -256,5 +283,5 @@ case "$mode" in
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab|device-dp|device-load]"; exit 2 ;;
 esac

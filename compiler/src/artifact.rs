@@ -434,6 +434,7 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
             method: c.plan.method.to_string(),
             buffers,
         },
+        sass: None,
         sections: Vec::new(),
     }
 }
@@ -504,12 +505,25 @@ pub fn persistent_image(
 
 /// The artifact file's bytes.
 pub fn write_artifact(c: &Compiled, target: Target, persistent: &PersistentInit) -> Vec<u8> {
-    let m = manifest(c, target, persistent);
-    fmt::write(
-        &m,
-        &[
-            ("code", c.code.as_bytes()),
-            ("persistent", persistent.image.as_slice()),
-        ],
-    )
+    write_artifact_with_sass(c, target, persistent, None)
+}
+
+/// The artifact file's bytes, with the SASS `ptxas` made of a `cuda` artifact's PTX
+/// ([`crate::back::sass`]): its description and the `sass` section.
+pub fn write_artifact_with_sass(
+    c: &Compiled,
+    target: Target,
+    persistent: &PersistentInit,
+    sass: Option<(&fmt::Sass, &[u8])>,
+) -> Vec<u8> {
+    let mut m = manifest(c, target, persistent);
+    let mut sections = vec![
+        ("code", c.code.as_bytes()),
+        ("persistent", persistent.image.as_slice()),
+    ];
+    if let Some((s, bytes)) = sass {
+        m.sass = Some(s.clone());
+        sections.push(("sass", bytes));
+    }
+    fmt::write(&m, &sections)
 }

@@ -1139,3 +1139,100 @@ fn outputs_may_be_expressions_and_concat_takes_a_tuple() {
     assert!(stderr(&o).contains("E0219"), "{}", stderr(&o));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--sass`: with `auto` a missing `ptxas` means a PTX-only artifact and one that does not
+/// run a warning; with `on` both are errors; `on` needs a `cuda` artifact. Where `ptxas` is
+/// there (`$TCC_PTXAS`, set under CI), `auto` puts SASS in the artifact, twice the same bytes,
+/// and `off` leaves the same PTX without it.
+#[test]
+fn sass_in_cuda_artifacts() {
+    let d = tmpdir("sass");
+    let build = |ptxas: Option<&str>, extra: &[&str], out: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tcc"));
+        cmd.args(["build", "examples/mlp.tdsl", "--target", "cuda", "-o"])
+            .arg(d.join(out))
+            .args(extra)
+            .current_dir(root());
+        // `ptxas` only where the test says: not on PATH or under CUDA_HOME.
+        cmd.env("PATH", "")
+            .env_remove("CUDA_HOME")
+            .env_remove("CUDA_PATH");
+        match ptxas {
+            Some(p) => cmd.env("TCC_PTXAS", p),
+            None => cmd.env("TCC_PTXAS", d.join("no-ptxas")),
+        };
+        cmd.output().unwrap()
+    };
+    let load = |out: &str| tcc_runtime::Model::load(d.join(out)).unwrap();
+    let o = build(None, &[], "auto.tcc");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(load("auto.tcc").sass().is_none());
+    assert!(!stderr(&o).contains("sass:"), "{}", stderr(&o));
+    let o = build(None, &["--sass", "on"], "on.tcc");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("no `ptxas` found"), "{}", stderr(&o));
+    assert!(!d.join("on.tcc").exists());
+    // A `ptxas` that does not answer `--version`.
+    let o = build(Some("/bin/false"), &[], "false.tcc");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("warning: cannot run `/bin/false`"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(load("false.tcc").sass().is_none());
+    let o = build(Some("/bin/false"), &["--sass", "on"], "false-on.tcc");
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("error: cannot run `/bin/false`"),
+        "{}",
+        stderr(&o)
+    );
+    for args in [
+        &["build", "examples/mlp.tdsl", "--sass", "on"][..],
+        &[
+            "build",
+            "examples/mlp.tdsl",
+            "--target",
+            "cuda",
+            "--emit",
+            "ptx",
+            "--sass",
+            "on",
+        ],
+    ] {
+        let o = tcc(args);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            stderr(&o).contains("`--sass on` needs a `cuda` artifact"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    let Some(ptxas) = std::env::var_os("TCC_PTXAS") else {
+        assert!(std::env::var_os("CI").is_none(), "CI sets TCC_PTXAS");
+        eprintln!("SKIPPED sass_in_cuda_artifacts with ptxas: TCC_PTXAS is not set");
+        let _ = std::fs::remove_dir_all(&d);
+        return;
+    };
+    let ptxas = ptxas.to_string_lossy().into_owned();
+    let o = build(Some(&ptxas), &[], "sass1.tcc");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("sass: "), "{}", stderr(&o));
+    let o = build(Some(&ptxas), &[], "sass2.tcc");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) = (
+        std::fs::read(d.join("sass1.tcc")).unwrap(),
+        std::fs::read(d.join("sass2.tcc")).unwrap(),
+    );
+    assert!(a == b, "two builds with SASS differ");
+    let with = load("sass1.tcc");
+    let (sass, _) = with.sass().expect("SASS in the artifact");
+    assert_eq!(sass.arch, "sm_90");
+    let o = build(Some(&ptxas), &["--sass", "off"], "off.tcc");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let off = load("off.tcc");
+    assert!(off.sass().is_none());
+    assert_eq!(off.code(), with.code());
+    let _ = std::fs::remove_dir_all(&d);
+}

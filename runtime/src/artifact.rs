@@ -231,9 +231,104 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<u32>,
     pub plan: PlanInfo,
+    /// Machine code of a `cuda` artifact for one GPU architecture, assembled from the PTX by
+    /// `ptxas` at build time (the `sass` section). Absent: the driver compiles the PTX at
+    /// load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sass: Option<Sass>,
     /// Sections present in the file: `code` (UTF-8 text) and `persistent` (the initial
-    /// bytes of the arena's persistent region, `plan.persistent_bytes` long).
+    /// bytes of the arena's persistent region, `plan.persistent_bytes` long); `sass` with
+    /// [`Manifest::sass`].
     pub sections: Vec<Section>,
+}
+
+/// The `sass` section's contents: one cubin per piece of the PTX module, each holding
+/// whole `.entry` functions.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sass {
+    /// The architecture `ptxas` compiled for (`-arch`), `sm_90a` say: the cubins load on
+    /// GPUs of that compute capability (exactly, with the `a` suffix; the same major and a
+    /// minor at least as high, without).
+    pub arch: String,
+    /// The `ptxas` that made them (its `--version` line naming the release).
+    pub assembler: String,
+    pub pieces: Vec<SassPiece>,
+}
+
+/// One cubin: bytes `[offset, offset + len)` of the `sass` section.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SassPiece {
+    pub offset: u64,
+    pub len: u64,
+    /// The kernels (`kernels[i].name`) whose code it holds.
+    pub entries: Vec<String>,
+}
+
+impl Sass {
+    /// The compute capability `arch` names (`sm_90a` → `(9, 0, true)`: major, minor, and
+    /// whether the code is for exactly that capability), `None` when it names none.
+    pub fn capability(&self) -> Option<(u32, u32, bool)> {
+        let digits = self.arch.strip_prefix("sm_")?;
+        let (digits, exact) = match digits.strip_suffix('a') {
+            Some(d) => (d, true),
+            None => (digits, false),
+        };
+        if digits.len() < 2 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let (major, minor) = digits.split_at(digits.len() - 1);
+        Some((major.parse().ok()?, minor.parse().ok()?, exact))
+    }
+
+    /// Whether the cubins load on a GPU of compute capability `major.minor`.
+    pub fn runs_on(&self, major: u32, minor: u32) -> bool {
+        match self.capability() {
+            Some((ma, mi, true)) => (ma, mi) == (major, minor),
+            Some((ma, mi, false)) => ma == major && mi <= minor,
+            None => false,
+        }
+    }
+
+    /// Checks the pieces against the section's length and the kernels: every piece lies in
+    /// the section, after the previous one, and every kernel is in exactly one piece.
+    pub fn check(&self, section_len: u64, kernels: &[KernelEntry]) -> Result<(), String> {
+        if self.capability().is_none() {
+            return Err(format!(
+                "SASS architecture `{}` is not `sm_NN` or `sm_NNa`",
+                self.arch
+            ));
+        }
+        let mut home = std::collections::HashMap::new();
+        let mut end = 0u64;
+        for (i, p) in self.pieces.iter().enumerate() {
+            match p.offset.checked_add(p.len) {
+                Some(e) if p.offset >= end && e <= section_len && p.len > 0 => end = e,
+                _ => {
+                    return Err(format!(
+                        "SASS piece {i}: bytes [{}, {}+{}) are empty, overlap the piece before \
+                         or lie outside the {section_len}-byte `sass` section",
+                        p.offset, p.offset, p.len
+                    ))
+                }
+            }
+            for e in &p.entries {
+                if home.insert(e.as_str(), i).is_some() {
+                    return Err(format!("SASS: kernel `{e}` is in two pieces"));
+                }
+            }
+        }
+        for k in kernels {
+            if home.remove(k.name.as_str()).is_none() {
+                return Err(format!("SASS: no piece holds kernel `{}`", k.name));
+            }
+        }
+        if let Some(e) = home.keys().next() {
+            return Err(format!(
+                "SASS: piece entry `{e}` is no kernel of the manifest"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Display for DType {

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
 use crate::artifact::{CollectiveOp, KernelEntry, Launch, Target};
-use crate::{Error, Model, Result};
+use crate::{CodeOrigin, Error, Model, Result};
 
 /// Alignment of every `cuMemAlloc` allocation: the largest arena alignment we can honour.
 pub(crate) const DEVICE_ALIGN: u64 = 256;
@@ -338,6 +338,8 @@ pub(crate) struct CudaExecutor {
     arena: DeviceArena,
     /// Keep the kernels' functions loaded (the PTX in pieces, see `load_modules`).
     _modules: Vec<Module>,
+    /// Where the loaded kernels' machine code came from.
+    origin: CodeOrigin,
     model: Model,
     ordinal: usize,
     /// Free device memory once the context and stream existed, before the module, the
@@ -415,6 +417,59 @@ fn check_model(model: &Model) -> Result<()> {
     Ok(())
 }
 
+/// Which module holds each entry (`None`: the first).
+type Home = Box<dyn Fn(&str) -> Option<usize>>;
+
+/// Loads the model's kernels: from the artifact's SASS when it has some for this GPU
+/// ([`load_sass`]), else from its PTX ([`load_ptx`]); a SASS that does not load falls back
+/// to the PTX, and the origin says why.
+fn load_modules(ctx: &Arc<CudaContext>, model: &Model) -> Result<(Vec<Module>, Home, CodeOrigin)> {
+    let mut why = None;
+    if let Some((sass, cubins)) = model.sass() {
+        match ctx.compute_capability() {
+            Ok((major, minor)) if sass.runs_on(major as u32, minor as u32) => {
+                match load_sass(ctx, sass, &cubins) {
+                    Ok((modules, home)) => {
+                        let origin = CodeOrigin::Sass {
+                            arch: sass.arch.clone(),
+                        };
+                        return Ok((modules, home, origin));
+                    }
+                    Err(e) => why = Some(format!("its SASS for {} did not load: {e}", sass.arch)),
+                }
+            }
+            Ok((major, minor)) => {
+                why = Some(format!(
+                    "its SASS is for {}, this GPU is sm_{major}{minor}",
+                    sass.arch
+                ))
+            }
+            Err(e) => why = Some(format!("the GPU's compute capability: {}", describe(e))),
+        }
+    }
+    let (modules, home) = load_ptx(ctx, model.code())?;
+    Ok((modules, home, CodeOrigin::Ptx { why }))
+}
+
+/// Loads the cubins of the artifact's `sass` section, one module each (nothing compiles).
+fn load_sass(
+    ctx: &Arc<CudaContext>,
+    sass: &crate::artifact::Sass,
+    cubins: &[&[u8]],
+) -> Result<(Vec<Module>, Home)> {
+    let modules = cubins
+        .iter()
+        .map(|c| load_cubin(ctx, c))
+        .collect::<Result<Vec<_>>>()?;
+    let home: std::collections::HashMap<String, usize> = sass
+        .pieces
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| p.entries.iter().map(move |e| (e.clone(), i)))
+        .collect();
+    Ok((modules, Box::new(move |name: &str| home.get(name).copied())))
+}
+
 /// Loads PTX `code`. Loading a PTX module compiles it on the loading thread, and the
 /// driver does not compile two modules of a process at once (a cold load of gpt's 410
 /// kernels took 49 s as one module and 66 s as 16 modules loaded from 16 threads), but its
@@ -422,12 +477,8 @@ fn check_model(model: &Model) -> Result<()> {
 /// compiled to cubins by up to one thread per host core (at most 16;
 /// `TCC_CUDA_LOAD_THREADS=N` sets the count, 1 loads the PTX as one module), then loaded.
 /// Where that fails, the PTX is loaded as one module, whose error carries the driver's log.
-/// Returns the modules and which one holds each entry (`None`: the first).
-#[allow(clippy::type_complexity)]
-fn load_modules(
-    ctx: &Arc<CudaContext>,
-    code: &str,
-) -> Result<(Vec<Module>, Box<dyn Fn(&str) -> Option<usize>>)> {
+/// Returns the modules and which one holds each entry.
+fn load_ptx(ctx: &Arc<CudaContext>, code: &str) -> Result<(Vec<Module>, Home)> {
     let threads = std::env::var("TCC_CUDA_LOAD_THREADS")
         .ok()
         .and_then(|t| t.trim().parse::<usize>().ok())
@@ -570,11 +621,22 @@ fn link_cubin(code: &str) -> Result<Vec<u8>> {
     Ok(unsafe { std::slice::from_raw_parts(out.cast::<u8>(), size) }.to_vec())
 }
 
-/// Loads a cubin made by [`link_cubin`] into the current context (no compilation).
+/// Loads a cubin (from [`link_cubin`], or an artifact's `sass` section) into the current
+/// context (no compilation).
 fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8]) -> Result<Module> {
+    // The driver reads an ELF image's length from its headers: refuse bytes too short to
+    // hold them (an artifact's section is checksummed, so its cubins are what `ptxas`
+    // wrote; trusting them is the artifact's trust model, see ARTIFACT.md).
+    if cubin.len() < 64 || !cubin.starts_with(b"\x7fELF") {
+        return Err(Error::Compile {
+            kernel: "(code section)".into(),
+            message: "a compiled piece is not an ELF image".into(),
+        });
+    }
     let mut raw: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: `cubin` is a complete cubin image from the driver's linker, alive for the
-    // call; `raw` is a valid place for the handle; the context is current.
+    // SAFETY: `cubin` is an ELF image (checked above) from the driver's linker or from a
+    // checksummed section `ptxas` wrote, alive for the call; `raw` is a valid place for the
+    // handle; the context is current.
     unsafe { sys::cuModuleLoadData(&mut raw, cubin.as_ptr().cast::<c_void>()) }
         .result()
         .map_err(|e| Error::Compile {
@@ -744,7 +806,7 @@ impl CudaExecutor {
             "querying the memory of cuda:{ordinal}"
         )))?;
 
-        let (modules, home) = load_modules(&ctx, model.code())?;
+        let (modules, home, origin) = load_modules(&ctx, model)?;
         let kernels = model
             .manifest()
             .kernels
@@ -802,6 +864,7 @@ impl CudaExecutor {
             pending: None,
             arena,
             _modules: modules,
+            origin,
             model: model.clone(),
             ordinal,
             free_at_start,
@@ -905,6 +968,10 @@ impl CudaExecutor {
     }
 
     /// Device time of the last step's kernels (CUDA events), in milliseconds.
+    pub(crate) fn code_origin(&self) -> &CodeOrigin {
+        &self.origin
+    }
+
     pub(crate) fn last_device_ms(&self) -> Option<f32> {
         self.last_device_ms
     }

@@ -91,6 +91,31 @@ pub use artifact::{DType, Manifest, PersistentKind, PersistentSlot, Target, Tens
 pub use cpu::CPU_HELPERS;
 pub use parallel::DataParallel;
 
+/// Where a session's kernels' machine code came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CodeOrigin {
+    /// Cranelift compiled the artifact's CLIF for this host at load.
+    Cranelift,
+    /// The artifact's SASS for this GPU's architecture (`sm_90a` say), loaded as it is.
+    Sass { arch: String },
+    /// The driver compiled the artifact's PTX at load (its JIT cache serves pieces compiled
+    /// before); `why` says why the artifact's SASS was not used, when it had some.
+    Ptx { why: Option<String> },
+}
+
+impl fmt::Display for CodeOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CodeOrigin::Cranelift => f.write_str("CLIF compiled by Cranelift"),
+            CodeOrigin::Sass { arch } => write!(f, "SASS for {arch}"),
+            CodeOrigin::Ptx { why: None } => f.write_str("PTX compiled by the driver"),
+            CodeOrigin::Ptx { why: Some(w) } => {
+                write!(f, "PTX compiled by the driver ({w})")
+            }
+        }
+    }
+}
+
 /// Where a session runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
@@ -366,6 +391,8 @@ struct ModelInner {
     code: String,
     bytes: Vec<u8>,
     persistent: Range<usize>,
+    /// The `sass` section's bytes in `bytes`, checked against `manifest.sass`.
+    sass: Option<Range<usize>>,
     /// The persistent region's initial bytes when params are drawn at load (format 2's
     /// recipes); otherwise they are `bytes[persistent]`.
     drawn: Option<Vec<u8>>,
@@ -420,6 +447,30 @@ impl Model {
                 manifest.plan.persistent_bytes
             )));
         }
+        let sass = match (&manifest.sass, find("sass").ok()) {
+            (None, None) => None,
+            (Some(s), Some(r)) if manifest.target == Target::Cuda => {
+                s.check(r.len() as u64, &manifest.kernels)
+                    .map_err(Error::BadManifest)?;
+                Some(r)
+            }
+            (Some(_), _) if manifest.target != Target::Cuda => {
+                return Err(Error::BadManifest(format!(
+                    "a `{}` artifact with SASS (only `cuda` artifacts carry it)",
+                    manifest.target
+                )))
+            }
+            (Some(_), _) => {
+                return Err(Error::BadManifest(
+                    "the manifest describes SASS but the artifact has no `sass` section".into(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(Error::BadManifest(
+                    "the artifact has a `sass` section that the manifest does not describe".into(),
+                ))
+            }
+        };
         let code = std::str::from_utf8(&bytes[code])
             .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
             .to_string();
@@ -430,6 +481,7 @@ impl Model {
                 code,
                 bytes,
                 persistent,
+                sass,
                 drawn,
             }),
         })
@@ -469,6 +521,20 @@ impl Model {
     /// The code section: Cranelift IR text (`cpu`) or PTX (`cuda`).
     pub fn code(&self) -> &str {
         &self.inner.code
+    }
+
+    /// The machine code a `cuda` artifact carries for one GPU architecture, each piece's
+    /// cubin with its description (`None`: PTX only).
+    pub fn sass(&self) -> Option<(&artifact::Sass, Vec<&[u8]>)> {
+        let s = self.inner.manifest.sass.as_ref()?;
+        let section = self.inner.bytes.get(self.inner.sass.clone()?)?;
+        // `Sass::check` put every piece inside the section.
+        let cubins = s
+            .pieces
+            .iter()
+            .map(|p| section.get(p.offset as usize..(p.offset + p.len) as usize))
+            .collect::<Option<Vec<_>>>()?;
+        Some((s, cubins))
     }
 
     /// The target the artifact was compiled for.
@@ -901,6 +967,16 @@ impl<'a> Session<'a> {
             Executor::Cpu(c) => c.threads(),
             #[cfg(feature = "cuda")]
             Executor::Cuda(_) => 1,
+        }
+    }
+
+    /// Where the kernels' machine code came from: the artifact's SASS, the driver's
+    /// compile of its PTX, or Cranelift on the CPU.
+    pub fn code_origin(&self) -> CodeOrigin {
+        match &self.exec {
+            Executor::Cpu(_) => CodeOrigin::Cranelift,
+            #[cfg(feature = "cuda")]
+            Executor::Cuda(c) => c.code_origin().clone(),
         }
     }
 

@@ -431,3 +431,121 @@ fn collectives_that_do_not_fit_are_rejected() {
         "in place but has an input",
     );
 }
+
+/// The CUDA tiny model with a `sass` section of two stand-in cubins (`k0` in the first,
+/// `k1` in the second), after `edit` changed the description, and `section` as its bytes.
+fn with_sass(
+    edit: impl FnOnce(&mut artifact::Manifest),
+    section: Option<&[u8]>,
+) -> Result<Model, Error> {
+    use artifact::{Sass, SassPiece};
+    let mut m = cuda_tiny_manifest();
+    m.sass = Some(Sass {
+        arch: "sm_90a".into(),
+        assembler: "ptxas test".into(),
+        pieces: vec![
+            SassPiece {
+                offset: 0,
+                len: 100,
+                entries: vec!["k0".into()],
+            },
+            SassPiece {
+                offset: 128,
+                len: 72,
+                entries: vec!["k1".into()],
+            },
+        ],
+    });
+    edit(&mut m);
+    let code = cuda_tiny_ptx();
+    let init = persistent_init(&[1.0, 2.0, 3.0, 4.0], 64);
+    let mut sections = vec![("code", code.as_bytes()), ("persistent", init.as_slice())];
+    if let Some(s) = section {
+        sections.push(("sass", s));
+    }
+    Model::from_bytes(artifact::write(&m, &sections))
+}
+
+#[test]
+fn sass_pieces_are_checked_against_the_section_and_the_kernels() {
+    let section: Vec<u8> = (0..200u32).map(|i| i as u8).collect();
+    let m = with_sass(|_| {}, Some(&section)).unwrap();
+    let (sass, cubins) = m.sass().unwrap();
+    assert_eq!(sass.arch, "sm_90a");
+    assert_eq!(cubins, vec![&section[..100], &section[128..200]]);
+    let bad =
+        |edit: fn(&mut artifact::Manifest), section: Option<&[u8]>, needle: &str| match with_sass(
+            edit, section,
+        ) {
+            Err(Error::BadManifest(msg)) => assert!(msg.contains(needle), "{needle}: {msg}"),
+            other => panic!("expected BadManifest({needle}), got {other:?}"),
+        };
+    let s = Some(section.as_slice());
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].len = 73,
+        s,
+        "outside",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].offset = 64,
+        s,
+        "overlap",
+    );
+    bad(|m| m.sass.as_mut().unwrap().pieces[0].len = 0, s, "empty");
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].offset = u64::MAX,
+        s,
+        "outside",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].entries.clear(),
+        s,
+        "no piece holds kernel `k1`",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].entries = vec!["k0".into(), "k1".into()],
+        s,
+        "in two pieces",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().pieces[1].entries.push("k9".into()),
+        s,
+        "`k9` is no kernel",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().arch = "sm_9".into(),
+        s,
+        "not `sm_NN`",
+    );
+    bad(
+        |m| m.sass.as_mut().unwrap().arch = "compute_90".into(),
+        s,
+        "not `sm_NN`",
+    );
+    bad(|_| {}, None, "no `sass` section");
+    bad(|m| m.sass = None, s, "does not describe");
+    bad(
+        |m| m.target = artifact::Target::Cpu,
+        s,
+        "only `cuda` artifacts",
+    );
+}
+
+#[test]
+fn sass_runs_on_its_compute_capability() {
+    let sass = |arch: &str| artifact::Sass {
+        arch: arch.into(),
+        assembler: String::new(),
+        pieces: Vec::new(),
+    };
+    // `a`: exactly that capability (Hopper's wgmma); without: that major, a minor as high.
+    assert_eq!(sass("sm_90a").capability(), Some((9, 0, true)));
+    assert!(sass("sm_90a").runs_on(9, 0));
+    assert!(!sass("sm_90a").runs_on(10, 0));
+    assert!(sass("sm_80").runs_on(8, 6));
+    assert!(!sass("sm_86").runs_on(8, 0));
+    assert!(!sass("sm_80").runs_on(9, 0));
+    assert_eq!(sass("sm_120").capability(), Some((12, 0, false)));
+    assert_eq!(sass("sm_x0").capability(), None);
+    assert!(!sass("sm_").runs_on(9, 0));
+}

@@ -245,7 +245,19 @@ pub fn steps_compiled(
         artifact::persistent_image(&c, seed, &Default::default()).map_err(|e| e.to_string())?;
     let bytes = artifact::write_artifact(&c, target, &img);
     let model = tcc_runtime::Model::from_bytes(bytes).map_err(|e| e.to_string())?;
-    let mut s = tcc_runtime::Session::new(&model, device).map_err(|e| e.to_string())?;
+    model_steps(&model, g, inputs, steps, device).map(|(r, _)| r)
+}
+
+/// Runs `steps` steps of `model` (compiled from `g`) on `device` with `inputs`: the outputs
+/// and persistent tensors after them, and where the session's code came from.
+pub fn model_steps(
+    model: &tcc_runtime::Model,
+    g: &tcc::ir::Graph,
+    inputs: &std::collections::BTreeMap<String, tcc::eager::Tensor>,
+    steps: usize,
+    device: tcc_runtime::Device,
+) -> Result<(StepResult, tcc_runtime::CodeOrigin), String> {
+    let mut s = tcc_runtime::Session::new(model, device).map_err(|e| e.to_string())?;
     for _ in 0..steps {
         for (name, t) in inputs {
             s.set_input_bytes(name, &t.to_le_bytes())
@@ -271,15 +283,17 @@ pub fn steps_compiled(
             .ok_or_else(|| format!("param `{name}` has the wrong size"))?;
         persistent.insert(name, t);
     }
-    Ok(StepResult {
+    let result = StepResult {
         outputs,
         persistent,
         arena_bytes: s.arena_bytes(),
-    })
+    };
+    Ok((result, s.code_origin()))
 }
 
 /// `ptxas` matching the GPU machine's CUDA (13.0): `$TCC_PTXAS`, then the PyPI package
-/// `nvidia-cuda-nvcc==13.0.88` of `python3`, then `PATH`.
+/// `nvidia-cuda-nvcc==13.0.88` of `python3`, then where `tcc build` looks
+/// ([`tcc::back::sass::Ptxas::locate`]: `PATH`, `$CUDA_HOME/bin`, `/usr/local/cuda/bin`).
 pub fn ptxas() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("TCC_PTXAS") {
         return Some(PathBuf::from(p));
@@ -295,12 +309,26 @@ pub fn ptxas() -> Option<PathBuf> {
     if out.status.success() && p.is_file() {
         return Some(p);
     }
-    let which = std::process::Command::new("which")
-        .arg("ptxas")
-        .output()
-        .ok()?;
-    let p = PathBuf::from(String::from_utf8_lossy(&which.stdout).trim());
-    p.is_file().then_some(p)
+    tcc::back::sass::Ptxas::locate()
+}
+
+/// The artifact of `c` (params drawn under seed 7) with the SASS `ptxas` makes of its PTX
+/// on `threads` threads.
+pub fn artifact_with_sass(
+    c: &tcc::artifact::Compiled,
+    ptxas: &Path,
+    threads: usize,
+) -> Result<Vec<u8>, String> {
+    use tcc::artifact;
+    let img = artifact::persistent_image(c, 7, &Default::default()).map_err(|e| e.to_string())?;
+    let p = tcc::back::sass::Ptxas::at(ptxas).map_err(|e| e.to_string())?;
+    let (sass, section) = p.assemble(&c.code, threads).map_err(|e| e.to_string())?;
+    Ok(artifact::write_artifact_with_sass(
+        c,
+        artifact::Target::Cuda,
+        &img,
+        Some((&sass, &section)),
+    ))
 }
 
 /// The same steps with the eager interpreter.

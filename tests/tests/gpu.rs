@@ -284,6 +284,89 @@ fn gpu_builtins_agree_under_mixed_precision() {
     }
 }
 
+/// A `cuda` artifact with SASS (`tcc build` with `ptxas` there) loads its cubins, with no
+/// compile by the driver, and trains as the same artifact's PTX does; SASS for another
+/// GPU, or bytes that are no cubin, fall back to the PTX and say why.
+#[test]
+fn gpu_sass_loads_without_the_driver_and_trains_as_the_ptx_does() {
+    if !gpu() {
+        return;
+    }
+    let Some(ptxas) = tcc_tests::ptxas() else {
+        panic!("no ptxas on the GPU machine (it has CUDA's /usr/local/cuda/bin/ptxas)");
+    };
+    use tcc_runtime::{CodeOrigin, Model};
+    for (ex, set) in [
+        ("mlp", "--set B=8 --set D=32"),
+        (
+            "gpt",
+            "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128",
+        ),
+    ] {
+        let src = std::fs::read_to_string(root().join(format!("examples/{ex}.tdsl"))).unwrap();
+        let g = compile_pipeline(&src, &options_from_args(set)).unwrap();
+        let c =
+            tcc::artifact::compile(&g, &tcc_tests::device_options(Device::Cuda(0), true)).unwrap();
+        let bytes = tcc_tests::artifact_with_sass(&c, &ptxas, 4).unwrap();
+        let inputs = tcc::eager::random_inputs(&g, 3);
+        let run = |bytes: Vec<u8>| {
+            let m = Model::from_bytes(bytes).unwrap();
+            tcc_tests::model_steps(&m, &g, &inputs, 3, Device::Cuda(0)).unwrap()
+        };
+        let (sass, from_sass) = run(bytes.clone());
+        let arch = match &from_sass {
+            CodeOrigin::Sass { arch } => arch.clone(),
+            other => panic!("{ex}: loaded from {other}, not the SASS"),
+        };
+        // The same artifact without its SASS: the driver compiles the PTX.
+        let img = tcc::artifact::persistent_image(&c, 7, &Default::default()).unwrap();
+        let plain = tcc::artifact::write_artifact(&c, tcc::artifact::Target::Cuda, &img);
+        let (ptx, from_ptx) = run(plain);
+        assert_eq!(from_ptx, CodeOrigin::Ptx { why: None });
+        for (name, t) in &ptx.outputs {
+            let e = rel_err(&sass.outputs[name], t);
+            assert!(e <= 1e-6, "{ex}: output `{name}` differs by {e:e}");
+        }
+        let e = params_rel_err(&sass.persistent, &ptx.persistent).unwrap_or(f64::INFINITY);
+        assert!(e <= 1e-6, "{ex}: params differ by {e:e}");
+        eprintln!("{ex}: SASS for {arch}; params within {e:e} of the PTX's");
+        // SASS for another GPU, and bytes that are no cubin: the PTX, with the reason.
+        let m = Model::from_bytes(bytes).unwrap();
+        let (s, cubins) = m.sass().unwrap();
+        // The same cubins without the padding between them.
+        let section: Vec<u8> = cubins.concat();
+        let mut fake = s.clone();
+        let mut at = 0;
+        for p in &mut fake.pieces {
+            p.offset = at;
+            at += p.len;
+        }
+        let mut other = fake.clone();
+        other.arch = "sm_80".into();
+        let garbage = vec![7u8; section.len()];
+        for (sass, bytes, why) in [
+            (&other, &section, "its SASS is for sm_80"),
+            (&fake, &garbage, "not an ELF image"),
+        ] {
+            let art = tcc::artifact::write_artifact_with_sass(
+                &c,
+                tcc::artifact::Target::Cuda,
+                &img,
+                Some((sass, bytes)),
+            );
+            let (r, origin) = run(art);
+            match &origin {
+                CodeOrigin::Ptx { why: Some(w) } => assert!(w.contains(why), "{ex}: {w}"),
+                other => panic!("{ex}: loaded from {other}, not the PTX"),
+            }
+            // Two runs of the same PTX: gpt's split-k reductions add in whatever order the
+            // blocks finish (3.8e-9 apart on an H100).
+            let e = params_rel_err(&r.persistent, &ptx.persistent).unwrap_or(f64::INFINITY);
+            assert!(e <= 1e-6, "{ex}: the fallback's params differ by {e:e}");
+        }
+    }
+}
+
 /// How many GPUs this machine has (0 when none is usable).
 fn gpu_count() -> usize {
     tcc_runtime::cuda_device_count().unwrap_or(0)

@@ -701,3 +701,62 @@ fn ptx_paths_are_chosen_where_they_apply() {
     assert!(!ptx(&f32mm, false).contains("mma.sync"));
     assert!(ptx(&f32mm, true).contains("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"));
 }
+
+/// `tcc build --target cuda` with `ptxas` there: the artifact carries one cubin per piece of
+/// the PTX, every kernel in exactly one (the reader checks it), for the module's `.target`;
+/// the bytes are the same whatever the number of threads assembling them (the piece count is
+/// fixed), so a build is as deterministic as `ptxas` is.
+#[test]
+fn sass_artifacts_hold_every_kernel_whatever_the_threads() {
+    let Some(ptxas) = ptxas() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "ptxas is missing under CI: `pip install nvidia-cuda-nvcc==13.0.88`"
+        );
+        tcc_tests::skipped(
+            "sass_artifacts_hold_every_kernel_whatever_the_threads",
+            "ptxas not found; no SASS assembled",
+        );
+        return;
+    };
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let opts = options_from_args("--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128");
+    let g = compile_pipeline(&src, &opts).unwrap();
+    let c = compile(
+        &g,
+        &CompileOptions {
+            target: Target::Cuda,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let one = tcc_tests::artifact_with_sass(&c, &ptxas, 1).unwrap();
+    let three = tcc_tests::artifact_with_sass(&c, &ptxas, 3).unwrap();
+    assert!(one == three, "the SASS depends on the thread count");
+    let m = tcc_runtime::Model::from_bytes(one).unwrap();
+    let (sass, cubins) = m.sass().expect("the artifact carries SASS");
+    let target = c
+        .code
+        .lines()
+        .find_map(|l| l.strip_prefix(".target "))
+        .unwrap();
+    assert_eq!(sass.arch, target.trim());
+    let kernels = m.manifest().kernels.len();
+    assert!(
+        sass.pieces.len() > 1 && sass.pieces.len() <= tcc::back::sass::PIECES.min(kernels),
+        "{} pieces for {kernels} kernels",
+        sass.pieces.len()
+    );
+    for c in &cubins {
+        assert!(c.starts_with(b"\x7fELF"), "a piece is not an ELF image");
+    }
+    // The PTX is the same as without SASS: it stays the fallback.
+    assert_eq!(m.code(), c.code);
+    eprintln!(
+        "{} kernels in {} cubins for {} ({} bytes)",
+        kernels,
+        sass.pieces.len(),
+        sass.arch,
+        cubins.iter().map(|c| c.len()).sum::<usize>()
+    );
+}

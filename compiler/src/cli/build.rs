@@ -1,7 +1,7 @@
 //! `tcc build`: what `--emit` asks for from the pipeline's product, and the compile line
 //! (kernels, arena, time per stage).
 
-use super::{Emit, Layout, Target};
+use super::{Emit, Layout, SassMode, Target};
 use crate::artifact::{self, CompileOptions};
 use crate::kernel::fuse::FuseOptions;
 use crate::kernel::print::print_kernels;
@@ -9,6 +9,7 @@ use crate::pipeline::{Product, Report};
 use codespan_reporting::term::termcolor::StandardStream;
 use std::io::Write;
 use std::time::Instant;
+use tcc_runtime::artifact::Sass;
 
 /// The target of the CLI as the compiler names it.
 pub fn target(t: Target) -> artifact::Target {
@@ -88,27 +89,107 @@ pub fn compile_line(p: &Product, report: &Report) -> Option<String> {
     ))
 }
 
-/// The bytes `emit` asks for from the pipeline's product; errors are printed.
+/// What `tcc build` writes.
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    pub emit: Emit,
+    pub target: Target,
+    /// Seed of the params' initial values (an artifact's recipes).
+    pub seed: u64,
+    /// Whether a `cuda` artifact carries SASS.
+    pub sass: SassMode,
+}
+
+/// The SASS of `c`'s PTX as `mode` asks (`None`: PTX only); errors are printed, and with
+/// `auto` a `ptxas` that is missing means PTX only, one that fails a warning.
+fn sass(
+    c: &crate::artifact::Compiled,
+    mode: SassMode,
+    stderr: &mut StandardStream,
+) -> Result<Option<(Sass, Vec<u8>)>, ()> {
+    use crate::back::sass::{Ptxas, SassError};
+    if mode == SassMode::Off {
+        return Ok(None);
+    }
+    let found = match Ptxas::find() {
+        Ok(p) => p,
+        Err(SassError::NotFound) if mode == SassMode::Auto => return Ok(None),
+        Err(e) => {
+            let level = if mode == SassMode::Auto {
+                "warning"
+            } else {
+                "error"
+            };
+            let _ = writeln!(stderr, "{level}: {e}");
+            return if mode == SassMode::Auto {
+                Ok(None)
+            } else {
+                Err(())
+            };
+        }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t0 = Instant::now();
+    let spinner = crate::progress::Spinner::start(
+        &format!("assembling SASS with ptxas on {threads} threads"),
+        super::quiet(),
+    );
+    let made = found.assemble(&c.code, threads);
+    drop(spinner);
+    match made {
+        Ok((s, bytes)) => {
+            super::info!(
+                "sass: {} for {} ({} pieces; ptxas: {}) in {:.1} s on {threads} threads",
+                super::run::bytes(bytes.len() as u64),
+                s.arch,
+                s.pieces.len(),
+                found.version,
+                t0.elapsed().as_secs_f64()
+            );
+            Ok(Some((s, bytes)))
+        }
+        Err(e) if mode == SassMode::Auto => {
+            let _ = writeln!(
+                stderr,
+                "warning: {e}\nnote: the artifact carries PTX only (`--sass on` makes this an error)"
+            );
+            Ok(None)
+        }
+        Err(e) => {
+            let _ = writeln!(stderr, "error: {e}");
+            Err(())
+        }
+    }
+}
+
+/// The bytes `out.emit` asks for from the pipeline's product; errors are printed.
 pub fn emit_bytes(
     p: &Product,
-    emit: Emit,
-    t: Target,
-    seed: u64,
+    out: Request,
     locations: Option<&crate::SourceMap>,
     given: &std::collections::BTreeMap<String, crate::eager::Tensor>,
     stderr: &mut StandardStream,
 ) -> Option<Vec<u8>> {
-    match (emit, p) {
+    match (out.emit, p) {
         (Emit::Artifact, Product::Code(c)) => {
-            let t0 = Instant::now();
-            let img = match artifact::persistent_image(c, seed, given) {
+            let img = match artifact::persistent_image(c, out.seed, given) {
                 Ok(i) => i,
                 Err(e) => {
                     let _ = writeln!(stderr, "error: {e}");
                     return None;
                 }
             };
-            let bytes = artifact::write_artifact(c, target(t), &img);
+            let sass = match out.target {
+                Target::Cuda => sass(c, out.sass, stderr).ok()?,
+                Target::Cpu => None,
+            };
+            let t0 = Instant::now();
+            let bytes = artifact::write_artifact_with_sass(
+                c,
+                target(out.target),
+                &img,
+                sass.as_ref().map(|(s, b)| (s, b.as_slice())),
+            );
             super::info!(
                 "artifact: {} ({:.1} ms)",
                 super::run::bytes(bytes.len() as u64),

@@ -155,6 +155,11 @@ pub enum Command {
         /// gradients, then all-gathers the updated params. 0: every rank keeps all of it.
         #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
         zero: u8,
+        /// Machine code for the GPU in a `cuda` artifact, assembled from its PTX by NVIDIA's
+        /// `ptxas` (one process per piece, on every core), so that loading it compiles
+        /// nothing; the PTX stays as the fallback for other GPUs.
+        #[arg(long, value_enum, default_value_t = SassMode::Auto)]
+        sass: SassMode,
         /// Print each node's source line and column.
         #[arg(long)]
         locations: bool,
@@ -515,6 +520,17 @@ pub enum Emit {
     Artifact,
 }
 
+/// Whether a `cuda` artifact carries SASS besides its PTX.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SassMode {
+    /// When `ptxas` is found (`$TCC_PTXAS`, `PATH`, `$CUDA_HOME/bin`); PTX only otherwise.
+    Auto,
+    /// Always: no `ptxas`, or one that fails, is an error.
+    On,
+    /// PTX only (the driver compiles it at load; its JIT cache keeps the result).
+    Off,
+}
+
 fn parse_set(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((n, v)) if !n.trim().is_empty() && !v.trim().is_empty() => {
@@ -573,6 +589,7 @@ pub fn run(cli: Cli) -> ExitCode {
             seed,
             gpus,
             zero,
+            sass,
             remat,
             amp,
         } => {
@@ -582,6 +599,17 @@ pub fn run(cli: Cli) -> ExitCode {
             let Some(amp) = amp_options(&amp, &mut stderr) else {
                 return ExitCode::from(1);
             };
+            if sass == SassMode::On
+                && (emit != Emit::Artifact
+                    || target != Target::Cuda
+                    || pipeline.stop_after.is_some())
+            {
+                let _ = writeln!(
+                    stderr,
+                    "error: `--sass on` needs a `cuda` artifact (`--target cuda`, `--emit artifact`)"
+                );
+                return ExitCode::from(1);
+            }
             // An artifact goes to a file, `STEM.tcc` in the current directory unless `-o`
             // says otherwise; `--stop-after` prints the stage's product as text instead.
             let output = match (emit, output) {
@@ -635,7 +663,13 @@ pub fn run(cli: Cli) -> ExitCode {
                         return ExitCode::from(1);
                     }
                 };
-                match build::emit_bytes(&product, emit, target, seed, map, &given, &mut stderr) {
+                let out = build::Request {
+                    emit,
+                    target,
+                    seed,
+                    sass,
+                };
+                match build::emit_bytes(&product, out, map, &given, &mut stderr) {
                     Some(b) => b,
                     None => return ExitCode::from(1),
                 }
@@ -1087,15 +1121,14 @@ fn run_compiled(
                 return ExitCode::from(1);
             }
         };
-        let Some(bytes) = build::emit_bytes(
-            &product,
-            Emit::Artifact,
+        // The driver compiles the PTX of a program run from source (its JIT cache keeps it).
+        let out = build::Request {
+            emit: Emit::Artifact,
             target,
-            opts.seed,
-            None,
-            &given,
-            stderr,
-        ) else {
+            seed: opts.seed,
+            sass: SassMode::Off,
+        };
+        let Some(bytes) = build::emit_bytes(&product, out, None, &given, stderr) else {
             return ExitCode::from(1);
         };
         let ms = report.total_ms();

@@ -367,7 +367,7 @@ pub fn run_compiled(
         if device == tcc_runtime::Device::Cpu {
             format!(" ({} threads)", s.threads())
         } else {
-            String::new()
+            format!(" ({})", s.code_origin())
         },
         bytes(s.arena_bytes() as u64),
     );

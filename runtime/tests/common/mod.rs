@@ -148,6 +148,7 @@ pub fn tiny_manifest() -> Manifest {
         arena_bytes: 256,
         alignment: ALIGN,
         ranks: None,
+        sass: None,
         inputs: vec![slot("x", DType::F32, &[4], 64)],
         outputs: vec![
             slot("y", DType::F32, &[4], 128),
