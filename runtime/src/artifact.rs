@@ -298,7 +298,7 @@ impl Sass {
                 self.arch
             ));
         }
-        let mut home = std::collections::HashMap::new();
+        let mut home = std::collections::BTreeMap::new();
         let mut end = 0u64;
         for (i, p) in self.pieces.iter().enumerate() {
             match p.offset.checked_add(p.len) {

@@ -246,6 +246,9 @@ pub enum Error {
     /// Allocating the arena failed.
     #[error("could not allocate the {bytes}-byte arena")]
     OutOfMemory { bytes: usize },
+    /// Allocating host memory for something else than the arena failed.
+    #[error("could not allocate {bytes} bytes of host memory for {what}")]
+    HostMemory { what: &'static str, bytes: usize },
     /// The code section failed to parse, verify or compile, or misses a kernel.
     #[error("compiling kernel `{kernel}` failed: {message}")]
     Compile { kernel: String, message: String },
@@ -354,23 +357,32 @@ fn decode<T: Element>(bytes: &[u8]) -> Vec<T> {
 }
 
 /// The persistent region's initial bytes with every param that has a recipe drawn in, on
-/// all the host's cores (`None` when no param has one: the stored section is the image).
+/// all the host's cores (`None` when no param has one: the stored section is the image;
+/// an error when the host cannot allocate it).
 /// [`artifact::validate`] checked that each such slot is a float param inside the region.
-fn draw_params(m: &Manifest, stored: &[u8]) -> Option<Vec<u8>> {
+fn draw_params(m: &Manifest, stored: &[u8]) -> Result<Option<Vec<u8>>> {
     let slots: Vec<_> = m
         .persistent
         .iter()
         .filter_map(|p| Some((&p.slot, p.init?)))
         .collect();
-    let end = slots
+    let Some(end) = slots
         .iter()
         .map(|(s, _)| s.range().end)
         .chain([stored.len()])
-        .max()?;
+        .max()
+    else {
+        return Ok(None);
+    };
     if slots.is_empty() {
-        return None;
+        return Ok(None);
     }
-    let mut img = vec![0u8; end];
+    let mut img = Vec::new();
+    img.try_reserve_exact(end).map_err(|_| Error::HostMemory {
+        what: "the params drawn at load",
+        bytes: end,
+    })?;
+    img.resize(end, 0);
     img[..stored.len()].copy_from_slice(stored);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     for (slot, recipe) in slots {
@@ -383,7 +395,7 @@ fn draw_params(m: &Manifest, stored: &[u8]) -> Option<Vec<u8>> {
             threads,
         );
     }
-    Some(img)
+    Ok(Some(img))
 }
 
 struct ModelInner {
@@ -474,7 +486,7 @@ impl Model {
         let code = std::str::from_utf8(&bytes[code])
             .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
             .to_string();
-        let drawn = draw_params(&manifest, &bytes[persistent.clone()]);
+        let drawn = draw_params(&manifest, &bytes[persistent.clone()])?;
         Ok(Model {
             inner: Arc::new(ModelInner {
                 manifest,

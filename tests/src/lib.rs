@@ -586,8 +586,9 @@ pub fn view_copy_kernels(
 
 /// Configuration of the suite's property tests: `cases` cases from a fixed seed, so that a
 /// run of the suite (CI's included) draws the same programs every time and a failure
-/// reproduces. `PROPTEST_RNG_SEED=<u64>` explores other seeds; a failure's case is saved in
-/// the test's `.proptest-regressions` file, which is replayed before the seeded cases.
+/// reproduces. `PROPTEST_RNG_SEED=<u64>` explores other seeds, and `TCC_FUZZ_SCALE=N` runs
+/// N times as many cases (`scripts/fuzz-campaign.sh`); a failure's case is saved in the
+/// test's `.proptest-regressions` file, which is replayed before the seeded cases.
 pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
     use proptest::test_runner::{Config, RngSeed};
     let base = Config::default();
@@ -595,8 +596,13 @@ pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
         RngSeed::Random => RngSeed::Fixed(0x7cc5_eed0),
         fixed => fixed,
     };
+    let scale = std::env::var("TCC_FUZZ_SCALE")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .filter(|&s| s > 0)
+        .unwrap_or(1);
     Config {
-        cases,
+        cases: cases.saturating_mul(scale),
         rng_seed,
         ..base
     }
