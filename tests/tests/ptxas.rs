@@ -57,6 +57,41 @@ fn programs() -> Vec<(String, String, Options)> {
     v
 }
 
+/// `src` compiled for CUDA twice, the second time channels-last with TF32 matmuls, each
+/// module assembled in `dir`: the modules, and what failed.
+fn assemble_both(
+    what: &str,
+    src: &str,
+    opts: &Options,
+    ptxas: &std::path::Path,
+    dir: &std::path::Path,
+) -> (Vec<String>, Vec<String>) {
+    let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut codes = Vec::new();
+    let mut failures = Vec::new();
+    for channels_last in [false, true] {
+        let c = compile(
+            &g,
+            &CompileOptions {
+                target: Target::Cuda,
+                allow_tf32: channels_last,
+                fuse: FuseOptions {
+                    fuse: true,
+                    channels_last,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        if let Err(e) = assemble_ptx(ptxas, dir, &c.code) {
+            failures.push(format!("{what}: {e}"));
+        }
+        codes.push(c.code);
+    }
+    (codes, failures)
+}
+
 #[test]
 fn every_generated_ptx_module_assembles_for_sm_90() {
     let Some(ptxas) = ptxas() else {
@@ -71,40 +106,50 @@ fn every_generated_ptx_module_assembles_for_sm_90() {
         return;
     };
     let dir = std::env::temp_dir().join(format!("tcc-ptxas-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut failures = Vec::new();
-    let mut split_checked = false;
     let progs = programs();
-    for (what, src, opts) in progs.iter() {
-        let g = compile_pipeline(src, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
-        // The second build is channels-last and lets f32 matmuls use TF32 tensor cores.
-        for channels_last in [false, true] {
-            let c = compile(
-                &g,
-                &CompileOptions {
-                    target: Target::Cuda,
-                    allow_tf32: channels_last,
-                    fuse: FuseOptions {
-                        fuse: true,
-                        channels_last,
-                        ..Default::default()
-                    },
-                    ..Default::default()
-                },
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            if let Err(e) = assemble_ptx(&ptxas, &dir, &c.code) {
-                failures.push(format!("{what}: {e}"));
-            }
-            // The CUDA executor compiles a module in pieces of whole entries on several
-            // threads (tcc_runtime::ptx::split): every module splits, and the pieces of
-            // one with several entries assemble on their own.
-            let Some(pieces) = tcc_runtime::ptx::split(&c.code, 3) else {
+    // Every program compiled twice and assembled, on one thread per core (each thread in its
+    // own directory); then the pieces of one module.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<(usize, Vec<String>, Vec<String>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (next, progs, ptxas) = (&next, &progs, &ptxas);
+                let dir = dir.join(format!("t{t}"));
+                s.spawn(move || {
+                    std::fs::create_dir_all(&dir).unwrap();
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((what, src, opts)) = progs.get(i) else {
+                            break;
+                        };
+                        let (codes, failures) = assemble_both(what, src, opts, ptxas, &dir);
+                        out.push((i, codes, failures));
+                    }
+                    out
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    results.sort_by_key(|r| r.0);
+    let mut failures: Vec<String> = results.iter().flat_map(|r| r.2.clone()).collect();
+    // The CUDA executor compiles a module in pieces of whole entries on several threads
+    // (tcc_runtime::ptx::split): every module splits, and the pieces of the first small one
+    // with 3 pieces assemble on their own (assembling pieces again costs ptxas time).
+    let mut split_checked = false;
+    for (i, codes, _) in &results {
+        for code in codes {
+            let what = &progs[*i].0;
+            let Some(pieces) = tcc_runtime::ptx::split(code, 3) else {
                 failures.push(format!("{what}: the module does not split into pieces"));
                 continue;
             };
-            // (A small one: assembling pieces again costs ptxas time.)
-            if !split_checked && pieces.len() == 3 && c.code.len() < 200_000 {
+            if !split_checked && pieces.len() == 3 && code.len() < 200_000 {
                 split_checked = true;
                 for (i, p) in pieces.iter().enumerate() {
                     if let Err(e) = assemble_ptx(&ptxas, &dir, p) {
