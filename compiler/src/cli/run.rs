@@ -596,10 +596,12 @@ fn run_data_parallel(
         }
     }
     super::info!(
-        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {ranks} ranks in {:.1} ms; arena {} per rank",
+        "model `{}`: {} kernels; {} in {compile_ms:.1} ms, loaded on {ranks} ranks ({}) in {:.1} ms; arena {} per rank",
         model.manifest().model,
         model.manifest().kernels.len(),
         if graph.is_some() { "compiled" } else { "read and checked" },
+        dp.session(0)
+            .map_or_else(String::new, |s| s.code_origin().to_string()),
         t0.elapsed().as_secs_f64() * 1e3,
         bytes(model.arena_bytes() as u64),
     );
