@@ -354,11 +354,13 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
                 slot: slot(g, c, name, n),
                 kind: fmt::PersistentKind::Param,
                 init: persistent.recipes.get(name).copied(),
+                shard_of: None,
             }),
             Op::State { name, .. } => Some(fmt::PersistentSlot {
                 slot: slot(g, c, name, n),
                 kind: fmt::PersistentKind::State,
                 init: None,
+                shard_of: g.shards.get(name).cloned(),
             }),
             _ => None,
         })

@@ -80,6 +80,23 @@ pub struct PersistentSlot {
     /// `persistent` section's (zero past its end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<crate::init::Recipe>,
+    /// ZeRO-1: this optimizer state is one rank's shard of a state shaped like the param
+    /// named here (rank `r` holds block `r` of its elements, zero past their end). Absent:
+    /// every rank holds the whole tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_of: Option<String>,
+}
+
+impl PersistentSlot {
+    /// The shape and bytes of the whole tensor this slot holds a shard of (`None` when it
+    /// is whole, or names no param: [`validate`] refuses that).
+    pub fn whole<'a>(&self, m: &'a Manifest) -> Option<&'a TensorSlot> {
+        let of = self.shard_of.as_ref()?;
+        m.persistent
+            .iter()
+            .find(|p| p.kind == PersistentKind::Param && &p.slot.name == of)
+            .map(|p| &p.slot)
+    }
 }
 
 /// One kernel launch of the step, in launch order.
@@ -678,6 +695,26 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
             if !finite {
                 return bad(format!("param `{name}`: its initialiser is not finite"));
             }
+        }
+    }
+    for p in &m.persistent {
+        let Some(of) = &p.shard_of else { continue };
+        let name = &p.slot.name;
+        let Some(whole) = p.whole(m) else {
+            return bad(format!("`{name}` is a shard of `{of}`, which is no param"));
+        };
+        let ranks = u64::from(m.ranks.unwrap_or(0));
+        let want = whole.elements().map(|n| (n as u64).div_ceil(ranks.max(1)));
+        if p.kind != PersistentKind::State
+            || ranks < 2
+            || p.slot.dtype != whole.dtype
+            || p.slot.shape.len() != 1
+            || want != Some(p.slot.shape[0] as u64)
+        {
+            return bad(format!(
+                "`{name}`: a {} {:?} cannot be one of {ranks} shards of `{of}` ({} {:?})",
+                p.slot.dtype, p.slot.shape, whole.dtype, whole.shape
+            ));
         }
     }
     unique("input", &mut m.inputs.iter().map(|s| &s.name))?;

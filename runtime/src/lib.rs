@@ -398,6 +398,92 @@ fn draw_params(m: &Manifest, stored: &[u8]) -> Result<Option<Vec<u8>>> {
     Ok(Some(img))
 }
 
+/// Serialises persistent tensors (slot, the shape to write, bytes) as safetensors, with
+/// the model's name in the metadata.
+pub(crate) fn serialize_params(
+    model: &Model,
+    tensors: Vec<(&TensorSlot, &Vec<usize>, &[u8])>,
+) -> Result<Vec<u8>> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for (s, shape, bytes) in tensors {
+        let view = safetensors::tensor::TensorView::new(st_dtype(s.dtype), shape.clone(), bytes)
+            .map_err(|e| Error::Safetensors(format!("`{}`: {e}", s.name)))?;
+        views.push((s.name.as_str(), view));
+    }
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("model".to_string(), model.manifest().model.clone());
+    safetensors::tensor::serialize(views, Some(meta)).map_err(|e| Error::Safetensors(e.to_string()))
+}
+
+/// Persistent slots with the bytes a params file holds for them.
+pub(crate) type FoundParams<'m, 'b> = Vec<(&'m PersistentSlot, &'b [u8])>;
+
+/// The persistent tensors a safetensors file holds, each checked against its slot's dtype
+/// and shape, or with `whole`, a ZeRO-1 shard's against the whole tensor's (its param's);
+/// what was found and what was missing. A name the model does not have is an error.
+pub(crate) fn params_in_file<'m, 'b>(
+    model: &'m Model,
+    st: &safetensors::SafeTensors<'b>,
+    whole: bool,
+) -> Result<(FoundParams<'m, 'b>, ParamsLoaded)> {
+    let persistent = model.persistent();
+    let mut unknown: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter(|n| !persistent.iter().any(|p| p.slot.name == **n))
+        .map(str::to_string)
+        .collect();
+    if !unknown.is_empty() {
+        unknown.sort();
+        return Err(Error::UnknownParams {
+            unknown,
+            known: persistent.iter().map(|p| p.slot.name.clone()).collect(),
+        });
+    }
+    let mut report = ParamsLoaded::default();
+    let mut found = Vec::new();
+    for p in persistent {
+        let s = &p.slot;
+        let view = match st.tensor(&s.name) {
+            Ok(v) => v,
+            Err(_) => {
+                report.missing.push(s.name.clone());
+                continue;
+            }
+        };
+        // What the file must hold: the slot, or the whole tensor it is a shard of.
+        let want = match p.whole(model.manifest()) {
+            Some(w) if whole => w,
+            _ => s,
+        };
+        let got = dtype_from_st(view.dtype()).ok_or_else(|| {
+            Error::Safetensors(format!(
+                "`{}` has dtype {:?}, which tcc does not support",
+                s.name,
+                view.dtype()
+            ))
+        })?;
+        if got != want.dtype {
+            return Err(Error::DTypeMismatch {
+                name: s.name.clone(),
+                expected: want.dtype,
+                got,
+            });
+        }
+        if view.shape() != want.shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                name: s.name.clone(),
+                expected: want.shape.clone(),
+                got: view.shape().to_vec(),
+            });
+        }
+        check_bytes(want, view.data().len())?;
+        found.push((p, view.data()));
+        report.loaded.push(s.name.clone());
+    }
+    Ok((found, report))
+}
+
 struct ModelInner {
     manifest: Manifest,
     code: String,
@@ -1313,21 +1399,13 @@ impl<'a> Session<'a> {
     /// Every persistent tensor (params and optimizer state) as safetensors bytes, by name.
     pub fn save_params_bytes(&self) -> Result<Vec<u8>> {
         let arena = self.persistent_region()?;
-        let mut views = Vec::with_capacity(self.model.persistent().len());
-        for p in self.model.persistent() {
-            let s = &p.slot;
-            let view = safetensors::tensor::TensorView::new(
-                st_dtype(s.dtype),
-                s.shape.clone(),
-                &arena[s.range()],
-            )
-            .map_err(|e| Error::Safetensors(format!("`{}`: {e}", s.name)))?;
-            views.push((s.name.as_str(), view));
-        }
-        let mut meta = std::collections::HashMap::new();
-        meta.insert("model".to_string(), self.model.manifest().model.clone());
-        safetensors::tensor::serialize(views, Some(meta))
-            .map_err(|e| Error::Safetensors(e.to_string()))
+        let tensors = self
+            .model
+            .persistent()
+            .iter()
+            .map(|p| (&p.slot, &p.slot.shape, &arena[p.slot.range()]))
+            .collect();
+        serialize_params(&self.model, tensors)
     }
 
     /// Writes [`Session::save_params_bytes`] to `path`, atomically
@@ -1348,56 +1426,11 @@ impl<'a> Session<'a> {
     pub fn load_params_bytes(&mut self, bytes: &[u8]) -> Result<ParamsLoaded> {
         let st = safetensors::SafeTensors::deserialize(bytes)
             .map_err(|e| Error::Safetensors(e.to_string()))?;
-        let persistent = self.model.persistent();
-        let mut unknown: Vec<String> = st
-            .names()
-            .into_iter()
-            .filter(|n| !persistent.iter().any(|p| p.slot.name == **n))
-            .map(str::to_string)
+        let (found, report) = params_in_file(&self.model, &st, false)?;
+        let copies: Vec<_> = found
+            .iter()
+            .map(|(p, data)| (p.slot.range(), *data))
             .collect();
-        if !unknown.is_empty() {
-            unknown.sort();
-            return Err(Error::UnknownParams {
-                unknown,
-                known: persistent.iter().map(|p| p.slot.name.clone()).collect(),
-            });
-        }
-        let mut report = ParamsLoaded::default();
-        let mut copies = Vec::new();
-        for p in persistent {
-            let s = &p.slot;
-            let view = match st.tensor(&s.name) {
-                Ok(v) => v,
-                Err(_) => {
-                    report.missing.push(s.name.clone());
-                    continue;
-                }
-            };
-            let got = dtype_from_st(view.dtype()).ok_or_else(|| {
-                Error::Safetensors(format!(
-                    "`{}` has dtype {:?}, which tcc does not support",
-                    s.name,
-                    view.dtype()
-                ))
-            })?;
-            if got != s.dtype {
-                return Err(Error::DTypeMismatch {
-                    name: s.name.clone(),
-                    expected: s.dtype,
-                    got,
-                });
-            }
-            if view.shape() != s.shape.as_slice() {
-                return Err(Error::ShapeMismatch {
-                    name: s.name.clone(),
-                    expected: s.shape.clone(),
-                    got: view.shape().to_vec(),
-                });
-            }
-            check_bytes(s, view.data().len())?;
-            copies.push((s.range(), view.data()));
-            report.loaded.push(s.name.clone());
-        }
         self.write_arena(&copies)?;
         Ok(report)
     }

@@ -404,6 +404,91 @@ impl DataParallel {
         self.sessions.get_mut(rank)
     }
 
+    /// Rank 0's session (`new` made one per device, and at least one).
+    fn first(&self) -> Result<&Session<'static>> {
+        self.sessions
+            .first()
+            .ok_or(Error::Ranks { built: 1, given: 0 })
+    }
+
+    /// Every persistent tensor as safetensors bytes, as [`Session::save_params_bytes`] does
+    /// for one session: rank 0's params and state, except that a ZeRO-1 state is put back
+    /// together from every rank's shard, in its param's shape. So the file is the one a step
+    /// without ZeRO-1 would save, and loads into either.
+    pub fn save_params_bytes(&self) -> Result<Vec<u8>> {
+        let first = self.first()?;
+        let model = first.model().clone();
+        let m = model.manifest();
+        let mut whole: Vec<(usize, Vec<u8>)> = Vec::new();
+        for (i, p) in model.persistent().iter().enumerate() {
+            let Some(w) = p.whole(m) else { continue };
+            let mut bytes = Vec::with_capacity(p.slot.bytes as usize * self.sessions.len());
+            for s in &self.sessions {
+                bytes.extend_from_slice(s.param_bytes(&p.slot.name)?);
+            }
+            bytes.truncate(w.bytes as usize);
+            whole.push((i, bytes));
+        }
+        let mut tensors = Vec::with_capacity(model.persistent().len());
+        for (i, p) in model.persistent().iter().enumerate() {
+            match (whole.iter().find(|(j, _)| *j == i), p.whole(m)) {
+                (Some((_, bytes)), Some(w)) => tensors.push((&p.slot, &w.shape, bytes.as_slice())),
+                _ => tensors.push((&p.slot, &p.slot.shape, first.param_bytes(&p.slot.name)?)),
+            }
+        }
+        crate::serialize_params(&model, tensors)
+    }
+
+    /// Writes [`DataParallel::save_params_bytes`] to `path`, atomically.
+    pub fn save_params(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let bytes = self.save_params_bytes()?;
+        crate::fsutil::write_atomic(path, &bytes).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// Loads persistent tensors by name into every rank, as [`Session::load_params_bytes`]
+    /// does for one session; a ZeRO-1 state is read whole (in its param's shape, as
+    /// [`DataParallel::save_params_bytes`] and a step without ZeRO-1 save it) and each rank
+    /// takes its shard. On an error nothing is written.
+    pub fn load_params_bytes(&mut self, bytes: &[u8]) -> Result<crate::ParamsLoaded> {
+        let model = self.first()?.model().clone();
+        let st = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| Error::Safetensors(e.to_string()))?;
+        let (found, report) = crate::params_in_file(&model, &st, true)?;
+        for (r, s) in self.sessions.iter_mut().enumerate() {
+            for (p, data) in &found {
+                if p.shard_of.is_none() {
+                    s.set_param_bytes(&p.slot.name, data)?;
+                    continue;
+                }
+                // Block `r` of the whole state's bytes, zero past their end.
+                let len = p.slot.bytes as usize;
+                let mut shard = vec![0u8; len];
+                let from = (r * len).min(data.len());
+                let to = ((r + 1) * len).min(data.len());
+                shard[..to - from].copy_from_slice(&data[from..to]);
+                s.set_param_bytes(&p.slot.name, &shard)?;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Reads `path` and loads it with [`DataParallel::load_params_bytes`].
+    pub fn load_params(
+        &mut self,
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<crate::ParamsLoaded> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.load_params_bytes(&bytes)
+    }
+
     /// Sets input `name` on every rank from the whole batch's bytes: split into equal
     /// parts along the first axis when it holds `ranks` times the input's bytes, or given
     /// to every rank whole when it holds exactly the input's bytes.

@@ -549,3 +549,53 @@ fn sass_runs_on_its_compute_capability() {
     assert_eq!(sass("sm_x0").capability(), None);
     assert!(!sass("sm_").runs_on(9, 0));
 }
+
+#[test]
+fn shards_must_be_one_of_ranks_blocks_of_a_param() {
+    use artifact::{PersistentKind, PersistentSlot};
+    // `w` is f32[4]; on 2 ranks its state's shard is f32[2].
+    let shard = |shape: &[usize], of: &str, kind, ranks| {
+        let shape = shape.to_vec();
+        let of = of.to_string();
+        move |m: &mut artifact::Manifest| {
+            m.ranks = Some(ranks);
+            m.plan.persistent_bytes = 128;
+            m.persistent.push(PersistentSlot {
+                slot: slot("w.m", DType::F32, &shape, 64),
+                kind,
+                init: None,
+                shard_of: Some(of),
+            });
+        }
+    };
+    let ok = {
+        let mut m = tiny_manifest();
+        shard(&[2], "w", PersistentKind::State, 2)(&mut m);
+        m
+    };
+    assert!(artifact::validate(&ok).is_ok());
+    assert_eq!(
+        ok.persistent[1].whole(&ok).map(|s| s.shape.clone()),
+        Some(vec![4])
+    );
+    rejects(
+        shard(&[2], "v", PersistentKind::State, 2),
+        "which is no param",
+    );
+    rejects(
+        shard(&[3], "w", PersistentKind::State, 2),
+        "cannot be one of 2 shards",
+    );
+    rejects(
+        shard(&[2], "w", PersistentKind::State, 1),
+        "cannot be one of 1 shards",
+    );
+    rejects(
+        shard(&[2], "w", PersistentKind::Param, 2),
+        "cannot be one of 2 shards",
+    );
+    rejects(
+        shard(&[1, 2], "w", PersistentKind::State, 2),
+        "cannot be one of 2 shards",
+    );
+}

@@ -358,26 +358,31 @@ fn other_element_types_round_trip_through_params() {
             slot: slot("w", DType::F32, &[4], 0),
             kind: PersistentKind::Param,
             init: None,
+            shard_of: None,
         },
         PersistentSlot {
             slot: slot("h", DType::F16, &[3], 64),
             kind: PersistentKind::Param,
             init: None,
+            shard_of: None,
         },
         PersistentSlot {
             slot: slot("b", DType::Bf16, &[2], 128),
             kind: PersistentKind::Param,
             init: None,
+            shard_of: None,
         },
         PersistentSlot {
             slot: slot("n", DType::I32, &[], 192),
             kind: PersistentKind::State,
             init: None,
+            shard_of: None,
         },
         PersistentSlot {
             slot: slot("mask", DType::Bool, &[5], 256),
             kind: PersistentKind::State,
             init: None,
+            shard_of: None,
         },
     ];
     m.plan.persistent_bytes = 320;

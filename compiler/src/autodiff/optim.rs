@@ -93,9 +93,13 @@ pub fn lower_sharded(
             }
         };
         let state = |b: &mut Builder, suffix: &str| {
+            let state = format!("{name}.{suffix}");
+            if ranks.is_some() {
+                b.g.shards.insert(state.clone(), name.clone());
+            }
             b.add(
                 Op::State {
-                    name: format!("{name}.{suffix}"),
+                    name: state,
                     ty: ty.clone(),
                 },
                 vec![],

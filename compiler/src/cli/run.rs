@@ -299,6 +299,24 @@ fn report_step(
     }
 }
 
+/// The line `--params` prints: what a params file held of the model's persistent tensors.
+fn report_loaded(path: &std::path::Path, loaded: &tcc_runtime::ParamsLoaded) {
+    super::info!(
+        "loaded {} of {} persistent tensors from {}{}",
+        loaded.loaded.len(),
+        loaded.loaded.len() + loaded.missing.len(),
+        path.display(),
+        if loaded.missing.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; not in the file, kept as initialised: {}",
+                loaded.missing.join(", ")
+            )
+        }
+    );
+}
+
 /// Every `--input NAME=FILE` must name an input of the model.
 fn check_input_names(model: &tcc_runtime::Model, opts: &RunOptions) -> Result<(), String> {
     for (name, _) in &opts.inputs {
@@ -373,20 +391,7 @@ pub fn run_compiled(
     );
     if let Some(path) = &opts.param_file {
         let loaded = s.load_params(path).map_err(|e| e.to_string())?;
-        super::info!(
-            "loaded {} of {} persistent tensors from {}{}",
-            loaded.loaded.len(),
-            loaded.loaded.len() + loaded.missing.len(),
-            path.display(),
-            if loaded.missing.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; not in the file, kept as initialised: {}",
-                    loaded.missing.join(", ")
-                )
-            }
-        );
+        report_loaded(path, &loaded);
     }
     let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
     let random = graph.map(|g| eager::random_inputs(g, opts.seed));
@@ -605,27 +610,10 @@ fn run_data_parallel(
         t0.elapsed().as_secs_f64() * 1e3,
         bytes(model.arena_bytes() as u64),
     );
-    // A ZeRO-1 step's optimizer state is one shard per rank: a params file holds whole
-    // tensors (or one rank's shards), so neither loads nor saves it faithfully yet.
-    let sharded = model.manifest().kernels.iter().any(|k| {
-        k.collective
-            .as_ref()
-            .is_some_and(|c| c.op == tcc_runtime::artifact::CollectiveOp::Shard)
-    });
-    if sharded && (opts.param_file.is_some() || opts.save_params.is_some()) {
-        return Err(
-            "`--params` and `--save-params` do not handle a ZeRO-1 step's sharded \
-                    optimizer state yet (each rank holds one shard): run without `--zero 1` \
-                    to load or save a checkpoint"
-                .into(),
-        );
-    }
+    // A ZeRO-1 state is read whole from the file and sharded over the ranks.
     if let Some(path) = &opts.param_file {
-        for r in 0..ranks {
-            if let Some(s) = dp.session_mut(r) {
-                s.load_params(path).map_err(|e| e.to_string())?;
-            }
-        }
+        let loaded = dp.load_params(path).map_err(|e| e.to_string())?;
+        report_loaded(path, &loaded);
     }
     check_input_names(model, opts)?;
     // Each input's bytes for every rank (the whole batch, rank after rank).
@@ -738,10 +726,10 @@ fn run_data_parallel(
         }
     }
     if let Some(path) = &opts.save_params {
-        let s = dp.session(0).ok_or("no rank 0")?;
-        s.save_params(path).map_err(|e| e.to_string())?;
+        dp.save_params(path).map_err(|e| e.to_string())?;
         super::info!(
-            "saved params (rank 0's; every rank holds the same) to {}",
+            "saved params (rank 0's, every rank holds the same; ZeRO-1 state put back \
+             together from the ranks' shards) to {}",
             path.display()
         );
     }

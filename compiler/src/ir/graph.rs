@@ -137,6 +137,9 @@ pub struct Graph {
     /// with `1/N` and put an `all_reduce` on every gradient the optimizer applies); `None`
     /// for a step that runs alone.
     pub ranks: Option<usize>,
+    /// ZeRO-1 (`--zero 1`): each optimizer state that holds one rank's shard of a param's
+    /// state, by name, with that param's name (the whole state is shaped like the param).
+    pub shards: std::collections::BTreeMap<String, String>,
 }
 
 /// The largest tensor a program may make, in bytes (1 TiB): far above any device's
@@ -421,6 +424,7 @@ impl Graph {
             .filter_map(|(p, d)| Some((m(p)?, m(d)?)))
             .collect();
         out.ranks = self.ranks;
+        out.shards = self.shards.clone();
         out
     }
 

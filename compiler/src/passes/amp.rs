@@ -285,6 +285,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         .map(|(p, d)| Ok((m(p)?, m(d)?)))
         .collect::<Result<_, TypeError>>()?;
     h.ranks = g.ranks;
+    h.shards = g.shards.clone();
     Ok(h)
 }
 

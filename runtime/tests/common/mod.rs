@@ -158,6 +158,7 @@ pub fn tiny_manifest() -> Manifest {
             slot: slot("w", DType::F32, &[4], 0),
             kind: PersistentKind::Param,
             init: None,
+            shard_of: None,
         }],
         kernels: vec![kernel("k0", 4, false), kernel("k1", 4, true)],
         plan: PlanInfo {
