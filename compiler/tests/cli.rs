@@ -1236,3 +1236,24 @@ fn sass_in_cuda_artifacts() {
     assert_eq!(off.code(), with.code());
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `--zero 1` without `--gpus N` is an error on every command that takes it.
+#[test]
+fn zero_needs_gpus_on_every_command() {
+    for cmd in [
+        &["mem"][..],
+        &["build"],
+        &["run"],
+        &["fit", "--mem-budget", "1GiB", "--grow", "B"],
+    ] {
+        let mut args = cmd.to_vec();
+        args.extend(["--zero", "1", "examples/mlp.tdsl"]);
+        let o = tcc(&args);
+        assert_eq!(o.status.code(), Some(1), "{cmd:?}");
+        let e = stderr(&o);
+        assert!(
+            e.contains("`--zero 1`") && e.contains("`--gpus N`"),
+            "{cmd:?}: {e}"
+        );
+    }
+}
