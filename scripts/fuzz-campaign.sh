@@ -7,14 +7,18 @@
 # tests/tests/*.proptest-regressions.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+status=0
 run() {
-    local scale="$1" start
+    local scale="$1" start rc
     shift
     start=$(date +%s)
-    TCC_FUZZ_SCALE="$scale" cargo test -p tcc-tests "$@" 2>&1 \
-        | grep -E "^test |test result|panicked|minimal failing"
-    echo "-- scale $scale: $(( $(date +%s) - start )) s"
+    TCC_FUZZ_SCALE="$scale" cargo test -p tcc-tests "$@" >"${TMPDIR:-/tmp}/tcc-fuzz.log" 2>&1
+    rc=$?
+    grep -E "^test |test result|panicked|minimal failing|^error" "${TMPDIR:-/tmp}/tcc-fuzz.log"
+    echo "-- scale $scale: $(( $(date +%s) - start )) s, exit $rc"
+    return $rc
 }
-run "${FRONT:-250}" --test no_panic -- never_panic --skip anywhere
-run "${WHOLE:-100}" --test no_panic -- anywhere
-run "${LOADER:-10}" --test artifact_integrity -- edited_manifests
+run "${FRONT:-250}" --test no_panic -- never_panic --skip anywhere || status=1
+run "${WHOLE:-100}" --test no_panic -- anywhere || status=1
+run "${LOADER:-10}" --test artifact_integrity -- edited_manifests || status=1
+exit $status

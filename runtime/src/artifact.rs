@@ -269,6 +269,9 @@ pub struct Sass {
     pub arch: String,
     /// The `ptxas` that made them (its `--version` line naming the release).
     pub assembler: String,
+    /// The FNV-1a 64 of the PTX they were made from (the `code` section's), as 16 hex
+    /// digits: cubins of other PTX are refused.
+    pub code_fnv1a64: String,
     pub pieces: Vec<SassPiece>,
 }
 
@@ -307,8 +310,20 @@ impl Sass {
     }
 
     /// Checks the pieces against the section's length and the kernels: every piece lies in
-    /// the section, after the previous one, and every kernel is in exactly one piece.
-    pub fn check(&self, section_len: u64, kernels: &[KernelEntry]) -> Result<(), String> {
+    /// the section, after the previous one, and every kernel is in exactly one piece; and
+    /// that the cubins were made from the PTX whose checksum is `code_fnv1a64`.
+    pub fn check(
+        &self,
+        section_len: u64,
+        kernels: &[&str],
+        code_fnv1a64: &str,
+    ) -> Result<(), String> {
+        if self.code_fnv1a64 != code_fnv1a64 {
+            return Err(format!(
+                "SASS made from PTX with checksum `{}`, but the code section's is `{code_fnv1a64}`",
+                self.code_fnv1a64
+            ));
+        }
         if self.capability().is_none() {
             return Err(format!(
                 "SASS architecture `{}` is not `sm_NN` or `sm_NNa`",
@@ -318,13 +333,23 @@ impl Sass {
         let mut home = std::collections::BTreeMap::new();
         let mut end = 0u64;
         for (i, p) in self.pieces.iter().enumerate() {
+            let at = format!(
+                "SASS piece {i} (bytes [{}, {}+{}))",
+                p.offset, p.offset, p.len
+            );
+            if p.len == 0 {
+                return Err(format!("{at} is empty"));
+            }
+            if p.offset < end {
+                return Err(format!(
+                    "{at} overlaps the piece before, which ends at {end}"
+                ));
+            }
             match p.offset.checked_add(p.len) {
-                Some(e) if p.offset >= end && e <= section_len && p.len > 0 => end = e,
+                Some(e) if e <= section_len => end = e,
                 _ => {
                     return Err(format!(
-                        "SASS piece {i}: bytes [{}, {}+{}) are empty, overlap the piece before \
-                         or lie outside the {section_len}-byte `sass` section",
-                        p.offset, p.offset, p.len
+                        "{at} lies outside the {section_len}-byte `sass` section"
                     ))
                 }
             }
@@ -335,8 +360,8 @@ impl Sass {
             }
         }
         for k in kernels {
-            if home.remove(k.name.as_str()).is_none() {
-                return Err(format!("SASS: no piece holds kernel `{}`", k.name));
+            if home.remove(k).is_none() {
+                return Err(format!("SASS: no piece holds kernel `{k}`"));
             }
         }
         if let Some(e) = home.keys().next() {

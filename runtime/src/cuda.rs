@@ -2,8 +2,9 @@
 //! its kernels on one stream, replaying the step as a CUDA graph whose edges are the
 //! manifest's kernel dependencies (`after`), so that independent kernels may overlap.
 //!
-//! The kernel ABI is in `ARTIFACT.md`: one PTX module (loaded in pieces of whole entries on
-//! several threads, see `load_modules`), one `.entry` per kernel, each taking
+//! The kernel ABI is in `ARTIFACT.md`: one PTX module (compiled in pieces of whole entries
+//! on several threads, see `load_ptx`, unless the artifact's SASS loads: `load_modules`),
+//! one `.entry` per kernel, each taking
 //! the arena's device address as its only parameter (`.param .u64 arena`) and launched with
 //! the manifest's `launch` shape.
 //!
@@ -238,7 +239,7 @@ impl Drop for DeviceArena {
     }
 }
 
-/// The loaded PTX module.
+/// A loaded module (a cubin: a piece of the PTX the driver compiled, or of the SASS).
 struct Module {
     raw: sys::CUmodule,
     ctx: Arc<CudaContext>,
@@ -251,7 +252,7 @@ unsafe impl Send for Module {}
 impl Drop for Module {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: `raw` was loaded by `load_module` and is unloaded only here, once; the
+        // SAFETY: `raw` was loaded by `load_module` or `load_cubin` and is unloaded only here, once; the
         // graph and kernels that refer to its functions are dropped or unused by then.
         let _ = unsafe { result::module::unload(self.raw) };
     }
@@ -336,7 +337,7 @@ pub(crate) struct CudaExecutor {
     /// the next `run`.
     pending: Option<Error>,
     arena: DeviceArena,
-    /// Keep the kernels' functions loaded (the PTX in pieces, see `load_modules`).
+    /// Keep the kernels' functions loaded (the modules of `load_modules`).
     _modules: Vec<Module>,
     /// Where the loaded kernels' machine code came from.
     origin: CodeOrigin,
@@ -420,20 +421,57 @@ fn check_model(model: &Model) -> Result<()> {
 /// Which module holds each entry (`None`: the first).
 type Home = Box<dyn Fn(&str) -> Option<usize>>;
 
+/// The module of each piece that holds each entry (`names` gives a piece's entries).
+fn home_of<'a, I: Iterator<Item = &'a str>>(pieces: impl Iterator<Item = I>) -> Home {
+    let mut home = std::collections::HashMap::new();
+    for (i, names) in pieces.enumerate() {
+        for name in names {
+            home.insert(name.to_string(), i);
+        }
+    }
+    Box::new(move |name: &str| home.get(name).copied())
+}
+
+/// Every kernel of the manifest, looked up in the module that holds it.
+fn resolve_all(model: &Model, modules: &[Module], home: &Home) -> Result<Vec<Kernel>> {
+    model
+        .manifest()
+        .kernels
+        .iter()
+        .map(|k| {
+            let m = home(&k.name)
+                .and_then(|i| modules.get(i))
+                .or(modules.first())
+                .ok_or_else(|| Error::Compile {
+                    kernel: k.name.clone(),
+                    message: "no module was loaded".into(),
+                })?;
+            resolve_kernel(m, k)
+        })
+        .collect()
+}
+
 /// Loads the model's kernels: from the artifact's SASS when it has some for this GPU
-/// ([`load_sass`]), else from its PTX ([`load_ptx`]); a SASS that does not load falls back
-/// to the PTX, and the origin says why.
-fn load_modules(ctx: &Arc<CudaContext>, model: &Model) -> Result<(Vec<Module>, Home, CodeOrigin)> {
+/// ([`load_sass`]), else from its PTX ([`load_ptx`]). SASS that does not load, or lacks a
+/// kernel, falls back to the PTX, and the origin says why (as does an error of the PTX).
+fn load_modules(
+    ctx: &Arc<CudaContext>,
+    model: &Model,
+) -> Result<(Vec<Module>, Vec<Kernel>, CodeOrigin)> {
     let mut why = None;
     if let Some((sass, cubins)) = model.sass() {
         match ctx.compute_capability() {
             Ok((major, minor)) if sass.runs_on(major as u32, minor as u32) => {
-                match load_sass(ctx, sass, &cubins) {
-                    Ok((modules, home)) => {
+                let loaded = load_sass(ctx, sass, &cubins).and_then(|(modules, home)| {
+                    let kernels = resolve_all(model, &modules, &home)?;
+                    Ok((modules, kernels))
+                });
+                match loaded {
+                    Ok((modules, kernels)) => {
                         let origin = CodeOrigin::Sass {
                             arch: sass.arch.clone(),
                         };
-                        return Ok((modules, home, origin));
+                        return Ok((modules, kernels, origin));
                     }
                     Err(e) => why = Some(format!("its SASS for {} did not load: {e}", sass.arch)),
                 }
@@ -447,8 +485,18 @@ fn load_modules(ctx: &Arc<CudaContext>, model: &Model) -> Result<(Vec<Module>, H
             Err(e) => why = Some(format!("the GPU's compute capability: {}", describe(e))),
         }
     }
-    let (modules, home) = load_ptx(ctx, model.code())?;
-    Ok((modules, home, CodeOrigin::Ptx { why }))
+    let ptx = load_ptx(ctx, model.code()).and_then(|(modules, home)| {
+        let kernels = resolve_all(model, &modules, &home)?;
+        Ok((modules, kernels))
+    });
+    match (ptx, why) {
+        (Ok((modules, kernels)), why) => Ok((modules, kernels, CodeOrigin::Ptx { why })),
+        (Err(Error::Compile { kernel, message }), Some(w)) => Err(Error::Compile {
+            kernel,
+            message: format!("{message} (the artifact's SASS was not used: {w})"),
+        }),
+        (Err(e), _) => Err(e),
+    }
 }
 
 /// Loads the cubins of the artifact's `sass` section, one module each (nothing compiles).
@@ -461,13 +509,12 @@ fn load_sass(
         .iter()
         .map(|c| load_cubin(ctx, c))
         .collect::<Result<Vec<_>>>()?;
-    let home: std::collections::HashMap<String, usize> = sass
-        .pieces
-        .iter()
-        .enumerate()
-        .flat_map(|(i, p)| p.entries.iter().map(move |e| (e.clone(), i)))
-        .collect();
-    Ok((modules, Box::new(move |name: &str| home.get(name).copied())))
+    let home = home_of(
+        sass.pieces
+            .iter()
+            .map(|p| p.entries.iter().map(String::as_str)),
+    );
+    Ok((modules, home))
 }
 
 /// Loads PTX `code`. Loading a PTX module compiles it on the loading thread, and the
@@ -493,13 +540,8 @@ fn load_ptx(ctx: &Arc<CudaContext>, code: &str) -> Result<(Vec<Module>, Home)> {
     let pieces = crate::ptx::split(code, 4 * threads).unwrap_or_default();
     if threads > 1 && pieces.len() > 1 {
         if let Ok(modules) = load_pieces(ctx, &pieces, threads) {
-            let mut home = std::collections::HashMap::new();
-            for (i, p) in pieces.iter().enumerate() {
-                for name in crate::ptx::entry_names(p) {
-                    home.insert(name.to_string(), i);
-                }
-            }
-            return Ok((modules, Box::new(move |name: &str| home.get(name).copied())));
+            let home = home_of(pieces.iter().map(|p| crate::ptx::entry_names(p)));
+            return Ok((modules, home));
         }
     }
     Ok((vec![load_module(ctx, code)?], Box::new(|_: &str| None)))
@@ -624,27 +666,21 @@ fn link_cubin(code: &str) -> Result<Vec<u8>> {
 /// Loads a cubin (from [`link_cubin`], or an artifact's `sass` section) into the current
 /// context (no compilation).
 fn load_cubin(ctx: &Arc<CudaContext>, cubin: &[u8]) -> Result<Module> {
-    // The driver reads an ELF image's length from its headers: refuse bytes too short to
-    // hold them (an artifact's section is checksummed, so its cubins are what `ptxas`
-    // wrote; trusting them is the artifact's trust model, see ARTIFACT.md).
-    if cubin.len() < 64 || !cubin.starts_with(b"\x7fELF") {
-        return Err(Error::Compile {
-            kernel: "(code section)".into(),
-            message: "a compiled piece is not an ELF image".into(),
-        });
-    }
+    // The driver follows the offsets in an ELF image's headers from the pointer alone.
+    crate::ptx::check_elf(cubin).map_err(|e| Error::Compile {
+        kernel: "(code section)".into(),
+        message: format!("a cubin is malformed: {e}"),
+    })?;
     let mut raw: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: `cubin` is an ELF image (checked above) from the driver's linker or from a
-    // checksummed section `ptxas` wrote, alive for the call; `raw` is a valid place for the
-    // handle; the context is current.
+    // SAFETY: `check_elf` checked that `cubin` is an ELF64 image whose headers, segments and
+    // sections all lie inside the slice, which stays alive for the call (what the code does
+    // is the artifact's trust model, ARTIFACT.md); `raw` is a valid place for the handle;
+    // the context is current.
     unsafe { sys::cuModuleLoadData(&mut raw, cubin.as_ptr().cast::<c_void>()) }
         .result()
         .map_err(|e| Error::Compile {
             kernel: "(code section)".into(),
-            message: format!(
-                "loading a compiled piece of the PTX failed: {}",
-                describe(e)
-            ),
+            message: format!("loading a cubin failed: {}", describe(e)),
         })?;
     if raw.is_null() {
         return Err(Error::Compile {
@@ -726,7 +762,7 @@ fn resolve_kernel(module: &Module, entry: &KernelEntry) -> Result<Kernel> {
     let func = unsafe { result::module::get_function(module.raw, name) }.map_err(|e| {
         kernel_error(match e.0 {
             sys::CUresult::CUDA_ERROR_NOT_FOUND => {
-                format!("the PTX module has no `.entry {}`", entry.name)
+                format!("the loaded code has no kernel `{}`", entry.name)
             }
             _ => format!("looking the kernel up failed: {}", describe(e)),
         })
@@ -806,22 +842,7 @@ impl CudaExecutor {
             "querying the memory of cuda:{ordinal}"
         )))?;
 
-        let (modules, home, origin) = load_modules(&ctx, model)?;
-        let kernels = model
-            .manifest()
-            .kernels
-            .iter()
-            .map(|k| {
-                let m = home(&k.name)
-                    .and_then(|i| modules.get(i))
-                    .or(modules.first())
-                    .ok_or_else(|| Error::Compile {
-                        kernel: k.name.clone(),
-                        message: "no PTX module was loaded".into(),
-                    })?;
-                resolve_kernel(m, k)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (modules, kernels, origin) = load_modules(&ctx, model)?;
 
         let arena = DeviceArena::new(&ctx, model.arena_bytes())?;
         let staged = |slots: &[crate::TensorSlot], what: &str| {

@@ -54,7 +54,8 @@
 //! needs no CUDA toolkit, and a machine without a driver or a GPU gets an [`Error::Cuda`]
 //! (never a panic); [`cuda_device_count`] tells whether there is one. A CUDA session makes
 //! exactly one device allocation, the arena (`cuMemAlloc`, 256-byte aligned: an artifact
-//! asking for more is refused), loads the PTX once and builds the step into a CUDA graph
+//! asking for more is refused), loads the kernels once (the artifact's SASS for this GPU
+//! when it has some, else its PTX, compiled by the driver) and builds the step into a CUDA graph
 //! (a node per kernel, an edge per dependency the artifact lists, so independent kernels
 //! may overlap) that every [`Session::run`] replays ([`Session::set_cuda_graph`] turns that
 //! off for debugging). The API is the CPU one, with the data moving as a GPU program
@@ -548,7 +549,9 @@ impl Model {
         let sass = match (&manifest.sass, find("sass").ok()) {
             (None, None) => None,
             (Some(s), Some(r)) if manifest.target == Target::Cuda => {
-                s.check(r.len() as u64, &manifest.kernels)
+                let code_sum = manifest.section("code").map_or("", |c| c.fnv1a64.as_str());
+                let names: Vec<&str> = manifest.kernels.iter().map(|k| k.name.as_str()).collect();
+                s.check(r.len() as u64, &names, code_sum)
                     .map_err(Error::BadManifest)?;
                 Some(r)
             }
@@ -626,11 +629,16 @@ impl Model {
     pub fn sass(&self) -> Option<(&artifact::Sass, Vec<&[u8]>)> {
         let s = self.inner.manifest.sass.as_ref()?;
         let section = self.inner.bytes.get(self.inner.sass.clone()?)?;
-        // `Sass::check` put every piece inside the section.
+        // `Sass::check` put every piece inside the section; a piece that is not reads as no
+        // SASS at all.
         let cubins = s
             .pieces
             .iter()
-            .map(|p| section.get(p.offset as usize..(p.offset + p.len) as usize))
+            .map(|p| {
+                let start = usize::try_from(p.offset).ok()?;
+                let end = start.checked_add(usize::try_from(p.len).ok()?)?;
+                section.get(start..end)
+            })
             .collect::<Option<Vec<_>>>()?;
         Some((s, cubins))
     }

@@ -54,6 +54,77 @@ pub fn entry_names(code: &str) -> impl Iterator<Item = &str> {
     })
 }
 
+/// Checks that `b` is a 64-bit little-endian ELF image whose headers, program segments and
+/// sections all lie inside it, as a cubin `ptxas` writes is. The driver reads a cubin from
+/// a pointer alone, following the offsets in its headers, so the CUDA executor checks an
+/// artifact's cubins with this before handing them over.
+pub fn check_elf(b: &[u8]) -> Result<(), String> {
+    let u16_at = |o: usize| -> Option<u64> {
+        Some(u64::from(u16::from_le_bytes(
+            b.get(o..o + 2)?.try_into().ok()?,
+        )))
+    };
+    let u32_at = |o: usize| -> Option<u64> {
+        Some(u64::from(u32::from_le_bytes(
+            b.get(o..o + 4)?.try_into().ok()?,
+        )))
+    };
+    let u64_at =
+        |o: usize| -> Option<u64> { Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?)) };
+    let len = b.len() as u64;
+    if b.len() < 64 || !b.starts_with(b"\x7fELF") {
+        return Err("not an ELF image".into());
+    }
+    if b[4] != 2 || b[5] != 1 {
+        return Err("not a 64-bit little-endian ELF image".into());
+    }
+    let header = |o: usize| u16_at(o).ok_or_else(|| "a truncated ELF header".to_string());
+    let (ehsize, phentsize, phnum) = (header(0x34)?, header(0x36)?, header(0x38)?);
+    let (shentsize, shnum, shstrndx) = (header(0x3a)?, header(0x3c)?, header(0x3e)?);
+    let offset = |o: usize| u64_at(o).ok_or_else(|| "a truncated ELF header".to_string());
+    let (phoff, shoff) = (offset(0x20)?, offset(0x28)?);
+    if ehsize < 64 {
+        return Err(format!("an ELF header of {ehsize} bytes"));
+    }
+    // A table of `n` entries of `size` bytes (at least `min`) at `off`, inside the image.
+    let table = |what: &str, off: u64, n: u64, size: u64, min: u64| -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        match n.checked_mul(size).and_then(|t| t.checked_add(off)) {
+            Some(end) if size >= min && end <= len => Ok(()),
+            _ => Err(format!(
+                "its {what} table ({n} entries of {size} bytes at {off}) does not fit its {len} bytes"
+            )),
+        }
+    };
+    table("program header", phoff, phnum, phentsize, 56)?;
+    table("section header", shoff, shnum, shentsize, 64)?;
+    if shnum > 0 && shstrndx >= shnum {
+        return Err(format!(
+            "its section names are in section {shstrndx} of {shnum}"
+        ));
+    }
+    let inside = |what: &str, i: u64, off: Option<u64>, size: Option<u64>| -> Result<(), String> {
+        match (off, size) {
+            (Some(o), Some(s)) if o.checked_add(s).is_some_and(|e| e <= len) => Ok(()),
+            _ => Err(format!("its {what} {i} lies outside its {len} bytes")),
+        }
+    };
+    for i in 0..phnum {
+        let at = (phoff + i * phentsize) as usize;
+        inside("segment", i, u64_at(at + 8), u64_at(at + 0x20))?;
+    }
+    for i in 0..shnum {
+        let at = (shoff + i * shentsize) as usize;
+        // SHT_NOBITS (8) takes no bytes of the file.
+        if u32_at(at + 4) != Some(8) {
+            inside("section", i, u64_at(at + 0x18), u64_at(at + 0x20))?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,5 +182,76 @@ mod tests {
         assert!(split(&two(""), 4).is_some());
         // No entry at all: nothing to split along.
         assert_eq!(split(PRE, 4), None);
+    }
+
+    /// A minimal ELF64 image: the header, one section header (a 16-byte section at 128),
+    /// no segments.
+    fn elf() -> Vec<u8> {
+        let mut b = vec![0u8; 208];
+        b[..4].copy_from_slice(b"\x7fELF");
+        b[4] = 2;
+        b[5] = 1;
+        b[0x28..0x30].copy_from_slice(&144u64.to_le_bytes()); // e_shoff
+        b[0x34..0x36].copy_from_slice(&64u16.to_le_bytes()); // e_ehsize
+        b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes()); // e_shentsize
+        b[0x3c..0x3e].copy_from_slice(&1u16.to_le_bytes()); // e_shnum
+        b[144 + 4..144 + 8].copy_from_slice(&1u32.to_le_bytes()); // SHT_PROGBITS
+        b[144 + 0x18..144 + 0x20].copy_from_slice(&128u64.to_le_bytes());
+        b[144 + 0x20..144 + 0x28].copy_from_slice(&16u64.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn elf_images_whose_offsets_leave_them_are_refused() {
+        assert_eq!(check_elf(&elf()), Ok(()));
+        let bad = |edit: &dyn Fn(&mut Vec<u8>), needle: &str| {
+            let mut b = elf();
+            edit(&mut b);
+            match check_elf(&b) {
+                Err(e) => assert!(e.contains(needle), "{needle}: {e}"),
+                Ok(()) => panic!("{needle}: accepted"),
+            }
+        };
+        bad(&|b| b.truncate(63), "not an ELF image");
+        bad(&|b| b[0] = 0, "not an ELF image");
+        bad(&|b| b[4] = 1, "64-bit little-endian");
+        bad(
+            &|b| b[0x28..0x30].copy_from_slice(&200u64.to_le_bytes()),
+            "section header table",
+        );
+        bad(
+            &|b| b[0x28..0x30].copy_from_slice(&u64::MAX.to_le_bytes()),
+            "section header table",
+        );
+        bad(
+            &|b| b[0x3c..0x3e].copy_from_slice(&2u16.to_le_bytes()),
+            "section header table",
+        );
+        bad(
+            &|b| b[144 + 0x20..144 + 0x28].copy_from_slice(&81u64.to_le_bytes()),
+            "section 0",
+        );
+        bad(
+            &|b| b[144 + 0x18..144 + 0x20].copy_from_slice(&u64::MAX.to_le_bytes()),
+            "section 0",
+        );
+        bad(
+            &|b| b[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes()),
+            "section names",
+        );
+        bad(
+            &|b| {
+                b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+                b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+                b[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+                b[64 + 0x20..64 + 0x28].copy_from_slice(&1000u64.to_le_bytes());
+            },
+            "segment 0",
+        );
+        // A section that takes no file bytes may say any size.
+        let mut b = elf();
+        b[144 + 4..144 + 8].copy_from_slice(&8u32.to_le_bytes());
+        b[144 + 0x20..144 + 0x28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(check_elf(&b), Ok(()));
     }
 }

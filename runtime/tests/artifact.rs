@@ -443,6 +443,7 @@ fn with_sass(
     m.sass = Some(Sass {
         arch: "sm_90a".into(),
         assembler: "ptxas test".into(),
+        code_fnv1a64: format!("{:016x}", fnv1a64(cuda_tiny_ptx().as_bytes())),
         pieces: vec![
             SassPiece {
                 offset: 0,
@@ -536,6 +537,7 @@ fn sass_runs_on_its_compute_capability() {
     let sass = |arch: &str| artifact::Sass {
         arch: arch.into(),
         assembler: String::new(),
+        code_fnv1a64: String::new(),
         pieces: Vec::new(),
     };
     // `a`: exactly that capability (Hopper's wgmma); without: that major, a minor as high.

@@ -298,18 +298,19 @@ pub fn ptxas() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("TCC_PTXAS") {
         return Some(PathBuf::from(p));
     }
-    let out = std::process::Command::new("python3")
+    let pip = std::process::Command::new("python3")
         .args([
             "-c",
             "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13', 'bin', 'ptxas'))",
         ])
-        .output()
-        .ok()?;
-    let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    if out.status.success() && p.is_file() {
-        return Some(p);
+        .output();
+    if let Ok(out) = pip {
+        let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && p.is_file() {
+            return Some(p);
+        }
     }
-    tcc::back::sass::Ptxas::locate()
+    tcc::back::sass::Ptxas::locate().ok()
 }
 
 /// The artifact of `c` (params drawn under seed 7) with the SASS `ptxas` makes of its PTX

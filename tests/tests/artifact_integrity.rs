@@ -67,7 +67,8 @@ mod edited_manifests {
     use std::sync::OnceLock;
     use tcc::artifact;
 
-    /// The artifacts edited: tiny for both targets, and a small MLP trained with Adam.
+    /// The artifacts edited: tiny for both targets, a small MLP trained with Adam, and tiny
+    /// for CUDA with SASS.
     fn originals() -> &'static Vec<Vec<u8>> {
         static A: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
         A.get_or_init(|| {
@@ -83,8 +84,50 @@ mod edited_manifests {
                 super::tiny_artifact(artifact::Target::Cpu),
                 super::tiny_artifact(artifact::Target::Cuda),
                 artifact::write_artifact(&c, artifact::Target::Cpu, &img),
+                with_sass(),
             ]
         })
+    }
+
+    /// The tiny CUDA artifact with a `sass` section of stand-in cubins, one per kernel.
+    fn with_sass() -> Vec<u8> {
+        let src = std::fs::read_to_string(tcc_tests::root().join("examples/tiny.tdsl")).unwrap();
+        let g = tcc_tests::compile_pipeline(&src, &Default::default()).unwrap();
+        let opts = artifact::CompileOptions {
+            target: artifact::Target::Cuda,
+            ..Default::default()
+        };
+        let c = artifact::compile(&g, &opts).unwrap();
+        let img = artifact::persistent_image(&c, 0, &Default::default()).unwrap();
+        let pieces: Vec<_> = c
+            .fused
+            .kernels
+            .iter()
+            .enumerate()
+            .map(|(i, k)| tcc_runtime::artifact::SassPiece {
+                offset: 64 * i as u64,
+                len: 64,
+                entries: vec![k.name.clone()],
+            })
+            .collect();
+        let section = vec![0x7fu8; 64 * pieces.len()];
+        let sass = tcc_runtime::artifact::Sass {
+            arch: "sm_90".into(),
+            assembler: "stand-in".into(),
+            code_fnv1a64: format!("{:016x}", tcc_runtime::artifact::fnv1a64(c.code.as_bytes())),
+            pieces,
+        };
+        let bytes = artifact::write_artifact_with_sass(
+            &c,
+            artifact::Target::Cuda,
+            &img,
+            Some((&sass, &section)),
+        );
+        assert!(tcc_runtime::Model::from_bytes(bytes.clone())
+            .unwrap()
+            .sass()
+            .is_some());
+        bytes
     }
 
     /// Numbers a corrupt manifest may hold.
@@ -264,7 +307,7 @@ mod edited_manifests {
         #![proptest_config(tcc_tests::proptest_config(3000))]
 
         #[test]
-        fn edited_manifests_are_errors_or_checked_models(which in 0usize..3, edits in prop::collection::vec(edit(), 1..4)) {
+        fn edited_manifests_are_errors_or_checked_models(which in 0usize..4, edits in prop::collection::vec(edit(), 1..4)) {
             let original = &originals()[which];
             let len = u64::from_le_bytes(original[16..24].try_into().unwrap()) as usize;
             let mut json: Value = serde_json::from_slice(&original[24..24 + len]).unwrap();

@@ -314,8 +314,13 @@ fn gpu_sass_loads_without_the_driver_and_trains_as_the_ptx_does() {
             tcc_tests::model_steps(&m, &g, &inputs, 3, Device::Cuda(0)).unwrap()
         };
         let (sass, from_sass) = run(bytes.clone());
+        // SASS for this GPU's architecture loads; for another, the PTX does, saying why.
         let arch = match &from_sass {
             CodeOrigin::Sass { arch } => arch.clone(),
+            CodeOrigin::Ptx { why: Some(w) } if w.contains("this GPU is") => {
+                eprintln!("{ex}: {w}; SASS not tested on this GPU");
+                continue;
+            }
             other => panic!("{ex}: loaded from {other}, not the SASS"),
         };
         // The same artifact without its SASS: the driver compiles the PTX.

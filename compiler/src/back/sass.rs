@@ -4,10 +4,12 @@
 //!
 //! The module is cut into [`PIECES`] pieces of whole entries ([`tcc_runtime::ptx::split`],
 //! the split the runtime uses for the driver), each assembled by its own `ptxas` process, on
-//! one thread per core. The piece count is fixed, not the core count, so the artifact's bytes
-//! do not depend on the machine that built it (for one `ptxas` version). The runtime loads
-//! the cubins where the GPU's compute capability matches [`Sass::arch`] and falls back to
-//! the PTX, which the artifact always carries, where it does not.
+//! one thread per core (at most 16). The piece count is fixed, not the core count, so for
+//! one `ptxas` the bytes do not depend on the machine; whether an artifact carries SASS at
+//! all, and which `ptxas` made it, does (`tcc build --sass off` gives PTX-only artifacts
+//! the same everywhere). The runtime loads the cubins where the GPU's compute capability
+//! matches [`Sass::arch`] and falls back to the PTX, which the artifact always carries,
+//! where it does not.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,10 +24,13 @@ const PIECE_ALIGN: usize = 64;
 #[derive(Debug, thiserror::Error)]
 pub enum SassError {
     #[error(
-        "no `ptxas` found (looked at $TCC_PTXAS, PATH, $CUDA_HOME/bin and /usr/local/cuda/bin; \
-         `pip install nvidia-cuda-nvcc` ships one)"
+        "no `ptxas` found (looked on PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin and \
+         /usr/local/cuda/bin; set $TCC_PTXAS to one, e.g. the one `pip install \
+         nvidia-cuda-nvcc` puts under site-packages/nvidia/cu13/bin)"
     )]
     NotFound,
+    #[error("$TCC_PTXAS is `{0}`, which is not an executable file")]
+    NotAFile(String),
     #[error("cannot run `{path}`: {message}")]
     Run { path: String, message: String },
     #[error("`ptxas` failed on piece {piece} of the PTX (kernels {entries}): {message}")]
@@ -52,12 +57,17 @@ pub struct Ptxas {
 }
 
 impl Ptxas {
-    /// Where `ptxas` is: `$TCC_PTXAS` when set (and only there), else the first `ptxas` on
+    /// Where `ptxas` is: `$TCC_PTXAS` when set (and only there; an error when it is no
+    /// executable file), else the first executable `ptxas` in an absolute directory of
     /// `PATH`, in `$CUDA_HOME/bin` or `$CUDA_PATH/bin`, or in `/usr/local/cuda/bin`.
-    pub fn locate() -> Option<PathBuf> {
+    pub fn locate() -> Result<PathBuf, SassError> {
         if let Some(p) = std::env::var_os("TCC_PTXAS") {
             let p = PathBuf::from(p);
-            return p.is_file().then_some(p);
+            return if executable(&p) {
+                Ok(p)
+            } else {
+                Err(SassError::NotAFile(p.display().to_string()))
+            };
         }
         let path_dirs = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
@@ -70,13 +80,16 @@ impl Ptxas {
             .into_iter()
             .chain(homes)
             .chain(std::iter::once(PathBuf::from("/usr/local/cuda/bin")))
+            // A relative entry (an empty one is the current directory) is not looked in.
+            .filter(|d| d.is_absolute())
             .map(|d| d.join("ptxas"))
-            .find(|p| p.is_file())
+            .find(|p| executable(p))
+            .ok_or(SassError::NotFound)
     }
 
     /// [`Ptxas::locate`], then asks it for its version.
     pub fn find() -> Result<Ptxas, SassError> {
-        Ptxas::at(&Ptxas::locate().ok_or(SassError::NotFound)?)
+        Ptxas::at(&Ptxas::locate()?)
     }
 
     /// The `ptxas` at `path`, if it runs.
@@ -117,18 +130,27 @@ impl Ptxas {
             .ok_or(SassError::NoTarget)?
             .to_string();
         let pieces = tcc_runtime::ptx::split(ptx, PIECES).ok_or(SassError::Split)?;
-        let dir = ScratchDir::new()?;
+        // Private to this user (0700), removed on drop.
+        let dir = tempfile::Builder::new()
+            .prefix("tcc-sass-")
+            .tempdir()
+            .map_err(|e| SassError::Io(format!("cannot make a scratch directory: {e}")))?;
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let results: Vec<(usize, Result<Vec<u8>, SassError>)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads.clamp(1, pieces.len()))
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let mut results: Vec<(usize, Result<Vec<u8>, SassError>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads.min(16).min(pieces.len()).max(1))
                 .map(|_| {
-                    let (next, pieces, dir, arch) = (&next, &pieces, &dir, &arch);
+                    let (next, failed, pieces, dir, arch) =
+                        (&next, &failed, &pieces, dir.path(), &arch);
                     s.spawn(move || {
                         let mut out = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        use std::sync::atomic::Ordering::Relaxed;
+                        while !failed.load(Relaxed) {
+                            let i = next.fetch_add(1, Relaxed);
                             let Some(p) = pieces.get(i) else { break };
-                            out.push((i, self.piece(&dir.0, i, p, arch)));
+                            let r = self.piece(dir, i, p, arch);
+                            failed.fetch_or(r.is_err(), Relaxed);
+                            out.push((i, r));
                         }
                         out
                     })
@@ -143,6 +165,8 @@ impl Ptxas {
                 })
                 .collect()
         });
+        // The first failing piece in order, whatever thread ran it.
+        results.sort_by_key(|r| r.0);
         let mut cubins: Vec<Option<Vec<u8>>> = vec![None; pieces.len()];
         for (i, r) in results {
             if let Some(slot) = cubins.get_mut(i) {
@@ -167,18 +191,20 @@ impl Ptxas {
         let sass = Sass {
             arch,
             assembler: self.version.clone(),
+            code_fnv1a64: format!("{:016x}", tcc_runtime::artifact::fnv1a64(ptx.as_bytes())),
             pieces: described,
         };
         Ok((sass, section))
     }
 
-    /// Assembles piece `i` in `dir`; its cubin's bytes.
+    /// Assembles piece `i` in `dir` (relative names, so no path of this machine can reach
+    /// the cubin); its cubin's bytes.
     fn piece(&self, dir: &Path, i: usize, ptx: &str, arch: &str) -> Result<Vec<u8>, SassError> {
         let io = |e: std::io::Error| SassError::Io(format!("piece {i}: {e}"));
-        let src = dir.join(format!("piece{i}.ptx"));
-        let dst = dir.join(format!("piece{i}.cubin"));
-        std::fs::write(&src, ptx).map_err(io)?;
+        let (src, dst) = (format!("piece{i}.ptx"), format!("piece{i}.cubin"));
+        std::fs::write(dir.join(&src), ptx).map_err(io)?;
         let out = Command::new(&self.path)
+            .current_dir(dir)
             .arg(format!("-arch={arch}"))
             .arg(&src)
             .arg("-o")
@@ -200,41 +226,20 @@ impl Ptxas {
                     .join("\n"),
             });
         }
-        std::fs::read(&dst).map_err(io)
+        std::fs::read(dir.join(&dst)).map_err(io)
     }
 }
 
-/// A fresh directory under the system's temporary directory, removed on drop.
-struct ScratchDir(PathBuf);
-
-impl ScratchDir {
-    fn new() -> Result<ScratchDir, SassError> {
-        let base = std::env::temp_dir();
-        for attempt in 0..100u32 {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.subsec_nanos());
-            let dir = base.join(format!("tcc-sass-{}-{nanos}-{attempt}", std::process::id()));
-            match std::fs::create_dir(&dir) {
-                Ok(()) => return Ok(ScratchDir(dir)),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => {
-                    return Err(SassError::Io(format!(
-                        "cannot make a scratch directory in {}: {e}",
-                        base.display()
-                    )))
-                }
-            }
-        }
-        Err(SassError::Io(format!(
-            "cannot make a scratch directory in {}",
-            base.display()
-        )))
+/// Whether `p` is a file this process may run.
+fn executable(p: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+    #[cfg(not(unix))]
+    {
+        p.is_file()
     }
 }

@@ -100,33 +100,33 @@ pub struct Request {
     pub sass: SassMode,
 }
 
-/// The SASS of `c`'s PTX as `mode` asks (`None`: PTX only); errors are printed, and with
-/// `auto` a `ptxas` that is missing means PTX only, one that fails a warning.
+/// The SASS of `c`'s PTX as `mode` asks (`None`: PTX only); errors are printed. With
+/// `auto` a missing `ptxas` means PTX only, and any other failure a warning and PTX only;
+/// with `on` every failure is an error.
 fn sass(
     c: &crate::artifact::Compiled,
     mode: SassMode,
     stderr: &mut StandardStream,
 ) -> Result<Option<(Sass, Vec<u8>)>, ()> {
     use crate::back::sass::{Ptxas, SassError};
+    let mut fail = |e: &dyn std::fmt::Display| {
+        if mode == SassMode::On {
+            let _ = writeln!(stderr, "error: {e}");
+            return Err(());
+        }
+        let _ = writeln!(
+            stderr,
+            "warning: {e}\nnote: the artifact carries PTX only (`--sass on` makes this an error)"
+        );
+        Ok(None)
+    };
     if mode == SassMode::Off {
         return Ok(None);
     }
     let found = match Ptxas::find() {
         Ok(p) => p,
         Err(SassError::NotFound) if mode == SassMode::Auto => return Ok(None),
-        Err(e) => {
-            let level = if mode == SassMode::Auto {
-                "warning"
-            } else {
-                "error"
-            };
-            let _ = writeln!(stderr, "{level}: {e}");
-            return if mode == SassMode::Auto {
-                Ok(None)
-            } else {
-                Err(())
-            };
-        }
+        Err(e) => return fail(&e),
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t0 = Instant::now();
@@ -136,30 +136,29 @@ fn sass(
     );
     let made = found.assemble(&c.code, threads);
     drop(spinner);
-    match made {
-        Ok((s, bytes)) => {
-            super::info!(
-                "sass: {} for {} ({} pieces; ptxas: {}) in {:.1} s on {threads} threads",
-                super::run::bytes(bytes.len() as u64),
-                s.arch,
-                s.pieces.len(),
-                found.version,
-                t0.elapsed().as_secs_f64()
-            );
-            Ok(Some((s, bytes)))
-        }
-        Err(e) if mode == SassMode::Auto => {
-            let _ = writeln!(
-                stderr,
-                "warning: {e}\nnote: the artifact carries PTX only (`--sass on` makes this an error)"
-            );
-            Ok(None)
-        }
-        Err(e) => {
-            let _ = writeln!(stderr, "error: {e}");
-            Err(())
-        }
+    let (s, bytes) = match made {
+        Ok(m) => m,
+        Err(e) => return fail(&e),
+    };
+    // What the reader will check, checked before it is written: an artifact whose SASS
+    // its reader refuses would be refused whole.
+    let kernels: Vec<&str> = c.fused.kernels.iter().map(|k| k.name.as_str()).collect();
+    let code_sum = format!("{:016x}", tcc_runtime::artifact::fnv1a64(c.code.as_bytes()));
+    if let Err(e) = s.check(bytes.len() as u64, &kernels, &code_sum) {
+        return fail(&format!(
+            "the SASS `ptxas` made does not fit the artifact: {e}"
+        ));
     }
+    super::info!(
+        "sass: {} for {} ({} pieces; ptxas: {}) in {:.1} s on {} threads",
+        super::run::bytes(bytes.len() as u64),
+        s.arch,
+        s.pieces.len(),
+        found.version,
+        t0.elapsed().as_secs_f64(),
+        threads.min(16)
+    );
+    Ok(Some((s, bytes)))
 }
 
 /// The bytes `out.emit` asks for from the pipeline's product; errors are printed.

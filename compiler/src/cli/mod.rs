@@ -523,7 +523,9 @@ pub enum Emit {
 /// Whether a `cuda` artifact carries SASS besides its PTX.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum SassMode {
-    /// When `ptxas` is found (`$TCC_PTXAS`, `PATH`, `$CUDA_HOME/bin`); PTX only otherwise.
+    /// When `ptxas` is found (`$TCC_PTXAS`, else `PATH`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`,
+    /// `/usr/local/cuda/bin`); PTX only otherwise. The artifact's bytes then depend on
+    /// whether and which `ptxas` is there.
     Auto,
     /// Always: no `ptxas`, or one that fails, is an error.
     On,
@@ -606,7 +608,8 @@ pub fn run(cli: Cli) -> ExitCode {
             {
                 let _ = writeln!(
                     stderr,
-                    "error: `--sass on` needs a `cuda` artifact (`--target cuda`, `--emit artifact`)"
+                    "error: `--sass on` needs a `cuda` artifact (`--target cuda`, `--emit artifact`, \
+                     no `--stop-after`)"
                 );
                 return ExitCode::from(1);
             }

@@ -605,8 +605,14 @@ fn run_data_parallel(
         model.manifest().model,
         model.manifest().kernels.len(),
         if graph.is_some() { "compiled" } else { "read and checked" },
-        dp.session(0)
-            .map_or_else(String::new, |s| s.code_origin().to_string()),
+        {
+            // Each rank's GPU may take other code (SASS for another architecture).
+            let mut origins: Vec<String> = (0..ranks)
+                .filter_map(|r| dp.session(r).map(|s| s.code_origin().to_string()))
+                .collect();
+            origins.dedup();
+            origins.join("; ")
+        },
         t0.elapsed().as_secs_f64() * 1e3,
         bytes(model.arena_bytes() as u64),
     );
