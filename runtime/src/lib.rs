@@ -1419,12 +1419,7 @@ impl<'a> Session<'a> {
     /// Writes [`Session::save_params_bytes`] to `path`, atomically
     /// ([`fsutil::write_atomic`]: a failed write leaves the previous file as it was).
     pub fn save_params(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        let bytes = self.save_params_bytes()?;
-        fsutil::write_atomic(path, &bytes).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })
+        write_params_file(path.as_ref(), &self.save_params_bytes()?)
     }
 
     /// Loads persistent tensors by name from safetensors bytes. The file may hold a subset
@@ -1445,13 +1440,25 @@ impl<'a> Session<'a> {
 
     /// Reads `path` and loads it with [`Session::load_params_bytes`].
     pub fn load_params(&mut self, path: impl AsRef<Path>) -> Result<ParamsLoaded> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        self.load_params_bytes(&bytes)
+        self.load_params_bytes(&read_params_file(path.as_ref())?)
     }
+}
+
+/// A params file's bytes, for [`Session::load_params`] and `DataParallel::load_params`.
+pub(crate) fn read_params_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Writes a params file atomically ([`fsutil::write_atomic`]: a failed write leaves the
+/// previous file as it was).
+pub(crate) fn write_params_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    fsutil::write_atomic(path, bytes).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 fn st_dtype(d: DType) -> safetensors::Dtype {

@@ -441,12 +441,7 @@ impl DataParallel {
 
     /// Writes [`DataParallel::save_params_bytes`] to `path`, atomically.
     pub fn save_params(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let path = path.as_ref();
-        let bytes = self.save_params_bytes()?;
-        crate::fsutil::write_atomic(path, &bytes).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })
+        crate::write_params_file(path.as_ref(), &self.save_params_bytes()?)
     }
 
     /// Loads persistent tensors by name into every rank, as [`Session::load_params_bytes`]
@@ -481,12 +476,7 @@ impl DataParallel {
         &mut self,
         path: impl AsRef<std::path::Path>,
     ) -> Result<crate::ParamsLoaded> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        self.load_params_bytes(&bytes)
+        self.load_params_bytes(&crate::read_params_file(path.as_ref())?)
     }
 
     /// Sets input `name` on every rank from the whole batch's bytes: split into equal
