@@ -279,6 +279,23 @@ impl Px<'_> {
         v
     }
 
+    /// Nodes `roots` of a gather's expression (a run's index and padding test) with its
+    /// row and column bound, as [`Self::gather`] computes its value.
+    pub(super) fn gather_nodes(
+        &mut self,
+        g: &Gather,
+        roots: &[ExprId],
+        (row, col): (&str, &str),
+        cache: &HashMap<ExprId, String>,
+    ) -> Res<Vec<String>> {
+        let saved = std::mem::replace(&mut self.cache, cache.clone());
+        self.vars.insert(g.row, row.to_string());
+        self.vars.insert(g.col, col.to_string());
+        let out = roots.iter().map(|&e| self.emit(e)).collect();
+        self.cache = saved;
+        out
+    }
+
     /// `nodes` (a gather's nodes that depend only on its variable `fixed`, from
     /// [`fixed_nodes`]) computed for `fixed = at`: the cache [`Self::gather`] starts from
     /// while `fixed` keeps that value (a tile row's coordinates, hoisted out of the `k`

@@ -2,16 +2,19 @@
 //! tiles, `cp.async` double buffering, `ldmatrix` fragments.
 
 use super::epilogue::{epilogue, epilogue_coords};
+use super::expr::index_ranges;
 use super::px::{f32_lit, Px};
+use super::runs::{run_of, Run};
 use super::staging::{
     chunk_copy, copy_elements, next_stage, stage_chunk, stage_k0, ChunkSlot, ElementChunk,
 };
-use super::tile::{warp_tile, TileOrigin, WarpTile};
+use super::tile::{operand_buffer, warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, PtxOptions, Res, BLOCK};
 use crate::ir::DType;
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{Kernel, Matmul};
+use crate::kernel::{ExprId, Gather, Kernel, Matmul};
+use std::collections::HashMap;
 
 /// Precision of the tensor-core matmul.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +100,237 @@ pub(super) fn mma_grid(mm: &Matmul, opts: PtxOptions) -> Option<(MmaKind, [u32; 
     Some((kind, [gx as u32, gy as u32, batch as u32]))
 }
 
+/// How an implicit GEMM whose gathers read 16-bit runs ([`run_of`]) stages its tiles on
+/// tensor cores: A's runs go along `k` (its tile is `[row][k]`, as a plain A's); B's go
+/// along `k` (a `[column][k]` tile, read by `ldmatrix` without `.trans`) or along the
+/// columns (a `[k][column]` tile, as a plain B's).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GatherPlan {
+    a: Run,
+    b: Run,
+    b_along_k: bool,
+}
+
+/// Elements of a gathered run: one 16-byte chunk of 16-bit values.
+const RUN: usize = 8;
+
+/// The tensor-core plan of an implicit GEMM (both operands gathered), or `None` where a
+/// gather does not read whole aligned runs of one f16 or bf16 buffer (then the FFMA tiles
+/// run it).
+pub(super) fn mma_gather_grid(
+    k: &Kernel,
+    mm: &Matmul,
+    offsets: &Offsets,
+) -> Option<(MmaKind, [u32; 3], GatherPlan)> {
+    let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
+        return None;
+    };
+    if mm.split_k != 1 || !mm.batch.is_empty() || mm.k == 0 || !mm.k.is_multiple_of(RUN) {
+        return None;
+    }
+    if mm.m < 16 || mm.n < 16 || mm.m * mm.n < 4096 {
+        return None;
+    }
+    let ranges = index_ranges(k);
+    let run = RUN as i64;
+    let a = run_of(&k.pool, &ranges, ga.value, ga.col, run)?;
+    let (b, b_along_k) = match run_of(&k.pool, &ranges, gb.value, gb.row, run) {
+        Some(b) => (b, true),
+        None if mm.n.is_multiple_of(RUN) => {
+            (run_of(&k.pool, &ranges, gb.value, gb.col, run)?, false)
+        }
+        None => return None,
+    };
+    let kind = match (a.dtype, b.dtype) {
+        (DType::F16, DType::F16) => MmaKind::F16,
+        (DType::BF16, DType::BF16) => MmaKind::Bf16,
+        _ => return None,
+    };
+    // 16-byte copies need 16-byte aligned buffers (runs start at multiples of 8 elements).
+    if [a.buf, b.buf]
+        .iter()
+        .any(|&buf| offsets.get(buf).is_none_or(|o| o % 16 != 0))
+    {
+        return None;
+    }
+    let (gx, gy) = (mm.n.div_ceil(MMA_BN), mm.m.div_ceil(MMA_BM));
+    if gy > 65535 || gx > i32::MAX as usize {
+        return None;
+    }
+    Some((
+        kind,
+        [gx as u32, gy as u32, 1],
+        GatherPlan { a, b, b_along_k },
+    ))
+}
+
+/// One thread's 16-byte chunk of a gathered tile: its shared offset within a stage, its
+/// row (A) or column (B) and whether that is in range, the cache of what depends on that
+/// row or column alone (an index into [`GatheredSide::fixed`]), and its `k` offset
+/// within the stage.
+struct GatheredSlot {
+    smem: String,
+    ok: String,
+    at: String,
+    fixed: usize,
+    kk: String,
+}
+
+/// One gathered operand's staging: its run, gather and buffer, and the thread's chunks.
+struct GatheredSide<'a> {
+    run: Run,
+    g: &'a Gather,
+    a_side: bool,
+    /// The runs go along `k` (else along B's columns).
+    along_k: bool,
+    buf: String,
+    slots: Vec<GatheredSlot>,
+    fixed: Vec<HashMap<ExprId, String>>,
+}
+
+impl GatheredSide<'_> {
+    /// Copies this side's chunks of the stage of `k0` (i64 register) into the buffer at
+    /// shared byte `st`: each chunk's index and padding test are the gather's, at its row
+    /// (or column) and first `k`, both clamped into range; out of range it reads zeros.
+    fn load(&self, px: &mut Px, st: &str, k0: &str, kd: usize) -> Res<()> {
+        let k_var = if self.a_side { self.g.col } else { self.g.row };
+        let (_, k_nodes) = px.fixed_nodes(Some(self.g), !self.a_side);
+        let last = kd - if self.along_k { RUN } else { 1 };
+        // What depends on `k` alone, once for each distinct `k` of the thread's chunks.
+        let mut by_k: Vec<(String, String, String, HashMap<ExprId, String>)> = Vec::new();
+        for s in &self.slots {
+            if by_k.iter().any(|(kk, ..)| *kk == s.kk) {
+                continue;
+            }
+            let kg = px.fresh("rd");
+            px.line(format!("add.s64 {kg}, {k0}, {};", s.kk));
+            let kc = px.fresh("rd");
+            px.line(format!("min.s64 {kc}, {kg}, {last};"));
+            let cache = px.gather_fixed_part(&k_nodes, k_var, &kc)?;
+            by_k.push((s.kk.clone(), kg, kc, cache));
+        }
+        let mut roots = vec![self.run.index];
+        roots.extend(self.run.guard);
+        for s in &self.slots {
+            let Some((_, kg, kc, kcache)) = by_k.iter().find(|(kk, ..)| *kk == s.kk) else {
+                continue;
+            };
+            let mut cache = self.fixed.get(s.fixed).cloned().unwrap_or_default();
+            cache.extend(kcache.iter().map(|(e, r)| (*e, r.clone())));
+            let coords = if self.a_side {
+                (s.at.as_str(), kc.as_str())
+            } else {
+                (kc.as_str(), s.at.as_str())
+            };
+            let vals = px.gather_nodes(self.g, &roots, coords, &cache)?;
+            let p = px.fresh("p");
+            px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {};", s.ok));
+            if let Some(guard) = vals.get(1) {
+                px.line(format!("and.pred {p}, {p}, {guard};"));
+            }
+            let dst = px.fresh("r");
+            px.line(format!("add.u32 {dst}, {st}, {};", s.smem));
+            chunk_copy(px, &dst, &self.buf, &vals[0], &p, 2);
+        }
+        Ok(())
+    }
+}
+
+/// The gathered sides of an implicit GEMM on tensor cores: each thread's two chunks of
+/// each tile (`t` and `t + 256`), and what depends on their rows and columns alone.
+fn gathered_sides<'a>(
+    px: &mut Px,
+    mm: &'a Matmul,
+    plan: &GatherPlan,
+    (t, row0, col0): (&str, &str, &str),
+    b_row: usize,
+) -> Res<Option<[GatheredSide<'a>; 2]>> {
+    let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
+        return Ok(None);
+    };
+    let (m, n) = (mm.m, mm.n);
+    let mut sides = Vec::new();
+    for (a_side, run, g) in [(true, plan.a, ga), (false, plan.b, gb)] {
+        let along_k = a_side || plan.b_along_k;
+        let (buf, _) = operand_buffer(px, run.buf)?;
+        // `[row or column][k]` tiles: 4 chunks of 8 `k` a row, the thread's `k` offset
+        // `(t % 4) * 8` for both chunks. `[k][column]`: 16 chunks a `k` row, the thread's
+        // columns `(t % 16) * 8` for both chunks, its `k` rows `t / 16` and 16 more.
+        let kk_run = if along_k {
+            let (kc, kk) = (px.fresh("r"), px.fresh("rd"));
+            px.line(format!("and.b32 {kc}, {t}, 3;"));
+            px.line(format!("mul.wide.u32 {kk}, {kc}, {RUN};"));
+            Some((kc, kk))
+        } else {
+            None
+        };
+        let (first, extent) = if a_side { (row0, m) } else { (col0, n) };
+        let (fixed_var, nodes) = px.fixed_nodes(Some(g), a_side);
+        let mut slots = Vec::new();
+        let mut fixed: Vec<HashMap<ExprId, String>> = Vec::new();
+        for i in 0..2u32 {
+            let cidx = px.fresh("r");
+            px.line(format!("add.u32 {cidx}, {t}, {};", 256 * i));
+            let (x, smem, kk) = match &kk_run {
+                Some((kc, kk)) => {
+                    let (x, so) = (px.fresh("r"), px.fresh("r"));
+                    px.line(format!("shr.u32 {x}, {cidx}, 2;"));
+                    px.line(format!("mul.lo.u32 {so}, {x}, {MMA_A_ROW};"));
+                    px.line(format!("mad.lo.u32 {so}, {kc}, 16, {so};"));
+                    if !a_side {
+                        px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+                    }
+                    (x, so, kk.clone())
+                }
+                None => {
+                    let (krow, nc, x, so) =
+                        (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+                    let cpr = (MMA_BN / RUN) as u32;
+                    px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
+                    px.line(format!("rem.u32 {nc}, {cidx}, {cpr};"));
+                    px.line(format!("mul.lo.u32 {x}, {nc}, {RUN};"));
+                    px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
+                    px.line(format!("mad.lo.u32 {so}, {nc}, 16, {so};"));
+                    px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+                    let kk = px.fresh("rd");
+                    px.line(format!("cvt.u64.u32 {kk}, {krow};"));
+                    (x, so, kk)
+                }
+            };
+            let gx = px.fresh("rd");
+            px.line(format!("cvt.u64.u32 {gx}, {x};"));
+            px.line(format!("add.s64 {gx}, {gx}, {first};"));
+            let ok = px.fresh("p");
+            px.line(format!("setp.lt.s64 {ok}, {gx}, {extent};"));
+            // Runs along the columns start at multiples of 8: clamp to the last one.
+            let last = extent - if along_k { 1 } else { RUN };
+            let at = px.fresh("rd");
+            px.line(format!("min.s64 {at}, {gx}, {last};"));
+            fixed.push(px.gather_fixed_part(&nodes, fixed_var, &at)?);
+            slots.push(GatheredSlot {
+                smem,
+                ok,
+                at,
+                fixed: fixed.len() - 1,
+                kk,
+            });
+        }
+        sides.push(GatheredSide {
+            run,
+            g,
+            a_side,
+            along_k,
+            buf,
+            slots,
+            fixed,
+        });
+    }
+    let [a, b]: [GatheredSide; 2] = sides
+        .try_into()
+        .map_err(|_| px.unsupported("implicit GEMM sides"))?;
+    Ok(Some([a, b]))
+}
+
 /// Tensor-core matmul (`mma.sync`, f32 accumulation) with the fused epilogue: 128×128 block
 /// tiles of 256 threads (8 warps of 64×32, each 4×4 `mma` tiles of 16×8), `k` staged 64
 /// bytes deep through two shared-memory buffers, the next stage's copies
@@ -111,13 +345,20 @@ pub(super) fn emit_mma_matmul(
     kind: MmaKind,
     grid: [u32; 3],
     offsets: &Offsets,
+    plan: Option<&GatherPlan>,
 ) -> Res<(String, LaunchShape)> {
     let live = k.live_nodes();
     let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let eb = kind.elem_bytes();
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
-    let stage = kind.stage_bytes();
+    // A B tile gathered along `k` is `[column][k]`, rows as long as A's.
+    let b_kmajor = plan.is_some_and(|p| p.b_along_k);
+    let stage = if b_kmajor {
+        MMA_A_BYTES + MMA_BN * MMA_A_ROW
+    } else {
+        kind.stage_bytes()
+    };
 
     let WarpTile {
         t,
@@ -156,7 +397,11 @@ pub(super) fn emit_mma_matmul(
     // rows; B: `bk` rows of `MMA_BN / ch` chunks.
     let mut a_slots = Vec::new();
     let mut b_slots = Vec::new();
-    for i in 0..2u32 {
+    let gathered = match plan {
+        Some(plan) => gathered_sides(&mut px, mm, plan, (&t, &row0, &col0), b_row)?,
+        None => None,
+    };
+    for i in 0..if gathered.is_some() { 0 } else { 2u32 } {
         let cidx = px.fresh("r");
         px.line(format!("add.u32 {cidx}, {t}, {};", 256 * i));
         // A.
@@ -285,6 +530,18 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("mad.lo.u32 {col}, {wn}, 32, {g};"));
         px.line(format!("mul.lo.u32 {b_ld}, {tg}, {b_row};"));
         px.line(format!("mad.lo.u32 {b_ld}, {col}, 4, {b_ld};"));
+    } else if b_kmajor {
+        // B as `[column][k]` (`ldmatrix.x4`): lane l reads column
+        // `wn*32 + l % 8 + (l / 16) * 8` at k byte offset `((l / 8) % 2) * 16`, so that the
+        // four matrices are b0 and b1 of two 8-column tiles, as `.trans` gives them.
+        let (col, kb) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("and.b32 {col}, {lane}, 7;"));
+        px.line(format!("mad.lo.u32 {col}, {hi}, 8, {col};"));
+        px.line(format!("mad.lo.u32 {col}, {wn}, 32, {col};"));
+        px.line(format!("shr.u32 {kb}, {lane}, 3;"));
+        px.line(format!("and.b32 {kb}, {kb}, 1;"));
+        px.line(format!("mul.lo.u32 {b_ld}, {col}, {MMA_A_ROW};"));
+        px.line(format!("mad.lo.u32 {b_ld}, {kb}, 16, {b_ld};"));
     } else {
         // B (`ldmatrix.x4.trans`): lane l reads k row `l % 16` at column
         // `wn*32 + (l / 16) * 8` (two 8-column tiles).
@@ -309,7 +566,15 @@ pub(super) fn emit_mma_matmul(
     let nk = kd.div_ceil(bk);
     let zero = px.fresh("rd");
     px.line(format!("mov.s64 {zero}, 0;"));
-    load_stage(&mut px, &sbase, &zero);
+    match &gathered {
+        Some(sides) => {
+            for side in sides {
+                side.load(&mut px, &sbase, &zero, kd)?;
+            }
+            px.line("cp.async.commit_group;");
+        }
+        None => load_stage(&mut px, &sbase, &zero),
+    }
     let kt = px.fresh("r");
     px.line(format!("mov.u32 {kt}, 0;"));
     let head = px.label("mma_k");
@@ -322,7 +587,15 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("and.b32 {st}, {ktn}, 1;"));
         px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
         let k0 = stage_k0(&mut px, &ktn, bk);
-        load_stage(&mut px, &st, &k0);
+        match &gathered {
+            Some(sides) => {
+                for side in sides {
+                    side.load(&mut px, &st, &k0, kd)?;
+                }
+                px.line("cp.async.commit_group;");
+            }
+            None => load_stage(&mut px, &st, &k0),
+        }
         px.line("cp.async.wait_group 1;");
         px.line(format!("bra.uni {synced};"));
     }
@@ -360,6 +633,14 @@ pub(super) fn emit_mma_matmul(
                     px.line(format!("ld.shared.b32 {x}, [{bc}+{off}];"));
                     px.line(format!("cvt.rna.tf32.f32 {x}, {x};"));
                 }
+            }
+        } else if b_kmajor {
+            for p in 0..2 {
+                px.line(format!(
+                    "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}}}, [{bc}+{}];",
+                    bf[p * 4..p * 4 + 4].join(", "),
+                    p * 16 * MMA_A_ROW + kbytes
+                ));
             }
         } else {
             for p in 0..2 {

@@ -38,7 +38,10 @@
 //! - small or thin matmuls, and batches beyond the grid's `z` limit, give one output
 //!   element per thread with an FMA loop over `k`;
 //! - implicit GEMMs (convolutions and their gradients, whose operands are gathers and
-//!   whose rows and columns span several domain axes) take the 64×64 FFMA tiles or the
+//!   whose rows and columns span several domain axes) whose gathers read f16/bf16 runs of
+//!   8 elements ([`runs`]: a tap's channels in channels-last activations) run on the
+//!   `mma.sync` tiles, each run one 16-byte `cp.async` whose index and padding test the
+//!   gather gives at the run's first element; the others take the 64×64 FFMA tiles or the
 //!   per-element loop: each tile slot evaluates its gather at a clamped row and `k` (what
 //!   depends on the row alone is computed once, before the `k` loop) and stores 0 out of
 //!   range. With `split_k`, blocks along `z` each sum one slice of `k` and add it into
@@ -63,7 +66,8 @@
 //! | `tiled.rs` | the 64×64 FFMA matmul (implicit GEMMs, split-K) |
 //! | `sgemm.rs` | the 128×128 FFMA SGEMM |
 //! | `stream_k.rs` | stream-K for the SGEMM: segments, flags and partial tiles |
-//! | `mma.rs` | the `mma.sync` tensor-core matmul |
+//! | `mma.rs` | the `mma.sync` tensor-core matmul, plain or implicit (gathered runs) |
+//! | `runs.rs` | which gathers read whole 16-byte runs of one buffer |
 //! | `wgmma.rs` | the `wgmma` tensor-core matmul (sm_90a) |
 //! | `tile.rs` | what every block-tiled matmul starts from: block prologue, tile origin, thread layouts |
 //! | `staging.rs` | operand staging: A and B tiles from global to shared memory |
@@ -79,6 +83,7 @@ mod per_element;
 mod pointwise;
 mod px;
 mod reduce;
+mod runs;
 mod sgemm;
 mod staging;
 mod stream_k;
@@ -90,7 +95,7 @@ mod wgmma;
 use crate::kernel::offsets::Offsets;
 use crate::kernel::Kernel;
 use crate::target::TARGET;
-use mma::{emit_mma_matmul, mma_grid, MmaKind};
+use mma::{emit_mma_matmul, mma_gather_grid, mma_grid, MmaKind};
 use sgemm::{emit_sgemm, sgemm_grid};
 use std::fmt::Write;
 use tiled::{emit_tiled_matmul, tiled_grid};
@@ -192,7 +197,10 @@ fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, 
             return wgmma::emit(k, mm, &plan, offsets);
         }
         if let Some((kind, grid)) = mma_grid(mm, opts) {
-            return emit_mma_matmul(k, mm, kind, grid, offsets);
+            return emit_mma_matmul(k, mm, kind, grid, offsets, None);
+        }
+        if let Some((kind, grid, plan)) = mma_gather_grid(k, mm, offsets) {
+            return emit_mma_matmul(k, mm, kind, grid, offsets, Some(&plan));
         }
         if let Some(sg) = sgemm_grid(mm) {
             return emit_sgemm(k, mm, sg, offsets, opts.scratch_offset);
