@@ -22,6 +22,13 @@ fn the_policy_table() {
         groups: 1,
     };
     assert_eq!(amp::precision(&conv), Precision::Low);
+    let grad_weight = Op::Conv2dGradWeight {
+        stride: [1, 1],
+        padding: [0, 0],
+        groups: 1,
+        weight: tcc::ir::Shape(vec![4, 4, 3, 3]),
+    };
+    assert_eq!(amp::precision(&grad_weight), Precision::Rounded);
     for u in [UnaryOp::Exp, UnaryOp::Log, UnaryOp::Rsqrt] {
         assert_eq!(amp::precision(&Op::Unary(u)), Precision::Full, "{u:?}");
     }
@@ -308,7 +315,55 @@ fn mixed_precision_ptx_assembles() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Under `--amp`, the convolutions and their input gradients (channels-last 16-bit
+/// Under `--amp`, a convolution's weight gradient reads the 16-bit operands the forward
+/// convolution and the input gradient read (widened: f32 accumulation, f32 result), and
+/// relu's mask in the backward pass tests the 16-bit copy the next convolution read: no
+/// f32 activation lives from the forward pass into the backward pass for these.
+#[test]
+fn weight_gradients_and_relu_masks_read_the_16_bit_copies() {
+    let src = std::fs::read_to_string(root().join("examples/cnn.tdsl")).unwrap();
+    for a in policies() {
+        let low = a.dtype.unwrap();
+        let g = step(&src, "--set B=2 --set C=8 --set S=8", a);
+        let mixed = amp::apply(&g, low).unwrap();
+        let (mut weight_grads, mut masks) = (0, 0);
+        for n in mixed.node_ids() {
+            let node = mixed.node(n);
+            match &node.op {
+                Op::Conv2dGradWeight { .. } => {
+                    assert_eq!(mixed.ty(n).dtype, DType::F32);
+                    for &x in &node.inputs {
+                        let widened = matches!(mixed.node(x).op, Op::Cast { to: DType::F32 });
+                        let from = mixed.ty(mixed.node(x).inputs[0]).dtype;
+                        assert!(widened && from == low, "--amp {}: {:?}", a.name(), node.op);
+                    }
+                    weight_grads += 1;
+                }
+                Op::Binary(tcc::ir::BinaryOp::Gt) if node.backward => {
+                    // Where the value has a 16-bit copy, the mask reads it (the last
+                    // block's relu feeds the pooling in f32 and has none).
+                    let x = node.inputs[0];
+                    let copied = mixed
+                        .users(x)
+                        .iter()
+                        .any(|&u| matches!(mixed.node(u).op, Op::Cast { to } if to == low));
+                    assert!(
+                        !copied,
+                        "--amp {}: a mask reads f32 beside its copy",
+                        a.name()
+                    );
+                    masks += usize::from(mixed.ty(x).dtype == low);
+                }
+                _ => {}
+            }
+        }
+        // 20 convolutions; 17 relus (the stem's, two in each of 8 blocks), all but the
+        // last read by a convolution.
+        assert_eq!((weight_grads, masks), (20, 16), "--amp {}", a.name());
+    }
+}
+
+/// Under `--amp`, the convolutions and both their gradients (channels-last 16-bit
 /// activations, weight copies made by a cast) run on tensor cores: `mma.sync` over 16-byte
 /// runs of the gathered windows, not FFMA over element gathers. The stem (3 input
 /// channels: a tap's run is not 8 channels) keeps the FFMA tiles.
@@ -327,11 +382,22 @@ fn convolutions_run_on_tensor_cores_under_amp() {
             a.name()
         );
         let (mut fwd, mut stem, mut grad_input) = (0, 0, 0);
+        let (mut grad_weight, mut stem_grad_weight) = (0, 0);
         // Each entry's text starts with its description's comment line.
         for entry in c.code.split("\n// ").skip(1) {
             let on_mma = entry.contains(&instr) && entry.contains("cp.async.cg.shared.global");
             let head = entry.lines().next().unwrap_or("");
-            if head.contains("conv2d_grad_input ") {
+            if head.contains("zero fill") {
+                continue;
+            }
+            if head.contains("conv2d_grad_weight ") && on_mma {
+                // dy runs along the output channels (A's rows): A's tile is [k][row].
+                let a_trans = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
+                assert!(entry.contains(a_trans), "--amp {}: {head}", a.name());
+                grad_weight += 1;
+            } else if head.contains("conv2d_grad_weight ") {
+                stem_grad_weight += 1;
+            } else if head.contains("conv2d_grad_input ") {
                 assert!(on_mma, "--amp {}: {head}", a.name());
                 grad_input += 1;
             } else if head.contains("conv2d ") && on_mma {
@@ -344,7 +410,8 @@ fn convolutions_run_on_tensor_cores_under_amp() {
             }
         }
         // 20 convolutions; the stem's input gradient is not needed (images take none).
-        assert_eq!((fwd, stem, grad_input), (19, 1, 19), "--amp {}", a.name());
+        let counts = (fwd, stem, grad_input, grad_weight, stem_grad_weight);
+        assert_eq!(counts, (19, 1, 19, 19, 1), "--amp {}", a.name());
     }
 }
 

@@ -56,7 +56,7 @@ use super::lower::{self, free_vars, matmul_anchor_ok, reachable, Builder, Decisi
 pub use super::Fused;
 use super::{ExprId, Kernel, Store, E};
 use crate::analysis::zeros::Zeros;
-use crate::ir::{Graph, NodeId, Op};
+use crate::ir::{DType, Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Options of the fusion pass.
@@ -226,6 +226,41 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
 
 /// Which nodes get a buffer, and which update values another one's kernel computes
 /// ([`update_hosts`]).
+/// Whether `n` is a cast of a 16-bit float to f32.
+fn widening(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    matches!(node.op, Op::Cast { to: DType::F32 })
+        && node
+            .inputs
+            .first()
+            .is_some_and(|&x| matches!(g.ty(x).dtype, DType::F16 | DType::BF16))
+}
+
+/// Whether `n` widens a 16-bit value to f32 for implicit GEMMs alone (mixed precision's
+/// weight gradients read their 16-bit operands widened): their gathers load the 16-bit
+/// buffer and widen each element as they load it, so the cast needs no f32 copy, and its
+/// operand gets the buffer instead.
+fn widens_into_gemms(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
+    let node = g.node(n);
+    let Op::Cast { to: DType::F32 } = node.op else {
+        return false;
+    };
+    let narrow = node
+        .inputs
+        .first()
+        .is_some_and(|&x| matches!(g.ty(x).dtype, DType::F16 | DType::BF16));
+    let users = g.users(n);
+    opts.conv_gemm
+        && narrow
+        && !users.is_empty()
+        && users.iter().all(|&u| {
+            matches!(
+                g.node(u).op,
+                Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. }
+            )
+        })
+}
+
 fn decide(
     g: &Graph,
     order: &[NodeId],
@@ -265,8 +300,9 @@ fn decide(
         let op = &g.node(n).op;
         let us = users.get(&n).unwrap_or(&no_users);
         let is_heavy = us.iter().any(|&(u, k)| {
+            let see_through = g.node(u).op.is_view_candidate() || widens_into_gemms(g, u, opts);
             g.node(u).op.reads_operand_repeatedly(k)
-                || (g.node(u).op.is_view_candidate() && heavy.contains(&u) && !m.contains(&u))
+                || (see_through && heavy.contains(&u) && !m.contains(&u))
         });
         if is_heavy {
             heavy.insert(n);
@@ -283,7 +319,7 @@ fn decide(
         }
         if op.is_pointwise() {
             let constant = matches!(op, Op::Full { .. } | Op::Arange { .. });
-            if is_heavy && !constant {
+            if is_heavy && !constant && !widens_into_gemms(g, n, opts) {
                 m.insert(n);
             }
             continue;
@@ -297,14 +333,26 @@ fn decide(
                         let (u, _) = us[0];
                         g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape
                     }
-                    // An implicit GEMM is an anchor too: only an elementwise epilogue.
+                    // An implicit GEMM is an anchor too: only an elementwise epilogue. A
+                    // 16-bit convolution read only widened to f32 (a batch norm's input
+                    // under mixed precision) stores its 16-bit result instead, and its
+                    // readers widen it as they load it: half the bytes of an f32 copy.
                     Op::Conv2d { .. }
                     | Op::Conv2dGradInput { .. }
                     | Op::Conv2dGradWeight { .. }
                         if opts.conv_gemm =>
                     {
                         let (u, _) = us[0];
-                        g.node(u).op.is_elementwise() && g.ty(u).shape == g.ty(n).shape
+                        // A weight gradient of 16-bit operands keeps a buffer of its own,
+                        // so its kernel keeps the columns' channels-last order (a tap's
+                        // channels contiguous, as tensor cores read them); an optimizer
+                        // update as its epilogue would impose the param's order.
+                        let low_weight_grad = matches!(op, Op::Conv2dGradWeight { .. })
+                            && g.node(n).inputs.iter().any(|&x| widening(g, x));
+                        g.node(u).op.is_elementwise()
+                            && g.ty(u).shape == g.ty(n).shape
+                            && !widening(g, u)
+                            && !low_weight_grad
                     }
                     // A reduction read by a matmul's epilogue would be recomputed for every
                     // element there (an epilogue has no loop over rows to hoist it to):

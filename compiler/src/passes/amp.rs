@@ -5,7 +5,8 @@
 //! | precision | ops | operands | result |
 //! |---|---|---|---|
 //! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient | 16-bit (f32 accumulation) | 16-bit |
-//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s and `conv2d`'s weight gradients (a param's gradient summed over the batch), fused attention | f32 | f32 |
+//! | [`Precision::Rounded`] | `conv2d`'s weight gradient (a param's gradient, summed over the batch: split along `k`, its parts add up in f32) | rounded to 16 bits, then widened (what tensor cores multiply, f32 accumulation) | f32 |
+//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s weight gradient, fused attention | f32 | f32 |
 //! | [`Precision::Widest`] | other elementwise ops, `where`, views, `concat`, pooling, `dropout`, `embedding` | the widest float dtype among them (literals, fills and params broadcast onto the result, such as a bias, adopt it) | that dtype |
 //! | [`Precision::AsIs`] | leaves (inputs, params, state, literals), `cast`, `argmax` | unchanged | unchanged |
 //!
@@ -29,6 +30,10 @@ use std::collections::{BTreeMap, BTreeSet};
 pub enum Precision {
     /// Float operands in the 16-bit dtype; result 16-bit.
     Low,
+    /// Float operands rounded to the 16-bit dtype and widened back to f32; result f32: a
+    /// contraction on tensor cores whose result must stay f32 (its 16-bit operands are
+    /// the ones the forward op and the input gradient read, and the widening is a load).
+    Rounded,
     /// Float operands widened to f32; result f32.
     Full,
     /// Float operands brought to the widest float dtype among them.
@@ -42,6 +47,9 @@ pub fn precision(op: &Op) -> Precision {
     use Precision::*;
     match op {
         Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => Low,
+        // A weight gradient is a param's gradient (kept f32) summed over the whole batch:
+        // it accumulates in f32 from 16-bit operands, split over k where k is long.
+        Op::Conv2dGradWeight { .. } => Rounded,
         Op::Unary(
             UnaryOp::Exp
             | UnaryOp::Log
@@ -54,9 +62,6 @@ pub fn precision(op: &Op) -> Precision {
         | Op::Binary(crate::ir::BinaryOp::Pow)
         | Op::Reduce { .. }
         | Op::EmbeddingGrad { .. }
-        // A weight gradient is a param's gradient (kept f32) summed over the whole batch:
-        // it accumulates in f32 from its 16-bit operands, split over k where k is long.
-        | Op::Conv2dGradWeight { .. }
         // The flash-attention kernel computes in f32 from f32 operands.
         | Op::Attention { .. }
         | Op::AttentionLse { .. } => Full,
@@ -176,7 +181,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
             .collect::<Result<_, _>>()?;
         let want = match precision(&node.op) {
             Precision::Low => Some(low),
-            Precision::Full => Some(DType::F32),
+            Precision::Full | Precision::Rounded => Some(DType::F32),
             Precision::AsIs => None,
             Precision::Widest if forced.contains(&n) => Some(node.ty.dtype),
             Precision::Widest => {
@@ -201,10 +206,12 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
                 setting(true).or_else(|| setting(false))
             }
         };
+        let rounded = precision(&node.op) == Precision::Rounded;
         let mut new_ins = Vec::with_capacity(ins.len());
         for (&old, &i) in node.inputs.iter().zip(&ins) {
             let dt = h.ty(i).dtype;
-            let Some(w) = want.filter(|&w| dt.is_float() && dt != w) else {
+            let Some(w) = want.filter(|&w| dt.is_float() && (dt != w || rounded && dt != low))
+            else {
                 new_ins.push(i);
                 continue;
             };
@@ -229,6 +236,9 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
                     adopted.insert((old, w), x);
                     x
                 }
+            } else if rounded && dt != low {
+                let x16 = cast(&mut h, &mut casts, i, low, node)?;
+                cast(&mut h, &mut casts, x16, w, node)?
             } else {
                 cast(&mut h, &mut casts, i, w, node)?
             };
@@ -240,6 +250,24 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
                 map.insert(n, new_ins[0]);
                 continue;
             }
+        }
+        // A sign test of a value whose 16-bit copy the forward pass made (relu's mask in
+        // its backward pass) reads that copy, so the f32 value need not live until then.
+        if let Some(x16) = sign_test_copy(g, node, (&new_ins, &ins), &mut h, &mut casts, low)? {
+            let zero = h.add(
+                Op::Literal {
+                    value: crate::ir::types::Scalar::Float(0.0),
+                    dtype: low,
+                },
+                vec![],
+                node.span,
+                node.checkpoint,
+            )?;
+            copy_marks(&mut h, zero, node);
+            let id = h.add(node.op.clone(), vec![x16, zero], node.span, node.checkpoint)?;
+            copy_marks(&mut h, id, node);
+            map.insert(n, id);
+            continue;
         }
         let id = h.add(node.op.clone(), new_ins, node.span, node.checkpoint)?;
         copy_marks(&mut h, id, node);
@@ -287,6 +315,44 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     h.ranks = g.ranks;
     h.shards = g.shards.clone();
     Ok(h)
+}
+
+/// The 16-bit copy to compare instead, where `node` compares an f32 value with a literal 0
+/// (`x > 0`, ...) and a reader that takes 16-bit operands (a convolution, a matmul) makes
+/// that value's `low` copy anyway (made here if this test comes first): rounding to 16
+/// bits keeps a value's sign and whether it is 0, save for magnitudes below the 16-bit
+/// dtype's smallest subnormal (bf16: 9e-41; f16: 6e-8), as autocast's 16-bit activations
+/// do.
+fn sign_test_copy(
+    g: &Graph,
+    node: &crate::ir::Node,
+    (new_ins, ins): (&[NodeId], &[NodeId]),
+    h: &mut Graph,
+    casts: &mut BTreeMap<(NodeId, DType), NodeId>,
+    low: DType,
+) -> Result<Option<NodeId>, TypeError> {
+    use crate::ir::BinaryOp::{Ge, Gt, Le, Lt};
+    if !matches!(node.op, Op::Binary(Gt | Ge | Lt | Le)) || node.inputs.len() != 2 {
+        return Ok(None);
+    }
+    let zero = matches!(g.node(node.inputs[1]).op,
+        Op::Literal { value, .. } if value == crate::ir::types::Scalar::Float(0.0));
+    let (Some(&x), Some(&old)) = (ins.first(), node.inputs.first()) else {
+        return Ok(None);
+    };
+    if !zero || new_ins.first() != Some(&x) || h.ty(x).dtype != DType::F32 {
+        return Ok(None);
+    }
+    let reader = g.users(old).into_iter().find(|&u| {
+        matches!(
+            precision(&g.node(u).op),
+            Precision::Low | Precision::Rounded
+        )
+    });
+    match reader {
+        Some(u) => cast(h, casts, x, low, g.node(u)).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// `x` as `to`, one cast per value and dtype, carrying the marks of the node that first

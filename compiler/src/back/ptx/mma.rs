@@ -108,11 +108,24 @@ pub(super) fn mma_grid(mm: &Matmul, opts: PtxOptions) -> Option<(MmaKind, [u32; 
 pub(super) struct GatherPlan {
     a: Run,
     b: Run,
+    /// A's runs go along `k` (its tile `[row][k]`); else along its rows (`[k][row]`, read
+    /// by `ldmatrix.trans`: a weight gradient's `dy` in channels-last).
+    a_along_k: bool,
     b_along_k: bool,
+    /// Blocks along `z` that share an output tile, each summing `depth` stages of `k` and
+    /// adding its part into the zeroed output (a split-K weight gradient).
+    splits: usize,
+    depth: usize,
 }
 
 /// Elements of a gathered run: one 16-byte chunk of 16-bit values.
 const RUN: usize = 8;
+
+/// Blocks a split-K implicit GEMM aims for: two waves of an H100's 132 SMs.
+const SPLIT_BLOCKS: usize = 264;
+
+/// Fewest `k` stages a split sums.
+const SPLIT_MIN_STAGES: usize = 16;
 
 /// The tensor-core plan of an implicit GEMM (both operands gathered), or `None` where a
 /// gather does not read whole aligned runs of one f16 or bf16 buffer (then the FFMA tiles
@@ -125,7 +138,7 @@ pub(super) fn mma_gather_grid(
     let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
         return None;
     };
-    if mm.split_k != 1 || !mm.batch.is_empty() || mm.k == 0 || !mm.k.is_multiple_of(RUN) {
+    if !mm.batch.is_empty() || mm.k == 0 {
         return None;
     }
     if mm.m < 16 || mm.n < 16 || mm.m * mm.n < 4096 {
@@ -133,14 +146,22 @@ pub(super) fn mma_gather_grid(
     }
     let ranges = index_ranges(k);
     let run = RUN as i64;
-    let a = run_of(&k.pool, &ranges, ga.value, ga.col, run)?;
-    let (b, b_along_k) = match run_of(&k.pool, &ranges, gb.value, gb.row, run) {
-        Some(b) => (b, true),
-        None if mm.n.is_multiple_of(RUN) => {
-            (run_of(&k.pool, &ranges, gb.value, gb.col, run)?, false)
+    // Runs along `k` need whole runs of k; along the rows or columns, whole runs of those.
+    let along = |g: &Gather, k_var, other_var, other: usize| {
+        let on_k = mm.k.is_multiple_of(RUN);
+        match on_k
+            .then(|| run_of(&k.pool, &ranges, g.value, k_var, run))
+            .flatten()
+        {
+            Some(r) => Some((r, true)),
+            None if other.is_multiple_of(RUN) => {
+                run_of(&k.pool, &ranges, g.value, other_var, run).map(|r| (r, false))
+            }
+            None => None,
         }
-        None => return None,
     };
+    let (a, a_along_k) = along(ga, ga.col, ga.row, mm.m)?;
+    let (b, b_along_k) = along(gb, gb.row, gb.col, mm.n)?;
     let kind = match (a.dtype, b.dtype) {
         (DType::F16, DType::F16) => MmaKind::F16,
         (DType::BF16, DType::BF16) => MmaKind::Bf16,
@@ -157,11 +178,28 @@ pub(super) fn mma_gather_grid(
     if gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
-    Some((
-        kind,
-        [gx as u32, gy as u32, 1],
-        GatherPlan { a, b, b_along_k },
-    ))
+    // A split-K kernel (its store accumulates into a zeroed output) may take any number
+    // of splits: enough blocks for two waves, each summing at least 16 stages.
+    let nk = mm.k.div_ceil(kind.bk());
+    let splits = if mm.split_k > 1 {
+        SPLIT_BLOCKS
+            .div_ceil(gx * gy)
+            .min(nk / SPLIT_MIN_STAGES)
+            .clamp(1, 65535)
+    } else {
+        1
+    };
+    let depth = nk.div_ceil(splits);
+    let splits = nk.div_ceil(depth);
+    let plan = GatherPlan {
+        a,
+        b,
+        a_along_k,
+        b_along_k,
+        splits,
+        depth,
+    };
+    Some((kind, [gx as u32, gy as u32, splits as u32], plan))
 }
 
 /// One thread's 16-byte chunk of a gathered tile: its shared offset within a stage, its
@@ -243,7 +281,7 @@ fn gathered_sides<'a>(
     mm: &'a Matmul,
     plan: &GatherPlan,
     (t, row0, col0): (&str, &str, &str),
-    b_row: usize,
+    (b_row, a_bytes): (usize, usize),
 ) -> Res<Option<[GatheredSide<'a>; 2]>> {
     let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
         return Ok(None);
@@ -251,7 +289,13 @@ fn gathered_sides<'a>(
     let (m, n) = (mm.m, mm.n);
     let mut sides = Vec::new();
     for (a_side, run, g) in [(true, plan.a, ga), (false, plan.b, gb)] {
-        let along_k = a_side || plan.b_along_k;
+        let along_k = if a_side {
+            plan.a_along_k
+        } else {
+            plan.b_along_k
+        };
+        // Where this side's tile starts in a stage.
+        let tile = if a_side { 0 } else { a_bytes };
         let (buf, _) = operand_buffer(px, run.buf)?;
         // `[row or column][k]` tiles: 4 chunks of 8 `k` a row, the thread's `k` offset
         // `(t % 4) * 8` for both chunks. `[k][column]`: 16 chunks a `k` row, the thread's
@@ -277,8 +321,8 @@ fn gathered_sides<'a>(
                     px.line(format!("shr.u32 {x}, {cidx}, 2;"));
                     px.line(format!("mul.lo.u32 {so}, {x}, {MMA_A_ROW};"));
                     px.line(format!("mad.lo.u32 {so}, {kc}, 16, {so};"));
-                    if !a_side {
-                        px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+                    if tile > 0 {
+                        px.line(format!("add.u32 {so}, {so}, {tile};"));
                     }
                     (x, so, kk.clone())
                 }
@@ -291,7 +335,9 @@ fn gathered_sides<'a>(
                     px.line(format!("mul.lo.u32 {x}, {nc}, {RUN};"));
                     px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
                     px.line(format!("mad.lo.u32 {so}, {nc}, 16, {so};"));
-                    px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+                    if tile > 0 {
+                        px.line(format!("add.u32 {so}, {so}, {tile};"));
+                    }
                     let kk = px.fresh("rd");
                     px.line(format!("cvt.u64.u32 {kk}, {krow};"));
                     (x, so, kk)
@@ -352,13 +398,24 @@ pub(super) fn emit_mma_matmul(
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let eb = kind.elem_bytes();
     let (bk, ch, b_row) = (kind.bk(), kind.chunk(), kind.b_row());
-    // A B tile gathered along `k` is `[column][k]`, rows as long as A's.
+    // A B tile gathered along `k` is `[column][k]`, rows as long as A's; an A tile
+    // gathered along its rows is `[k][row]`, rows as long as B's.
     let b_kmajor = plan.is_some_and(|p| p.b_along_k);
-    let stage = if b_kmajor {
-        MMA_A_BYTES + MMA_BN * MMA_A_ROW
-    } else {
-        kind.stage_bytes()
+    let a_kmajor = plan.is_none_or(|p| p.a_along_k);
+    let a_bytes = if a_kmajor { MMA_A_BYTES } else { bk * b_row };
+    let stage = match (a_kmajor, b_kmajor) {
+        (true, false) => kind.stage_bytes(),
+        (_, b) => a_bytes + if b { MMA_BN * MMA_A_ROW } else { bk * b_row },
     };
+    // A split-K block sums the stages from `kbase` (its split's first `k`).
+    let splits = plan.map_or(1, |p| p.splits);
+    let nk = plan.map_or(kd.div_ceil(bk), |p| p.depth);
+    let kbase = (splits > 1).then(|| {
+        let (z, kb) = (px.fresh("r"), px.fresh("rd"));
+        px.line(format!("mov.u32 {z}, %ctaid.z;"));
+        px.line(format!("mul.wide.u32 {kb}, {z}, {};", nk * bk));
+        kb
+    });
 
     let WarpTile {
         t,
@@ -398,7 +455,7 @@ pub(super) fn emit_mma_matmul(
     let mut a_slots = Vec::new();
     let mut b_slots = Vec::new();
     let gathered = match plan {
-        Some(plan) => gathered_sides(&mut px, mm, plan, (&t, &row0, &col0), b_row)?,
+        Some(plan) => gathered_sides(&mut px, mm, plan, (&t, &row0, &col0), (b_row, a_bytes))?,
         None => None,
     };
     for i in 0..if gathered.is_some() { 0 } else { 2u32 } {
@@ -516,12 +573,29 @@ pub(super) fn emit_mma_matmul(
     // `l % 16` of the warp's 16-row tile at k offset `(l / 16) * 16` bytes.
     let a_ld = px.fresh("r");
     let tmp = px.fresh("r");
-    px.line(format!("and.b32 {tmp}, {lane}, 15;"));
-    px.line(format!("mad.lo.u32 {tmp}, {wm}, 64, {tmp};"));
-    px.line(format!("mul.lo.u32 {a_ld}, {tmp}, {MMA_A_ROW};"));
-    let hi = px.fresh("r");
-    px.line(format!("shr.u32 {hi}, {lane}, 4;"));
-    px.line(format!("mad.lo.u32 {a_ld}, {hi}, 16, {a_ld};"));
+    let hi = if a_kmajor {
+        px.line(format!("and.b32 {tmp}, {lane}, 15;"));
+        px.line(format!("mad.lo.u32 {tmp}, {wm}, 64, {tmp};"));
+        px.line(format!("mul.lo.u32 {a_ld}, {tmp}, {MMA_A_ROW};"));
+        let hi = px.fresh("r");
+        px.line(format!("shr.u32 {hi}, {lane}, 4;"));
+        px.line(format!("mad.lo.u32 {a_ld}, {hi}, 16, {a_ld};"));
+        hi
+    } else {
+        // A as `[k][row]` (`ldmatrix.x4.trans`): lane l reads k row
+        // `l % 8 + (l / 16) * 8` at row `wm*64 + ((l / 8) % 2) * 8`, so that the four
+        // matrices are a0..a3 of the 16×16 fragment.
+        let (hi, r8) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("shr.u32 {hi}, {lane}, 4;"));
+        px.line(format!("and.b32 {tmp}, {lane}, 7;"));
+        px.line(format!("mad.lo.u32 {tmp}, {hi}, 8, {tmp};"));
+        px.line(format!("mul.lo.u32 {a_ld}, {tmp}, {b_row};"));
+        px.line(format!("shr.u32 {r8}, {lane}, 3;"));
+        px.line(format!("and.b32 {r8}, {r8}, 1;"));
+        px.line(format!("mad.lo.u32 {r8}, {wm}, 8, {r8};"));
+        px.line(format!("mad.lo.u32 {a_ld}, {r8}, 16, {a_ld};"));
+        hi
+    };
     px.line(format!("add.u32 {a_ld}, {a_ld}, {sbase};"));
     let b_ld = px.fresh("r");
     if kind == MmaKind::Tf32 {
@@ -552,7 +626,7 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("mul.lo.u32 {b_ld}, {tmp}, {b_row};"));
         px.line(format!("mad.lo.u32 {b_ld}, {col}, 2, {b_ld};"));
     }
-    px.line(format!("add.u32 {b_ld}, {b_ld}, {};", MMA_A_BYTES));
+    px.line(format!("add.u32 {b_ld}, {b_ld}, {a_bytes};"));
     px.line(format!("add.u32 {b_ld}, {b_ld}, {sbase};"));
 
     // Accumulators acc[mi][nj][r].
@@ -563,9 +637,14 @@ pub(super) fn emit_mma_matmul(
     let af: Vec<String> = (0..16).map(|_| px.fresh("r")).collect();
     let bf: Vec<String> = (0..8).map(|_| px.fresh("r")).collect();
 
-    let nk = kd.div_ceil(bk);
-    let zero = px.fresh("rd");
-    px.line(format!("mov.s64 {zero}, 0;"));
+    let zero = match &kbase {
+        Some(kb) => kb.clone(),
+        None => {
+            let zero = px.fresh("rd");
+            px.line(format!("mov.s64 {zero}, 0;"));
+            zero
+        }
+    };
     match &gathered {
         Some(sides) => {
             for side in sides {
@@ -587,6 +666,9 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("and.b32 {st}, {ktn}, 1;"));
         px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {sbase};"));
         let k0 = stage_k0(&mut px, &ktn, bk);
+        if let Some(kb) = &kbase {
+            px.line(format!("add.s64 {k0}, {k0}, {kb};"));
+        }
         match &gathered {
             Some(sides) => {
                 for side in sides {
@@ -614,6 +696,14 @@ pub(super) fn emit_mma_matmul(
         let kbytes = ks * mk * eb;
         for mi in 0..4 {
             let r = &af[mi * 4..mi * 4 + 4];
+            if !a_kmajor {
+                px.line(format!(
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{}}}, [{ac}+{}];",
+                    r.join(", "),
+                    ks * 16 * b_row + mi * 16 * 2
+                ));
+                continue;
+            }
             px.line(format!(
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{}}}, [{ac}+{}];",
                 r.join(", "),
