@@ -9,7 +9,10 @@
 //! per row: gpt's RMSNorm gain gradients `sum(dy * x̂, axes: [0, 1])` of `[8, 512, 768]`
 //! left 6144 rows of 512 strided loads each (55 µs a kernel on an H100); chunks of 16 give
 //! 196 608 rows. Sum, max and min are associative; a mean of equal-sized means is the
-//! mean. The result type and every user are unchanged. The pipeline's last graph stage, so
+//! mean. Where the outer reduction would still sum [`MIN_ELEMENTS`] or more values for each
+//! of its results (a whole-tensor sum whose last axis is short), the next axis still longer
+//! than 1 is reduced first, and so on. The result type and every user are unchanged. The
+//! pipeline's last graph stage, so
 //! back ends never face one long serial reduction (a whole-tensor loss on a GPU is
 //! otherwise one block of threads). Cost: one pass over the nodes; at most four new nodes
 //! per split.
@@ -70,7 +73,28 @@ pub fn split_reductions(g: &Graph) -> Graph {
             axes: vec![last],
             keepdim: true,
         };
-        let inner = add(h, inner, inner_in)?;
+        let mut inner = add(h, inner, inner_in)?;
+        // While the outer reduction still sums a long run for each of its results (a
+        // whole-tensor sum of a conv weight's gradient, whose last axis is 3 long, left
+        // 786 432 values for one block), reduce the last axis that is still longer than 1
+        // first.
+        let out_numel = node.ty.shape.numel().max(1);
+        loop {
+            let dims = h.ty(inner).dims().to_vec();
+            let per_result = h.ty(inner).shape.numel() / out_numel;
+            let next = axes.iter().copied().filter(|&a| dims[a] > 1).max();
+            match next {
+                Some(a) if per_result >= MIN_ELEMENTS => {
+                    let step = Op::Reduce {
+                        op,
+                        axes: vec![a],
+                        keepdim: true,
+                    };
+                    inner = add(h, step, inner)?;
+                }
+                _ => break,
+            }
+        }
         add(h, Op::Reduce { op, axes, keepdim }, inner)?;
         Some(added)
     })
@@ -98,6 +122,35 @@ fn chunks(len: usize, rows: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A whole-tensor sum of a conv weight's gradient (last axis 3 long) is split until no
+    /// reduction of the chain sums 64 Ki values or more for one of its results; a
+    /// per-channel sum whose outer step is already short keeps one split.
+    #[test]
+    fn whole_tensor_sums_split_until_every_step_is_short() {
+        let g = crate::front::test_graph(
+            "model t {
+                input w: f32[512, 512, 3, 3]
+                input x: f32[128, 64, 32, 32]
+                output s = sum(abs(w))
+                output m = mean(x, axis: [0, 2, 3])
+            }",
+        );
+        let h = split_reductions(&g);
+        crate::ir::verify::verify(&h).unwrap_or_else(|e| panic!("{e:?}"));
+        let mut steps = Vec::new();
+        for n in h.topo_order().unwrap_or_default() {
+            if let Op::Reduce { .. } = h.node(n).op {
+                let x = h.node(n).inputs[0];
+                let per_result = h.ty(x).shape.numel() / h.ty(n).shape.numel().max(1);
+                assert!(per_result < MIN_ELEMENTS, "{per_result} values a result");
+                steps.push(per_result);
+            }
+        }
+        // sum: axis 3, then 2, then 1 (262 144 values left), then the 512 that remain;
+        // mean: axis 3 (32), then the 4096 values of each channel.
+        assert_eq!(steps, [3, 3, 512, 512, 32, 4096]);
+    }
 
     #[test]
     fn chunks_only_where_rows_are_few() {
