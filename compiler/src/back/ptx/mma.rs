@@ -787,8 +787,13 @@ pub(super) fn emit_mma_matmul(
     )?;
     px.line("ret;");
     let shared = format!("\t.shared .align 128 .b8 mm_s[{}];\n", 2 * stage);
+    // An implicit GEMM's gathers keep their rows' and columns' coordinates in registers:
+    // ptxas took 132 a thread for a conv's input gradient, which leaves one block of 256
+    // threads an SM. At most 128 lets two run, one's copies and index arithmetic beside
+    // the other's tensor-core math.
+    let bounds = plan.map(|_| (BLOCK, 2));
     Ok((
-        px.finish(&shared),
+        px.finish_bounded(&shared, bounds),
         LaunchShape {
             grid,
             block: [BLOCK, 1, 1],
