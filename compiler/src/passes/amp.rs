@@ -18,6 +18,12 @@
 //! policy gives them, so a 16-bit result costs half the arena; inside a kernel every float
 //! is computed in f32 and a 16-bit value is rounded where it is made.
 //!
+//! One rewrite beside the table: a sign test against 0 (`x > 0`, relu's mask in the
+//! backward pass) of an f32 value that a 16-bit op also reads tests that op's 16-bit copy
+//! instead, so the f32 value need not live into the backward pass (rounding keeps the sign
+//! and the zero test, save below the 16-bit dtype's smallest subnormal; autocast's 16-bit
+//! activations give the same mask).
+//!
 //! The stage runs last among the graph stages (after fused attention, whose kernel computes
 //! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
 //! outputs keep their declared dtypes (a cast back where the policy changed them).
