@@ -645,15 +645,20 @@ pub(super) fn emit_mma_matmul(
             zero
         }
     };
-    match &gathered {
-        Some(sides) => {
-            for side in sides {
-                side.load(&mut px, &sbase, &zero, kd)?;
+    // One stage's copies: the gathered sides' runs, or the plain operands' chunks.
+    let copy_stage = |px: &mut Px, st: &str, k0: &str| -> Res<()> {
+        match &gathered {
+            Some(sides) => {
+                for side in sides {
+                    side.load(px, st, k0, kd)?;
+                }
+                px.line("cp.async.commit_group;");
             }
-            px.line("cp.async.commit_group;");
+            None => load_stage(px, st, k0),
         }
-        None => load_stage(&mut px, &sbase, &zero),
-    }
+        Ok(())
+    };
+    copy_stage(&mut px, &sbase, &zero)?;
     let kt = px.fresh("r");
     px.line(format!("mov.u32 {kt}, 0;"));
     let head = px.label("mma_k");
@@ -669,15 +674,7 @@ pub(super) fn emit_mma_matmul(
         if let Some(kb) = &kbase {
             px.line(format!("add.s64 {k0}, {k0}, {kb};"));
         }
-        match &gathered {
-            Some(sides) => {
-                for side in sides {
-                    side.load(&mut px, &st, &k0, kd)?;
-                }
-                px.line("cp.async.commit_group;");
-            }
-            None => load_stage(&mut px, &st, &k0),
-        }
+        copy_stage(&mut px, &st, &k0)?;
         px.line("cp.async.wait_group 1;");
         px.line(format!("bra.uni {synced};"));
     }
