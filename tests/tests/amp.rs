@@ -334,8 +334,9 @@ fn weight_gradients_and_relu_masks_read_the_16_bit_copies() {
                     assert_eq!(mixed.ty(n).dtype, DType::F32);
                     for &x in &node.inputs {
                         let widened = matches!(mixed.node(x).op, Op::Cast { to: DType::F32 });
+                        assert!(widened, "--amp {}: {:?}", a.name(), node.op);
                         let from = mixed.ty(mixed.node(x).inputs[0]).dtype;
-                        assert!(widened && from == low, "--amp {}: {:?}", a.name(), node.op);
+                        assert_eq!(from, low, "--amp {}: {:?}", a.name(), node.op);
                     }
                     weight_grads += 1;
                 }

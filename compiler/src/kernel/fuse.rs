@@ -224,8 +224,6 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
         .collect()
 }
 
-/// Which nodes get a buffer, and which update values another one's kernel computes
-/// ([`update_hosts`]).
 /// Whether `n` is a cast of a 16-bit float to f32.
 fn widening(g: &Graph, n: NodeId) -> bool {
     let node = g.node(n);
@@ -241,17 +239,9 @@ fn widening(g: &Graph, n: NodeId) -> bool {
 /// buffer and widen each element as they load it, so the cast needs no f32 copy, and its
 /// operand gets the buffer instead.
 fn widens_into_gemms(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
-    let node = g.node(n);
-    let Op::Cast { to: DType::F32 } = node.op else {
-        return false;
-    };
-    let narrow = node
-        .inputs
-        .first()
-        .is_some_and(|&x| matches!(g.ty(x).dtype, DType::F16 | DType::BF16));
     let users = g.users(n);
     opts.conv_gemm
-        && narrow
+        && widening(g, n)
         && !users.is_empty()
         && users.iter().all(|&u| {
             matches!(
@@ -261,6 +251,8 @@ fn widens_into_gemms(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
         })
 }
 
+/// Which nodes get a buffer, and which update values another one's kernel computes
+/// ([`update_hosts`]).
 fn decide(
     g: &Graph,
     order: &[NodeId],

@@ -18,11 +18,11 @@
 //! policy gives them, so a 16-bit result costs half the arena; inside a kernel every float
 //! is computed in f32 and a 16-bit value is rounded where it is made.
 //!
-//! One rewrite beside the table: a sign test against 0 (`x > 0`, relu's mask in the
-//! backward pass) of an f32 value that a 16-bit op also reads tests that op's 16-bit copy
-//! instead, so the f32 value need not live into the backward pass (rounding keeps the sign
-//! and the zero test, save below the 16-bit dtype's smallest subnormal; autocast's 16-bit
-//! activations give the same mask).
+//! One rewrite beside the table: a strict sign test in the backward pass (`x > 0` or
+//! `x < 0`: relu's mask) of an f32 value that a 16-bit op also reads tests that op's 16-bit
+//! copy instead, so the f32 value need not live into the backward pass (a strict test of
+//! the rounded value differs only where the value rounds to 0, below half the 16-bit
+//! dtype's smallest subnormal; autocast's 16-bit activations give the same mask).
 //!
 //! The stage runs last among the graph stages (after fused attention, whose kernel computes
 //! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
@@ -260,16 +260,26 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         // A sign test of a value whose 16-bit copy the forward pass made (relu's mask in
         // its backward pass) reads that copy, so the f32 value need not live until then.
         if let Some(x16) = sign_test_copy(g, node, (&new_ins, &ins), &mut h, &mut casts, low)? {
-            let zero = h.add(
-                Op::Literal {
-                    value: crate::ir::types::Scalar::Float(0.0),
-                    dtype: low,
-                },
-                vec![],
-                node.span,
-                node.checkpoint,
-            )?;
-            copy_marks(&mut h, zero, node);
+            // The literal 0 in the 16-bit dtype, as any literal meeting it adopts it.
+            let lit = node.inputs[1];
+            let zero = match adopted.get(&(lit, low)) {
+                Some(&z) => z,
+                None => {
+                    let src = g.node(lit);
+                    let z = h.add(
+                        Op::Literal {
+                            value: crate::ir::types::Scalar::Float(0.0),
+                            dtype: low,
+                        },
+                        vec![],
+                        src.span,
+                        src.checkpoint,
+                    )?;
+                    copy_marks(&mut h, z, src);
+                    adopted.insert((lit, low), z);
+                    z
+                }
+            };
             let id = h.add(node.op.clone(), vec![x16, zero], node.span, node.checkpoint)?;
             copy_marks(&mut h, id, node);
             map.insert(n, id);
@@ -323,12 +333,14 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     Ok(h)
 }
 
-/// The 16-bit copy to compare instead, where `node` compares an f32 value with a literal 0
-/// (`x > 0`, ...) and a reader that takes 16-bit operands (a convolution, a matmul) makes
-/// that value's `low` copy anyway (made here if this test comes first): rounding to 16
-/// bits keeps a value's sign and whether it is 0, save for magnitudes below the 16-bit
-/// dtype's smallest subnormal (bf16: 9e-41; f16: 6e-8), as autocast's 16-bit activations
-/// do.
+/// The 16-bit copy to compare instead, where `node` is a backward-pass strict sign test
+/// of an f32 value (`x > 0` or `x < 0`: relu's mask) and a reader that takes 16-bit
+/// operands (a convolution, a matmul) makes that value's `low` copy anyway (made here, with
+/// that reader's marks, if this test comes first). A strict test of the rounded value
+/// holds only where it holds of the value: it differs only for magnitudes below half the
+/// 16-bit dtype's smallest subnormal (bf16: 5e-41; f16: 3e-8), which round to 0, as
+/// autocast's 16-bit activations do. (`>=` and `<=` are left alone: a tiny negative value
+/// rounds to -0, and `-0 >= 0` holds.)
 fn sign_test_copy(
     g: &Graph,
     node: &crate::ir::Node,
@@ -337,8 +349,8 @@ fn sign_test_copy(
     casts: &mut BTreeMap<(NodeId, DType), NodeId>,
     low: DType,
 ) -> Result<Option<NodeId>, TypeError> {
-    use crate::ir::BinaryOp::{Ge, Gt, Le, Lt};
-    if !matches!(node.op, Op::Binary(Gt | Ge | Lt | Le)) || node.inputs.len() != 2 {
+    use crate::ir::BinaryOp::{Gt, Lt};
+    if !node.backward || !matches!(node.op, Op::Binary(Gt | Lt)) || node.inputs.len() != 2 {
         return Ok(None);
     }
     let zero = matches!(g.node(node.inputs[1]).op,
@@ -349,12 +361,22 @@ fn sign_test_copy(
     if !zero || new_ins.first() != Some(&x) || h.ty(x).dtype != DType::F32 {
         return Ok(None);
     }
-    let reader = g.users(old).into_iter().find(|&u| {
-        matches!(
-            precision(&g.node(u).op),
-            Precision::Low | Precision::Rounded
-        )
-    });
+    // The copy's marks are its first reader's: a forward one where there is one.
+    let readers: Vec<NodeId> = g
+        .users(old)
+        .into_iter()
+        .filter(|&u| {
+            matches!(
+                precision(&g.node(u).op),
+                Precision::Low | Precision::Rounded
+            )
+        })
+        .collect();
+    let reader = readers
+        .iter()
+        .copied()
+        .find(|&u| !g.node(u).backward)
+        .or_else(|| readers.first().copied());
     match reader {
         Some(u) => cast(h, casts, x, low, g.node(u)).map(Some),
         None => Ok(None),
@@ -424,5 +446,47 @@ impl Amp {
             Some(d) => d.name(),
             None => "off",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::BinaryOp;
+
+    /// In the backward pass, `x > 0` of an f32 value a matmul also reads tests the matmul's
+    /// bf16 copy; `x >= 0` keeps the f32 value (a tiny negative rounds to -0, and
+    /// `-0 >= 0` holds), and so does a test in the forward pass.
+    #[test]
+    fn only_strict_backward_sign_tests_read_the_16_bit_copy() {
+        let mut g = crate::front::test_graph(
+            "model t {
+                input x: f32[4, 8]
+                input w: f32[8, 8]
+                let s = exp(x)
+                output y = s @ w
+                output gt = where(s > 0.0, 1.0, 0.0)
+                output ge = where(s >= 0.0, 1.0, 0.0)
+                output fwd = where(s > 0.0, 2.0, 0.0)
+            }",
+        );
+        let tests: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&n| matches!(g.node(n).op, Op::Binary(BinaryOp::Gt | BinaryOp::Ge)))
+            .collect();
+        // The first two tests play the backward pass.
+        for &n in &tests[..2] {
+            g.mark_backward(n);
+        }
+        let h = apply(&g, DType::BF16).unwrap_or_else(|e| panic!("{e:?}"));
+        let read = |op: BinaryOp, backward: bool| -> Vec<DType> {
+            h.node_ids()
+                .filter(|&n| h.node(n).op == Op::Binary(op) && h.node(n).backward == backward)
+                .map(|n| h.ty(h.node(n).inputs[0]).dtype)
+                .collect()
+        };
+        assert_eq!(read(BinaryOp::Gt, true), [DType::BF16]);
+        assert_eq!(read(BinaryOp::Ge, true), [DType::F32]);
+        assert_eq!(read(BinaryOp::Gt, false), [DType::F32]);
     }
 }

@@ -15,7 +15,7 @@
 //! pipeline's last graph stage, so
 //! back ends never face one long serial reduction (a whole-tensor loss on a GPU is
 //! otherwise one block of threads). Cost: one pass over the nodes; at most four new nodes
-//! per split.
+//! per split, plus one for each further axis a long outer step reduces first.
 
 use crate::ir::{Graph, NodeId, Op, Shape};
 

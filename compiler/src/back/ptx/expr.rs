@@ -271,12 +271,9 @@ impl Px<'_> {
         col: &str,
         cache: &HashMap<ExprId, String>,
     ) -> Res<String> {
-        let saved = std::mem::replace(&mut self.cache, cache.clone());
-        self.vars.insert(g.row, row.to_string());
-        self.vars.insert(g.col, col.to_string());
-        let v = self.emit(g.value);
-        self.cache = saved;
-        v
+        let mut v = self.gather_nodes(g, &[g.value], (row, col), cache)?;
+        v.pop()
+            .ok_or_else(|| self.unsupported("a gather without a value"))
     }
 
     /// Nodes `roots` of a gather's expression (a run's index and padding test) with its

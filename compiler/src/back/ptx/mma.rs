@@ -40,10 +40,15 @@ impl MmaKind {
         if !mm.is_plain() {
             return None;
         }
-        match (mm.a.dtype, mm.b.dtype) {
+        MmaKind::of_dtypes(mm.a.dtype, mm.b.dtype, opts.allow_tf32)
+    }
+
+    /// The kind for operands of these dtypes (f32 only with `tf32`).
+    fn of_dtypes(a: DType, b: DType, tf32: bool) -> Option<MmaKind> {
+        match (a, b) {
             (DType::F16, DType::F16) => Some(MmaKind::F16),
             (DType::BF16, DType::BF16) => Some(MmaKind::Bf16),
-            (DType::F32, DType::F32) if opts.allow_tf32 => Some(MmaKind::Tf32),
+            (DType::F32, DType::F32) if tf32 => Some(MmaKind::Tf32),
             _ => None,
         }
     }
@@ -121,8 +126,8 @@ pub(super) struct GatherPlan {
 /// Elements of a gathered run: one 16-byte chunk of 16-bit values.
 const RUN: usize = 8;
 
-/// Blocks a split-K implicit GEMM aims for: two waves of an H100's 132 SMs.
-const SPLIT_BLOCKS: usize = 264;
+/// Blocks a split-K implicit GEMM aims for: two waves of the target's SMs.
+const SPLIT_BLOCKS: usize = 2 * crate::target::TARGET.sms;
 
 /// Fewest `k` stages a split sums.
 const SPLIT_MIN_STAGES: usize = 16;
@@ -147,26 +152,19 @@ pub(super) fn mma_gather_grid(
     let ranges = index_ranges(k);
     let run = RUN as i64;
     // Runs along `k` need whole runs of k; along the rows or columns, whole runs of those.
-    let along = |g: &Gather, k_var, other_var, other: usize| {
-        let on_k = mm.k.is_multiple_of(RUN);
-        match on_k
-            .then(|| run_of(&k.pool, &ranges, g.value, k_var, run))
-            .flatten()
-        {
-            Some(r) => Some((r, true)),
-            None if other.is_multiple_of(RUN) => {
-                run_of(&k.pool, &ranges, g.value, other_var, run).map(|r| (r, false))
-            }
-            None => None,
-        }
+    let along = |g: &Gather, k_var, other_var, other: usize| match run_of(
+        &k.pool,
+        &ranges,
+        g.value,
+        (k_var, mm.k),
+        run,
+    ) {
+        Some(r) => Some((r, true)),
+        None => run_of(&k.pool, &ranges, g.value, (other_var, other), run).map(|r| (r, false)),
     };
     let (a, a_along_k) = along(ga, ga.col, ga.row, mm.m)?;
     let (b, b_along_k) = along(gb, gb.row, gb.col, mm.n)?;
-    let kind = match (a.dtype, b.dtype) {
-        (DType::F16, DType::F16) => MmaKind::F16,
-        (DType::BF16, DType::BF16) => MmaKind::Bf16,
-        _ => return None,
-    };
+    let kind = MmaKind::of_dtypes(a.dtype, b.dtype, false)?;
     // 16-byte copies need 16-byte aligned buffers (runs start at multiples of 8 elements).
     if [a.buf, b.buf]
         .iter()
@@ -251,7 +249,7 @@ impl GatheredSide<'_> {
         roots.extend(self.run.guard);
         for s in &self.slots {
             let Some((_, kg, kc, kcache)) = by_k.iter().find(|(kk, ..)| *kk == s.kk) else {
-                continue;
+                return Err(px.unsupported("a gathered chunk's k part"));
             };
             let mut cache = self.fixed.get(s.fixed).cloned().unwrap_or_default();
             cache.extend(kcache.iter().map(|(e, r)| (*e, r.clone())));
@@ -282,9 +280,9 @@ fn gathered_sides<'a>(
     plan: &GatherPlan,
     (t, row0, col0): (&str, &str, &str),
     (b_row, a_bytes): (usize, usize),
-) -> Res<Option<[GatheredSide<'a>; 2]>> {
+) -> Res<[GatheredSide<'a>; 2]> {
     let (Some(ga), Some(gb)) = (&mm.a.gather, &mm.b.gather) else {
-        return Ok(None);
+        return Err(px.unsupported("a tensor-core implicit GEMM without two gathers"));
     };
     let (m, n) = (mm.m, mm.n);
     let mut sides = Vec::new();
@@ -374,7 +372,7 @@ fn gathered_sides<'a>(
     let [a, b]: [GatheredSide; 2] = sides
         .try_into()
         .map_err(|_| px.unsupported("implicit GEMM sides"))?;
-    Ok(Some([a, b]))
+    Ok([a, b])
 }
 
 /// Tensor-core matmul (`mma.sync`, f32 accumulation) with the fused epilogue: 128×128 block
@@ -455,7 +453,13 @@ pub(super) fn emit_mma_matmul(
     let mut a_slots = Vec::new();
     let mut b_slots = Vec::new();
     let gathered = match plan {
-        Some(plan) => gathered_sides(&mut px, mm, plan, (&t, &row0, &col0), (b_row, a_bytes))?,
+        Some(plan) => Some(gathered_sides(
+            &mut px,
+            mm,
+            plan,
+            (&t, &row0, &col0),
+            (b_row, a_bytes),
+        )?),
         None => None,
     };
     for i in 0..if gathered.is_some() { 0 } else { 2u32 } {

@@ -38,18 +38,19 @@ const FREE: Form = Form {
     aligned: false,
 };
 
-/// The run of `run` elements (along `var`, which spans `[0, extent)` with `extent` a
-/// multiple of `run`) of a gather's `value`, when `value` is a 16-bit load, or a select
-/// between such a load and 0 whose condition does not vary along the run, and the load's
-/// index is its run's first index plus `e`, that first index a multiple of `run`.
+/// The run of `run` elements (along `var`, which spans `[0, extent)`) of a gather's
+/// `value`, when `extent` is a multiple of `run` (a run is all in range or all out),
+/// `value` is a 16-bit load, or a select between such a load and 0 whose condition does
+/// not vary along the run, and the load's index is its run's first index plus `e`, that
+/// first index a multiple of `run`.
 pub(super) fn run_of(
     pool: &ExprPool,
     ranges: &[Option<(i64, i64)>],
     value: ExprId,
-    var: Var,
+    (var, extent): (Var, usize),
     run: i64,
 ) -> Option<Run> {
-    if run <= 1 {
+    if run <= 1 || extent == 0 || (extent as i64) % run != 0 {
         return None;
     }
     let (load, guard) = match *pool.get(value) {
@@ -227,8 +228,8 @@ mod tests {
 
     /// A pool with row var 0 over `[0, 64)` and k var 1 over `[0, 576)` (3×3 taps of 64
     /// channels), reading a channels-last `[8, 8, 64]` image with padding 1.
-    fn conv_window(channels_last: bool) -> (Kernel, ExprId) {
-        let mut k = Kernel {
+    fn kernel() -> Kernel {
+        Kernel {
             name: "k".into(),
             domain: vec![64, 576],
             pool: ExprPool::default(),
@@ -239,7 +240,30 @@ mod tests {
             parallel: true,
             describe: String::new(),
             collective: None,
-        };
+        }
+    }
+
+    /// `select(guard, buf[index], 0)` (a bare load without a guard).
+    fn load(p: &mut ExprPool, index: ExprId, guard: Option<ExprId>) -> ExprId {
+        let load = p.add(
+            E::Load {
+                buf: NodeId(petgraph::stable_graph::NodeIndex::new(3)),
+                dtype: DType::BF16,
+                index,
+            },
+            VTy::F32,
+        );
+        match guard {
+            Some(g) => {
+                let z = p.add(E::F32(0), VTy::F32);
+                p.add(E::Select(g, load, z), VTy::F32)
+            }
+            None => load,
+        }
+    }
+
+    fn conv_window(channels_last: bool) -> (Kernel, ExprId) {
+        let mut k = kernel();
         let p = &mut k.pool;
         let (row, kk) = (p.add(E::Var(0), VTy::I64), p.add(E::Var(1), VTy::I64));
         let int = |p: &mut ExprPool, c: i64| p.add(E::Int(c), VTy::I64);
@@ -305,20 +329,66 @@ mod tests {
     fn a_channels_last_window_reads_runs_of_eight_channels() {
         let (k, v) = conv_window(true);
         let ranges = super::super::expr::index_ranges(&k);
-        let r = run_of(&k.pool, &ranges, v, 1, 8).expect("a run");
+        let r = run_of(&k.pool, &ranges, v, (1, 576), 8).expect("a run");
         assert_eq!(r.dtype, DType::BF16);
         assert!(r.guard.is_some());
-        // 64 channels: runs of 16 and 64 too, but not 128 (a run would cross taps).
-        assert!(run_of(&k.pool, &ranges, v, 1, 64).is_some());
-        assert!(run_of(&k.pool, &ranges, v, 1, 128).is_none());
+        // 64 channels: runs of 16 and 64 too, but not 192 (a run would cross taps).
+        assert!(run_of(&k.pool, &ranges, v, (1, 576), 64).is_some());
+        assert!(run_of(&k.pool, &ranges, v, (1, 576), 192).is_none());
         // Along the rows, consecutive pixels are 64 elements apart.
-        assert!(run_of(&k.pool, &ranges, v, 0, 8).is_none());
+        assert!(run_of(&k.pool, &ranges, v, (0, 64), 8).is_none());
+    }
+
+    /// Indices and guards that are not one aligned run of consecutive elements: a run
+    /// backwards (a varying right operand of `-`, a negative factor), a clamp that bites
+    /// inside the range, a guard that varies along the run, a start that is not a multiple
+    /// of the run, an f32 load.
+    #[test]
+    fn what_is_not_a_run_is_refused() {
+        let mut k = kernel();
+        let p = &mut k.pool;
+        let kk = p.add(E::Var(1), VTy::I64);
+        let int = |p: &mut ExprPool, c: i64| p.add(E::Int(c), VTy::I64);
+        let (c3, c5, c600, m1, c8) = (int(p, 3), int(p, 5), int(p, 600), int(p, -1), int(p, 8));
+        let backwards = p.add(E::Bin(BinaryOp::Sub, c600, kk), VTy::I64);
+        let negated = p.add(E::Bin(BinaryOp::Mul, kk, m1), VTy::I64);
+        let negated = p.add(E::Bin(BinaryOp::Add, negated, c600), VTy::I64);
+        let clamped = p.add(E::IMin(kk, c5), VTy::I64);
+        let shifted = p.add(E::Bin(BinaryOp::Add, kk, c3), VTy::I64);
+        let early = p.add(E::Bin(BinaryOp::Lt, kk, c5), VTy::Bool);
+        let cases = [
+            load(p, backwards, None),
+            load(p, negated, None),
+            load(p, clamped, None),
+            load(p, shifted, None),
+            load(p, kk, Some(early)),
+        ];
+        let in_f32 = p.add(
+            E::Load {
+                buf: NodeId(petgraph::stable_graph::NodeIndex::new(3)),
+                dtype: DType::F32,
+                index: kk,
+            },
+            VTy::F32,
+        );
+        // The same load of `kk` itself, with a guard that holds along whole runs, is one.
+        let per_run = p.add(E::Bin(BinaryOp::Div, kk, c8), VTy::I64);
+        let ok_guard = p.add(E::Bin(BinaryOp::Lt, per_run, c5), VTy::Bool);
+        let fine = load(p, kk, Some(ok_guard));
+        let ranges = super::super::expr::index_ranges(&k);
+        for (i, v) in cases.into_iter().chain([in_f32]).enumerate() {
+            assert!(
+                run_of(&k.pool, &ranges, v, (1, 576), 8).is_none(),
+                "case {i}"
+            );
+        }
+        assert!(run_of(&k.pool, &ranges, fine, (1, 576), 8).is_some());
     }
 
     #[test]
     fn a_channels_first_window_has_no_runs() {
         let (k, v) = conv_window(false);
         let ranges = super::super::expr::index_ranges(&k);
-        assert!(run_of(&k.pool, &ranges, v, 1, 8).is_none());
+        assert!(run_of(&k.pool, &ranges, v, (1, 576), 8).is_none());
     }
 }
