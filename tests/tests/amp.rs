@@ -315,6 +315,31 @@ fn mixed_precision_ptx_assembles() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// A weight gradient of widened 16-bit operands is split along `k` by the tensor cores'
+/// 128×128 tiles, not the FFMA path's 64×64: the cnn's stage-3 gradients (256 × 2304 from
+/// 8192 pixels) are 144 FFMA tiles (no split) but 36 tensor-core tiles (8 splits).
+#[test]
+fn tensor_core_weight_gradients_split_by_their_own_tiles() {
+    let src = std::fs::read_to_string(root().join("examples/cnn.tdsl")).unwrap();
+    for a in [Amp::default()].into_iter().chain(policies()) {
+        let g = step(&src, "", a);
+        let g = match a.dtype {
+            Some(low) => amp::apply(&g, low).unwrap(),
+            None => g,
+        };
+        let splits: Vec<usize> = g
+            .node_ids()
+            .filter(|&n| {
+                matches!(g.node(n).op, Op::Conv2dGradWeight { .. })
+                    && g.ty(n).dims() == [256, 256, 3, 3]
+            })
+            .map(|n| tcc::kernel::lower::conv_split_k(&g, n, true))
+            .collect();
+        let want = if a.dtype.is_some() { 8 } else { 1 };
+        assert_eq!(splits, [want; 3], "--amp {}", a.name());
+    }
+}
+
 /// Under `--amp`, a convolution's weight gradient reads the 16-bit operands the forward
 /// convolution and the input gradient read (widened: f32 accumulation, f32 result), and
 /// relu's mask in the backward pass tests the 16-bit copy the next convolution read: no

@@ -130,7 +130,18 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
         let per_split = (depth / run).max(1);
         return runs.div_ceil(per_split).clamp(1, 4096);
     }
-    let tiles = m.div_ceil(64) * ncols.div_ceil(64);
+    // Operands widened from 16 bits (mixed precision's weight gradients) run on the
+    // tensor cores' 128×128 tiles, f32 ones on the 64×64 FFMA tiles: stage 3 of the cnn
+    // (256 × 2304) is 144 FFMA tiles but only 36 tensor-core tiles.
+    let widened = node.inputs.iter().all(|&i| {
+        let x = g.node(i);
+        matches!(x.op, Op::Cast { to: DType::F32 })
+            && x.inputs
+                .first()
+                .is_some_and(|&s| matches!(g.ty(s).dtype, DType::F16 | DType::BF16))
+    });
+    let tile = if widened { 128 } else { 64 };
+    let tiles = m.div_ceil(tile) * ncols.div_ceil(tile);
     // Thin outputs take the per-element path, which does not split.
     if tiles >= SPLIT_K_TILES || k < 2 * SPLIT_K_MIN_DEPTH || m < 16 || ncols < 16 {
         return 1;
