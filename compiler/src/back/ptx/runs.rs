@@ -311,17 +311,7 @@ mod tests {
             let a = bin(p, BinaryOp::Add, a, b);
             bin(p, BinaryOp::Add, a, iw)
         };
-        let load = p.add(
-            E::Load {
-                buf: NodeId(petgraph::stable_graph::NodeIndex::new(3)),
-                dtype: DType::BF16,
-                index,
-            },
-            VTy::F32,
-        );
-        let z = p.add(E::F32(0), VTy::F32);
-        let g = guard.unwrap_or(zero);
-        let v = p.add(E::Select(g, load, z), VTy::F32);
+        let v = load(p, index, guard);
         (k, v)
     }
 
