@@ -52,11 +52,13 @@
 //! operand that is no strided view, a reduction evaluated too often, an in-place update
 //! hazard) materializes the offending node and fusion runs again (at most once per node).
 
-use super::lower::{self, free_vars, matmul_anchor_ok, reachable, Builder, Decisions, LowerError};
+use super::lower::{
+    self, free_vars, matmul_anchor_ok, reachable, widening, Builder, Decisions, LowerError,
+};
 pub use super::Fused;
 use super::{ExprId, Kernel, Store, E};
 use crate::analysis::zeros::Zeros;
-use crate::ir::{DType, Graph, NodeId, Op};
+use crate::ir::{Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Options of the fusion pass.
@@ -222,16 +224,6 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
             true
         })
         .collect()
-}
-
-/// Whether `n` is a cast of a 16-bit float to f32.
-fn widening(g: &Graph, n: NodeId) -> bool {
-    let node = g.node(n);
-    matches!(node.op, Op::Cast { to: DType::F32 })
-        && node
-            .inputs
-            .first()
-            .is_some_and(|&x| matches!(g.ty(x).dtype, DType::F16 | DType::BF16))
 }
 
 /// Whether `n` widens a 16-bit value to f32 for implicit GEMMs alone (mixed precision's

@@ -133,13 +133,7 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
     // Operands widened from 16 bits (mixed precision's weight gradients) run on the
     // tensor cores' 128×128 tiles, f32 ones on the 64×64 FFMA tiles: stage 3 of the cnn
     // (256 × 2304) is 144 FFMA tiles but only 36 tensor-core tiles.
-    let widened = node.inputs.iter().all(|&i| {
-        let x = g.node(i);
-        matches!(x.op, Op::Cast { to: DType::F32 })
-            && x.inputs
-                .first()
-                .is_some_and(|&s| matches!(g.ty(s).dtype, DType::F16 | DType::BF16))
-    });
+    let widened = node.inputs.iter().all(|&i| widening(g, i));
     let tile = if widened { 128 } else { 64 };
     let tiles = m.div_ceil(tile) * ncols.div_ceil(tile);
     // Thin outputs take the per-element path, which does not split.
@@ -151,6 +145,16 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
         .div_ceil(tiles)
         .min(k / SPLIT_K_MIN_DEPTH)
         .clamp(1, 256)
+}
+
+/// Whether `n` is a cast of a 16-bit float to f32 (mixed precision widening an operand).
+pub fn widening(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    matches!(node.op, Op::Cast { to: DType::F32 })
+        && node
+            .inputs
+            .first()
+            .is_some_and(|&x| matches!(g.ty(x).dtype, DType::F16 | DType::BF16))
 }
 
 /// Whether the CPU runs convolution `n` as an implicit GEMM: `k` (the window, or a weight

@@ -126,12 +126,6 @@ pub(super) struct GatherPlan {
 /// Elements of a gathered run: one 16-byte chunk of 16-bit values.
 const RUN: usize = 8;
 
-/// Blocks a split-K implicit GEMM aims for: two waves of the target's SMs.
-const SPLIT_BLOCKS: usize = 2 * crate::target::TARGET.sms;
-
-/// Fewest `k` stages a split sums.
-const SPLIT_MIN_STAGES: usize = 16;
-
 /// The tensor-core plan of an implicit GEMM (both operands gathered), or `None` where a
 /// gather does not read whole aligned runs of one f16 or bf16 buffer (then the FFMA tiles
 /// run it).
@@ -176,17 +170,11 @@ pub(super) fn mma_gather_grid(
     if gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
-    // A split-K kernel (its store accumulates into a zeroed output) may take any number
-    // of splits: enough blocks for two waves, each summing at least 16 stages.
+    // A split-K kernel (its store accumulates into a zeroed output) takes the lowering's
+    // splits (`lower::conv_split_k`, which counts these 128×128 tiles for widened 16-bit
+    // operands), as whole stages each.
     let nk = mm.k.div_ceil(kind.bk());
-    let splits = if mm.split_k > 1 {
-        SPLIT_BLOCKS
-            .div_ceil(gx * gy)
-            .min(nk / SPLIT_MIN_STAGES)
-            .clamp(1, 65535)
-    } else {
-        1
-    };
+    let splits = mm.split_k.clamp(1, nk.min(65535));
     let depth = nk.div_ceil(splits);
     let splits = nk.div_ceil(depth);
     let plan = GatherPlan {
