@@ -1062,16 +1062,28 @@ pub fn data_parallel_vs_whole(
     devices: &[tcc_runtime::Device],
     amp: tcc::passes::amp::Amp,
 ) -> Result<(f64, f64, f64), String> {
+    let first = *devices.first().ok_or("no devices")?;
+    let options = tcc::artifact::CompileOptions {
+        amp,
+        ..device_options(first, true)
+    };
+    data_parallel_vs_whole_with(src, b, steps, devices, options)
+}
+
+/// [`data_parallel_vs_whole`] with both steps compiled with `options` (its `ranks` set
+/// for each).
+pub fn data_parallel_vs_whole_with(
+    src: &str,
+    b: usize,
+    steps: usize,
+    devices: &[tcc_runtime::Device],
+    options: tcc::artifact::CompileOptions,
+) -> Result<(f64, f64, f64), String> {
     use std::collections::BTreeMap;
-    use tcc::artifact;
     let ranks = devices.len();
     let first = *devices.first().ok_or("no devices")?;
     let build = |batch: usize, ranks: usize| {
-        let compile = artifact::CompileOptions {
-            ranks,
-            amp,
-            ..device_options(first, true)
-        };
+        let compile = tcc::artifact::CompileOptions { ranks, ..options };
         let text = src.replace("{B}", &batch.to_string());
         compile_step(&text, &Default::default(), &compile).map(|(g, _, model)| (g, model))
     };

@@ -433,3 +433,130 @@ fn zero_one_checkpoints_are_whole_and_load_into_either_step() {
         eprintln!("{ranks} ranks: {shards} sharded states; checkpoints identical");
     }
 }
+
+/// A stacked param (`w: f32[L, ..]` read as `w[l]` in a loop) has one gradient per layer,
+/// ready one after another through the backward pass: each layer's is summed over the ranks
+/// on its own, in place, as soon as it is ready (not the whole stack after the first
+/// layer's, at the end of the backward pass), and the step still equals the whole batch's.
+#[test]
+fn a_stacked_params_layers_are_summed_as_each_is_ready() {
+    let src = "
+model stacked {
+    input  x: f32[{B}, 512]
+    input  labels: i32[{B}]
+    param  w: f32[3, 512, 512] = normal(0.0, 0.03)
+    param  head: f32[512, 5] = normal(0.0, 0.05)
+    let h = x
+    for l in 0..3 {
+        h = h + gelu(h @ w[l])
+    }
+    let loss = cross_entropy(h @ head, labels)
+    output loss
+    train adam(lr: 0.001) minimize loss
+}
+";
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        ..Default::default()
+    };
+    let (_, c, model) =
+        tcc_tests::compile_step(&src.replace("{B}", "2"), &Default::default(), &compile)
+            .expect("compiles");
+    let kernels = &c.fused.kernels;
+    let sums: Vec<usize> = (0..kernels.len())
+        .filter(|&i| kernels[i].collective.is_some())
+        .collect();
+    // One sum per layer of `w` (1 MiB each) and one for `head`, all in place.
+    assert_eq!(sums.len(), 4, "{:?}", sums);
+    let manifest = model.manifest();
+    let collectives: Vec<_> = manifest
+        .kernels
+        .iter()
+        .filter_map(|k| k.collective.as_ref())
+        .collect();
+    assert!(collectives.iter().all(|c| c.in_place));
+    assert_eq!(
+        collectives
+            .iter()
+            .filter(|c| c.bytes == 512 * 512 * 4)
+            .count(),
+        3
+    );
+    // The first layer's gradient is the backward pass's last product: the other layers'
+    // sums are launched before it.
+    let last_product = (0..kernels.len())
+        .rev()
+        .find(|&i| kernels[i].matmul.is_some() && kernels[i].collective.is_none())
+        .expect("a product");
+    let early = sums.iter().filter(|&&i| i < last_product).count();
+    assert!(
+        early >= 2,
+        "sums at {sums:?}, last product at {last_product}"
+    );
+    let (err, loss, mean) =
+        data_parallel_vs_whole(src, 2, 5, &[Device::Cpu; 2], Default::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert!(err < 1e-5, "params differ by {err:e}");
+    assert!(
+        (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
+        "loss {loss} vs {mean}"
+    );
+}
+
+/// A convolution's weight gradient is stored channels-last on CUDA; its sum over the ranks
+/// takes that layout and runs in place (no permuting copy into the param's layout); a stack
+/// of convolution weights is summed whole; and on
+/// CPU ranks, channels-last too, the step equals the whole batch's.
+#[test]
+fn convolution_weight_gradients_are_summed_in_place_in_their_layout() {
+    let src = "
+model convs {
+    input  x: f32[{B}, 8, 12, 12]
+    input  labels: i32[{B}]
+    param  w0: f32[64, 8, 3, 3] = normal(0.0, 0.2)
+    param  ws: f32[2, 64, 64, 9, 9] = normal(0.0, 0.01)
+    param  head: f32[64, 5] = normal(0.0, 0.1)
+    let h = relu(conv2d(x, w0, padding: 1))
+    for l in 0..2 {
+        h = h + relu(conv2d(h, ws[l], padding: 4))
+    }
+    let pooled = reshape(avg_pool2d(h, 12), [{B}, 64])
+    let loss = cross_entropy(pooled @ head, labels)
+    output loss
+    train sgd(lr: 0.05, momentum: 0.9) minimize loss
+}
+";
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        ..tcc_tests::device_options(Device::Cuda(0), true)
+    };
+    let (_, _, model) =
+        tcc_tests::compile_step(&src.replace("{B}", "2"), &Default::default(), &compile)
+            .expect("compiles");
+    let collectives: Vec<_> = model
+        .manifest()
+        .kernels
+        .iter()
+        .filter_map(|k| k.collective.as_ref())
+        .collect();
+    // w0, ws whole (a stack of convolution weights is not split: its gradient kernels store
+    // into the stack in the param's layout), head.
+    assert_eq!(collectives.len(), 3, "{collectives:?}");
+    let w0 = collectives.iter().find(|c| c.bytes == 64 * 8 * 9 * 4);
+    assert!(w0.is_some_and(|c| c.in_place), "{collectives:?}");
+    assert!(
+        collectives.iter().any(|c| c.bytes == 2 * 64 * 64 * 81 * 4),
+        "{collectives:?}"
+    );
+    // Channels-last on the CPU too, as `tcc build` compiles it there.
+    let mut cpu = tcc_tests::device_options(Device::Cpu, true);
+    cpu.fuse.channels_last = true;
+    let (err, loss, mean) =
+        tcc_tests::data_parallel_vs_whole_with(src, 2, 3, &[Device::Cpu; 2], cpu)
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert!(err < 1e-5, "params differ by {err:e}");
+    assert!(
+        (loss - mean).abs() < 1e-5 * loss.abs().max(1.0),
+        "loss {loss} vs {mean}"
+    );
+}

@@ -664,7 +664,22 @@ fn all_reduce(
         let r = match summed.get(&d) {
             Some(&r) => r,
             None => {
-                let r = b.add(Op::AllReduce, vec![d])?;
+                let r = match split_for_reduction(b.g, d) {
+                    Some(pieces) => {
+                        let mut summed_pieces = Vec::with_capacity(pieces.len());
+                        for (piece, stored) in pieces {
+                            // The value under a piece's reshapes: a collective's operand
+                            // is a buffer of its own.
+                            let mut sum = b.add(Op::AllReduce, vec![stored])?;
+                            if stored != piece {
+                                sum = b.reshape(sum, b.g.ty(piece).shape.clone())?;
+                            }
+                            summed_pieces.push(sum);
+                        }
+                        b.add(Op::Concat { axis: 0 }, summed_pieces)?
+                    }
+                    None => b.add(Op::AllReduce, vec![d])?,
+                };
                 summed.insert(d, r);
                 r
             }
@@ -672,4 +687,39 @@ fn all_reduce(
         out.insert(p, r);
     }
     Ok(out)
+}
+
+/// The smallest piece of a stacked gradient reduced on its own ([`split_for_reduction`]).
+const REDUCED_PIECE_BYTES: usize = 1 << 20;
+
+/// The pieces of a gradient that is a concat along its first axis of pieces of at least
+/// [`REDUCED_PIECE_BYTES`] each: a stacked param's (`w: f32[L, ..]` read as `w[l]` in a
+/// loop), whose layers' gradients are ready one after another through the backward pass.
+/// Summing each piece on its own lets the ranks reduce a layer's gradient while the
+/// backward pass goes on below it; the sum of the whole concat could start only after the
+/// first layer's gradient, at the end of the backward pass (on gpt, 98 % of the gradient
+/// bytes; its step on 4 H100s went from 64.8 to 64.1 ms). A sum is elementwise, so the
+/// concat of the pieces' sums is the sum of the concat. Each piece is given with the value
+/// stored under its reshapes (views), which its sum reads.
+///
+/// Not a stack of convolution weights: their gradient kernels store straight into the
+/// concat in the param's layout, and summed apart the pieces stay channels-last for the
+/// update to read across (the cnn's step on 4 H100s took 43.4 ms split, 42.6 ms not).
+fn split_for_reduction(g: &Graph, d: NodeId) -> Option<Vec<(NodeId, NodeId)>> {
+    let node = g.node(d);
+    if !matches!(node.op, Op::Concat { axis: 0 }) || node.inputs.len() < 2 {
+        return None;
+    }
+    let mut pieces = Vec::with_capacity(node.inputs.len());
+    for &piece in &node.inputs {
+        let mut stored = piece;
+        while matches!(g.node(stored).op, Op::Reshape { .. }) {
+            stored = g.node(stored).inputs[0];
+        }
+        if g.ty(piece).size_bytes() < REDUCED_PIECE_BYTES || g.node(stored).op.is_spatial() {
+            return None;
+        }
+        pieces.push((piece, stored));
+    }
+    Some(pieces)
 }

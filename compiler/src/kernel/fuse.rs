@@ -643,7 +643,7 @@ fn concat_pieces(
                 && single(x)
                 && !op.is_leaf()
                 && !op.is_scatter()
-                && !matches!(op, Op::Concat { .. })
+                && !matches!(op, Op::Concat { .. } | Op::AllReduce)
                 && lower::conv_split_k(g, x, true) <= 1
                 && g.ty(x).dtype == node.ty.dtype
                 && !pieces.iter().any(|(y, _): &(NodeId, Piece)| *y == x);

@@ -27,9 +27,11 @@ use super::lower::matmul_anchor_ok;
 use crate::ir::{Graph, NodeId, Op};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Ops a channels-last layout passes through unchanged.
+/// Ops a channels-last layout passes through unchanged. An `all_reduce` sums each element
+/// across the ranks where it lies, so it takes its operand's layout and reduces it in place
+/// (a convolution's weight gradient, summed on its own: not a permuting copy).
 fn passes_layout(op: &Op) -> bool {
-    op.is_elementwise() || matches!(op, Op::BroadcastTo { .. })
+    op.is_elementwise() || matches!(op, Op::BroadcastTo { .. } | Op::AllReduce)
 }
 
 /// NHWC for every materialized 4-D intermediate of a convolution chain.

@@ -83,6 +83,44 @@ fn collectives_last(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     }
     let mut out = order.to_vec();
     out.sort_by_key(|n| key.get(n).copied().unwrap_or(0));
+    sums_when_ready(g, &out, &level)
+}
+
+/// `order` with each gradient sum (an `all_reduce` or `reduce_scatter` of a value no
+/// collective feeds) moved up to just after the last of its operands. The runtime buckets
+/// the collectives in launch order and reduces the buckets one after another, so a
+/// reduction is placed where its gradient is ready: a layer's gradients are summed while
+/// the backward pass goes on below it, and one gradient ready late (an embedding's, at the
+/// end of the backward pass) holds back no other. Each moved node still follows its
+/// operands, so the order stays topological.
+fn sums_when_ready(g: &Graph, order: &[NodeId], level: &BTreeMap<NodeId, usize>) -> Vec<NodeId> {
+    let is_sum = |n: NodeId| {
+        let node = g.node(n);
+        matches!(node.op, Op::AllReduce | Op::ReduceScatter { .. })
+            && node
+                .inputs
+                .iter()
+                .all(|i| level.get(i).is_none_or(|&l| l == 0))
+    };
+    let moved: BTreeSet<NodeId> = order.iter().copied().filter(|&n| is_sum(n)).collect();
+    // For each node, the moved sums it is the last operand of (in `order`'s order).
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let mut after: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    let mut first: Vec<NodeId> = Vec::new();
+    for &n in order.iter().filter(|n| moved.contains(n)) {
+        match g.node(n).inputs.iter().max_by_key(|i| pos.get(i)) {
+            Some(&last) => after.entry(last).or_default().push(n),
+            None => first.push(n),
+        }
+    }
+    let mut out = first;
+    out.reserve(order.len());
+    for &n in order.iter().filter(|n| !moved.contains(n)) {
+        out.push(n);
+        if let Some(sums) = after.get(&n) {
+            out.extend(sums);
+        }
+    }
     out
 }
 
