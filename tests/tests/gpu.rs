@@ -449,7 +449,8 @@ model dp {
 
 /// Data parallelism over NCCL on every GPU of the machine (2 or more): N ranks equal one
 /// session on the whole batch, with one bucket (the small MLP) and with several (64 MiB of
-/// gradients in 25 MiB buckets), under f32 and bf16 autocast.
+/// gradients in 25 MiB buckets), under f32 and bf16 autocast, and with a stacked param
+/// summed a layer at a time.
 #[test]
 fn gpu_data_parallel_over_nccl_equals_the_whole_batch() {
     if !gpu() {
@@ -479,10 +480,28 @@ model dp {
     train adam(lr: 0.00002) minimize loss
 }
 ";
+    // The same widths as one stacked param: its layers' gradients are summed one by one,
+    // in place, as the backward pass reaches them.
+    let stacked = "
+model dp {
+    input  x: f32[{B}, 2048]
+    input  labels: i32[{B}]
+    param  w: f32[4, 2048, 2048] = normal(0.0, 0.02)
+    param  head: f32[2048, 10] = normal(0.0, 0.02)
+    let h = x
+    for l in 0..4 {
+        h = relu(h @ w[l])
+    }
+    let loss = cross_entropy(h @ head, labels)
+    output loss
+    train adam(lr: 0.00002) minimize loss
+}
+";
     for (name, src, b, amp, tol) in [
         ("mlp f32", tcc_tests::DATA_PARALLEL_MLP, 8, "off", 1e-5),
         ("wide f32", wide, 4, "off", 1e-5),
         ("wide bf16", wide, 4, "bf16", 2e-2),
+        ("stacked f32", stacked, 4, "off", 1e-5),
     ] {
         let amp = tcc::passes::amp::Amp::named(amp).expect("a policy");
         let (err, loss, mean) = tcc_tests::data_parallel_vs_whole(src, b, 10, &devices, amp)
