@@ -40,10 +40,10 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 /// gradient's sum, though: one that is not reduced in place (a copy, as of a split-K weight
 /// gradient) frees its operand's bytes when [`sums_when_ready`] moves it up, and a kernel
 /// that reuses them waits for the sum's bucket (4 kernels of the cnn on 2 ranks; its step
-/// was still 0.5 ms faster on 4 H100s than with the sums at the end). On gpt on two H100s the step took
-/// 67.7 ms before this and 67.6 after (the arena is 2.85 GiB either way): the gap to one
-/// GPU's 61.5 ms was elsewhere (the runtime's launch), but the order no longer depends on
-/// where the planner happens to reuse bytes.
+/// was still 0.5 ms faster on 4 H100s than with the sums at the end). On gpt on two H100s
+/// the step took 67.7 ms before this and 67.6 after (the arena is 2.85 GiB either way): the
+/// gap to one GPU's 61.5 ms was elsewhere (the runtime's launch), but the order no longer
+/// depends on where the planner happens to reuse bytes.
 ///
 /// Generally, nodes are ordered stably by how many collectives lie on their longest path
 /// from the step's leaves (a collective counted after itself), and a collective that reads
