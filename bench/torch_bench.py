@@ -234,13 +234,13 @@ def build_gpt(dev, B, T, D, H, L, V):  # examples/gpt.tdsl
     tokens = torch.randint(0, V, (B, T), device=dev)
     targets = torch.randint(0, V, (B, T), device=dev)
 
-    def heads(t):
-        return t.reshape(B, T, H, D // H).permute(0, 2, 1, 3)
+    def heads(t):  # the batch read from the tensor: a micro-batch is a slice of it
+        return t.reshape(t.shape[0], T, H, D // H).permute(0, 2, 1, 3)
 
     def block(x, l):
         q, k, v = (rms_norm(x, P[f"g1_{l}"]) @ P[f"wqkv_{l}"]).split(D, dim=-1)
         a = attention(heads(q), heads(k), heads(v), causal=True)
-        x = x + a.permute(0, 2, 1, 3).reshape(B, T, D) @ P[f"wo_{l}"]
+        x = x + a.permute(0, 2, 1, 3).reshape(x.shape[0], T, D) @ P[f"wo_{l}"]
         return x + gelu(rms_norm(x, P[f"g2_{l}"]) @ P[f"w1_{l}"]) @ P[f"w2_{l}"]
 
     def loss_fn(tokens, targets):
@@ -248,7 +248,7 @@ def build_gpt(dev, B, T, D, H, L, V):  # examples/gpt.tdsl
         for l in range(L):
             x = block(x, l)
         logits = rms_norm(x, P["gf"]) @ P["wte"].t()
-        return cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T))
+        return cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
     opt = torch.optim.Adam(list(P.values()), lr=3e-4, betas=(0.9, 0.999), eps=1e-8)
     return loss_fn, (tokens, targets), opt, P
@@ -340,22 +340,32 @@ def run_model(name, mode, args):
               if k in ("lr", "momentum", "weight_decay", "betas", "eps")}
         opt = type(opt)(list(params.values()), fused=True, **kw)
 
+    k = args.micro_batches
+    if inputs[0].shape[0] % k:
+        raise ValueError(f"--micro-batches {k} does not divide the batch {inputs[0].shape[0]}")
+    slices = list(zip(*(t.chunk(k) for t in inputs)))  # gradient accumulation: k slices
+
     def make_step(lf):
         def step():
-            if amp is None:
-                loss = lf(*inputs)
-            else:
-                with torch.autocast(args.device, dtype=amp):
-                    loss = lf(*inputs)
+            total = 0.0
+            for part in slices:  # each slice's mean loss / k: the whole batch's mean
+                if amp is None:
+                    loss = lf(*part) / k
+                else:
+                    with torch.autocast(args.device, dtype=amp):
+                        loss = lf(*part) / k
+                if scaler is None:
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()
+                total = total + loss.detach()
             if scaler is None:
-                loss.backward()
                 opt.step()
             else:
-                scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return total
         return step
 
     step, note, compile_s = make_step(loss_fn), "", None
@@ -460,7 +470,12 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--amp", default="off", choices=["off", "bf16", "f16"],
                     help="autocast dtype (fused optimizers; f16 with GradScaler)")
+    ap.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                    help="gradient accumulation: each step as K slices of the batch "
+                         "(tcc's --micro-batches K)")
     args = ap.parse_args()
+    if args.micro_batches < 1:
+        ap.error("--micro-batches must be >= 1")
     cases = [c for c in args.cases.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     bad = [c for c in cases if c not in (*MODELS, "gelu", "gemm", "copy")]

@@ -250,7 +250,7 @@ pub const PIPELINE: &[Stage] = &[
         gives: Form::Graph,
         file: "compiler/src/front/",
         invariant: "the graph verifier (`ir/verify.rs`): types, operand counts, acyclic",
-        why: "first: parses, checks and lowers TDSL (inlining functions, unrolling loops) to one graph per model",
+        why: "first: parses, checks and lowers TDSL (inlining functions, unrolling loops) to one graph per model; with `--micro-batches K` it lowers the model at its batch and at 1/K of it and builds the step as K slices of the batch (`front/micro_batch.rs`)",
         run: None,
     },
     Stage {

@@ -446,6 +446,69 @@ fn print_after_and_stop_after() {
 }
 
 #[test]
+fn micro_batches_split_the_step_and_fit_finds_the_fewest_that_fit() {
+    let gpt = [
+        "--set", "L=2", "--set", "T=128", "--set", "D=64", "--set", "V=128", "--set", "H=2",
+    ];
+    // `mem` says the step is split and plans less than the whole batch's arena.
+    let arena = |k: &str| {
+        let mut args = vec!["mem", "examples/gpt.tdsl", "--json", "--micro-batches", k];
+        args.extend(gpt);
+        let o = tcc(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+        v
+    };
+    let (whole, split) = (arena("1"), arena("4"));
+    assert!(whole.get("micro_batches").is_none(), "{whole}");
+    assert_eq!(split["micro_batches"], 4, "{split}");
+    let bytes = |v: &serde_json::Value| v["fused_arena_bytes"].as_u64().expect("arena");
+    assert!(bytes(&split) < bytes(&whole), "{split} vs {whole}");
+    // `fit` grows the batch past what fits whole, with the fewest micro-batches that fit.
+    let fit = |k: &str| {
+        let mut args = vec![
+            "fit",
+            "examples/gpt.tdsl",
+            "--mem-budget",
+            "12MiB",
+            "--grow",
+            "B",
+            "--micro-batches",
+            k,
+        ];
+        args.extend(gpt);
+        let o = tcc(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = stdout(&o);
+        let last = out.lines().last().unwrap_or("").to_string();
+        let b: u64 = last
+            .split(": ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{out}"));
+        (b, last)
+    };
+    let (b1, _) = fit("1");
+    let (b8, line) = fit("8");
+    assert!(b8 > b1, "{b8} <= {b1}: {line}");
+    assert!(line.contains("with --micro-batches"), "{line}");
+    // A count that does not divide the batch is an error that says so.
+    let mut args = vec![
+        "build",
+        "examples/gpt.tdsl",
+        "--micro-batches",
+        "3",
+        "-o",
+        "/dev/null",
+    ];
+    args.extend(gpt);
+    let o = tcc(&args);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("E0541"), "{}", stderr(&o));
+}
+
+#[test]
 fn fit_finds_the_largest_batch_under_a_budget() {
     let o = tcc(&[
         "fit",

@@ -1282,3 +1282,82 @@ model dp {
     train adam(lr: 0.01) minimize loss
 }
 ";
+
+/// One step program at `--micro-batches k` against the same program on its whole batch.
+pub struct MicroVsWhole {
+    /// [`params_rel_err`] of params and optimizer state after the steps.
+    pub params: f64,
+    /// The largest [`rel_err`] of any output (those carrying the batch concatenated from
+    /// the micro-batches).
+    pub outputs: f64,
+    /// The arenas: whole batch, micro-batched.
+    pub arenas: (usize, usize),
+}
+
+/// The single model of `src` (`--set` values `sets`) lowered as the front end does with
+/// `--micro-batches k` ([`tcc::front::micro_batch`]) and run through the pipeline to
+/// `schedule` with `compile`, verified.
+pub fn micro_batched_step(
+    src: &str,
+    sets: &[(&str, &str)],
+    k: usize,
+    compile: &tcc::artifact::CompileOptions,
+) -> Result<tcc::ir::Graph, String> {
+    let opts = Options {
+        sets: sets
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let mut sources = Sources::new("case.tdsl", src.as_bytes());
+    let mut lowered = tcc::front::micro_batch::compile_micro_batched(&mut sources, &opts, k)
+        .map_err(|d| render_all(&d, &sources.map))?;
+    let g = lowered.graphs.remove(0);
+    let popts = tcc::pipeline::Options {
+        compile: *compile,
+        verify: true,
+        ..Default::default()
+    };
+    match tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {}) {
+        Ok((tcc::pipeline::Product::Graph(g), _)) => Ok(g),
+        Ok((p, _)) => Err(format!("`schedule` gave {}", p.form())),
+        Err(e) => Err(render_all(&e.diagnostics(), &sources.map)),
+    }
+}
+
+/// Runs `src` for `steps` steps on `device` with `--micro-batches k` and on its whole
+/// batch, from the same params (seed 7) and inputs (seed 3), and compares them. `amp`:
+/// `--amp` (`off`, `bf16`, `f16`).
+pub fn micro_vs_whole(
+    src: &str,
+    sets: &[(&str, &str)],
+    k: usize,
+    steps: usize,
+    device: tcc_runtime::Device,
+    amp: &str,
+) -> Result<MicroVsWhole, String> {
+    let compile = tcc::artifact::CompileOptions {
+        amp: tcc::passes::amp::Amp::named(amp).ok_or(format!("no --amp {amp}"))?,
+        ..device_options(device, true)
+    };
+    let whole = micro_batched_step(src, sets, 1, &compile)?;
+    let micro = micro_batched_step(src, sets, k, &compile)?;
+    if micro.micro_batches != Some(k) {
+        return Err(format!("the step was not split: {:?}", micro.micro_batches));
+    }
+    let inputs = tcc::eager::random_inputs(&whole, 3);
+    let a = steps_compiled(&whole, &inputs, steps, 7, device, &compile)?;
+    let b = steps_compiled(&micro, &inputs, steps, 7, device, &compile)?;
+    let params = params_rel_err(&b.persistent, &a.persistent).ok_or("params differ in name")?;
+    let mut outputs = 0.0f64;
+    for (name, t) in &a.outputs {
+        let u = b.outputs.get(name).ok_or(format!("no output `{name}`"))?;
+        outputs = outputs.max(rel_err(u, t));
+    }
+    Ok(MicroVsWhole {
+        params,
+        outputs,
+        arenas: (a.arena_bytes, b.arena_bytes),
+    })
+}

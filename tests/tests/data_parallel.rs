@@ -162,7 +162,11 @@ fn fit_with_gpus_answers_per_gpu_with_the_data_parallel_arena() {
             tcc::cli::remat_cmd::RematMode::None,
             200,
             Default::default(),
-            tcc::cli::Parallel { ranks: 2, zero },
+            tcc::cli::Parallel {
+                ranks: 2,
+                zero,
+                ..Default::default()
+            },
         )
         .expect("fits");
         assert!(b >= 40, "{b}");

@@ -547,3 +547,43 @@ model dp {
         t.elapsed()
     );
 }
+
+#[test]
+fn gpu_micro_batches_equal_the_whole_batch() {
+    if !gpu() {
+        return;
+    }
+    // gpt (Adam, fused attention, layer norms) and the mlp, K micro-batches against the
+    // whole batch after 3 steps, on the GPU.
+    let read = |f: &str| std::fs::read_to_string(root().join("examples").join(f)).unwrap();
+    let gpt_sets: &[(&str, &str)] = &[
+        ("B", "8"),
+        ("T", "64"),
+        ("D", "64"),
+        ("L", "2"),
+        ("V", "128"),
+        ("H", "2"),
+    ];
+    for (what, src, sets, k) in [
+        ("gpt", read("gpt.tdsl"), gpt_sets, 2),
+        ("gpt", read("gpt.tdsl"), gpt_sets, 4),
+        ("mlp", read("mlp.tdsl"), &[("B", "64")][..], 4),
+    ] {
+        let r = tcc_tests::micro_vs_whole(&src, sets, k, 3, Device::Cuda(0), "off")
+            .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
+        eprintln!(
+            "{what}, K={k}: params rel err {:e}, outputs {:e}, arena {} -> {} bytes",
+            r.params, r.outputs, r.arenas.0, r.arenas.1
+        );
+        assert!(
+            r.params < 1e-5,
+            "{what}, K={k}: params differ by {:e}",
+            r.params
+        );
+        assert!(
+            r.outputs < 1e-5,
+            "{what}, K={k}: outputs differ by {:e}",
+            r.outputs
+        );
+    }
+}

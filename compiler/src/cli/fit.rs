@@ -132,16 +132,72 @@ pub fn run(
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut last_fit: Option<(u64, String)> = None;
     let mut smallest: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
+    let most = parallel.micro_batches.max(1);
+    let grows_batch =
+        crate::front::micro_batch::batch_name(&String::from_utf8_lossy(&bytes), model.as_deref())
+            .is_some_and(|b| b == name);
     let mut eval = |v: u64| -> Result<bool, String> {
         if let Some(&a) = tried.get(&v) {
             return Ok(a);
         }
-        let spinner = crate::progress::Spinner::start(&format!("{name} = {v}"), super::quiet());
-        let t = try_value(
-            name, &bytes, file, sets, model, v, budget, remat, time_ms, amp, parallel,
-        )?;
-        drop(spinner);
-        let what = match t.remat {
+        // The micro-batch counts to try, fewest first: while the batch grows, those that
+        // divide it; while another constant grows, none but `most` (the batch is fixed).
+        // The arena shrinks as the count grows, so the fewest that fits is bisected.
+        let ks: Vec<usize> = if grows_batch {
+            (1..=most).filter(|&k| v.is_multiple_of(k as u64)).collect()
+        } else if most > 1 {
+            vec![1, most]
+        } else {
+            vec![1]
+        };
+        let attempt = |k: usize| -> Result<(bool, Try), String> {
+            let spinner = crate::progress::Spinner::start(
+                &format!(
+                    "{name} = {v}{}",
+                    if k > 1 {
+                        format!(", {k} micro-batches")
+                    } else {
+                        String::new()
+                    }
+                ),
+                super::quiet(),
+            );
+            let p = super::Parallel {
+                micro_batches: k,
+                ..parallel
+            };
+            let t = try_value(
+                name, &bytes, file, sets, model, v, budget, remat, time_ms, amp, p,
+            );
+            drop(spinner);
+            t.map(|t| (t.fits(budget), t))
+        };
+        let (mut fits, mut t) = attempt(ks[0])?;
+        let mut k = ks[0];
+        if !fits && ks.len() > 1 {
+            let (f, tl) = attempt(ks[ks.len() - 1])?;
+            k = ks[ks.len() - 1];
+            if !f {
+                t = tl;
+            } else {
+                let (mut lo, mut hi) = (0, ks.len() - 1); // ks[lo] does not fit, ks[hi] does
+                let mut best = tl;
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    let (fm, tm) = attempt(ks[mid])?;
+                    if fm {
+                        hi = mid;
+                        best = tm;
+                    } else {
+                        lo = mid;
+                    }
+                }
+                fits = true;
+                t = best;
+                k = ks[hi];
+            }
+        }
+        let mut what = match t.remat {
             Some((a, f, total)) => format!(
                 "arena {} -> {} with remat (+{:.2}% FLOPs)",
                 super::run::bytes(t.arena),
@@ -150,7 +206,9 @@ pub fn run(
             ),
             None => format!("arena {}", super::run::bytes(t.arena)),
         };
-        let fits = t.fits(budget);
+        if k > 1 {
+            what.push_str(&format!(" with --micro-batches {k}"));
+        }
         smallest.insert(v, t.remat.map_or(t.arena, |r| r.0.min(t.arena)));
         println!(
             "  {name} = {v:>8}: {what}{}",

@@ -40,6 +40,9 @@ pub struct MemReport {
     /// `--gpus N`: the plan is each data-parallel rank's (absent: a step that runs alone).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ranks: Option<usize>,
+    /// `--micro-batches K`: the step runs its batch as K slices (absent: 1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batches: Option<usize>,
     /// Nodes of the final graph (the one the kernels compute).
     pub nodes: usize,
     /// tcc's own op-by-op execution of the step (`tcc run --eager`): every value
@@ -368,6 +371,7 @@ pub fn report(
         target: compile.target.name().to_string(),
         amp: amp.name().to_string(),
         ranks: final_graph.ranks,
+        micro_batches: final_graph.micro_batches,
         nodes: final_graph.node_count(),
         eager_peak_bytes: eager.peak_bytes(),
         eager_param_bytes: eager.param_bytes,
@@ -439,6 +443,12 @@ pub fn text(r: &MemReport, timing: bool) -> String {
             None => String::new(),
         }
     ));
+    if let Some(k) = r.micro_batches {
+        s.push_str(&format!(
+            "  micro-batches {k}: the batch runs as {k} slices, one after another; the \
+             gradients add up in f32 buffers that live through the step\n"
+        ));
+    }
     line(
         &mut s,
         "eager, op by op (tcc --eager)",

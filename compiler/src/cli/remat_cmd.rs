@@ -163,8 +163,9 @@ pub fn step_graph(
         models: ModelSelection::One(model.clone()),
     };
     let t = Instant::now();
-    let mut lowered = front::compile(&mut sources, &opts)
-        .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
+    let mut lowered =
+        front::micro_batch::compile_micro_batched(&mut sources, &opts, parallel.micro_batches)
+            .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
     if lowered.graphs.is_empty() {
         return Err("no model to compile".into());
     }

@@ -6,6 +6,7 @@
 
 mod builtins;
 mod lower;
+pub mod micro_batch;
 pub use lower::MAX_EXPR_DEPTH;
 mod value;
 

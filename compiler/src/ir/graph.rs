@@ -46,6 +46,11 @@ pub struct Node {
     /// a kernel of its own, and remat finds the clones of its choices after later stages
     /// renumbered the graph.
     pub recomputed: Option<NodeId>,
+    /// The micro-batch of a step split with `--micro-batches K` that this node computes
+    /// on (set on the forward nodes of each slice by [`crate::front::micro_batch`]; the
+    /// nodes computed from them inherit it in the schedule, which runs the micro-batches
+    /// one after another).
+    pub micro_batch: Option<u32>,
 }
 
 /// Optimizers of `train OPT minimize LOSS`, with every argument resolved.
@@ -140,6 +145,9 @@ pub struct Graph {
     /// ZeRO-1 (`--zero 1`): each optimizer state that holds one rank's shard of a param's
     /// state, by name, with that param's name (the whole state is shaped like the param).
     pub shards: std::collections::BTreeMap<String, String>,
+    /// The micro-batches of a step split with `--micro-batches K`
+    /// ([`crate::front::micro_batch`]); `None` for a step over its whole batch at once.
+    pub micro_batches: Option<usize>,
 }
 
 /// The largest tensor a program may make, in bytes (1 TiB): far above any device's
@@ -202,6 +210,7 @@ impl Graph {
             backward: false,
             block: None,
             recomputed: None,
+            micro_batch: None,
         }));
         for (pos, src) in inputs.iter().enumerate() {
             self.graph.add_edge(src.0, id.0, pos as u32);
@@ -236,6 +245,13 @@ impl Graph {
     pub fn set_block(&mut self, id: NodeId, block: u32) {
         if let Some(n) = self.graph.node_weight_mut(id.0) {
             n.block = Some(block);
+        }
+    }
+
+    /// Records the micro-batch a node computes on (see [`Node::micro_batch`]).
+    pub fn set_micro_batch(&mut self, id: NodeId, k: u32) {
+        if let Some(n) = self.graph.node_weight_mut(id.0) {
+            n.micro_batch = Some(k);
         }
     }
 
@@ -391,6 +407,7 @@ impl Graph {
                 backward: n.backward,
                 block: n.block,
                 recomputed: n.recomputed,
+                micro_batch: n.micro_batch,
             }));
             for (pos, src) in inputs.iter().enumerate() {
                 out.graph.add_edge(src.0, id.0, pos as u32);
@@ -425,6 +442,7 @@ impl Graph {
             .collect();
         out.ranks = self.ranks;
         out.shards = self.shards.clone();
+        out.micro_batches = self.micro_batches;
         out
     }
 

@@ -174,12 +174,23 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     let forced = master_gradients(g);
     let mut h = Graph::new(g.name.clone());
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
-    // (value in h, dtype) -> its cast; (literal or fill in g, dtype) -> its copy in h.
-    let mut casts: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
+    // (value in h, dtype) -> its cast, per micro-batch of the reader (a micro-batched
+    // step casts a param once per micro-batch, so each copy lives only while its
+    // micro-batch runs: `schedule::micro_segments`); (literal or fill in g, dtype) -> its
+    // copy in h.
+    let segment = match g.micro_batches {
+        Some(_) => crate::passes::schedule::micro_segments(g, &order),
+        None => BTreeMap::new(),
+    };
+    let last = segment.values().copied().max().unwrap_or(0);
+    let mut casts_by: BTreeMap<u32, BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
     let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
     let missing = || TypeError::new("E0002", "operand out of order", "in mixed precision");
-    for n in order {
+    for &n in &order {
         let node = g.node(n);
+        let casts = casts_by
+            .entry(segment.get(&n).copied().unwrap_or(0))
+            .or_default();
         let ins: Vec<NodeId> = node
             .inputs
             .iter()
@@ -243,10 +254,10 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
                     x
                 }
             } else if rounded && dt != low {
-                let x16 = cast(&mut h, &mut casts, i, low, node)?;
-                cast(&mut h, &mut casts, x16, w, node)?
+                let x16 = cast(&mut h, casts, i, low, node)?;
+                cast(&mut h, casts, x16, w, node)?
             } else {
-                cast(&mut h, &mut casts, i, w, node)?
+                cast(&mut h, casts, i, w, node)?
             };
             new_ins.push(x);
         }
@@ -259,7 +270,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         }
         // A sign test of a value whose 16-bit copy the forward pass made (relu's mask in
         // its backward pass) reads that copy, so the f32 value need not live until then.
-        if let Some(x16) = sign_test_copy(g, node, (&new_ins, &ins), &mut h, &mut casts, low)? {
+        if let Some(x16) = sign_test_copy(g, node, (&new_ins, &ins), &mut h, casts, low)? {
             // The literal 0 in the 16-bit dtype, as any literal meeting it adopts it.
             let lit = node.inputs[1];
             let zero = match adopted.get(&(lit, low)) {
@@ -288,12 +299,13 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         let id = h.add(node.op.clone(), new_ins, node.span, node.checkpoint)?;
         copy_marks(&mut h, id, node);
         let id = if forced.contains(&n) && h.ty(id).dtype != node.ty.dtype {
-            cast(&mut h, &mut casts, id, node.ty.dtype, node)?
+            cast(&mut h, casts, id, node.ty.dtype, node)?
         } else {
             id
         };
         map.insert(n, id);
     }
+    let casts = casts_by.entry(last).or_default();
     let m = |i: &NodeId| map.get(i).copied().ok_or_else(missing);
     // The interface keeps its dtypes: outputs and updated values are cast back.
     let mut back = |h: &mut Graph, old: NodeId, dtype: DType| -> Result<NodeId, TypeError> {
@@ -301,7 +313,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         if h.ty(new).dtype == dtype {
             return Ok(new);
         }
-        cast(h, &mut casts, new, dtype, g.node(old))
+        cast(h, casts, new, dtype, g.node(old))
     };
     let mut outputs = Vec::with_capacity(g.outputs.len());
     for (name, o) in &g.outputs {
@@ -329,6 +341,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         .map(|(p, d)| Ok((m(p)?, m(d)?)))
         .collect::<Result<_, TypeError>>()?;
     h.ranks = g.ranks;
+    h.micro_batches = g.micro_batches;
     h.shards = g.shards.clone();
     Ok(h)
 }
@@ -407,6 +420,9 @@ fn copy_marks(h: &mut Graph, id: NodeId, like: &crate::ir::Node) {
     }
     if let Some(b) = like.block {
         h.set_block(id, b);
+    }
+    if let Some(m) = like.micro_batch {
+        h.set_micro_batch(id, m);
     }
 }
 

@@ -7,7 +7,9 @@
 //! picks, among ready nodes, the one that allocates least minus frees most (ties: program
 //! order), so gradients are consumed and activations freed as early as their inputs allow;
 //! the result is kept only when it lowers max-live. An optimizer update (written in place
-//! into its param) runs only after every other reader of that param.
+//! into its param) runs only after every other reader of that param. A micro-batched step
+//! (`--micro-batches K`) runs its micro-batches one after another, and adds each
+//! micro-batch's gradient contributions as they are made.
 //! Cost: O(nodes × operands × log nodes), plus the re-ranking of a ready node each time a root
 //! it reads comes down to its last reads.
 
@@ -18,17 +20,136 @@ use tcc_grammar::diag::Diagnostic;
 
 /// The pass: keeps the better of program order and the list schedule.
 pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
-    let program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
-    let listed = list_schedule(g);
+    let mut program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+    let mut listed = list_schedule(g);
+    let micro = g.micro_batches.is_some();
+    if micro {
+        sums_in_turn(g);
+        program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
+        listed = list_schedule(g);
+        program = micro_batches_in_turn(g, &program);
+        listed = micro_batches_in_turn(g, &listed);
+    }
     let before = liveness(g, &program).max_live();
     let after = liveness(g, &listed).max_live();
     let order = if after < before { listed } else { program };
     if g.ranks.is_some() {
         *g = g.reordered(&collectives_last(g, &order));
-    } else if after < before {
+    } else if after < before || micro {
         *g = g.reordered(&order);
     }
     Ok(())
+}
+
+/// A micro-batched step's order ([`crate::front::micro_batch`]): `order` sorted stably by
+/// [`micro_segments`], so one micro-batch's forward and backward nodes all run before the
+/// next micro-batch's first node, and its activations are dead before the next one's are
+/// made.
+fn micro_batches_in_turn(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
+    let segment = micro_segments(g, order);
+    let mut out = order.to_vec();
+    out.sort_by_key(|n| segment[n]);
+    out
+}
+
+/// The micro-batch during which each node of `order` (a topological order of a
+/// micro-batched step) runs: the latest micro-batch it depends on; a node that depends on
+/// none (a param's transpose or 16-bit copy, a constant) runs with its first reader, so
+/// each micro-batch's copy of it lives only while that micro-batch runs (and nodes no
+/// micro-batch reads, with the first). Sorting by it keeps the order topological: a node's
+/// operands run in its micro-batch or an earlier one.
+pub(crate) fn micro_segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u32> {
+    let mut level: BTreeMap<NodeId, Option<u32>> = BTreeMap::new();
+    for &n in order {
+        let node = g.node(n);
+        let l = node
+            .inputs
+            .iter()
+            .filter_map(|i| level.get(i).copied().flatten())
+            .chain(node.micro_batch)
+            .max();
+        level.insert(n, l);
+    }
+    let mut segment: BTreeMap<NodeId, u32> = BTreeMap::new();
+    for &n in order.iter().rev() {
+        let s = match level[&n] {
+            Some(l) => l,
+            None => g
+                .users(n)
+                .iter()
+                .filter_map(|u| segment.get(u).copied())
+                .min()
+                .unwrap_or(0),
+        };
+        segment.insert(n, s);
+    }
+    segment
+}
+
+/// Re-associates each backward sum of several terms (a chain of same-typed `add`s, as
+/// autodiff sums a param's gradient contributions) whose terms come from different
+/// micro-batches so it adds them in micro-batch order: `((g0 + g1) + g2) + g3` rather than
+/// autodiff's reverse `((g3 + g2) + g1) + g0`, which could only start once the last
+/// micro-batch is done and so kept every micro-batch's contribution alive until then.
+/// Now each contribution is added (in place) as its micro-batch finishes.
+fn sums_in_turn(g: &mut Graph) {
+    let Some(order) = g.topo_order() else { return };
+    let level = micro_segments(g, &order);
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let caller = g.read_by_caller();
+    let is_sum = |g: &Graph, n: NodeId| {
+        let node = g.node(n);
+        node.backward
+            && node.op == Op::Binary(crate::ir::BinaryOp::Add)
+            && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
+    };
+    let interior = |g: &Graph, n: NodeId| {
+        let users = g.users(n);
+        is_sum(g, n) && users.len() == 1 && is_sum(g, users[0]) && !caller.contains(&n)
+    };
+    let roots: Vec<NodeId> = order
+        .iter()
+        .copied()
+        .filter(|&n| is_sum(g, n) && !interior(g, n))
+        .collect();
+    for r in roots {
+        let (mut terms, mut inner, mut stack) = (Vec::new(), Vec::new(), vec![r]);
+        while let Some(n) = stack.pop() {
+            for &i in &g.node(n).inputs {
+                if interior(g, i) {
+                    inner.push(i);
+                    stack.push(i);
+                } else {
+                    terms.push(i);
+                }
+            }
+        }
+        if terms.len() < 3 || terms.iter().all(|t| level[t] == level[&terms[0]]) {
+            continue;
+        }
+        terms.sort_by_key(|t| (level[t], pos[t]));
+        let span = g.node(r).span;
+        let mut acc = terms[0];
+        for &t in &terms[1..] {
+            match g.add(
+                Op::Binary(crate::ir::BinaryOp::Add),
+                vec![acc, t],
+                span,
+                None,
+            ) {
+                Ok(id) => {
+                    g.mark_backward(id);
+                    acc = id;
+                }
+                Err(_) => return,
+            }
+        }
+        g.replace_all_uses(r, acc);
+        g.remove(r);
+        for n in inner {
+            g.remove_if_unused(n);
+        }
+    }
 }
 
 /// A data-parallel step's order with every node that reads an `all_reduce` (directly or

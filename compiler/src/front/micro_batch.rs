@@ -1,0 +1,568 @@
+//! Micro-batching (`--micro-batches K`): a `train` step's batch computed as K slices, one
+//! after another, inside one compiled step, so only one slice's activations are live at a
+//! time; the gradients of the slices add up (in place, as each slice's are ready) and the
+//! optimizer runs once.
+//!
+//! The model is lowered twice: at its batch `B` (the constant that sizes the inputs'
+//! first axis) and at `B/K`. The two graphs have the same nodes; a node whose shape
+//! differs between them carries the batch (on exactly one axis, `K` times longer in the
+//! first). The step built here is the first graph with every such node replaced by K
+//! copies of the second graph's node, each reading its own slice of the inputs:
+//!
+//! - a node that carries the batch takes the slice-sized op (its shapes), its fill value
+//!   from the whole batch's (`x / B` still divides by `B`);
+//! - a node that does not carry the batch but reads one that does combines the samples:
+//!   a `sum`, `mean`, `max` or `min` over the batch axis, or a matmul contracting it (a
+//!   sum). It is computed per slice and the K results combined (`mean` as the mean of the
+//!   slices' means: the slices are equal), which is exact;
+//! - every other node is the whole batch's, computed once.
+//!
+//! A value that combines the samples and is then read back by per-sample values (a batch
+//! norm's statistics) would make the slices run in lockstep, so nothing would be saved:
+//! that is an error naming the op, as are ops that would mix samples across slices (a
+//! slice or concat along the batch axis, `arange` over it, a reshape that makes the batch
+//! a minor axis). Outputs that carry the batch are the slices' results concatenated.
+//! Each slice's dropout draws its own mask (the seed mixed with the slice number), so a
+//! step with dropout differs from the whole batch's in its draws, not in distribution.
+//! Each slice's nodes are marked with its number ([`crate::ir::Node::micro_batch`]); the
+//! schedule runs the slices in order (`passes/schedule.rs`).
+
+use super::{compile, ModelSelection, Options, Sources};
+use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Scalar, TrainSpec};
+use std::collections::BTreeMap;
+use tcc_grammar::ast::{DimExpr, ExprKind, Item, StmtKind};
+use tcc_grammar::diag::Diagnostic;
+use tcc_grammar::span::{FileId, Span};
+
+/// The front end with `--micro-batches k`: lowers the selected model at its batch and at
+/// `batch / k` and builds the split step (see the module doc). `k` of 1 is [`compile`].
+pub fn compile_micro_batched(
+    sources: &mut Sources,
+    opts: &Options,
+    k: usize,
+) -> Result<super::Lowered, Vec<Diagnostic>> {
+    let mut whole = compile(sources, opts)?;
+    if k <= 1 {
+        return Ok(whole);
+    }
+    if whole.graphs.len() != 1 {
+        return Err(vec![Diagnostic::error(
+            "E0540",
+            "`--micro-batches` applies to one model: pick it with `--model NAME`",
+        )]);
+    }
+    let full = whole.graphs.remove(0);
+    let (name, input, span) = batch_const(sources, &full)?;
+    let batch = full
+        .inputs
+        .iter()
+        .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if *n == input))
+        .and_then(|&i| full.ty(i).dims().first().copied())
+        .unwrap_or(0);
+    if batch == 0 || batch % k != 0 {
+        return Err(vec![Diagnostic::error(
+            "E0541",
+            format!("`--micro-batches {k}` does not divide the batch `{name}` = {batch}"),
+        )
+        .with_primary(span, "the batch is this input's first axis")
+        .with_note(format!(
+            "each of the {k} micro-batches must hold the same number of samples; pick a \
+             divisor of {batch}, or size the batch with `--set {name}=…`"
+        ))]);
+    }
+    let mut slice_opts = opts.clone();
+    slice_opts
+        .sets
+        .push((name.clone(), (batch / k).to_string()));
+    slice_opts.models = ModelSelection::One(Some(full.name.clone()));
+    let mut sliced = compile(sources, &slice_opts)?;
+    let Some(part) = sliced.graphs.pop() else {
+        return Err(vec![internal("the sliced model did not lower")]);
+    };
+    let graph = split(&full, &part, k, &name)?;
+    Ok(super::Lowered {
+        graphs: vec![graph],
+        warnings: whole.warnings,
+    })
+}
+
+fn internal(msg: &str) -> Diagnostic {
+    Diagnostic::error("E0002", format!("internal compiler error: {msg}"))
+}
+
+/// The user's declarations of a model's inputs (the file's only model when `model` is
+/// `None`): `(name, first dimension's constant, span)`, in order.
+fn input_decls(
+    text: &str,
+    file: FileId,
+    model: Option<&str>,
+) -> Vec<(String, Option<String>, Span)> {
+    let Ok(prog) = tcc_grammar::parse(text, file) else {
+        return Vec::new();
+    };
+    let consts: Vec<String> = prog
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Const(c) => Some(c.name.name.clone()),
+            _ => None,
+        })
+        .collect();
+    let models: Vec<_> = prog
+        .items
+        .iter()
+        .filter_map(|i| match i {
+            Item::Model(m) if model.is_none_or(|n| m.name.name == n) => Some(m),
+            _ => None,
+        })
+        .collect();
+    let [m] = models.as_slice() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for s in &m.body.stmts {
+        let StmtKind::Input { name, ty } = &s.kind else {
+            continue;
+        };
+        let first = match ty.dims.as_deref() {
+            Some([DimExpr::Expr(e), ..]) => match &e.kind {
+                ExprKind::Name(n) if consts.contains(n) => Some(n.clone()),
+                _ => None,
+            },
+            _ => None,
+        };
+        out.push((name.name.clone(), first, s.span));
+    }
+    out
+}
+
+/// The name of the constant that sizes a program's batch (see [`compile_micro_batched`]),
+/// if it has one: `tcc fit` tries the micro-batch counts that divide it as it grows.
+pub fn batch_name(text: &str, model: Option<&str>) -> Option<String> {
+    input_decls(text, FileId::default(), model)
+        .into_iter()
+        .find_map(|(_, c, _)| c)
+}
+
+/// The constant that sizes the batch, the first input it sizes and that input's span: the
+/// first axis of the first input whose first axis is a constant's name.
+fn batch_const(sources: &Sources, full: &Graph) -> Result<(String, String, Span), Vec<Diagnostic>> {
+    input_decls(sources.text(sources.user), sources.user, Some(&full.name))
+        .into_iter()
+        .find_map(|(i, c, s)| c.map(|c| (c, i, s)))
+        .ok_or_else(|| {
+            vec![Diagnostic::error(
+                "E0540",
+                format!(
+                    "`--micro-batches` cannot find the batch of `{}`: no input's first axis \
+                     is a constant",
+                    full.name
+                ),
+            )
+            .with_note(
+                "declare the batch as a constant and size the inputs' first axis with it: \
+                 `const B = 64`, `input x: f32[B, 784]`",
+            )]
+        })
+}
+
+/// Where a value carries the batch: its axis, in both graphs.
+#[derive(Clone, Copy)]
+struct Batch {
+    axis: usize,
+}
+
+/// The step of `full` (at the whole batch) computed as `k` slices of `part` (the same
+/// program at `1/k` of the batch); see the module doc.
+pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph, Vec<Diagnostic>> {
+    let order = full
+        .topo_order()
+        .ok_or_else(|| vec![internal("the lowered graph has a cycle")])?;
+    let differs = |why: String| {
+        vec![Diagnostic::error(
+            "E0542",
+            format!("the batch `{batch}` changes the program's structure ({why})"),
+        )
+        .with_note(
+            "`--micro-batches` needs a program whose ops do not depend on the batch size \
+             (no loop or condition over it)",
+        )]
+    };
+    if part.node_count() != full.node_count() {
+        return Err(differs(format!(
+            "{} ops at the whole batch, {} at a micro-batch",
+            full.node_count(),
+            part.node_count()
+        )));
+    }
+    for &n in &order {
+        let (a, b) = (full.node(n), part.get(n));
+        let same = b.is_some_and(|b| {
+            std::mem::discriminant(&a.op) == std::mem::discriminant(&b.op) && a.inputs == b.inputs
+        });
+        if !same {
+            return Err(differs(format!("`{}` differs", a.op.name())));
+        }
+    }
+    if full.train.is_none() {
+        return Err(vec![Diagnostic::error(
+            "E0540",
+            "`--micro-batches` needs a training step: it splits a `train` step's batch and \
+             adds up the gradients, and this program has no `train` statement",
+        )]);
+    }
+    let err = |n: NodeId, code: &'static str, msg: String, label: &str| {
+        vec![Diagnostic::error(code, msg)
+            .with_primary(full.node(n).span, label.to_string())
+            .with_note(format!(
+                "`--micro-batches` runs the batch `{batch}` as slices of its samples, one \
+                 after another; an op that mixes samples of different slices cannot be split"
+            ))]
+    };
+    // Which nodes carry the batch, and on which axis.
+    let mut carries: BTreeMap<NodeId, Batch> = BTreeMap::new();
+    for &n in &order {
+        let (a, b) = (full.ty(n).dims(), part.ty(n).dims());
+        if a == b {
+            continue;
+        }
+        let axes: Vec<usize> = (0..a.len().min(b.len()))
+            .filter(|&i| a[i] != b[i])
+            .collect();
+        match axes.as_slice() {
+            [ax] if a.len() == b.len() && a[*ax] == b[*ax] * k => {
+                carries.insert(n, Batch { axis: *ax });
+            }
+            _ => {
+                return Err(err(
+                    n,
+                    "E0543",
+                    format!(
+                        "`{}` pairs samples with samples: its result is {} for the whole \
+                         batch",
+                        full.node(n).op.name(),
+                        full.ty(n)
+                    ),
+                    "this value holds more than one axis that grows with the batch",
+                ))
+            }
+        }
+    }
+    // Values computed from the samples: carried, or combined from carried ones.
+    let mut derived: BTreeMap<NodeId, NodeId> = BTreeMap::new(); // value → its combining op
+    let blocks = order
+        .iter()
+        .filter_map(|&n| full.node(n).block)
+        .max()
+        .map_or(0, |b| b + 1);
+    let mut out = Graph::new(full.name.clone());
+    let mut whole: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    let mut slices: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    let at = |e: crate::ir::TypeError, n: NodeId| {
+        vec![Diagnostic::error(e.code, e.message.clone())
+            .with_primary(full.node(n).span, e.detail.clone())]
+    };
+    for &n in &order {
+        let node = full.node(n);
+        let carried_in: Vec<NodeId> = node
+            .inputs
+            .iter()
+            .copied()
+            .filter(|i| carries.contains_key(i))
+            .collect();
+        if let Some(&Batch { axis }) = carries.get(&n) {
+            check_carrier(full, part, n, &carries, axis, &err)?;
+            if let Some(&i) = node.inputs.iter().find(|i| derived.contains_key(i)) {
+                let source = derived[&i];
+                return Err(vec![Diagnostic::error(
+                    "E0544",
+                    format!(
+                        "`{}` combines the samples of the batch, and per-sample values read \
+                         its result back",
+                        full.node(source).op.name()
+                    ),
+                )
+                .with_primary(full.node(source).span, "this combines the whole batch")
+                .with_secondary(node.span, "and this per-sample value reads it")
+                .with_note(
+                    "with `--micro-batches` every slice would need every other slice's samples \
+                     first (a batch norm's statistics do this), so the slices could not run \
+                     one after another; train on the whole batch, or normalize over features \
+                     (`layer_norm`)",
+                )]);
+            }
+            if let Op::Input { .. } = node.op {
+                // The input stays whole (the caller fills it); the slices read it.
+                let id = out
+                    .add(node.op.clone(), vec![], node.span, None)
+                    .map_err(|e| at(e, n))?;
+                whole.insert(n, id);
+            }
+            let mut copies = Vec::with_capacity(k);
+            for s in 0..k {
+                let id = if let Op::Input { .. } = node.op {
+                    let dims = part.ty(n).dims();
+                    let ranges = dims
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &d)| if i == 0 { (s * d, (s + 1) * d) } else { (0, d) })
+                        .collect();
+                    out.add(Op::Slice { ranges }, vec![whole[&n]], node.span, None)
+                        .map_err(|e| at(e, n))?
+                } else {
+                    let op = match (&part.node(n).op, &node.op) {
+                        (Op::Full { ty, .. }, Op::Full { value, .. }) => Op::Full {
+                            value: *value,
+                            ty: ty.clone(),
+                        },
+                        (Op::Dropout { p, seed }, _) => Op::Dropout {
+                            p: *p,
+                            seed: mix(*seed, s),
+                        },
+                        (op, _) => op.clone(),
+                    };
+                    let inputs = node
+                        .inputs
+                        .iter()
+                        .map(|i| slices.get(i).map_or_else(|| whole[i], |c| c[s]))
+                        .collect();
+                    out.add(op, inputs, node.span, node.checkpoint)
+                        .map_err(|e| at(e, n))?
+                };
+                out.set_micro_batch(id, s as u32);
+                if let Some(b) = node.block {
+                    out.set_block(id, b + (s as u32) * blocks);
+                }
+                copies.push(id);
+            }
+            slices.insert(n, copies);
+            continue;
+        }
+        if !carried_in.is_empty() {
+            // Combines the samples: per slice, then across the slices.
+            let combine = combining(full, n, &carries).ok_or_else(|| {
+                err(
+                    n,
+                    "E0545",
+                    format!(
+                        "`{}` takes particular samples out of the batch",
+                        node.op.name()
+                    ),
+                    "this reads samples by their place in the whole batch",
+                )
+            })?;
+            let mut acc: Option<NodeId> = None;
+            for s in 0..k {
+                let inputs = node
+                    .inputs
+                    .iter()
+                    .map(|i| slices.get(i).map_or_else(|| whole[i], |c| c[s]))
+                    .collect();
+                let id = out
+                    .add(part.node(n).op.clone(), inputs, node.span, node.checkpoint)
+                    .map_err(|e| at(e, n))?;
+                out.set_micro_batch(id, s as u32);
+                acc = Some(match acc {
+                    None => id,
+                    Some(a) => {
+                        let c = out
+                            .add(Op::Binary(combine), vec![a, id], node.span, node.checkpoint)
+                            .map_err(|e| at(e, n))?;
+                        out.set_micro_batch(c, s as u32);
+                        c
+                    }
+                });
+            }
+            let mut id = acc.ok_or_else(|| vec![internal("no micro-batch")])?;
+            if matches!(
+                node.op,
+                Op::Reduce {
+                    op: ReduceOp::Mean,
+                    ..
+                }
+            ) {
+                let dtype = out.ty(id).dtype;
+                let l = out
+                    .add(
+                        Op::Literal {
+                            value: Scalar::Float(1.0 / k as f64),
+                            dtype,
+                        },
+                        vec![],
+                        node.span,
+                        None,
+                    )
+                    .map_err(|e| at(e, n))?;
+                id = out
+                    .add(Op::Binary(BinaryOp::Mul), vec![id, l], node.span, None)
+                    .map_err(|e| at(e, n))?;
+            }
+            derived.insert(n, n);
+            whole.insert(n, id);
+            continue;
+        }
+        if let Some(&source) = node.inputs.iter().find_map(|i| derived.get(i)) {
+            derived.insert(n, source);
+        }
+        let inputs = node.inputs.iter().map(|i| whole[i]).collect();
+        let id = out
+            .add(node.op.clone(), inputs, node.span, node.checkpoint)
+            .map_err(|e| at(e, n))?;
+        if let Some(b) = node.block {
+            out.set_block(id, b);
+        }
+        whole.insert(n, id);
+    }
+    // Inputs keep their declaration order (they were added in it).
+    for (name, v) in &full.outputs {
+        let id = match (slices.get(v), carries.get(v)) {
+            (Some(c), Some(&Batch { axis })) => out
+                .add(Op::Concat { axis }, c.clone(), full.node(*v).span, None)
+                .map_err(|e| at(e, *v))?,
+            _ => whole[v],
+        };
+        out.outputs.push((name.clone(), id));
+    }
+    if let Some(t) = &full.train {
+        let Some(&loss) = whole.get(&t.loss) else {
+            return Err(err(
+                t.loss,
+                "E0546",
+                "the loss holds a value per sample".to_string(),
+                "`train` minimizes this",
+            ));
+        };
+        out.train = Some(TrainSpec {
+            optimizer: t.optimizer,
+            loss,
+            span: t.span,
+        });
+    }
+    out.micro_batches = Some(k);
+    Ok(out)
+}
+
+/// A dropout seed for micro-batch `s` (0 keeps it).
+fn mix(seed: u64, s: usize) -> u64 {
+    seed ^ (s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// How the slices' results of a node that combines the samples add up, or `None` for a
+/// node that does not combine them (it reads samples by place).
+fn combining(g: &Graph, n: NodeId, carries: &BTreeMap<NodeId, Batch>) -> Option<BinaryOp> {
+    let node = g.node(n);
+    let axis_of = |i: usize| carries.get(&node.inputs[i]).map(|b| b.axis);
+    match &node.op {
+        Op::Reduce { op, axes, .. } => {
+            let a = axis_of(0)?;
+            if !axes.contains(&a) {
+                return None;
+            }
+            Some(match op {
+                ReduceOp::Sum | ReduceOp::Mean => BinaryOp::Add,
+                ReduceOp::Max => BinaryOp::Maximum,
+                ReduceOp::Min => BinaryOp::Minimum,
+            })
+        }
+        Op::MatMul => {
+            let (a, b) = (g.ty(node.inputs[0]), g.ty(node.inputs[1]));
+            let lhs = axis_of(0).is_none_or(|x| x + 1 == a.rank());
+            let rhs = axis_of(1).is_none_or(|x| {
+                if b.rank() == 1 {
+                    x == 0
+                } else {
+                    x + 2 == b.rank()
+                }
+            });
+            (lhs && rhs).then_some(BinaryOp::Add)
+        }
+        _ => None,
+    }
+}
+
+/// The checks on a node that carries the batch on `axis`: nothing in it may mix samples of
+/// different slices.
+fn check_carrier(
+    full: &Graph,
+    part: &Graph,
+    n: NodeId,
+    carries: &BTreeMap<NodeId, Batch>,
+    axis: usize,
+    err: &dyn Fn(NodeId, &'static str, String, &str) -> Vec<Diagnostic>,
+) -> Result<(), Vec<Diagnostic>> {
+    let node = full.node(n);
+    let name = node.op.name();
+    let axis_of = |i: usize| carries.get(&node.inputs[i]).map(|b| b.axis);
+    let fail = |label: &str| {
+        Err(err(
+            n,
+            "E0543",
+            format!("`{name}` mixes the samples of the batch"),
+            label,
+        ))
+    };
+    match &node.op {
+        Op::Input { .. } if axis != 0 => fail("the batch must be this input's first axis"),
+        Op::Param { .. } | Op::State { .. } => fail("a param sized by the batch"),
+        Op::Arange { .. } => fail("this numbers the samples of the whole batch"),
+        Op::Slice { ranges } => {
+            let whole = ranges.get(axis) == Some(&(0, full.ty(n).dims()[axis]));
+            let sliced = match &part.node(n).op {
+                Op::Slice { ranges } => ranges.get(axis) == Some(&(0, part.ty(n).dims()[axis])),
+                _ => false,
+            };
+            if whole && sliced {
+                Ok(())
+            } else {
+                fail("this slices the batch axis")
+            }
+        }
+        Op::Concat { axis: c } if *c == axis => fail("this concatenates along the batch axis"),
+        Op::Reshape { .. } => {
+            let Some(a) = axis_of(0) else { return Ok(()) };
+            let before =
+                |g: &Graph, v: NodeId, ax: usize| g.ty(v).dims()[..ax].iter().product::<usize>();
+            let i = node.inputs[0];
+            if before(part, i, a) == before(part, n, axis) {
+                Ok(())
+            } else {
+                fail("this reshape moves the batch off its place in the order of the elements")
+            }
+        }
+        Op::MatMul => {
+            let (a, b) = (full.ty(node.inputs[0]), full.ty(node.inputs[1]));
+            let contracts = axis_of(0).is_some_and(|x| x + 1 == a.rank())
+                || axis_of(1).is_some_and(|x| {
+                    if b.rank() == 1 {
+                        x == 0
+                    } else {
+                        x + 2 == b.rank()
+                    }
+                });
+            if contracts {
+                fail("this matmul contracts the batch axis")
+            } else {
+                Ok(())
+            }
+        }
+        Op::Conv2d { .. } | Op::Pool2d { .. } => {
+            if axis_of(0) == Some(0) && (node.inputs.len() < 2 || axis_of(1).is_none()) {
+                Ok(())
+            } else {
+                fail("a convolution's or pooling's batch must be its input's first axis")
+            }
+        }
+        Op::Attention { .. } | Op::Tri { .. } => {
+            let ok = (0..node.inputs.len())
+                .all(|i| axis_of(i).is_none_or(|x| x + 2 < full.ty(node.inputs[i]).rank()));
+            if ok {
+                Ok(())
+            } else {
+                fail("the batch must be one of the leading axes here, not the last two")
+            }
+        }
+        Op::Embedding if axis_of(0).is_some() => fail("a table sized by the batch"),
+        Op::Grad => fail("`grad` over a micro-batched step"),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,215 @@
+//! Micro-batching (`--micro-batches K`): a step over its batch as K slices, one after
+//! another, equals the step on the whole batch to f32 rounding, in less memory; programs
+//! whose samples meet before the loss are refused with the op named.
+
+use tcc_runtime::Device;
+use tcc_tests::{micro_batched_step, micro_vs_whole, root};
+
+fn example(name: &str) -> String {
+    std::fs::read_to_string(root().join("examples").join(name)).expect("example")
+}
+
+/// gpt at a size the CPU runs in a second: Adam, layer norms, attention, a stacked param.
+const SMALL_GPT: &[(&str, &str)] = &[
+    ("B", "4"),
+    ("T", "32"),
+    ("D", "32"),
+    ("L", "2"),
+    ("V", "64"),
+    ("H", "2"),
+];
+
+#[test]
+fn micro_batches_equal_the_whole_batch() {
+    let mlp = example("mlp.tdsl");
+    let gpt = example("gpt.tdsl");
+    let mlp_sets: &[(&str, &str)] = &[("B", "32"), ("D", "64")];
+    for (what, src, sets, k) in [
+        ("mlp, sgd", &mlp, mlp_sets, 2),
+        ("mlp, sgd", &mlp, mlp_sets, 4),
+        ("gpt, adam", &gpt, SMALL_GPT, 2),
+        ("gpt, adam", &gpt, SMALL_GPT, 4),
+    ] {
+        let r = micro_vs_whole(src, sets, k, 3, Device::Cpu, "off")
+            .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
+        eprintln!(
+            "{what}, K={k}: params rel err {:e}, outputs {:e}, arena {} -> {} bytes",
+            r.params, r.outputs, r.arenas.0, r.arenas.1
+        );
+        // 3 steps: the gradients add up in another order, nothing else differs.
+        assert!(
+            r.params < 1e-5,
+            "{what}, K={k}: params differ by {:e}",
+            r.params
+        );
+        assert!(
+            r.outputs < 1e-5,
+            "{what}, K={k}: outputs differ by {:e}",
+            r.outputs
+        );
+    }
+}
+
+#[test]
+fn micro_batches_under_mixed_precision() {
+    // bf16 rounds each micro-batch's activations on their own, so the steps agree to
+    // bf16's precision, not f32's; the loss scaler of f16 sees the summed gradients.
+    let gpt = example("gpt.tdsl");
+    for amp in ["bf16", "f16"] {
+        let r = micro_vs_whole(&gpt, SMALL_GPT, 2, 3, Device::Cpu, amp)
+            .unwrap_or_else(|e| panic!("{amp}: {e}"));
+        eprintln!(
+            "gpt {amp}, K=2: params rel err {:e}, outputs {:e}",
+            r.params, r.outputs
+        );
+        assert!(r.params < 1e-3, "{amp}: params differ by {:e}", r.params);
+        assert!(r.outputs < 1e-2, "{amp}: outputs differ by {:e}", r.outputs);
+    }
+}
+
+#[test]
+fn micro_batches_lower_the_arena_where_activations_dominate() {
+    // gpt at T=128: activations are most of the arena, so it shrinks with K (the f32
+    // gradient sums and the params stay).
+    let sets: &[(&str, &str)] = &[
+        ("B", "8"),
+        ("T", "128"),
+        ("D", "64"),
+        ("L", "2"),
+        ("V", "128"),
+        ("H", "2"),
+    ];
+    let src = example("gpt.tdsl");
+    let compile = tcc_tests::device_options(Device::Cpu, true);
+    let mut arenas = Vec::new();
+    for k in [1, 2, 4] {
+        let g = micro_batched_step(&src, sets, k, &compile).expect("compiles");
+        let c = tcc::artifact::compile(&g, &compile).expect("plans");
+        arenas.push(c.plan.arena_bytes);
+        // The micro-batches run in turn: every node of micro-batch `m` comes before the
+        // first node of `m + 1`, and each node's operands come from micro-batches no later
+        // than its own.
+        let mut last = 0;
+        for n in g.node_ids() {
+            if let Some(m) = g.node(n).micro_batch {
+                assert!(m >= last, "micro-batch {m} runs after {last} began");
+                last = m;
+            }
+        }
+        assert_eq!(last as usize, k - 1);
+    }
+    eprintln!("gpt arenas at K = 1, 2, 4: {arenas:?}");
+    assert!(arenas[1] * 10 < arenas[0] * 9, "{arenas:?}");
+    assert!(arenas[2] < arenas[1], "{arenas:?}");
+}
+
+#[test]
+fn micro_batches_cost_at_most_one_gradient_sum_per_param() {
+    // The mlp's activations are small next to its weights, so splitting its batch saves
+    // little, but it must not cost more than the f32 sums of the gradients (one buffer per
+    // param, the size of the params): each micro-batch's contribution is added as soon as
+    // it is made, not all of them at the end.
+    let src = example("mlp.tdsl");
+    let compile = tcc_tests::device_options(Device::Cpu, true);
+    let arena = |k: usize| {
+        let g = micro_batched_step(&src, &[], k, &compile).expect("compiles");
+        let c = tcc::artifact::compile(&g, &compile).expect("plans");
+        (c.plan.arena_bytes, c.plan.persistent_bytes)
+    };
+    let (whole, params) = arena(1);
+    for k in [2, 4, 8] {
+        let (micro, _) = arena(k);
+        eprintln!("mlp K={k}: arena {micro} bytes, whole batch {whole}, params {params}");
+        assert!(
+            micro <= whole + params,
+            "K={k}: {micro} > {whole} + {params}"
+        );
+    }
+}
+
+fn refused(src: &str, sets: &[(&str, &str)], k: usize) -> String {
+    let compile = tcc_tests::device_options(Device::Cpu, true);
+    match micro_batched_step(src, sets, k, &compile) {
+        Ok(_) => panic!("K={k} compiled:\n{src}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn programs_that_cannot_be_split_are_refused_with_the_reason() {
+    // Batch norm: its statistics couple every sample.
+    let e = refused(&example("cnn.tdsl"), &[("B", "8")], 2);
+    assert!(e.contains("E0544") && e.contains("batch_norm"), "{e}");
+    // A batch the count does not divide.
+    let e = refused(&example("mlp.tdsl"), &[("B", "30"), ("D", "16")], 4);
+    assert!(e.contains("E0541") && e.contains("does not divide"), "{e}");
+    let base = |body: &str| {
+        format!(
+            "const B = 8\nmodel m {{\n    input x: f32[B, 4]\n    param w: f32[4, 4] = \
+             normal(0.0, 0.5)\n{body}\n}}\n"
+        )
+    };
+    // No training step.
+    let e = refused(&base("    output y = x @ w"), &[], 2);
+    assert!(e.contains("E0540") && e.contains("train"), "{e}");
+    // Samples picked by their place in the batch.
+    let e = refused(
+        &base(
+            "    let loss = sum((x[0:2] @ w) * (x[0:2] @ w))\n    train sgd(lr: 0.1) minimize loss",
+        ),
+        &[],
+        2,
+    );
+    assert!(
+        e.contains("E0545") && e.contains("particular samples"),
+        "{e}"
+    );
+    // A program whose ops change with the batch (`x[0:4]` is all of a micro-batch of 4).
+    let e = refused(
+        &base(
+            "    let loss = sum((x[0:4] @ w) * (x[0:4] @ w))\n    train sgd(lr: 0.1) minimize loss",
+        ),
+        &[],
+        2,
+    );
+    assert!(e.contains("E0542") && e.contains("structure"), "{e}");
+    // Samples paired with samples.
+    let e = refused(
+        &base("    let loss = sum(x @ transpose(x))\n    train sgd(lr: 0.1) minimize loss"),
+        &[],
+        2,
+    );
+    assert!(e.contains("E0543") || e.contains("E0545"), "{e}");
+    // A batch not sized by a constant.
+    let e = refused(
+        "model m {\n    input x: f32[8, 4]\n    param w: f32[4] = zeros\n    let loss = \
+         sum(x @ w)\n    train sgd(lr: 0.1) minimize loss\n}\n",
+        &[],
+        2,
+    );
+    assert!(e.contains("E0540") && e.contains("constant"), "{e}");
+}
+
+#[test]
+fn a_loss_summed_over_the_batch_and_a_regularizer_split_exactly() {
+    // A sum over the batch (not a mean), a mean, a max, and a term of the params alone:
+    // the slices' sums add up, their means are averaged, the max is the largest of theirs,
+    // and the params' term is computed once.
+    let src = "
+const B = 12
+model m {
+    input  x: f32[B, 6]
+    param  w: f32[6, 3] = normal(0.0, 0.5)
+    let h = tanh(x @ w)
+    let loss = sum(h * h) * 0.1 + mean(h) + max(h) + sum(w * w) * 0.01
+    output loss, h
+    train adam(lr: 0.05) minimize loss
+}
+";
+    for k in [2, 3, 4, 6] {
+        let r =
+            micro_vs_whole(src, &[], k, 4, Device::Cpu, "off").unwrap_or_else(|e| panic!("{e}"));
+        assert!(r.params < 1e-5, "K={k}: params differ by {:e}", r.params);
+        assert!(r.outputs < 1e-5, "K={k}: outputs differ by {:e}", r.outputs);
+    }
+}
