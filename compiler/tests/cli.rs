@@ -506,6 +506,31 @@ fn micro_batches_split_the_step_and_fit_finds_the_fewest_that_fit() {
     let o = tcc(&args);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("E0541"), "{}", stderr(&o));
+    // The build line says so; an artifact keeps the split it was built with.
+    let dir = std::env::temp_dir().join(format!("tcc-cli-micro-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let art = dir.join("gpt.tcc");
+    let art = art.to_str().unwrap();
+    let mut args = vec![
+        "build",
+        "examples/gpt.tdsl",
+        "--micro-batches",
+        "2",
+        "-o",
+        art,
+    ];
+    args.extend(gpt);
+    let o = tcc(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("in 2 micro-batches"), "{}", stderr(&o));
+    let o = tcc(&["run", art, "--micro-batches", "4"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("an artifact runs the step it was built as"),
+        "{}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -68,10 +68,10 @@ pub fn check_emit(emit: Emit, t: Target, stderr: &mut StandardStream) -> bool {
 
 /// The line a compile ends with: kernels, arena and every stage's time.
 pub fn compile_line(p: &Product, report: &Report) -> Option<String> {
-    let (name, kernels, plan, chain) = match p {
-        Product::Planned(p) => (&p.graph.name, p.fused.kernels.len(), &p.plan, None),
+    let (graph, kernels, plan, chain) = match p {
+        Product::Planned(p) => (&p.graph, p.fused.kernels.len(), &p.plan, None),
         Product::Code(c) => (
-            &c.graph.name,
+            &c.graph,
             c.fused.kernels.len(),
             &c.plan,
             Some(crate::analysis::launch_deps::critical_path(&c.deps)),
@@ -79,7 +79,12 @@ pub fn compile_line(p: &Product, report: &Report) -> Option<String> {
         _ => return None,
     };
     Some(format!(
-        "compiled `{name}`: {kernels} kernels{}, arena {} (lower bound {}); {}",
+        "compiled `{}`{}: {kernels} kernels{}, arena {} (lower bound {}); {}",
+        graph.name,
+        graph
+            .micro_batches
+            .map(|k| format!(" in {k} micro-batches"))
+            .unwrap_or_default(),
         chain
             .map(|c| format!(" (longest dependency chain {c})"))
             .unwrap_or_default(),

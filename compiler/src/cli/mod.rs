@@ -1068,6 +1068,14 @@ fn run_compiled(
         );
         return ExitCode::from(1);
     }
+    if is_artifact && program.micro_batches > 1 {
+        let _ = writeln!(
+            stderr,
+            "error: {}: `--micro-batches` applies when a program is compiled; an artifact runs the step it was built as (`tcc build --micro-batches K`)",
+            display(&program.file)
+        );
+        return ExitCode::from(1);
+    }
     let target = explicit_target.unwrap_or(Target::Cpu);
     let t0 = Instant::now();
     let (model, graph, ms) = if is_artifact {
