@@ -274,17 +274,23 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
             check_carrier(full, part, n, &carries, axis, &err)?;
             if let Some(&i) = node.inputs.iter().find(|i| derived.contains_key(i)) {
                 let source = derived[&i];
-                return Err(vec![Diagnostic::error(
+                let (at_source, at_reader) = (full.node(source).span, node.span);
+                let d = Diagnostic::error(
                     "E0544",
                     format!(
                         "`{}` combines the samples of the batch, and per-sample values read \
                          its result back",
                         full.node(source).op.name()
                     ),
-                )
-                .with_primary(full.node(source).span, "this combines the whole batch")
-                .with_secondary(node.span, "and this per-sample value reads it")
-                .with_note(
+                );
+                // One call (a prelude function such as `batch_norm`) may do both.
+                let d = if at_source == at_reader {
+                    d.with_primary(at_source, "this combines the whole batch and reads it back")
+                } else {
+                    d.with_primary(at_source, "this combines the whole batch")
+                        .with_secondary(at_reader, "and this per-sample value reads it")
+                };
+                return Err(vec![d.with_note(
                     "with `--micro-batches` every slice would need every other slice's samples \
                      first (a batch norm's statistics do this), so the slices could not run \
                      one after another; train on the whole batch, or normalize over features \
