@@ -51,6 +51,51 @@ fn micro_batches_equal_the_whole_batch() {
 }
 
 #[test]
+fn momentum_shared_params_and_early_gradients_split_exactly() {
+    let prog = |params: &str, body: &str, opt: &str| {
+        format!(
+            "const B = 8\nmodel m {{\n    input x: f32[B, 4]\n{params}\n{body}\n    output \
+             loss\n    train {opt} minimize loss\n}}\n"
+        )
+    };
+    let w = "    param w: f32[4, 4] = normal(0.0, 0.5)";
+    let wu = "    param w: f32[4, 4] = normal(0.0, 0.5)\n    param u: f32[4, 4] = normal(0.0, 0.5)";
+    let wt = "    param w: f32[4, 4] = normal(0.0, 0.5)\n    param t: f32[4] = normal(0.0, 0.5)";
+    for (what, src) in [
+        // SGD with momentum: the gradient the optimizer applies is a sum of the slices'.
+        (
+            "momentum",
+            prog(w, "    let h = tanh(x @ w)\n    let loss = mean(h * h)", "sgd(lr: 0.1, momentum: 0.9, weight_decay: 0.01)"),
+        ),
+        // A param read through another value and directly: sums of sums.
+        (
+            "shared",
+            prog(
+                wu,
+                "    let v = w + u\n    let h = x @ v + tanh(x @ w) + sin(x @ u)\n    let loss = sum(h * h)",
+                "sgd(lr: 0.01)",
+            ),
+        ),
+        // `t`'s gradient comes from its own term only, complete before any slice runs, but
+        // every slice reads `t`: its update must wait for the last one.
+        (
+            "early gradient",
+            prog(
+                wt,
+                "    let z = x @ w\n    let h = where(z > t, z, 0.0)\n    let loss = sum(h * h) + sum(t * t)",
+                "adam(lr: 0.1)",
+            ),
+        ),
+    ] {
+        for k in [2, 4] {
+            let r = micro_vs_whole(&src, &[], k, 3, Device::Cpu, "off")
+                .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
+            assert!(r.params < 1e-5, "{what}, K={k}: params differ by {:e}", r.params);
+        }
+    }
+}
+
+#[test]
 fn micro_batches_under_mixed_precision() {
     // bf16 rounds each micro-batch's activations on their own, so the steps agree to
     // bf16's precision, not f32's; the loss scaler of f16 sees the summed gradients.
@@ -97,6 +142,12 @@ fn micro_batches_lower_the_arena_where_activations_dominate() {
             }
         }
         assert_eq!(last as usize, k - 1);
+        // Each update runs after every other reader of its param (the last micro-batch's).
+        for &(t, v) in &g.updates {
+            for u in g.users(t) {
+                assert!(u <= v, "an update runs before a reader of its target");
+            }
+        }
     }
     eprintln!("gpt arenas at K = 1, 2, 4: {arenas:?}");
     assert!(arenas[1] * 10 < arenas[0] * 9, "{arenas:?}");
@@ -180,6 +231,37 @@ fn programs_that_cannot_be_split_are_refused_with_the_reason() {
         2,
     );
     assert!(e.contains("E0543") || e.contains("E0545"), "{e}");
+    // Ops whose attributes depend on the batch size.
+    for body in [
+        "    let z = x @ w\n    let h = if B > 4 { tanh(z) } else { sin(z) }",
+        "    let h = x[:, B / 4] * sum(w)",
+        "    let h = tril(x @ w, k: B - 8)",
+    ] {
+        let e = refused(
+            &base(&format!(
+                "{body}\n    let loss = sum(h * h)\n    train sgd(lr: 0.1) minimize loss"
+            )),
+            &[],
+            2,
+        );
+        assert!(
+            e.contains("E0542") && e.contains("more than its shape"),
+            "{body}: {e}"
+        );
+    }
+    // A slice of the batch axis, from its start or not in step with the batch.
+    for (slice, code) in [("x[0:B/2]", "E0543"), ("x[1:B]", "E0543")] {
+        let body = format!("    let loss = sum(({slice} @ w) * ({slice} @ w))\n    train sgd(lr: 0.1) minimize loss");
+        let e = refused(&base(&body), &[], 2);
+        assert!(e.contains(code), "{slice}: {e}");
+    }
+    // A max over the batch: its gradient at a tie between slices would differ.
+    let e = refused(
+        &base("    let loss = max(x @ w)\n    train sgd(lr: 0.1) minimize loss"),
+        &[],
+        2,
+    );
+    assert!(e.contains("E0545") && e.contains("reduce.max"), "{e}");
     // A batch not sized by a constant.
     let e = refused(
         "model m {\n    input x: f32[8, 4]\n    param w: f32[4] = zeros\n    let loss = \
@@ -192,16 +274,15 @@ fn programs_that_cannot_be_split_are_refused_with_the_reason() {
 
 #[test]
 fn a_loss_summed_over_the_batch_and_a_regularizer_split_exactly() {
-    // A sum over the batch (not a mean), a mean, a max, and a term of the params alone:
-    // the slices' sums add up, their means are averaged, the max is the largest of theirs,
-    // and the params' term is computed once.
+    // A sum over the batch (not a mean), a mean, and a term of the params alone: the
+    // slices' sums add up, their means are averaged, and the params' term is computed once.
     let src = "
 const B = 12
 model m {
     input  x: f32[B, 6]
     param  w: f32[6, 3] = normal(0.0, 0.5)
     let h = tanh(x @ w)
-    let loss = sum(h * h) * 0.1 + mean(h) + max(h) + sum(w * w) * 0.01
+    let loss = sum(h * h) * 0.1 + mean(h) + sum(w * w) * 0.01
     output loss, h
     train adam(lr: 0.05) minimize loss
 }

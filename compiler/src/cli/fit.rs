@@ -136,6 +136,21 @@ pub fn run(
     let grows_batch =
         crate::front::micro_batch::batch_name(&String::from_utf8_lossy(&bytes), model.as_deref())
             .is_some_and(|b| b == name);
+    if most > 1 {
+        // Whether the program splits at all (batch norm does not), once, before the search.
+        let v = if grows_batch { most as u64 } else { 0 };
+        let mut sets = sets.to_vec();
+        if v > 0 {
+            sets.retain(|(n, _)| n != name);
+            sets.push((name.to_string(), v.to_string()));
+        }
+        let p = super::Parallel {
+            micro_batches: most,
+            ..parallel
+        };
+        super::remat_cmd::step_graph(file, &bytes, &sets, model, true, amp, p)
+            .map_err(|e| format!("`--micro-batches {most}` cannot split this step:\n{e}"))?;
+    }
     let mut eval = |v: u64| -> Result<bool, String> {
         if let Some(&a) = tried.get(&v) {
             return Ok(a);

@@ -111,7 +111,8 @@ pub struct ProgramArgs {
     pub f64_as_f32: bool,
     /// Micro-batching: run a `train` step's batch (the constant sizing the inputs' first
     /// axis) as K slices, one after another, adding up their gradients before the one
-    /// optimizer update: activation memory drops about K-fold, the result is the same.
+    /// optimizer update: activation memory drops about K-fold, the result is the same (but
+    /// for dropout, whose masks are drawn per micro-batch).
     /// `tcc fit`: the most micro-batches it may use; it reports the fewest that fit.
     #[arg(long = "micro-batches", value_name = "K", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=4096))]

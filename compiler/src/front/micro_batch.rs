@@ -3,25 +3,28 @@
 //! time; the gradients of the slices add up (in place, as each slice's are ready) and the
 //! optimizer runs once.
 //!
-//! The model is lowered twice: at its batch `B` (the constant that sizes the inputs'
-//! first axis) and at `B/K`. The two graphs have the same nodes; a node whose shape
-//! differs between them carries the batch (on exactly one axis, `K` times longer in the
-//! first). The step built here is the first graph with every such node replaced by K
-//! copies of the second graph's node, each reading its own slice of the inputs:
+//! The model is lowered twice: at its batch `B` (the constant that sizes the most inputs'
+//! first axis) and at `B/K`. The two graphs must have the same nodes, differing at most in
+//! shapes and fill values (E0542 otherwise: a condition, index or attribute computed from
+//! the batch size); a node whose shape differs between them carries the batch (on exactly
+//! one axis, `K` times longer in the first). The step built here is the first graph with
+//! every such node replaced by K copies of the second graph's node, each reading its own
+//! slice of the inputs:
 //!
 //! - a node that carries the batch takes the slice-sized op (its shapes), its fill value
 //!   from the whole batch's (`x / B` still divides by `B`);
 //! - a node that does not carry the batch but reads one that does combines the samples:
-//!   a `sum`, `mean`, `max` or `min` over the batch axis, or a matmul contracting it (a
-//!   sum). It is computed per slice and the K results combined (`mean` as the mean of the
-//!   slices' means: the slices are equal), which is exact;
+//!   a `sum` or `mean` over the batch axis, or a matmul contracting it (a sum). It is
+//!   computed per slice and the K results combined (`mean` as the mean of the slices'
+//!   means: the slices are equal), which is exact;
 //! - every other node is the whole batch's, computed once.
 //!
 //! A value that combines the samples and is then read back by per-sample values (a batch
 //! norm's statistics) would make the slices run in lockstep, so nothing would be saved:
 //! that is an error naming the op, as are ops that would mix samples across slices (a
 //! slice or concat along the batch axis, `arange` over it, a reshape that makes the batch
-//! a minor axis). Outputs that carry the batch are the slices' results concatenated.
+//! a minor axis) or pick particular samples (an index into the batch, a `max` or `min`
+//! over it, whose gradient at a tie between slices would differ from the whole batch's). Outputs that carry the batch are the slices' results concatenated.
 //! Each slice's dropout draws its own mask (the seed mixed with the slice number), so a
 //! step with dropout differs from the whole batch's in its draws, not in distribution.
 //! Each slice's nodes are marked with its number ([`crate::ir::Node::micro_batch`]); the
@@ -75,7 +78,16 @@ pub fn compile_micro_batched(
         .sets
         .push((name.clone(), (batch / k).to_string()));
     slice_opts.models = ModelSelection::One(Some(full.name.clone()));
-    let mut sliced = compile(sources, &slice_opts)?;
+    let at = format!(
+        "while lowering `{}` at `{name}` = {} for `--micro-batches {k}` (the batch is {batch})",
+        full.name,
+        batch / k
+    );
+    let mut sliced = compile(sources, &slice_opts).map_err(|ds| {
+        ds.into_iter()
+            .map(|d| d.with_note(at.clone()))
+            .collect::<Vec<_>>()
+    })?;
     let Some(part) = sliced.graphs.pop() else {
         return Err(vec![internal("the sliced model did not lower")]);
     };
@@ -90,13 +102,13 @@ fn internal(msg: &str) -> Diagnostic {
     Diagnostic::error("E0002", format!("internal compiler error: {msg}"))
 }
 
+/// An input's declaration: its name, the constant its first axis names (if it is one), its
+/// span and its rank.
+type InputDecl = (String, Option<String>, Span, usize);
+
 /// The user's declarations of a model's inputs (the file's only model when `model` is
-/// `None`): `(name, first dimension's constant, span)`, in order.
-fn input_decls(
-    text: &str,
-    file: FileId,
-    model: Option<&str>,
-) -> Vec<(String, Option<String>, Span)> {
+/// `None`), in order.
+fn input_decls(text: &str, file: FileId, model: Option<&str>) -> Vec<InputDecl> {
     let Ok(prog) = tcc_grammar::parse(text, file) else {
         return Vec::new();
     };
@@ -131,7 +143,8 @@ fn input_decls(
             },
             _ => None,
         };
-        out.push((name.name.clone(), first, s.span));
+        let rank = ty.dims.as_ref().map_or(0, Vec::len);
+        out.push((name.name.clone(), first, s.span, rank));
     }
     out
 }
@@ -139,17 +152,37 @@ fn input_decls(
 /// The name of the constant that sizes a program's batch (see [`compile_micro_batched`]),
 /// if it has one: `tcc fit` tries the micro-batch counts that divide it as it grows.
 pub fn batch_name(text: &str, model: Option<&str>) -> Option<String> {
-    input_decls(text, FileId::default(), model)
-        .into_iter()
-        .find_map(|(_, c, _)| c)
+    let decls = input_decls(text, FileId::default(), model);
+    most_sized(&decls)
 }
 
-/// The constant that sizes the batch, the first input it sizes and that input's span: the
-/// first axis of the first input whose first axis is a constant's name.
+/// The constant that sizes the most inputs' first axis; on a tie, the one sizing the
+/// input of the highest rank (`x: f32[B, D]` over `w0: f32[D]`), then the earliest.
+fn most_sized(decls: &[InputDecl]) -> Option<String> {
+    let score = |c: &str| {
+        let sized = decls.iter().filter(|d| d.1.as_deref() == Some(c));
+        (sized.clone().count(), sized.map(|d| d.3).max().unwrap_or(0))
+    };
+    let mut best: Option<&str> = None;
+    for c in decls.iter().filter_map(|d| d.1.as_deref()) {
+        if best.is_none_or(|b| score(c) > score(b)) {
+            best = Some(c);
+        }
+    }
+    best.map(str::to_string)
+}
+
+/// The constant that sizes the batch ([`most_sized`]), the first input it sizes and that
+/// input's span.
 fn batch_const(sources: &Sources, full: &Graph) -> Result<(String, String, Span), Vec<Diagnostic>> {
-    input_decls(sources.text(sources.user), sources.user, Some(&full.name))
-        .into_iter()
-        .find_map(|(i, c, s)| c.map(|c| (c, i, s)))
+    let decls = input_decls(sources.text(sources.user), sources.user, Some(&full.name));
+    most_sized(&decls)
+        .and_then(|c| {
+            decls
+                .iter()
+                .find(|d| d.1.as_deref() == Some(c.as_str()))
+                .map(|d| (c.clone(), d.0.clone(), d.2))
+        })
         .ok_or_else(|| {
             vec![Diagnostic::error(
                 "E0540",
@@ -197,11 +230,23 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
     }
     for &n in &order {
         let (a, b) = (full.node(n), part.get(n));
-        let same = b.is_some_and(|b| {
-            std::mem::discriminant(&a.op) == std::mem::discriminant(&b.op) && a.inputs == b.inputs
-        });
+        let same = b.is_some_and(|b| a.inputs == b.inputs && same_but_shapes(&a.op, &b.op));
         if !same {
-            return Err(differs(format!("`{}` differs", a.op.name())));
+            return Err(vec![Diagnostic::error(
+                "E0542",
+                format!(
+                    "`{}` depends on the batch `{batch}` in more than its shape",
+                    a.op.name()
+                ),
+            )
+            .with_primary(
+                a.span,
+                format!("this differs between the batch and a micro-batch of 1/{k} of it"),
+            )
+            .with_note(
+                "`--micro-batches` needs a program whose ops do not depend on the batch size \
+                 (no loop, condition, index or attribute computed from it)",
+            )]);
         }
     }
     if full.train.is_none() {
@@ -232,6 +277,20 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
         match axes.as_slice() {
             [ax] if a.len() == b.len() && a[*ax] == b[*ax] * k => {
                 carries.insert(n, Batch { axis: *ax });
+            }
+            [ax] if a.len() == b.len() => {
+                return Err(err(
+                    n,
+                    "E0543",
+                    format!(
+                        "`{}` makes an axis that does not grow in step with the batch: {} for \
+                         the whole batch, {} for a micro-batch",
+                        full.node(n).op.name(),
+                        full.ty(n),
+                        part.ty(n)
+                    ),
+                    &format!("axis {ax} is not {k} times its micro-batch size"),
+                ))
             }
             _ => {
                 return Err(err(
@@ -351,10 +410,11 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
                     n,
                     "E0545",
                     format!(
-                        "`{}` takes particular samples out of the batch",
+                        "`{}` over the batch cannot be split into micro-batches",
                         node.op.name()
                     ),
-                    "this reads samples by their place in the whole batch",
+                    "this takes particular samples of the whole batch (an index, a max or \
+                     min, an argmax), not a sum or mean of them",
                 )
             })?;
             let mut acc: Option<NodeId> = None;
@@ -448,6 +508,33 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
     Ok(out)
 }
 
+/// Whether two lowerings of one op differ at most in what the batch size changes: the
+/// shapes of inputs, fills, reshapes, broadcasts and `arange`, a slice's ranges (checked
+/// further where the value carries the batch), and a literal's or fill's value (the whole
+/// batch's is used: `x / B` still divides by `B`).
+fn same_but_shapes(a: &Op, b: &Op) -> bool {
+    match (a, b) {
+        // Shapes: a param or state sized by the batch is refused where it carries it.
+        (Op::Input { name: x, .. }, Op::Input { name: y, .. })
+        | (Op::State { name: x, .. }, Op::State { name: y, .. }) => x == y,
+        (
+            Op::Param {
+                name: x, init: i, ..
+            },
+            Op::Param {
+                name: y, init: j, ..
+            },
+        ) => x == y && i == j,
+        (Op::Full { .. }, Op::Full { .. })
+        | (Op::Literal { .. }, Op::Literal { .. })
+        | (Op::Reshape { .. }, Op::Reshape { .. })
+        | (Op::BroadcastTo { .. }, Op::BroadcastTo { .. })
+        | (Op::Arange { .. }, Op::Arange { .. }) => true,
+        (Op::Slice { ranges: x }, Op::Slice { ranges: y }) => x.len() == y.len(),
+        _ => a == b,
+    }
+}
+
 /// A dropout seed for micro-batch `s` (0 keeps it).
 fn mix(seed: u64, s: usize) -> u64 {
     seed ^ (s as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -464,11 +551,13 @@ fn combining(g: &Graph, n: NodeId, carries: &BTreeMap<NodeId, Batch>) -> Option<
             if !axes.contains(&a) {
                 return None;
             }
-            Some(match op {
-                ReduceOp::Sum | ReduceOp::Mean => BinaryOp::Add,
-                ReduceOp::Max => BinaryOp::Maximum,
-                ReduceOp::Min => BinaryOp::Minimum,
-            })
+            // A max or min over the batch is refused: its value splits exactly, but a tie
+            // between micro-batches would take its gradient whole where the whole batch's
+            // reduce shares it.
+            match op {
+                ReduceOp::Sum | ReduceOp::Mean => Some(BinaryOp::Add),
+                ReduceOp::Max | ReduceOp::Min => None,
+            }
         }
         Op::MatMul => {
             let (a, b) = (g.ty(node.inputs[0]), g.ty(node.inputs[1]));
@@ -512,15 +601,22 @@ fn check_carrier(
         Op::Param { .. } | Op::State { .. } => fail("a param sized by the batch"),
         Op::Arange { .. } => fail("this numbers the samples of the whole batch"),
         Op::Slice { ranges } => {
-            let whole = ranges.get(axis) == Some(&(0, full.ty(n).dims()[axis]));
-            let sliced = match &part.node(n).op {
-                Op::Slice { ranges } => ranges.get(axis) == Some(&(0, part.ty(n).dims()[axis])),
+            // All of the batch axis (of the operand), and the same ranges elsewhere.
+            let i = node.inputs[0];
+            let all =
+                |r: &[(usize, usize)], g: &Graph| r.get(axis) == Some(&(0, g.ty(i).dims()[axis]));
+            let ok = match &part.node(n).op {
+                Op::Slice { ranges: p } => {
+                    all(ranges, full)
+                        && all(p, part)
+                        && (0..ranges.len()).all(|a| a == axis || ranges[a] == p[a])
+                }
                 _ => false,
             };
-            if whole && sliced {
+            if ok {
                 Ok(())
             } else {
-                fail("this slices the batch axis")
+                fail("this slices the batch axis, or slices another axis by the batch size")
             }
         }
         Op::Concat { axis: c } if *c == axis => fail("this concatenates along the batch axis"),

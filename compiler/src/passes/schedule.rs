@@ -61,12 +61,23 @@ fn micro_batches_in_turn(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
 /// fused to a higher peak than one op per kernel, and ran unfused, 320 ms a step against
 /// 250 ms on an H100.)
 pub(crate) fn micro_segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u32> {
+    // An update (written in place into its param or state) runs after every other reader
+    // of its target, as in the list schedule: a param whose gradient is complete in the
+    // first micro-batch is still read by the later ones.
+    let mut after: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    for &(t, v) in &g.updates {
+        after
+            .entry(v)
+            .or_default()
+            .extend(g.users(t).into_iter().filter(|&u| u != v));
+    }
     let mut level: BTreeMap<NodeId, u32> = BTreeMap::new();
     for &n in order {
         let node = g.node(n);
         let l = node
             .inputs
             .iter()
+            .chain(after.get(&n).into_iter().flatten())
             .filter_map(|i| level.get(i).copied())
             .chain(node.micro_batch)
             .max()
@@ -113,9 +124,13 @@ fn shared_once(g: &mut Graph) {
 /// Now each contribution is added (in place) as its micro-batch finishes.
 fn sums_in_turn(g: &mut Graph) {
     let Some(order) = g.topo_order() else { return };
-    let level = micro_segments(g, &order);
-    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-    let caller = g.read_by_caller();
+    let mut level = micro_segments(g, &order);
+    let mut pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    // Values the step hands on (outputs, updates, the gradients the optimizer applies)
+    // stay nodes of their own.
+    let mut kept = g.read_by_caller();
+    kept.extend(g.grads.iter().map(|&(_, d)| d));
+    kept.extend(g.updates.iter().map(|&(_, v)| v));
     let is_sum = |g: &Graph, n: NodeId| {
         let node = g.node(n);
         node.backward
@@ -124,7 +139,7 @@ fn sums_in_turn(g: &mut Graph) {
     };
     let interior = |g: &Graph, n: NodeId| {
         let users = g.users(n);
-        is_sum(g, n) && users.len() == 1 && is_sum(g, users[0]) && !caller.contains(&n)
+        is_sum(g, n) && users.len() == 1 && is_sum(g, users[0]) && !kept.contains(&n)
     };
     let roots: Vec<NodeId> = order
         .iter()
@@ -143,25 +158,34 @@ fn sums_in_turn(g: &mut Graph) {
                 }
             }
         }
-        if terms.len() < 3 || terms.iter().all(|t| level[t] == level[&terms[0]]) {
+        let key = |level: &BTreeMap<NodeId, u32>, pos: &BTreeMap<NodeId, usize>, t: NodeId| {
+            (
+                level.get(&t).copied().unwrap_or(0),
+                pos.get(&t).copied().unwrap_or(0),
+            )
+        };
+        let first = key(&level, &pos, terms[0]).0;
+        if terms.len() < 3 || terms.iter().all(|&t| key(&level, &pos, t).0 == first) {
             continue;
         }
-        terms.sort_by_key(|t| (level[t], pos[t]));
-        let span = g.node(r).span;
+        terms.sort_by_key(|&t| key(&level, &pos, t));
+        let (span, at) = (g.node(r).span, key(&level, &pos, r).1);
         let mut acc = terms[0];
         for &t in &terms[1..] {
-            match g.add(
+            let Ok(id) = g.add(
                 Op::Binary(crate::ir::BinaryOp::Add),
                 vec![acc, t],
                 span,
                 None,
-            ) {
-                Ok(id) => {
-                    g.mark_backward(id);
-                    acc = id;
-                }
-                Err(_) => return,
-            }
+            ) else {
+                return;
+            };
+            g.mark_backward(id);
+            // A later root may sum this one: it stands where the root stood.
+            let l = key(&level, &pos, acc).0.max(key(&level, &pos, t).0);
+            level.insert(id, l);
+            pos.insert(id, at);
+            acc = id;
         }
         g.replace_all_uses(r, acc);
         g.remove(r);
