@@ -1361,3 +1361,31 @@ pub fn micro_vs_whole(
         arenas: (a.arena_bytes, b.arena_bytes),
     })
 }
+
+/// Asserts that `src` with `--micro-batches k` equals its whole-batch step after 3 steps on
+/// `device` ([`micro_vs_whole`], f32): params and outputs to 1e-5 relative error (the
+/// gradients add up in another order, nothing else differs).
+pub fn assert_micro_equals_whole(
+    what: &str,
+    src: &str,
+    sets: &[(&str, &str)],
+    k: usize,
+    device: tcc_runtime::Device,
+) {
+    let r = micro_vs_whole(src, sets, k, 3, device, "off")
+        .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
+    eprintln!(
+        "{what}, K={k}: params rel err {:e}, outputs {:e}, arena {} -> {} bytes",
+        r.params, r.outputs, r.arenas.0, r.arenas.1
+    );
+    assert!(
+        r.params < 1e-5,
+        "{what}, K={k}: params differ by {:e}",
+        r.params
+    );
+    assert!(
+        r.outputs < 1e-5,
+        "{what}, K={k}: outputs differ by {:e}",
+        r.outputs
+    );
+}

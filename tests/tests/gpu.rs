@@ -569,21 +569,6 @@ fn gpu_micro_batches_equal_the_whole_batch() {
         ("gpt", read("gpt.tdsl"), gpt_sets, 4),
         ("mlp", read("mlp.tdsl"), &[("B", "64")][..], 4),
     ] {
-        let r = tcc_tests::micro_vs_whole(&src, sets, k, 3, Device::Cuda(0), "off")
-            .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
-        eprintln!(
-            "{what}, K={k}: params rel err {:e}, outputs {:e}, arena {} -> {} bytes",
-            r.params, r.outputs, r.arenas.0, r.arenas.1
-        );
-        assert!(
-            r.params < 1e-5,
-            "{what}, K={k}: params differ by {:e}",
-            r.params
-        );
-        assert!(
-            r.outputs < 1e-5,
-            "{what}, K={k}: outputs differ by {:e}",
-            r.outputs
-        );
+        tcc_tests::assert_micro_equals_whole(what, &src, sets, k, Device::Cuda(0));
     }
 }

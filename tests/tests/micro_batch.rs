@@ -30,23 +30,7 @@ fn micro_batches_equal_the_whole_batch() {
         ("gpt, adam", &gpt, SMALL_GPT, 2),
         ("gpt, adam", &gpt, SMALL_GPT, 4),
     ] {
-        let r = micro_vs_whole(src, sets, k, 3, Device::Cpu, "off")
-            .unwrap_or_else(|e| panic!("{what}, K={k}: {e}"));
-        eprintln!(
-            "{what}, K={k}: params rel err {:e}, outputs {:e}, arena {} -> {} bytes",
-            r.params, r.outputs, r.arenas.0, r.arenas.1
-        );
-        // 3 steps: the gradients add up in another order, nothing else differs.
-        assert!(
-            r.params < 1e-5,
-            "{what}, K={k}: params differ by {:e}",
-            r.params
-        );
-        assert!(
-            r.outputs < 1e-5,
-            "{what}, K={k}: outputs differ by {:e}",
-            r.outputs
-        );
+        tcc_tests::assert_micro_equals_whole(what, src, sets, k, Device::Cpu);
     }
 }
 
