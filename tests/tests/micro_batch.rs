@@ -35,7 +35,7 @@ fn micro_batches_equal_the_whole_batch() {
 }
 
 #[test]
-fn momentum_shared_params_and_early_gradients_split_exactly() {
+fn momentum_shared_params_checkpoints_and_early_gradients_split_exactly() {
     let prog = |params: &str, body: &str, opt: &str| {
         format!(
             "const B = 8\nmodel m {{\n    input x: f32[B, 4]\n{params}\n{body}\n    output \
@@ -58,6 +58,15 @@ fn momentum_shared_params_and_early_gradients_split_exactly() {
                 wu,
                 "    let v = w + u\n    let h = x @ v + tanh(x @ w) + sin(x @ u)\n    let loss = sum(h * h)",
                 "sgd(lr: 0.01)",
+            ),
+        ),
+        // A checkpoint block: its values are recomputed per micro-batch, never merged.
+        (
+            "checkpoint",
+            prog(
+                w,
+                "    let h = checkpoint { tanh(tanh(x @ w) @ w) }\n    let loss = mean(h * h)",
+                "adam(lr: 0.1)",
             ),
         ),
         // `t`'s gradient comes from its own term only, complete before any slice runs, but
