@@ -28,8 +28,11 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
         sums_in_turn(g);
         program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
         listed = list_schedule(g);
-        program = micro_batches_in_turn(g, &program);
-        listed = micro_batches_in_turn(g, &listed);
+        // Each node's micro-batch follows from the graph alone (both orders run an
+        // update after its param's readers): computed once, both orders sorted by it.
+        let segment = micro_segments(g, &program);
+        program.sort_by_key(|n| segment.get(n).copied().unwrap_or(0));
+        listed.sort_by_key(|n| segment.get(n).copied().unwrap_or(0));
     }
     let before = liveness(g, &program).max_live();
     let after = liveness(g, &listed).max_live();
@@ -42,24 +45,15 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     Ok(())
 }
 
-/// A micro-batched step's order ([`crate::front::micro_batch`]): `order` sorted stably by
-/// [`micro_segments`], so one micro-batch's forward and backward nodes all run before the
-/// next micro-batch's first node, and its activations are dead before the next one's are
-/// made.
-fn micro_batches_in_turn(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
-    let segment = micro_segments(g, order);
-    let mut out = order.to_vec();
-    out.sort_by_key(|n| segment[n]);
-    out
-}
-
 /// The micro-batch during which each node of `order` (a topological order of a
 /// micro-batched step) runs: the latest micro-batch it depends on, or the first for a node
-/// that depends on none (a param's transpose, a constant). Sorting by it keeps the order
-/// topological: a node's operands run in its micro-batch or an earlier one. (Running such
-/// a node with its first reader instead was measured: gpt at B=32 in 4 micro-batches then
-/// fused to a higher peak than one op per kernel, and ran unfused, 320 ms a step against
-/// 250 ms on an H100.)
+/// that depends on none (a param's transpose, a constant). [`schedule`] sorts the step by
+/// it, stably, so one micro-batch's forward and backward nodes all run before the next
+/// one's first node and its activations are dead before the next one's are made; the
+/// order stays topological, as a node's operands run in its micro-batch or an earlier one.
+/// (Running a node that depends on none with its first reader instead was measured: gpt at
+/// B=32 in 4 micro-batches then fused to a higher peak than one op per kernel, and ran
+/// unfused, 320 ms a step against 250 ms on an H100.)
 pub(crate) fn micro_segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u32> {
     // An update (written in place into its param or state) runs after every other reader
     // of its target, as in the list schedule: a param whose gradient is complete in the
