@@ -387,7 +387,22 @@ pub(super) fn emit_mma_matmul(
     // A B tile gathered along `k` is `[column][k]`, rows as long as A's; an A tile
     // gathered along its rows is `[k][row]`, rows as long as B's.
     let b_kmajor = plan.is_some_and(|p| p.b_along_k);
-    let a_kmajor = plan.is_none_or(|p| p.a_along_k);
+    // A plain A contiguous along its rows (a transposed operand: attention's `pᵀ` and
+    // `dsᵀ`) is staged as `[k][row]` in whole chunks, read by `ldmatrix.trans` as a
+    // gathered A along its rows is.
+    let c = ch as i64;
+    let aligned = |o: &crate::kernel::Operand, off: u64| {
+        o.base % c == 0 && o.batch_strides.iter().all(|s| s % c == 0) && off.is_multiple_of(16)
+    };
+    let a_rows = plan.is_none()
+        && kind != MmaKind::Tf32
+        && mm.a.gather.is_none()
+        && mm.a.rs == 1
+        && mm.a.cs != 1
+        && m % ch == 0
+        && mm.a.cs % c == 0
+        && offsets.get(mm.a.buf).is_some_and(|off| aligned(&mm.a, off));
+    let a_kmajor = plan.map_or(!a_rows, |p| p.a_along_k);
     let a_bytes = if a_kmajor { MMA_A_BYTES } else { bk * b_row };
     let stage = match (a_kmajor, b_kmajor) {
         (true, false) => kind.stage_bytes(),
@@ -429,16 +444,13 @@ pub(super) fn emit_mma_matmul(
 
     // Whole 16-byte chunks (`cp.async`) where the operand is contiguous along the chunk and
     // every chunk starts aligned; otherwise element by element.
-    let c = ch as i64;
-    let aligned = |o: &crate::kernel::Operand, off: u64| {
-        o.base % c == 0 && o.batch_strides.iter().all(|s| s % c == 0) && off.is_multiple_of(16)
-    };
     let a_fast = mm.a.cs == 1 && kd % ch == 0 && mm.a.rs % c == 0 && aligned(&mm.a, aoff);
     let b_fast = mm.b.cs == 1 && n % ch == 0 && mm.b.rs % c == 0 && aligned(&mm.b, boff);
 
     // Each thread moves chunks `t` and `t + 256` of each tile. A: 4 chunks a row of 128
     // rows; B: `bk` rows of `MMA_BN / ch` chunks.
     let mut a_slots = Vec::new();
+    let mut a_rows_slots = Vec::new();
     let mut b_slots = Vec::new();
     let gathered = match plan {
         Some(plan) => Some(gathered_sides(
@@ -453,18 +465,34 @@ pub(super) fn emit_mma_matmul(
     for i in 0..if gathered.is_some() { 0 } else { 2u32 } {
         let cidx = px.fresh("r");
         px.line(format!("add.u32 {cidx}, {t}, {};", 256 * i));
-        // A.
-        let (row, kc) = (px.fresh("r"), px.fresh("r"));
-        px.line(format!("shr.u32 {row}, {cidx}, 2;"));
-        px.line(format!("and.b32 {kc}, {cidx}, 3;"));
-        let g_row = px.fresh("rd");
-        px.line(format!("cvt.u64.u32 {g_row}, {row};"));
-        px.line(format!("add.s64 {g_row}, {g_row}, {row0};"));
-        let ok = px.fresh("p");
-        px.line(format!("setp.lt.s64 {ok}, {g_row}, {m};"));
-        let base = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {base}, {g_row}, {}, {abase};", mm.a.rs));
-        a_slots.push((row, kc, base, ok));
+        // A: 4 chunks along `k` a row; or, staged `[k][row]`, `MMA_BM / ch` chunks along
+        // the rows a `k`.
+        if !a_kmajor {
+            let cpr = (MMA_BM / ch) as u32;
+            let (krow, rc) = (px.fresh("r"), px.fresh("r"));
+            px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
+            px.line(format!("rem.u32 {rc}, {cidx}, {cpr};"));
+            let g_row = px.fresh("rd");
+            px.line(format!("mul.wide.u32 {g_row}, {rc}, {ch};"));
+            px.line(format!("add.s64 {g_row}, {g_row}, {row0};"));
+            let ok = px.fresh("p");
+            px.line(format!("setp.lt.s64 {ok}, {g_row}, {m};"));
+            let base = px.fresh("rd");
+            px.line(format!("add.s64 {base}, {g_row}, {abase};"));
+            a_rows_slots.push((krow, rc, base, ok));
+        } else {
+            let (row, kc) = (px.fresh("r"), px.fresh("r"));
+            px.line(format!("shr.u32 {row}, {cidx}, 2;"));
+            px.line(format!("and.b32 {kc}, {cidx}, 3;"));
+            let g_row = px.fresh("rd");
+            px.line(format!("cvt.u64.u32 {g_row}, {row};"));
+            px.line(format!("add.s64 {g_row}, {g_row}, {row0};"));
+            let ok = px.fresh("p");
+            px.line(format!("setp.lt.s64 {ok}, {g_row}, {m};"));
+            let base = px.fresh("rd");
+            px.line(format!("mad.lo.s64 {base}, {g_row}, {}, {abase};", mm.a.rs));
+            a_slots.push((row, kc, base, ok));
+        }
         // B.
         let cpr = (MMA_BN / ch) as u32;
         let (krow, nc) = (px.fresh("r"), px.fresh("r"));
@@ -491,12 +519,23 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.a.cs));
         a_sm.push((so, kk, b2, ok.clone()));
     }
+    // `[k][row]` A chunks: k row `krow`, rows `rc * ch ..`; whole chunks (`m % ch == 0`).
+    for (krow, rc, base, ok) in &a_rows_slots {
+        let so = px.fresh("r");
+        px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
+        px.line(format!("mad.lo.u32 {so}, {rc}, 16, {so};"));
+        let kk = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {kk}, {krow};"));
+        let b2 = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.a.cs));
+        a_sm.push((so, kk, b2, ok.clone()));
+    }
     let mut b_sm = Vec::new();
     for (krow, nc, base, ok, g_col) in &b_slots {
         let so = px.fresh("r");
         px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
         px.line(format!("mad.lo.u32 {so}, {nc}, 16, {so};"));
-        px.line(format!("add.u32 {so}, {so}, {MMA_A_BYTES};"));
+        px.line(format!("add.u32 {so}, {so}, {a_bytes};"));
         let kk = px.fresh("rd");
         px.line(format!("cvt.u64.u32 {kk}, {krow};"));
         let b2 = px.fresh("rd");
@@ -515,7 +554,7 @@ pub(super) fn emit_mma_matmul(
                 k_stride: mm.a.cs,
             };
             let (dst, kg, idx) = stage_chunk(px, st, k0, slot);
-            if a_fast {
+            if a_fast || !a_kmajor {
                 let p = px.fresh("p");
                 px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {ok};"));
                 chunk_copy(px, &dst, &abuf, &idx, &p, eb);
