@@ -468,6 +468,67 @@ fn no_reduction_is_fused_into_a_matmul_epilogue_under_amp() {
     }
 }
 
+/// A computed value a tensor-core matmul reads transposed on its left is cast to 16 bits as
+/// it lies and read through the swap: attention's probabilities and score gradient (by the
+/// value and key gradients), every weight gradient's activations, and the logits' gradient
+/// (by the output weight's gradient, sharing the cast the input gradient reads). Only
+/// params (weights, made once a step) keep transposed copies there: a transposing cast
+/// reads across rows (0.21 ms a layer for gpt's `pᵀ` on an H100).
+#[test]
+fn transposed_16_bit_operands_are_cast_before_their_swap() {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let args = "--set L=1 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
+    for a in policies() {
+        let g = step(&src, args, a);
+        let opts = CompileOptions {
+            amp: a,
+            ..device_options(Device::Cuda(0), true)
+        };
+        let p = tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap();
+        let tcc::pipeline::Product::Kernels(k) = p else {
+            panic!("fuse gave {}", p.form())
+        };
+        let g = &k.graph;
+        // The node below a chain of views.
+        let below_views = |mut n: tcc::ir::NodeId| loop {
+            match g.node(n).op {
+                Op::Reshape { .. } | Op::Permute { .. } | Op::Select { .. } | Op::Slice { .. } => {
+                    n = g.node(n).inputs[0]
+                }
+                _ => return n,
+            }
+        };
+        let mut read_swapped = 0;
+        for n in g.node_ids() {
+            if !matches!(g.node(n).op, Op::MatMul) {
+                continue;
+            }
+            let lhs = g.node(n).inputs[0];
+            match g.node(lhs).op {
+                Op::Permute { .. } if matches!(g.node(below_views(lhs)).op, Op::Cast { .. }) => {
+                    read_swapped += 1
+                }
+                Op::Cast { to } if to != DType::F32 => {
+                    let x = g.node(lhs).inputs[0];
+                    if matches!(g.node(x).op, Op::Permute { .. }) {
+                        let leaf = &g.node(below_views(x)).op;
+                        assert!(
+                            matches!(leaf, Op::Param { .. }),
+                            "--amp {}: a transposing cast of {leaf:?}",
+                            a.name()
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Value and key gradients, the output weight's (from the logits' gradient) and the
+        // weight gradients whose activations are f32: the two layer norms' outputs and the
+        // attention's (the gelu's is 16-bit already, read swapped with no cast).
+        assert_eq!(read_swapped, 6, "--amp {}", a.name());
+    }
+}
+
 /// The CPU back end rounds f32 to bf16 inline (stores and rounding inside a kernel): bit for
 /// bit what `half::bf16::from_f32` gives (the runtime's helper), ties to even, infinities,
 /// overflow to infinity, subnormals, signed zeros, and a NaN stays a NaN.

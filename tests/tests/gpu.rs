@@ -267,9 +267,40 @@ fn gpu_mixed_precision_examples_agree_with_eager() {
             1.0,
         ),
         ("examples/tiny.tdsl", "", 1.0),
+        // Weight gradients `hᵀ @ dy` read a transposed 16-bit A (`[k][row]` tiles).
+        ("bench/rnn_chain.tdsl", "--set T=8", 1.0),
     ] {
         let src = std::fs::read_to_string(root().join(file)).unwrap();
         tcc_tests::amp::agree(&src, args, 1, factor, file, Device::Cuda(0));
+    }
+}
+
+/// Attention's gradients under `--amp bf16` and `f16`, causal and not: the probabilities
+/// and the score gradient are cast before they are transposed, and the value and key
+/// gradients read them transposed on the tensor cores (`[k][row]` A tiles; 4 heads of 192
+/// positions, head dim 64).
+#[test]
+fn gpu_attention_gradients_agree_under_mixed_precision() {
+    if !gpu() {
+        return;
+    }
+    for causal in [true, false] {
+        let src = format!(
+            "model m {{
+                input q: f32[2, 4, 192, 64]
+                input k: f32[2, 4, 192, 64]
+                input v: f32[2, 4, 192, 64]
+                input w: f32[2, 4, 192, 64]
+                let loss = sum(attention(q, k, v, causal: {causal}) * w)
+                let dq = grad(loss, q)
+                let dk = grad(loss, k)
+                let dv = grad(loss, v)
+                output dq
+                output dk
+                output dv
+            }}"
+        );
+        tcc_tests::amp::agree(&src, "", 1, 1.0, "attention", Device::Cuda(0));
     }
 }
 

@@ -185,6 +185,8 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     let last = segment.values().copied().max().unwrap_or(0);
     let mut casts_by: BTreeMap<u32, BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
     let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
+    // Swaps whose readers now read a swapped cast instead ([`cast_operand`]).
+    let mut swapped: Vec<NodeId> = Vec::new();
     let missing = || TypeError::new("E0002", "operand out of order", "in mixed precision");
     for &n in &order {
         let node = g.node(n);
@@ -225,7 +227,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         };
         let rounded = precision(&node.op) == Precision::Rounded;
         let mut new_ins = Vec::with_capacity(ins.len());
-        for (&old, &i) in node.inputs.iter().zip(&ins) {
+        for (pos, (&old, &i)) in node.inputs.iter().zip(&ins).enumerate() {
             let dt = h.ty(i).dtype;
             let Some(w) = want.filter(|&w| dt.is_float() && (dt != w || rounded && dt != low))
             else {
@@ -256,6 +258,8 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
             } else if rounded && dt != low {
                 let x16 = cast(&mut h, casts, i, low, node)?;
                 cast(&mut h, casts, x16, w, node)?
+            } else if pos == 0 && matches!(node.op, Op::MatMul) {
+                cast_lhs(&mut h, casts, i, w, node, &mut swapped)?
             } else {
                 cast(&mut h, casts, i, w, node)?
             };
@@ -343,6 +347,29 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     h.ranks = g.ranks;
     h.micro_batches = g.micro_batches;
     h.shards = g.shards.clone();
+    // A swap left with no reader is dropped, with the reshapes below it that only it read
+    // (the graph keeps its order).
+    let mut kept = h.read_by_caller();
+    kept.extend(h.grads.iter().map(|&(_, d)| d));
+    kept.extend(h.train.as_ref().map(|t| t.loss));
+    let mut dead: BTreeSet<NodeId> = BTreeSet::new();
+    let mut stack = swapped;
+    while let Some(x) = stack.pop() {
+        let unread = h.users(x).iter().all(|u| dead.contains(u));
+        if dead.contains(&x) || kept.contains(&x) || !unread {
+            continue;
+        }
+        dead.insert(x);
+        if let Some(&below) = h.node(x).inputs.first() {
+            if matches!(h.node(below).op, Op::Reshape { .. }) {
+                stack.push(below);
+            }
+        }
+    }
+    if !dead.is_empty() {
+        let order: Vec<NodeId> = h.node_ids().filter(|x| !dead.contains(x)).collect();
+        h = h.reordered(&order);
+    }
     Ok(h)
 }
 
@@ -394,6 +421,88 @@ fn sign_test_copy(
         Some(u) => cast(h, casts, x, low, g.node(u)).map(Some),
         None => Ok(None),
     }
+}
+
+/// A matmul's left operand `x` as `to`. Where `x` is a computed value seen through a swap
+/// of its last two axes, the value is cast and the cast is swapped: both tensor-core paths
+/// read a left operand contiguous along its rows as it lies (wgmma's MN-major tiles,
+/// `mma.sync`'s `[k][row]` tiles), so no kernel transposes it (a transposing copy reads
+/// across rows: 0.21 ms a layer for gpt's attention probabilities on an H100). Below the
+/// swap, reshapes are looked through for a cast the backward pass already made (the loss's
+/// logit gradient, cast for the input gradient and read swapped by the weight gradient):
+/// that cast is reshaped and swapped, so the value is cast once.
+///
+/// Params keep their transposed copies, made once a step; right operands keep theirs
+/// (`mma.sync` reads a right operand contiguous along `k` only element by element).
+fn cast_lhs(
+    h: &mut Graph,
+    casts: &mut BTreeMap<(NodeId, DType), NodeId>,
+    x: NodeId,
+    to: DType,
+    at: &crate::ir::Node,
+    swapped: &mut Vec<NodeId>,
+) -> Result<NodeId, TypeError> {
+    if let Some(&c) = casts.get(&(x, to)) {
+        return Ok(c);
+    }
+    let node = h.node(x).clone();
+    let r = node.ty.rank();
+    let swaps_last_two = match &node.op {
+        Op::Permute { perm } => {
+            r >= 2
+                && perm.len() == r
+                && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+                && perm[r - 2] == r - 1
+                && perm[r - 1] == r - 2
+        }
+        _ => false,
+    };
+    let Some(&src) = node.inputs.first().filter(|_| swaps_last_two) else {
+        return cast(h, casts, x, to, at);
+    };
+    if is_param_view(h, src) || h.ty(src).dtype != DType::F32 {
+        return cast(h, casts, x, to, at);
+    }
+    // A cast of `src` seen through reshapes, made in the same pass (forward or backward: a
+    // forward copy is not kept alive for the backward pass), and the reshapes above it.
+    let mut chain = Vec::new();
+    let mut y = src;
+    let found = loop {
+        match casts.get(&(y, to)) {
+            Some(&c) if node.backward == h.node(c).backward => break Some(c),
+            _ => {}
+        }
+        match (&h.node(y).op, h.node(y).inputs.first()) {
+            (Op::Reshape { .. }, Some(&below)) => {
+                chain.push(y);
+                y = below;
+            }
+            _ => break None,
+        }
+    };
+    let mut c = match found {
+        Some(c) => c,
+        None if casts.contains_key(&(src, to)) => {
+            chain.clear();
+            let c = h.add(Op::Cast { to }, vec![src], at.span, at.checkpoint)?;
+            copy_marks(h, c, at);
+            c
+        }
+        None => {
+            chain.clear();
+            cast(h, casts, src, to, at)?
+        }
+    };
+    for &v in chain.iter().rev() {
+        let op = h.node(v).op.clone();
+        c = h.add(op, vec![c], at.span, at.checkpoint)?;
+        copy_marks(h, c, at);
+    }
+    let y = h.add(node.op.clone(), vec![c], at.span, at.checkpoint)?;
+    copy_marks(h, y, at);
+    casts.insert((x, to), y);
+    swapped.push(x);
+    Ok(y)
 }
 
 /// `x` as `to`, one cast per value and dtype, carrying the marks of the node that first
