@@ -140,7 +140,7 @@ pub(super) const EPILOGUE_PREFETCH_REGS: usize = 64;
 
 /// The loads of the kernel's stored values outside reductions (a select over loads as one),
 /// in pool order, each with whether its index reads a column's variable.
-fn epilogue_loads(px: &Px, mm: &Matmul) -> Vec<(ExprId, bool)> {
+pub(super) fn epilogue_loads(px: &Px, mm: &Matmul) -> Vec<(ExprId, bool)> {
     let k = px.k;
     let first_col = mm.batch.len() + mm.rows.len();
     let by_col = first_col..first_col + mm.cols.len();
