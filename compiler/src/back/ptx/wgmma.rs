@@ -498,7 +498,7 @@ pub(super) fn emit(
 }
 
 /// Elements a thread takes an iteration of an epilogue whose stores read loaded values.
-const EPI_UNROLL_LOADS: usize = 8;
+const EPI_UNROLL_LOADS: usize = 16;
 
 /// The epilogue's walk over the f32 tile at `sbase` (rows of `rs` floats) when the stored
 /// values read loads: [`EPI_UNROLL_LOADS`] elements an iteration, every load of all of them
