@@ -38,7 +38,7 @@ impl Target {
 pub struct CompileOptions {
     pub target: Target,
     pub fuse: FuseOptions,
-    /// Time budget of the arena offset search.
+    /// Budget of the arena offset search (counted in search work: [`crate::analysis::arena::work_of`]).
     pub plan_budget: Duration,
     /// f32 matmuls may use TF32 tensor cores (CUDA only; PyTorch's `allow_tf32`).
     pub allow_tf32: bool,

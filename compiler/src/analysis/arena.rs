@@ -23,9 +23,10 @@
 //!   round robin of three static orders; restarts run on a few threads.
 //!
 //! [`plan`] runs the greedy solvers, then searches capacities between the lower bound
-//! (max-live, or the largest buffer) and the best greedy result within a time budget: first
+//! (max-live, or the largest buffer) and the best greedy result within a budget: first
 //! the lower bound itself (with 60% of the budget), then bisection over multiples of the
-//! sizes' granularity.
+//! sizes' granularity. Budgets are counted in search work ([`WORK_PER_MS`]), never on a
+//! clock, so the plan is the same on every machine and under any load.
 //!
 //! A buffer with an empty lifetime (`lower >= upper`) or size 0 is never live: it conflicts
 //! with nothing, goes at offset 0, and only has to fit inside the arena.
@@ -35,7 +36,7 @@
 use crate::kernel::gcd;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One buffer to place.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -465,12 +466,11 @@ enum Status {
     NotFound,
     /// The node limit of this restart was reached.
     Aborted,
-    TimedOut,
     /// Another worker finished an earlier restart: this one no longer matters.
     Cancelled,
 }
 
-/// Work (buffers scanned, plus 64 a node) between two looks at the clock.
+/// Work (buffers scanned, plus 64 a node) between two looks at the other workers.
 const POLL_WORK: u64 = 1 << 16;
 
 /// Most candidates a search node sorts at a time.
@@ -511,11 +511,10 @@ struct Search<'p> {
     cands: Vec<(u64, usize, usize)>,
     nodes: u64,
     node_limit: u64,
-    /// Work done (buffers scanned) and when to look at the clock next.
+    /// Work done (buffers scanned) and when to look at the other workers next.
     work: u64,
     next_poll: u64,
-    deadline: Option<Instant>,
-    /// Set once the search must stop (time out or cancellation).
+    /// Set once the search must stop (cancellation).
     halt: Option<Status>,
     /// The lowest restart index that has finished (found or proved infeasible) in any
     /// worker, and this restart's index: a later restart is cancelled.
@@ -523,7 +522,7 @@ struct Search<'p> {
 }
 
 impl<'p> Search<'p> {
-    fn new(p: &'p Problem, deadline: Option<Instant>) -> Search<'p> {
+    fn new(p: &'p Problem) -> Search<'p> {
         let n = p.iv.len();
         Search {
             p,
@@ -545,7 +544,6 @@ impl<'p> Search<'p> {
             node_limit: u64::MAX,
             work: 0,
             next_poll: 0,
-            deadline,
             halt: None,
             finished: None,
         }
@@ -565,11 +563,9 @@ impl<'p> Search<'p> {
         Status::Found
     }
 
-    /// Checks the clock and the other workers.
+    /// Checks the other workers.
     fn poll(&mut self) {
-        if self.deadline.is_some_and(|d| Instant::now() > d) {
-            self.halt = Some(Status::TimedOut);
-        } else if let Some((done, me)) = self.finished {
+        if let Some((done, me)) = self.finished {
             if done.load(Ordering::Relaxed) < me {
                 self.halt = Some(Status::Cancelled);
             }
@@ -716,7 +712,8 @@ impl<'p> Search<'p> {
         if self.nodes >= self.node_limit {
             return Status::Aborted;
         }
-        // Look at the clock every few hundred nodes, or more often when nodes are big.
+        // Look at the other workers every few hundred nodes, or more often when nodes are
+        // big.
         self.work += 64 + bufs.len() as u64;
         if self.work >= self.next_poll {
             self.next_poll = self.work + POLL_WORK;
@@ -860,72 +857,105 @@ pub enum SearchOutcome {
     Found(Placement),
     /// Proven impossible at this capacity.
     Infeasible,
-    /// The time budget ran out first.
+    /// The budget ran out first.
     Unknown,
 }
 
 /// Most worker threads one search uses.
 const MAX_WORKERS: usize = 4;
 
-/// Searches for a placement within `capacity` (see the module doc). Heavy-tailed
-/// depth-first search is tamed by restarts: restart `j` uses preorder `j mod 3` and a node
-/// limit that doubles every round of three (as MiniMalloc's round robin does). Restarts
-/// run on up to [`MAX_WORKERS`] threads (as many as the machine has cores); the result is
-/// that of the lowest-numbered restart that finished, the same as one thread returns, so
-/// it is deterministic unless the budget runs out.
+/// Units of search work (64 a node, plus the buffers it scans) that make a millisecond of
+/// a budget: about what one core of a current x86-64 server does in one (measured on
+/// gpt's plans). Budgets are counted in work, never on a clock, so a plan is the same on
+/// every machine and under any load.
+pub const WORK_PER_MS: u64 = 200_000;
+
+/// The work a budget of `budget` allows.
+pub fn work_of(budget: Duration) -> u64 {
+    u64::try_from(budget.as_millis())
+        .unwrap_or(u64::MAX)
+        .saturating_mul(WORK_PER_MS)
+}
+
+/// Searches for a placement within `capacity` (see the module doc) with the work `budget`
+/// allows ([`work_of`]). Heavy-tailed depth-first search is tamed by restarts: restart `j`
+/// uses preorder `j mod 3` and a node limit that doubles every round of three (as
+/// MiniMalloc's round robin does); the budget decides, before any runs, how many restarts
+/// may (their node limits times the most work a node can take). Restarts run on up to
+/// [`MAX_WORKERS`] threads (as many as the machine has cores); the result is that of the
+/// lowest-numbered restart that finished, the same as one thread returns: deterministic.
 pub fn search(
     intervals: &[Interval],
     capacity: u64,
     align: u64,
     budget: Duration,
 ) -> SearchOutcome {
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_WORKERS);
-    search_with(intervals, capacity, align, budget, workers)
+    search_with(intervals, capacity, align, work_of(budget), workers()).0
 }
 
-/// One restart's result: its index, how it ended, and the solution if it found one.
-type Finish = (usize, Status, Vec<u64>);
+/// Threads for a search: the machine's cores, at most [`MAX_WORKERS`].
+fn workers() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_WORKERS)
+}
 
-/// [`search`] with a given number of worker threads.
+/// One restart's result: its index, how it ended, its work, and the solution if it found
+/// one.
+type Finish = (usize, Status, u64, Vec<u64>);
+
+/// [`search`] with a work allowance and a given number of worker threads; also returns the
+/// work charged: that of every restart up to the one whose result is returned (all of
+/// them when none finished), which does not depend on the threads.
 fn search_with(
     intervals: &[Interval],
     capacity: u64,
     align: u64,
-    budget: Duration,
+    allowance: u64,
     workers: usize,
-) -> SearchOutcome {
-    // No deadline when the budget is beyond what the clock can represent.
-    let deadline = Instant::now().checked_add(budget);
+) -> (SearchOutcome, u64) {
     let align = align.max(1);
     // Buffers that are never live go at offset 0 and only need to fit.
     if intervals.iter().any(|v| v.size > capacity) {
-        return SearchOutcome::Infeasible;
+        return (SearchOutcome::Infeasible, 0);
     }
     let Some(p) = Problem::new(intervals, capacity, align) else {
-        return SearchOutcome::Unknown;
+        return (SearchOutcome::Unknown, 0);
     };
     if p.rem.iter().any(|&r| r > capacity) {
-        return SearchOutcome::Infeasible;
+        return (SearchOutcome::Infeasible, 0);
     }
     let base = (p.iv.len() as u64).max(64);
+    let limit = |j: usize| base.saturating_mul(2u64 << (j / PREORDERS.len()).min(60));
+    // The restarts the allowance pays for, each at its most work.
+    let per_node = 64 + p.iv.len() as u64;
+    let (mut restarts, mut cost) = (0usize, 0u64);
+    while restarts < 61 * PREORDERS.len() {
+        cost = cost.saturating_add(limit(restarts).saturating_mul(per_node));
+        if cost > allowance {
+            break;
+        }
+        restarts += 1;
+    }
+    if restarts == 0 {
+        return (SearchOutcome::Unknown, allowance);
+    }
     let next = AtomicUsize::new(0);
     let finished = AtomicUsize::new(usize::MAX);
-    let work = || -> (Option<Finish>, u64) {
-        let mut s = Search::new(&p, deadline);
-        let mut nodes = 0u64;
+    let work = || -> Vec<Finish> {
+        let mut s = Search::new(&p);
+        let mut done = Vec::new();
         loop {
             let j = next.fetch_add(1, Ordering::Relaxed);
-            if j >= finished.load(Ordering::Relaxed) {
-                return (None, nodes);
+            if j >= restarts || j >= finished.load(Ordering::Relaxed) {
+                return done;
             }
-            let round = (j / PREORDERS.len()).min(60) as u32;
             s.order = PREORDERS[j % PREORDERS.len()];
-            s.node_limit = base.saturating_mul(2u64 << round);
+            s.node_limit = limit(j);
             s.finished = Some((&finished, j));
+            let before = s.work;
             let status = s.run();
-            nodes += s.nodes;
+            let spent = s.work - before;
             match status {
                 Status::Found | Status::NotFound => {
                     finished.fetch_min(j, Ordering::Relaxed);
@@ -934,16 +964,17 @@ fn search_with(
                     } else {
                         Vec::new()
                     };
-                    return (Some((j, status, sol)), nodes);
+                    done.push((j, status, spent, sol));
+                    return done;
                 }
-                Status::TimedOut => return (None, nodes),
-                Status::Aborted | Status::Cancelled => {}
+                Status::Aborted => done.push((j, status, spent, Vec::new())),
+                Status::Cancelled => {}
             }
         }
     };
     // The search recurses once per placed buffer: give it a stack to match.
     let stack = (8 << 20) + p.iv.len() * 2048;
-    let results: Vec<(Option<Finish>, u64)> = std::thread::scope(|scope| {
+    let results: Vec<Finish> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers.max(1))
             .filter_map(|_| {
                 std::thread::Builder::new()
@@ -954,23 +985,38 @@ fn search_with(
             .collect();
         if handles.is_empty() {
             // No thread could be started: search on this one.
-            return vec![work()];
+            return work();
         }
-        handles.into_iter().filter_map(|h| h.join().ok()).collect()
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .flatten()
+            .collect()
     });
-    let total_nodes: u64 = results.iter().map(|r| r.1).sum();
-    let best = results.into_iter().filter_map(|r| r.0).min_by_key(|r| r.0);
+    // Every restart below the lowest finished one ran to its node limit (only a lower
+    // restart's finish cancels one), so this charge is the same on any number of threads.
+    let winner = results
+        .iter()
+        .filter(|r| r.1 != Status::Aborted)
+        .map(|r| r.0)
+        .min();
+    let charged: u64 = results
+        .iter()
+        .filter(|r| winner.is_none_or(|w| r.0 <= w))
+        .map(|r| r.2)
+        .sum();
+    let best = results.into_iter().find(|r| Some(r.0) == winner);
     if std::env::var_os("TCC_ARENA_DEBUG").is_some() {
         eprintln!(
-            "arena search at {capacity}: {total_nodes} nodes on {workers} threads, {}",
+            "arena search at {capacity}: {restarts} restarts allowed, work {charged} on {workers} threads, {}",
             match &best {
-                Some((j, status, _)) => format!("restart {j}: {status:?}"),
+                Some((j, status, ..)) => format!("restart {j}: {status:?}"),
                 None => "no result".to_string(),
             }
         );
     }
-    match best {
-        Some((_, Status::Found, sol)) => {
+    let outcome = match best {
+        Some((_, Status::Found, _, sol)) => {
             let mut offsets = vec![0u64; intervals.len()];
             let live =
                 (0..intervals.len()).filter(|&i| intervals[i].size > 0 && intervals[i].is_live());
@@ -991,7 +1037,8 @@ fn search_with(
         }
         Some(_) => SearchOutcome::Infeasible,
         None => SearchOutcome::Unknown,
-    }
+    };
+    (outcome, charged)
 }
 
 /// What [`plan`] found and how.
@@ -1005,9 +1052,9 @@ pub struct PlanReport {
     pub optimal: bool,
 }
 
-/// Greedy solvers, then the skyline search within `budget` (see the module doc).
+/// Greedy solvers, then the skyline search within the work `budget` allows ([`work_of`];
+/// see the module doc).
 pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport {
-    let start = Instant::now();
     let align = align.max(1);
     let n = intervals.len();
     let width = |i: usize| intervals[i].upper.saturating_sub(intervals[i].lower);
@@ -1038,9 +1085,10 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
     // Capacities below `lo` are ruled out (proved infeasible while `proved`); `hi` fits.
     let (mut lo, mut hi) = (lb, best.size);
     let mut proved = true;
+    let mut left = work_of(budget);
+    let workers = workers();
     while lo < hi {
-        let left = budget.saturating_sub(start.elapsed());
-        if left.is_zero() {
+        if left == 0 {
             break;
         }
         let cap = if lo == lb {
@@ -1049,7 +1097,9 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
             lo + (hi - lo) / step / 2 * step
         };
         let slice = if cap == lb { left / 5 * 3 } else { left / 2 };
-        match search(intervals, cap, align, slice) {
+        let (outcome, spent) = search_with(intervals, cap, align, slice, workers);
+        left = left.saturating_sub(spent.max(1));
+        match outcome {
             SearchOutcome::Found(p) => {
                 hi = p.size;
                 best = p;
@@ -1396,24 +1446,49 @@ mod tests {
     }
 
     /// Every search result is valid and within the capacity; one thread and several give
-    /// the same result.
+    /// the same result and charge the same work, also when the budget runs out (the
+    /// smaller allowances stop some searches after a few restarts).
     #[test]
     fn search_is_valid_and_deterministic() {
         let mut rng = Rng(7);
+        let mut unknown = 0;
         for _ in 0..60 {
             let n = 5 + rng.below(40) as usize;
             let v = random_instance(&mut rng, n, 30, 32);
             let lb = max_live(&v);
             for cap in [lb, lb + lb / 20, lb + lb / 5] {
-                let one = search_with(&v, cap, 1, LONG, 1);
-                let many = search_with(&v, cap, 1, LONG, 3);
-                assert_eq!(one, many, "{v:?} at {cap}");
-                if let SearchOutcome::Found(p) = one {
-                    verify(&v, &p, 1).unwrap();
-                    assert!(p.size <= cap);
+                // About one restart's work, a few, and plenty.
+                let one_restart = 2 * (n.max(64) * (64 + n)) as u64;
+                for allowance in [one_restart, 8 * one_restart, work_of(LONG)] {
+                    let one = search_with(&v, cap, 1, allowance, 1);
+                    let many = search_with(&v, cap, 1, allowance, 3);
+                    assert_eq!(one, many, "{v:?} at {cap}, work {allowance}");
+                    assert!(
+                        one.1 <= allowance,
+                        "{v:?} at {cap}: {} > {allowance}",
+                        one.1
+                    );
+                    unknown += (one.0 == SearchOutcome::Unknown) as usize;
+                    if let SearchOutcome::Found(p) = one.0 {
+                        verify(&v, &p, 1).unwrap();
+                        assert!(p.size <= cap);
+                    }
                 }
             }
         }
+        // Larger instances at their lower bound, where restarts run out of nodes.
+        for _ in 0..6 {
+            let v = random_instance(&mut rng, 300, 200, 64);
+            let cap = max_live(&v);
+            let one_restart = 2 * 300 * (64 + 300);
+            for allowance in [one_restart, 4 * one_restart, 16 * one_restart] {
+                let one = search_with(&v, cap, 1, allowance, 1);
+                let many = search_with(&v, cap, 1, allowance, 3);
+                assert_eq!(one, many, "at {cap}, work {allowance}");
+                unknown += (one.0 == SearchOutcome::Unknown) as usize;
+            }
+        }
+        assert!(unknown > 0, "no allowance ran out");
     }
 
     /// The greedy with its time index against a plain quadratic scan.

@@ -192,7 +192,8 @@ pub enum Command {
         /// Print the report as JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// Time budget of the offset search, in milliseconds.
+        /// Budget of the offset search, in milliseconds of search work on a typical core
+        /// (counted in search steps, not on a clock, so every machine gives the same plan).
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         budget_ms: u64,
         /// The device whose plan to show (the plans differ: CUDA fuses attention and runs
@@ -366,7 +367,8 @@ pub enum Command {
 pub struct ArenaArgs {
     /// A MiniMalloc-format CSV: `id,lower,upper,size` (one buffer per line).
     pub file: PathBuf,
-    /// Time budget of the search, in milliseconds.
+    /// Budget of the search, in milliseconds of search work on a typical core (counted in
+    /// search steps, not on a clock, so every machine gives the same result).
     #[arg(long, default_value_t = 4000, value_name = "MS")]
     pub budget_ms: u64,
     /// Offset alignment in bytes.
