@@ -529,6 +529,50 @@ fn transposed_16_bit_operands_are_cast_before_their_swap() {
     }
 }
 
+/// The fused attention kernel reads its 16-bit queries, keys and values as they lie and
+/// widens them as it loads them: no kernel makes their f32 copies (36 kernels of gpt's
+/// step under `--amp bf16`, 0.2 ms on an H100).
+#[test]
+fn fused_attention_reads_its_16_bit_operands() {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let args = "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
+    for a in policies() {
+        let g = step(&src, args, a);
+        let opts = CompileOptions {
+            amp: a,
+            ..device_options(Device::Cuda(0), true)
+        };
+        let p = tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap();
+        let tcc::pipeline::Product::Kernels(k) = p else {
+            panic!("fuse gave {}", p.form())
+        };
+        let mut fused = 0;
+        for kernel in &k.fused.kernels {
+            if let Some(at) = &kernel.attention {
+                let ops = [Some(&at.q), Some(&at.k), at.v.as_ref()];
+                for o in ops.into_iter().flatten() {
+                    assert_eq!(o.dtype, a.dtype.unwrap(), "{}", kernel.describe);
+                }
+                fused += 1;
+                continue;
+            }
+            // No kernel only widens a value for the attention.
+            let only_casts = kernel.nodes.iter().all(|&n| {
+                let op = &k.graph.node(n).op;
+                op.is_view_candidate() || matches!(op, Op::Cast { to: DType::F32 })
+            });
+            let for_attention = kernel.nodes.iter().any(|&n| {
+                k.graph
+                    .users(n)
+                    .iter()
+                    .any(|&u| matches!(k.graph.node(u).op, Op::Attention { .. }))
+            });
+            assert!(!(only_casts && for_attention), "{}", kernel.describe);
+        }
+        assert_eq!(fused, 2, "--amp {}: one attention kernel a layer", a.name());
+    }
+}
+
 /// The CPU back end rounds f32 to bf16 inline (stores and rounding inside a kernel): bit for
 /// bit what `half::bf16::from_f32` gives (the runtime's helper), ties to even, infinities,
 /// overflow to infinity, subnormals, signed zeros, and a NaN stays a NaN.

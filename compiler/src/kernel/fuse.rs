@@ -226,20 +226,21 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
         .collect()
 }
 
-/// Whether `n` widens a 16-bit value to f32 for implicit GEMMs alone (mixed precision's
-/// weight gradients read their 16-bit operands widened): their gathers load the 16-bit
-/// buffer and widen each element as they load it, so the cast needs no f32 copy, and its
-/// operand gets the buffer instead.
+/// Whether `n` widens a 16-bit value to f32 for implicit GEMMs or fused attention alone
+/// (mixed precision's weight gradients read their 16-bit operands widened, as the f32
+/// attention kernel reads its queries, keys and values): their loads read the 16-bit
+/// buffer and widen each element, so the cast needs no f32 copy, and its operand gets the
+/// buffer instead.
 fn widens_into_gemms(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
     let users = g.users(n);
-    opts.conv_gemm
-        && widening(g, n)
+    widening(g, n)
         && !users.is_empty()
-        && users.iter().all(|&u| {
-            matches!(
-                g.node(u).op,
-                Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. }
-            )
+        && users.iter().all(|&u| match g.node(u).op {
+            Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. } => {
+                opts.conv_gemm
+            }
+            Op::Attention { .. } | Op::AttentionLse { .. } => true,
+            _ => false,
         })
 }
 

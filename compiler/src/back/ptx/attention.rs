@@ -54,7 +54,8 @@ fn batch_offset(px: &mut Px, o: &Operand, bidx: &[String]) -> String {
     r
 }
 
-/// Byte address of `buf` + 4 × (`off` + `row` × rs + `col` × cs); `row`, `col` u32.
+/// Byte address of `buf` + size × (`off` + `row` × rs + `col` × cs) for `o`'s element
+/// size (4, or 2 for a 16-bit operand read widened); `row`, `col` u32.
 fn element(px: &mut Px, buf: &str, off: &str, o: &Operand, row: &str, col: Option<&str>) -> String {
     let r64 = px.fresh("rd");
     px.line(format!("cvt.u64.u32 {r64}, {row};"));
@@ -68,7 +69,8 @@ fn element(px: &mut Px, buf: &str, off: &str, o: &Operand, row: &str, col: Optio
         e = n;
     }
     let a = px.fresh("rd");
-    px.line(format!("shl.b64 {a}, {e}, 2;"));
+    let shift = if is_16_bit(o) { 1 } else { 2 };
+    px.line(format!("shl.b64 {a}, {e}, {shift};"));
     let out = px.fresh("rd");
     px.line(format!("add.s64 {out}, {buf}, {a};"));
     out
@@ -91,7 +93,9 @@ fn copy_tile(
     stride: usize,
     t: &str,
 ) {
-    // Four columns a load where they are contiguous and 16-byte aligned, else one.
+    // Four columns a load where they are contiguous and aligned, else one. A 16-bit
+    // operand (read widened under mixed precision) loads 16-bit elements and widens them.
+    let wide = is_16_bit(o);
     let vec4 = o.cs == 1
         && cols.is_multiple_of(4)
         && o.base % 4 == 0
@@ -100,7 +104,7 @@ fn copy_tile(
         && px
             .offsets
             .get(o.buf)
-            .is_some_and(|off| off.is_multiple_of(16));
+            .is_some_and(|off| off.is_multiple_of(if wide { 8 } else { 16 }));
     let width = if vec4 { 4 } else { 1 };
     let units = cols / width;
     for n in 0..BM * units / THREADS {
@@ -125,10 +129,26 @@ fn copy_tile(
         px.line(format!("selp.u32 {safe}, {row}, 0, {p};"));
         let a = element(px, buf, off, o, &safe, Some(&c));
         let v: Vec<String> = (0..width).map(|_| px.fresh("f")).collect();
-        for x in &v {
-            px.line(format!("mov.f32 {x}, 0f00000000;"));
+        if wide {
+            let h: Vec<String> = (0..width).map(|_| px.fresh("h")).collect();
+            for x in &h {
+                px.line(format!("mov.b16 {x}, 0;"));
+            }
+            let ty = if width == 4 { ".v4.b16" } else { ".b16" };
+            px.line(format!("@{p} ld.global.nc{ty} {}, [{a}];", list(&h)));
+            let cvt = match o.dtype {
+                crate::ir::DType::BF16 => "cvt.f32.bf16",
+                _ => "cvt.f32.f16",
+            };
+            for (x, y) in v.iter().zip(&h) {
+                px.line(format!("{cvt} {x}, {y};"));
+            }
+        } else {
+            for x in &v {
+                px.line(format!("mov.f32 {x}, 0f00000000;"));
+            }
+            px.line(format!("@{p} ld.global.nc{} [{a}];", operands(&v)));
         }
-        px.line(format!("@{p} ld.global.nc{} [{a}];", operands(&v)));
         // Shared word: transposed (c + u) * stride + r, else r * stride + c.
         if transposed {
             for (u, x) in v.iter().enumerate() {
@@ -153,6 +173,11 @@ fn copy_tile(
             px.line(format!("st.shared{} [{sa}], {};", kind(v.len()), list(&v)));
         }
     }
+}
+
+/// Whether `o` is a 16-bit operand (read widened to f32).
+fn is_16_bit(o: &Operand) -> bool {
+    matches!(o.dtype, crate::ir::DType::BF16 | crate::ir::DType::F16)
 }
 
 /// `.f32` or `.v4.f32` for that many registers.
@@ -204,6 +229,13 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
         return Err(unsupported(
             "attention head dimensions outside the kernel's",
         ));
+    }
+    // Results are stored as f32 (mixed precision computes attention in f32).
+    if [&at.o, &at.lse]
+        .iter()
+        .any(|o| o.as_ref().is_some_and(|o| o.dtype != crate::ir::DType::F32))
+    {
+        return Err(unsupported("attention results other than f32"));
     }
     let nb: usize = at.batch.iter().product();
     let row_tiles = t.div_ceil(BM);
