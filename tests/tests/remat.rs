@@ -62,6 +62,33 @@ fn solutions_meet_their_budgets_and_beat_sqrt_n() {
     }
 }
 
+/// A search cut short by its limit gives the same answer every time, on an idle machine
+/// or a busy one: limits count search work, not time. Two threads solve the same graph at
+/// once while the test repeats the solve; every result is the first one's.
+#[test]
+fn a_limited_search_is_deterministic() {
+    let g = load("checkmate_graphs/resnet50_bs256_224x224_train.json");
+    let budget = (remat::none(&g).eval.peak as f64 * 0.7) as u64;
+    let limit = Duration::from_millis(40);
+    let first = remat::solve(&g, budget, limit);
+    assert!(!first.finished, "the limit should cut this search short");
+    let key = |o: &remat::Outcome| o.best.as_ref().map(|b| (b.evict.clone(), b.eval.clone()));
+    let busy: Vec<_> = (0..2)
+        .map(|_| {
+            let g = g.clone();
+            std::thread::spawn(move || remat::solve(&g, budget, limit))
+        })
+        .collect();
+    for _ in 0..2 {
+        let again = remat::solve(&g, budget, limit);
+        assert_eq!(key(&again), key(&first));
+        assert_eq!(again.finished, first.finished);
+    }
+    for h in busy {
+        assert_eq!(key(&h.join().unwrap()), key(&first));
+    }
+}
+
 /// A training chain: forward 0..L, loss, backward L+1..2L (as Checkmate lays it out).
 fn chain(mems: &[u64], costs: &[u64]) -> RematGraph {
     let l = mems.len();

@@ -237,7 +237,9 @@ pub enum Command {
             default_value = "0.9,0.7,0.5"
         )]
         budgets: Vec<f64>,
-        /// Time limit of the exact search per graph and budget, in milliseconds.
+        /// Limit of the exact search per graph and budget, in milliseconds of search work
+        /// on a typical core (counted in steps, not on a clock: every machine gives the same
+        /// result).
         #[arg(long, default_value_t = 2000, value_name = "MS")]
         time_ms: u64,
         #[command(flatten)]
@@ -261,7 +263,8 @@ pub enum Command {
         /// `none`: only as it is; `manual`: with its `checkpoint { }` blocks.
         #[arg(long, value_enum, default_value_t = RematMode::None)]
         remat: RematMode,
-        /// Time for each round of the remat search, in milliseconds.
+        /// Limit of each round of the remat search, in milliseconds of search work on a
+        /// typical core (counted in steps, not on a clock).
         #[arg(long, default_value_t = 1000, value_name = "MS")]
         remat_time_ms: u64,
         /// Data parallelism: the budget is each GPU's and the constant is one GPU's share

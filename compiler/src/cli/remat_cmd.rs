@@ -348,7 +348,7 @@ fn run_graphs(files: &[&PathBuf], budgets: &[f64], time_ms: u64) -> Result<(), S
                 (Some(s), fin) => (
                     gib(s.eval.peak),
                     format!("{:.1}", s.eval.added_cost as f64 / total * 100.0),
-                    if fin { "optimal" } else { "time limit" },
+                    if fin { "optimal" } else { "work limit" },
                 ),
                 (None, true) => ("-".into(), "-".into(), "infeasible"),
                 (None, false) => ("-".into(), "-".into(), "not found"),

@@ -12,11 +12,67 @@
 //!
 //! Solvers: no remat; √n segments (keep every ⌈√n⌉-th forward node); greedy by memory freed
 //! per added cost followed by a removal pass; and an exact depth-first branch and bound over
-//! evict/keep decisions, warm-started by the greedy, within a time limit.
+//! evict/keep decisions, warm-started by the greedy, within a limit. Limits are given in
+//! milliseconds but counted in search work ([`Work`]), never on a clock, so a solve gives
+//! the same answer on every machine and under any load.
 
 pub mod step;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+/// Units of search work that make a millisecond of a limit: about what one core of a
+/// current x86-64 server does in one (a simulation of the schedule costs one unit a node,
+/// a search node one more).
+pub const WORK_PER_MS: u64 = 75_000;
+
+/// A search's work so far and where it must stop (see the module doc).
+#[derive(Clone, Copy, Debug)]
+pub struct Work {
+    spent: u64,
+    stop: u64,
+}
+
+impl Work {
+    /// The work a limit of `limit` allows.
+    pub fn of(limit: Duration) -> Work {
+        let stop = u64::try_from(limit.as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_mul(WORK_PER_MS);
+        Work { spent: 0, stop }
+    }
+
+    /// No limit.
+    pub fn unlimited() -> Work {
+        Work {
+            spent: 0,
+            stop: u64::MAX,
+        }
+    }
+
+    /// Spends `units`; false once the work is over its stop.
+    fn spend(&mut self, units: u64) -> bool {
+        self.spent = self.spent.saturating_add(units);
+        self.spent <= self.stop
+    }
+
+    /// The same work, stopping at `part` of the way from what is spent to the stop
+    /// (`part` in 0..=1), for a phase of a search that leaves the rest to later phases.
+    pub(crate) fn until(self, part: f64) -> Work {
+        let left = self.stop.saturating_sub(self.spent);
+        Work {
+            spent: self.spent,
+            stop: self.spent.saturating_add((left as f64 * part) as u64),
+        }
+    }
+
+    /// Carries on from what `phase` (made by [`Work::until`]) spent.
+    pub(crate) fn after(self, phase: Work) -> Work {
+        Work {
+            spent: phase.spent.max(self.spent),
+            stop: self.stop,
+        }
+    }
+}
 
 /// A compute graph with a memory and a compute cost per node.
 #[derive(Clone, Debug, Default)]
@@ -381,12 +437,12 @@ pub fn sqrt_n(g: &RematGraph) -> Solution {
 /// until the budget is met; then un-evict whatever the budget still allows (largest cost
 /// first). `None` if even evicting every candidate does not fit.
 pub fn greedy(g: &RematGraph, budget: u64) -> Option<Solution> {
-    greedy_until(g, budget, None)
+    greedy_until(g, budget, &mut Work::unlimited())
 }
 
-/// [`greedy`] that gives up (returns `None`) at `deadline`.
-pub fn greedy_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
-    greedy_batched(g, budget, deadline, 1)
+/// [`greedy`] that gives up (returns `None`) when `work` runs out.
+pub fn greedy_until(g: &RematGraph, budget: u64, work: &mut Work) -> Option<Solution> {
+    greedy_batched(g, budget, work, 1)
 }
 
 /// [`greedy_until`] that evicts the `batch` best-scoring candidates per round instead of
@@ -395,7 +451,7 @@ pub fn greedy_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> O
 pub fn greedy_batched(
     g: &RematGraph,
     budget: u64,
-    deadline: Option<Instant>,
+    work: &mut Work,
     batch: usize,
 ) -> Option<Solution> {
     let cands = g.candidates();
@@ -407,7 +463,7 @@ pub fn greedy_batched(
             if evict[c] {
                 continue;
             }
-            if deadline.is_some_and(|d| Instant::now() > d) {
+            if !work.spend(g.len() as u64 + 1) {
                 return None;
             }
             evict[c] = true;
@@ -470,14 +526,22 @@ struct Dfs<'a> {
     prune_unfit: bool,
     evict: Vec<bool>,
     best: Option<Solution>,
-    deadline: Instant,
+    work: Work,
     timed_out: bool,
 }
 
 impl Dfs<'_> {
-    fn run(&mut self, k: usize, lower: u64) {
-        if self.timed_out || Instant::now() > self.deadline {
+    /// Spends `units` of work (a node is 1, a simulation the graph's length); false, and
+    /// the search marked timed out, once the work is over.
+    fn spend(&mut self, units: u64) -> bool {
+        if !self.timed_out && !self.work.spend(units) {
             self.timed_out = true;
+        }
+        !self.timed_out
+    }
+
+    fn run(&mut self, k: usize, lower: u64) {
+        if !self.spend(1) {
             return;
         }
         if self
@@ -492,11 +556,14 @@ impl Dfs<'_> {
             for &c in &self.cands[k..] {
                 all[c] = true;
             }
-            if simulate(self.g, &all).peak > self.budget {
+            if !self.spend(self.g.len() as u64) || simulate(self.g, &all).peak > self.budget {
                 return;
             }
         }
         if k == self.cands.len() {
+            if !self.spend(self.g.len() as u64) {
+                return;
+            }
             let e = simulate(self.g, &self.evict);
             if e.peak <= self.budget
                 && self
@@ -539,11 +606,15 @@ pub fn branch_and_bound(g: &RematGraph, budget: u64, limit: Duration) -> Option<
 
 /// [`branch_and_bound`] with the search status.
 pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
-    let start = Instant::now();
-    let greedy = greedy_until(g, budget, Some(start + limit / 3));
+    let work = Work::of(limit);
+    let mut phase = work.until(1.0 / 3.0);
+    let greedy = greedy_until(g, budget, &mut phase);
     // The chain DP simulates every pair of candidates: only for modest counts.
     let dp = if g.candidates().len() <= 160 {
-        chain_dp_until(g, budget, Some(start + limit / 2))
+        let mut dp_phase = work.after(phase).until(0.25);
+        let dp = chain_dp_until(g, budget, &mut dp_phase);
+        phase = dp_phase;
+        dp
     } else {
         None
     };
@@ -555,13 +626,12 @@ pub fn solve(g: &RematGraph, budget: u64, limit: Duration) -> Outcome {
         }),
         (a, b) => a.or(b),
     };
-    solve_from(g, budget, limit.saturating_sub(start.elapsed()), warm)
+    solve_from(g, budget, work.after(phase), warm)
 }
 
 /// The pruned search, then the exact branch and bound, warm-started by `warm`, within
-/// `limit` in all.
-pub fn solve_from(g: &RematGraph, budget: u64, limit: Duration, warm: Option<Solution>) -> Outcome {
-    let start = Instant::now();
+/// `work` in all (half of what is left for the pruned search).
+pub fn solve_from(g: &RematGraph, budget: u64, work: Work, warm: Option<Solution>) -> Outcome {
     let mut dfs = Dfs {
         g,
         cands: g.candidates(),
@@ -569,13 +639,13 @@ pub fn solve_from(g: &RematGraph, budget: u64, limit: Duration, warm: Option<Sol
         prune_unfit: true,
         evict: vec![false; g.len()],
         best: warm,
-        deadline: start + limit / 2,
+        work: work.until(0.5),
         timed_out: false,
     };
     dfs.run(0, 0);
     dfs.prune_unfit = false;
     dfs.timed_out = false;
-    dfs.deadline = start + limit;
+    dfs.work = work.after(dfs.work);
     dfs.run(0, 0);
     let finished = !dfs.timed_out;
     Outcome {
@@ -603,11 +673,11 @@ pub fn solve_from(g: &RematGraph, budget: u64, limit: Duration, warm: Option<Sol
 /// as it does on chains (checked against brute force in the tests). On other graphs it is a
 /// heuristic; either way the returned score is the simulator's and meets `budget`.
 pub fn chain_dp(g: &RematGraph, budget: u64) -> Option<Solution> {
-    chain_dp_until(g, budget, None)
+    chain_dp_until(g, budget, &mut Work::unlimited())
 }
 
-/// [`chain_dp`] that gives up (returns `None`) at `deadline`.
-pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) -> Option<Solution> {
+/// [`chain_dp`] that gives up (returns `None`) when `work` runs out.
+pub fn chain_dp_until(g: &RematGraph, budget: u64, work: &mut Work) -> Option<Solution> {
     let cands = g.candidates();
     let k = cands.len();
     g.first_backward()?;
@@ -676,7 +746,8 @@ pub fn chain_dp_until(g: &RematGraph, budget: u64, deadline: Option<Instant>) ->
             if front[a].is_empty() {
                 continue;
             }
-            if deadline.is_some_and(|d| Instant::now() > d) {
+            // A pair's simulation and its front.
+            if !work.spend(n as u64 + front[a].len() as u64) {
                 return None;
             }
             let qab = q(a, b);

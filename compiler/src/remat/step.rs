@@ -14,7 +14,7 @@
 //! step (a node's bytes: its buffer in the fused plan; its cost: its FLOPs; views read
 //! through to their root): [`auto`] calibrates the simulated peak against the real plan,
 //! solves for the model target with a portfolio (chain DP over the candidates, greedy,
-//! then branch and bound within the time limit), compiles the best decision, and tightens
+//! then branch and bound within the work limit), compiles the best decision, and tightens
 //! the target by the real overshoot until the plan fits. The baselines — √n segments and
 //! per-block checkpointing — are measured the same way, and `auto` takes the cheapest
 //! decision that fits among everything it compiled.
@@ -728,7 +728,7 @@ pub struct AutoOptions {
     /// The arena must be at most this many bytes.
     pub budget: u64,
     pub compile: CompileOptions,
-    /// Time for the model search (per round).
+    /// Limit of the model search (per round), counted in search work ([`super::Work`]).
     pub time_limit: Duration,
     /// Compile-and-tighten rounds.
     pub rounds: usize,
@@ -1000,15 +1000,17 @@ fn solve_model(
     limit: Duration,
     seeds: &[Vec<bool>],
 ) -> Option<Solution> {
-    let t0 = Instant::now();
+    let work = super::Work::of(limit);
     let k = g.candidates().len();
     // The DP simulates every pair of candidates: only for modest counts.
+    let mut dp_phase = work.until(1.0 / 3.0);
     let dp = if k <= 160 {
-        super::chain_dp_until(g, target, Some(t0 + limit / 3))
+        super::chain_dp_until(g, target, &mut dp_phase)
     } else {
         None
     };
-    let greedy = super::greedy_batched(g, target, Some(t0 + limit * 2 / 3), (k / 48).max(1));
+    let mut greedy_phase = work.after(dp_phase).until(0.5);
+    let greedy = super::greedy_batched(g, target, &mut greedy_phase, (k / 48).max(1));
     let warm = match (dp, greedy) {
         (Some(a), Some(b)) => Some(if b.eval.added_cost < a.eval.added_cost {
             b
@@ -1033,8 +1035,7 @@ fn solve_model(
             });
         }
     }
-    let rest = limit.saturating_sub(t0.elapsed());
-    let bb = super::solve_from(g, target, rest, warm.clone());
+    let bb = super::solve_from(g, target, work.after(greedy_phase), warm.clone());
     bb.best.or(warm)
 }
 
