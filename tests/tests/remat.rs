@@ -72,7 +72,7 @@ fn a_limited_search_is_deterministic() {
     let limit = Duration::from_millis(40);
     let first = remat::solve(&g, budget, limit);
     assert!(!first.finished, "the limit should cut this search short");
-    let key = |o: &remat::Outcome| o.best.as_ref().map(|b| (b.evict.clone(), b.eval.clone()));
+    let key = |o: &remat::Outcome| o.best.as_ref().map(|b| (b.evict.clone(), b.eval));
     let busy: Vec<_> = (0..2)
         .map(|_| {
             let g = g.clone();
