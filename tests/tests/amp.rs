@@ -441,23 +441,30 @@ fn convolutions_run_on_tensor_cores_under_amp() {
     }
 }
 
+/// gpt's step for CUDA under `a` at the sizes of `args`, through fusion.
+fn fused_gpt(args: &str, a: Amp) -> tcc::pipeline::Kernels {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let g = step(&src, args, a);
+    let opts = CompileOptions {
+        amp: a,
+        ..device_options(Device::Cuda(0), true)
+    };
+    match tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap() {
+        tcc::pipeline::Product::Kernels(k) => k,
+        p => panic!("fuse gave {}", p.form()),
+    }
+}
+
 /// Mixed precision's casts do not let a row sum into a matmul's epilogue, where it would be
 /// recomputed for every element (gpt's attention backward `dS = P * (dP - sum(dO * O))`
 /// took 1.75 ms a layer on an H100 that way, against 0.39 ms).
 #[test]
 fn no_reduction_is_fused_into_a_matmul_epilogue_under_amp() {
-    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
-    let args = "--set L=1 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
     for a in policies() {
-        let g = step(&src, args, a);
-        let opts = CompileOptions {
-            amp: a,
-            ..device_options(Device::Cuda(0), true)
-        };
-        let p = tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap();
-        let tcc::pipeline::Product::Kernels(k) = p else {
-            panic!("fuse gave {}", p.form())
-        };
+        let k = fused_gpt(
+            "--set L=1 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128",
+            a,
+        );
         for kernel in &k.fused.kernels {
             let has =
                 |f: &dyn Fn(&Op) -> bool| kernel.nodes.iter().any(|&n| f(&k.graph.node(n).op));
@@ -476,18 +483,11 @@ fn no_reduction_is_fused_into_a_matmul_epilogue_under_amp() {
 /// reads across rows (0.21 ms a layer for gpt's `pᵀ` on an H100).
 #[test]
 fn transposed_16_bit_operands_are_cast_before_their_swap() {
-    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
-    let args = "--set L=1 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
     for a in policies() {
-        let g = step(&src, args, a);
-        let opts = CompileOptions {
-            amp: a,
-            ..device_options(Device::Cuda(0), true)
-        };
-        let p = tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap();
-        let tcc::pipeline::Product::Kernels(k) = p else {
-            panic!("fuse gave {}", p.form())
-        };
+        let k = fused_gpt(
+            "--set L=1 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128",
+            a,
+        );
         let g = &k.graph;
         // The node below a chain of views.
         let below_views = |mut n: tcc::ir::NodeId| loop {
@@ -534,18 +534,11 @@ fn transposed_16_bit_operands_are_cast_before_their_swap() {
 /// step under `--amp bf16`, 0.2 ms on an H100).
 #[test]
 fn fused_attention_reads_its_16_bit_operands() {
-    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
-    let args = "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
     for a in policies() {
-        let g = step(&src, args, a);
-        let opts = CompileOptions {
-            amp: a,
-            ..device_options(Device::Cuda(0), true)
-        };
-        let p = tcc_tests::run_stages(&g, "outputs", "fuse", opts).unwrap();
-        let tcc::pipeline::Product::Kernels(k) = p else {
-            panic!("fuse gave {}", p.form())
-        };
+        let k = fused_gpt(
+            "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128",
+            a,
+        );
         let mut fused = 0;
         for kernel in &k.fused.kernels {
             if let Some(at) = &kernel.attention {

@@ -467,17 +467,7 @@ pub(super) fn emit(
         let eu = px.fresh("r");
         px.line(format!("add.u32 {eu}, {e}, {};", u * threads));
         let skip = px.label("wg_epi_skip");
-        let (r, c) = (px.fresh("r"), px.fresh("r"));
-        px.line(format!("shr.u32 {r}, {eu}, {};", bn.trailing_zeros()));
-        px.line(format!("and.b32 {c}, {eu}, {};", bn - 1));
-        let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
-        px.line(format!("cvt.u64.u32 {gr}, {r};"));
-        px.line(format!("add.s64 {gr}, {gr}, {row0};"));
-        px.line(format!("cvt.u64.u32 {gc}, {c};"));
-        px.line(format!("add.s64 {gc}, {gc}, {col0};"));
-        let ok = px.fresh("p");
-        px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
-        px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
+        let TilePoint { r, c, gr, gc, ok } = tile_point(&mut px, &eu, bn, (&row0, &col0), (m, n));
         px.line(format!("@!{ok} bra {skip};"));
         let at = px.fresh("r");
         px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
@@ -495,6 +485,37 @@ pub(super) fn emit(
     px.line(format!("@{more} bra.uni {top};"));
     px.line("ret;");
     Ok((px.finish(""), shape))
+}
+
+/// Element `eu` of the epilogue's tile (row-major, rows of `bn`): its row and column in the
+/// tile, in the output, and whether it is in range.
+struct TilePoint {
+    r: String,
+    c: String,
+    gr: String,
+    gc: String,
+    ok: String,
+}
+
+fn tile_point(
+    px: &mut Px,
+    eu: &str,
+    bn: usize,
+    (row0, col0): (&str, &str),
+    (m, n): (usize, usize),
+) -> TilePoint {
+    let (r, c) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("shr.u32 {r}, {eu}, {};", bn.trailing_zeros()));
+    px.line(format!("and.b32 {c}, {eu}, {};", bn - 1));
+    let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
+    px.line(format!("cvt.u64.u32 {gr}, {r};"));
+    px.line(format!("add.s64 {gr}, {gr}, {row0};"));
+    px.line(format!("cvt.u64.u32 {gc}, {c};"));
+    px.line(format!("add.s64 {gc}, {gc}, {col0};"));
+    let ok = px.fresh("p");
+    px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
+    px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
+    TilePoint { r, c, gr, gc, ok }
 }
 
 /// Elements a thread takes an iteration of an epilogue whose stores read loaded values.
@@ -523,17 +544,7 @@ fn prefetching_epilogue(
     for u in 0..EPI_UNROLL_LOADS {
         let eu = px.fresh("r");
         px.line(format!("add.u32 {eu}, {e}, {};", u * threads));
-        let (r, c) = (px.fresh("r"), px.fresh("r"));
-        px.line(format!("shr.u32 {r}, {eu}, {};", bn.trailing_zeros()));
-        px.line(format!("and.b32 {c}, {eu}, {};", bn - 1));
-        let (gr, gc) = (px.fresh("rd"), px.fresh("rd"));
-        px.line(format!("cvt.u64.u32 {gr}, {r};"));
-        px.line(format!("add.s64 {gr}, {gr}, {row0};"));
-        px.line(format!("cvt.u64.u32 {gc}, {c};"));
-        px.line(format!("add.s64 {gc}, {gc}, {col0};"));
-        let ok = px.fresh("p");
-        px.line(format!("setp.lt.s64 {ok}, {gr}, {m};"));
-        px.line(format!("setp.lt.and.s64 {ok}, {gc}, {n}, {ok};"));
+        let TilePoint { r, c, gr, gc, ok } = tile_point(&mut px, &eu, bn, (row0, col0), (m, n));
         let mut coords = split_index(&mut px, &gr, &mm.rows);
         coords.extend(split_index(&mut px, &gc, &mm.cols));
         // This element's loads, each in the cache scope of its point.
