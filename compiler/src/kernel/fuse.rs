@@ -231,7 +231,7 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
 /// attention kernel reads its queries, keys and values): their loads read the 16-bit
 /// buffer and widen each element, so the cast needs no f32 copy, and its operand gets the
 /// buffer instead.
-fn widens_into_gemms(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
+fn read_widened(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
     let users = g.users(n);
     widening(g, n)
         && !users.is_empty()
@@ -285,7 +285,7 @@ fn decide(
         let op = &g.node(n).op;
         let us = users.get(&n).unwrap_or(&no_users);
         let is_heavy = us.iter().any(|&(u, k)| {
-            let see_through = g.node(u).op.is_view_candidate() || widens_into_gemms(g, u, opts);
+            let see_through = g.node(u).op.is_view_candidate() || read_widened(g, u, opts);
             g.node(u).op.reads_operand_repeatedly(k)
                 || (see_through && heavy.contains(&u) && !m.contains(&u))
         });
@@ -304,7 +304,7 @@ fn decide(
         }
         if op.is_pointwise() {
             let constant = matches!(op, Op::Full { .. } | Op::Arange { .. });
-            if is_heavy && !constant && !widens_into_gemms(g, n, opts) {
+            if is_heavy && !constant && !read_widened(g, n, opts) {
                 m.insert(n);
             }
             continue;

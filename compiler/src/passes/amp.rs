@@ -165,8 +165,9 @@ fn master_gradients(g: &Graph) -> BTreeSet<NodeId> {
     forced
 }
 
-/// Applies the policy with `low` (bf16 or f16) as the 16-bit dtype. Node order is kept;
-/// casts are added just before their first reader.
+/// Applies the policy with `low` (bf16 or f16) as the 16-bit dtype. Node order is kept (a
+/// swap [`cast_lhs`] leaves unread is dropped); casts are added just before their first
+/// reader.
 pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     let order = g
         .topo_order()
@@ -185,7 +186,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     let last = segment.values().copied().max().unwrap_or(0);
     let mut casts_by: BTreeMap<u32, BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
     let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
-    // Swaps whose readers now read a swapped cast instead ([`cast_operand`]).
+    // Swaps whose readers now read a swapped cast instead ([`cast_lhs`]).
     let mut swapped: Vec<NodeId> = Vec::new();
     let missing = || TypeError::new("E0002", "operand out of order", "in mixed precision");
     for &n in &order {
@@ -348,26 +349,25 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     h.micro_batches = g.micro_batches;
     h.shards = g.shards.clone();
     // A swap left with no reader is dropped, with the reshapes below it that only it read
-    // (the graph keeps its order).
-    let mut kept = h.read_by_caller();
-    kept.extend(h.grads.iter().map(|&(_, d)| d));
-    kept.extend(h.train.as_ref().map(|t| t.loss));
-    let mut dead: BTreeSet<NodeId> = BTreeSet::new();
+    // (the others keep their order).
+    let grads: BTreeSet<NodeId> = h.grads.iter().map(|&(_, d)| d).collect();
+    let mut dropped: BTreeSet<NodeId> = BTreeSet::new();
     let mut stack = swapped;
     while let Some(x) = stack.pop() {
-        let unread = h.users(x).iter().all(|u| dead.contains(u));
-        if dead.contains(&x) || kept.contains(&x) || !unread {
+        if dropped.contains(&x) || grads.contains(&x) {
             continue;
         }
-        dead.insert(x);
-        if let Some(&below) = h.node(x).inputs.first() {
-            if matches!(h.node(below).op, Op::Reshape { .. }) {
-                stack.push(below);
-            }
+        let below = h.node(x).inputs.first().copied();
+        if !h.remove_if_unused(x) {
+            continue;
+        }
+        dropped.insert(x);
+        if let Some(b) = below.filter(|&b| matches!(h.node(b).op, Op::Reshape { .. })) {
+            stack.push(b);
         }
     }
-    if !dead.is_empty() {
-        let order: Vec<NodeId> = h.node_ids().filter(|x| !dead.contains(x)).collect();
+    if !dropped.is_empty() {
+        let order: Vec<NodeId> = h.node_ids().collect();
         h = h.reordered(&order);
     }
     Ok(h)
@@ -432,8 +432,9 @@ fn sign_test_copy(
 /// logit gradient, cast for the input gradient and read swapped by the weight gradient):
 /// that cast is reshaped and swapped, so the value is cast once.
 ///
-/// Params keep their transposed copies, made once a step; right operands keep theirs
-/// (`mma.sync` reads a right operand contiguous along `k` only element by element).
+/// Params, inputs and state keep their transposed copies (a weight's is made once a step);
+/// right operands keep theirs (`mma.sync` reads a right operand contiguous along `k` only
+/// element by element).
 fn cast_lhs(
     h: &mut Graph,
     casts: &mut BTreeMap<(NodeId, DType), NodeId>,
@@ -446,17 +447,7 @@ fn cast_lhs(
         return Ok(c);
     }
     let node = h.node(x).clone();
-    let r = node.ty.rank();
-    let swaps_last_two = match &node.op {
-        Op::Permute { perm } => {
-            r >= 2
-                && perm.len() == r
-                && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
-                && perm[r - 2] == r - 1
-                && perm[r - 1] == r - 2
-        }
-        _ => false,
-    };
+    let swaps_last_two = crate::passes::transpose_matmuls::is_swap(h, x);
     let Some(&src) = node.inputs.first().filter(|_| swaps_last_two) else {
         return cast(h, casts, x, to, at);
     };
@@ -469,7 +460,7 @@ fn cast_lhs(
     let mut y = src;
     let found = loop {
         match casts.get(&(y, to)) {
-            Some(&c) if node.backward == h.node(c).backward => break Some(c),
+            Some(&c) if at.backward == h.node(c).backward => break Some(c),
             _ => {}
         }
         match (&h.node(y).op, h.node(y).inputs.first()) {

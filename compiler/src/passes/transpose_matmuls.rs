@@ -83,7 +83,7 @@ fn swap(r: usize) -> Op {
 }
 
 /// True when `x` is a permute that swaps its last two axes and keeps the others.
-fn is_swap(g: &Graph, x: NodeId) -> bool {
+pub(crate) fn is_swap(g: &Graph, x: NodeId) -> bool {
     let r = g.ty(x).rank();
     match &g.node(x).op {
         Op::Permute { perm } => r >= 2 && swap(r) == (Op::Permute { perm: perm.clone() }),

@@ -367,7 +367,8 @@ fn gathered_sides<'a>(
 /// tiles of 256 threads (8 warps of 64×32, each 4×4 `mma` tiles of 16×8), `k` staged 64
 /// bytes deep through two shared-memory buffers, the next stage's copies
 /// (`cp.async` 16-byte chunks where the operand is contiguous and aligned, else element
-/// loads) overlapping the current stage's math. A fragments come from `ldmatrix`; B
+/// loads) overlapping the current stage's math. A fragments come from `ldmatrix`
+/// (`ldmatrix.trans` for an A contiguous along its rows, staged `[k][row]`); B
 /// fragments from `ldmatrix.trans` (f16/bf16) or 32-bit shared loads (TF32, rounded with
 /// `cvt.rna.tf32.f32`, as are the A fragments). Out-of-range chunks read zeros; every
 /// thread runs every barrier and only out-of-range elements skip their epilogue.

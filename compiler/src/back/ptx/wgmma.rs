@@ -25,7 +25,7 @@
 //!   straight from the fragments (two adjacent columns of eight rows a warp) took a fifth
 //!   of a 4096³ GEMM: 0.255 ms against 0.206 ms without the stores, on an H100.
 
-use super::epilogue::{epilogue_loads, split_index, store_point};
+use super::epilogue::{epilogue_loads, split_index, store_point, EPILOGUE_PREFETCH_REGS};
 use super::mma::MmaKind;
 use super::px::Px;
 use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
@@ -33,7 +33,7 @@ use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, Res};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{Kernel, Matmul, Operand};
+use crate::kernel::{ExprId, Kernel, Matmul, Operand};
 
 /// Rows of the block tile of one warpgroup.
 const WG_ROWS: usize = 64;
@@ -456,7 +456,8 @@ pub(super) fn emit(
     // (gpt's `dgelu` epilogue under `--amp bf16` took 0.30 ms for 19 GFLOP).
     let loads = epilogue_loads(&px, mm);
     if !loads.is_empty() {
-        return prefetching_epilogue(px, mm, plan, (&t, &row0, &col0, &sbase), rs, shape);
+        let at = (t.as_str(), row0.as_str(), col0.as_str(), sbase.as_str());
+        return prefetching_epilogue(px, mm, plan, at, rs, &loads, shape);
     }
     let e = px.fresh("r");
     px.line(format!("mov.u32 {e}, {t};"));
@@ -485,6 +486,15 @@ pub(super) fn emit(
     px.line(format!("@{more} bra.uni {top};"));
     px.line("ret;");
     Ok((px.finish(""), shape))
+}
+
+/// The largest power of two at most `x` (1 for 0).
+fn prev_power_of_two(x: usize) -> usize {
+    if x == 0 {
+        1
+    } else {
+        1 << (usize::BITS - 1 - x.leading_zeros())
+    }
 }
 
 /// Element `eu` of the epilogue's tile (row-major, rows of `bn`): its row and column in the
@@ -518,30 +528,35 @@ fn tile_point(
     TilePoint { r, c, gr, gc, ok }
 }
 
-/// Elements a thread takes an iteration of an epilogue whose stores read loaded values.
+/// Most elements a thread takes an iteration of an epilogue whose stores read loaded
+/// values (fewer where it loads several, as [`EPILOGUE_PREFETCH_REGS`] registers allow).
 const EPI_UNROLL_LOADS: usize = 16;
 
 /// The epilogue's walk over the f32 tile at `sbase` (rows of `rs` floats) when the stored
-/// values read loads: [`EPI_UNROLL_LOADS`] elements an iteration, every load of all of them
+/// values read `loads`: up to [`EPI_UNROLL_LOADS`] elements an iteration (a power of two,
+/// their loads within [`EPILOGUE_PREFETCH_REGS`] registers), every load of all of them
 /// issued (in range only) before the first store.
+#[allow(clippy::too_many_arguments)]
 fn prefetching_epilogue(
     mut px: Px,
     mm: &Matmul,
     plan: &Plan,
     (t, row0, col0, sbase): (&str, &str, &str, &str),
     rs: usize,
+    loads: &[(ExprId, bool)],
     shape: LaunchShape,
 ) -> Res<(String, LaunchShape)> {
     let (m, n, bn) = (mm.m, mm.n, plan.bn);
     let threads = plan.threads();
     let nb = mm.batch.len();
-    let loads = epilogue_loads(&px, mm);
+    let unroll = prev_power_of_two(EPILOGUE_PREFETCH_REGS / loads.len().max(1))
+        .clamp(EPI_UNROLL, EPI_UNROLL_LOADS);
     let e = px.fresh("r");
     px.line(format!("mov.u32 {e}, {t};"));
     let top = px.label("wg_epi");
     px.body.push_str(&format!("{top}:\n"));
     let mut points = Vec::new();
-    for u in 0..EPI_UNROLL_LOADS {
+    for u in 0..unroll {
         let eu = px.fresh("r");
         px.line(format!("add.u32 {eu}, {e}, {};", u * threads));
         let TilePoint { r, c, gr, gc, ok } = tile_point(&mut px, &eu, bn, (row0, col0), (m, n));
@@ -553,7 +568,7 @@ fn prefetching_epilogue(
         px.journal.push(Vec::new());
         px.bind_point(nb, &coords);
         let mut regs = Vec::with_capacity(loads.len());
-        for &(l, _) in &loads {
+        for &(l, _) in loads {
             regs.push((l, px.emit(l)?));
         }
         px.pop_scope();
@@ -571,7 +586,7 @@ fn prefetching_epilogue(
         store_point(&mut px, mm, coords, v, regs)?;
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line(format!("add.u32 {e}, {e}, {};", EPI_UNROLL_LOADS * threads));
+    px.line(format!("add.u32 {e}, {e}, {};", unroll * threads));
     let more = px.fresh("p");
     px.line(format!("setp.lt.u32 {more}, {e}, {};", plan.a.tile * bn));
     px.line(format!("@{more} bra.uni {top};"));
