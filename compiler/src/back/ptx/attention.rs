@@ -27,6 +27,10 @@
 
 use super::px::Px;
 use super::tile::operand_buffer;
+use super::vector::VEC;
+
+// Four columns a vector load (`Px::vector_load` loads `VEC`).
+const _: () = assert!(VEC == 4);
 use super::{LaunchShape, PtxError, Res, DYN_SHARED};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::{Attn, Kernel, Operand};
@@ -128,27 +132,29 @@ fn copy_tile(
         let safe = px.fresh("r");
         px.line(format!("selp.u32 {safe}, {row}, 0, {p};"));
         let a = element(px, buf, off, o, &safe, Some(&c));
-        let v: Vec<String> = (0..width).map(|_| px.fresh("f")).collect();
-        if wide {
-            let h: Vec<String> = (0..width).map(|_| px.fresh("h")).collect();
-            for x in &h {
-                px.line(format!("mov.b16 {x}, 0;"));
-            }
-            let ty = if width == 4 { ".v4.b16" } else { ".b16" };
-            px.line(format!("@{p} ld.global.nc{ty} {}, [{a}];", list(&h)));
-            let cvt = match o.dtype {
-                crate::ir::DType::BF16 => "cvt.f32.bf16",
-                _ => "cvt.f32.f16",
+        let v: Vec<String> = if wide {
+            // The widening loads every kernel uses: the row is clamped into range, so the
+            // load is safe; a row past `limit` reads zeros.
+            let got = if width == 1 {
+                vec![px.load(&a, o.dtype)]
+            } else {
+                px.vector_load(&a, o.dtype)
             };
-            for (x, y) in v.iter().zip(&h) {
-                px.line(format!("{cvt} {x}, {y};"));
-            }
+            got.iter()
+                .map(|x| {
+                    let z = px.fresh("f");
+                    px.line(format!("selp.f32 {z}, {x}, 0f00000000, {p};"));
+                    z
+                })
+                .collect()
         } else {
+            let v: Vec<String> = (0..width).map(|_| px.fresh("f")).collect();
             for x in &v {
                 px.line(format!("mov.f32 {x}, 0f00000000;"));
             }
             px.line(format!("@{p} ld.global.nc{} [{a}];", operands(&v)));
-        }
+            v
+        };
         // Shared word: transposed (c + u) * stride + r, else r * stride + c.
         if transposed {
             for (u, x) in v.iter().enumerate() {

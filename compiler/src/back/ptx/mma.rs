@@ -363,6 +363,68 @@ fn gathered_sides<'a>(
     Ok([a, b])
 }
 
+/// One thread's 16-bit chunk of a tile staged `[k][row or column]`, 16 chunks a `k`: its
+/// `k` row and chunk within the row, its first row (or column) and whether it is in range,
+/// and its element index at `k = 0`.
+struct MnChunk {
+    krow: String,
+    nc: String,
+    g: String,
+    ok: String,
+    base: String,
+}
+
+/// The [`MnChunk`] of chunk `cidx` for rows (or columns) from `origin` below `extent`, of an
+/// operand with stride `stride` along them from element `opbase`.
+fn mn_chunk(
+    px: &mut Px,
+    cidx: &str,
+    ch: usize,
+    (origin, extent): (&str, usize),
+    (stride, opbase): (i64, &str),
+) -> MnChunk {
+    let cpr = (MMA_BN / ch) as u32;
+    let (krow, nc) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
+    px.line(format!("rem.u32 {nc}, {cidx}, {cpr};"));
+    let g = px.fresh("rd");
+    px.line(format!("mul.wide.u32 {g}, {nc}, {ch};"));
+    px.line(format!("add.s64 {g}, {g}, {origin};"));
+    let ok = px.fresh("p");
+    px.line(format!("setp.lt.s64 {ok}, {g}, {extent};"));
+    let base = px.fresh("rd");
+    px.line(format!("mad.lo.s64 {base}, {g}, {stride}, {opbase};"));
+    MnChunk {
+        krow,
+        nc,
+        g,
+        ok,
+        base,
+    }
+}
+
+/// A [`MnChunk`]'s shared offset in a stage (its tile at byte `tile`, rows of `row` bytes),
+/// its `k` offset and its element index there (`k_stride` apart along `k`).
+fn mn_chunk_at(
+    px: &mut Px,
+    c: &MnChunk,
+    row: usize,
+    tile: usize,
+    k_stride: i64,
+) -> (String, String, String) {
+    let so = px.fresh("r");
+    px.line(format!("mul.lo.u32 {so}, {}, {row};", c.krow));
+    px.line(format!("mad.lo.u32 {so}, {}, 16, {so};", c.nc));
+    if tile > 0 {
+        px.line(format!("add.u32 {so}, {so}, {tile};"));
+    }
+    let kk = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {kk}, {};", c.krow));
+    let b2 = px.fresh("rd");
+    px.line(format!("mad.lo.s64 {b2}, {kk}, {k_stride}, {};", c.base));
+    (so, kk, b2)
+}
+
 /// Tensor-core matmul (`mma.sync`, f32 accumulation) with the fused epilogue: 128×128 block
 /// tiles of 256 threads (8 warps of 64×32, each 4×4 `mma` tiles of 16×8), `k` staged 64
 /// bytes deep through two shared-memory buffers, the next stage's copies
@@ -469,18 +531,7 @@ pub(super) fn emit_mma_matmul(
         // A: 4 chunks along `k` a row; or, staged `[k][row]`, `MMA_BM / ch` chunks along
         // the rows a `k`.
         if !a_kmajor {
-            let cpr = (MMA_BM / ch) as u32;
-            let (krow, rc) = (px.fresh("r"), px.fresh("r"));
-            px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
-            px.line(format!("rem.u32 {rc}, {cidx}, {cpr};"));
-            let g_row = px.fresh("rd");
-            px.line(format!("mul.wide.u32 {g_row}, {rc}, {ch};"));
-            px.line(format!("add.s64 {g_row}, {g_row}, {row0};"));
-            let ok = px.fresh("p");
-            px.line(format!("setp.lt.s64 {ok}, {g_row}, {m};"));
-            let base = px.fresh("rd");
-            px.line(format!("add.s64 {base}, {g_row}, {abase};"));
-            a_rows_slots.push((krow, rc, base, ok));
+            a_rows_slots.push(mn_chunk(&mut px, &cidx, ch, (&row0, m), (mm.a.rs, &abase)));
         } else {
             let (row, kc) = (px.fresh("r"), px.fresh("r"));
             px.line(format!("shr.u32 {row}, {cidx}, 2;"));
@@ -495,18 +546,7 @@ pub(super) fn emit_mma_matmul(
             a_slots.push((row, kc, base, ok));
         }
         // B.
-        let cpr = (MMA_BN / ch) as u32;
-        let (krow, nc) = (px.fresh("r"), px.fresh("r"));
-        px.line(format!("div.u32 {krow}, {cidx}, {cpr};"));
-        px.line(format!("rem.u32 {nc}, {cidx}, {cpr};"));
-        let g_col = px.fresh("rd");
-        px.line(format!("mul.wide.u32 {g_col}, {nc}, {ch};"));
-        px.line(format!("add.s64 {g_col}, {g_col}, {col0};"));
-        let ok = px.fresh("p");
-        px.line(format!("setp.lt.s64 {ok}, {g_col}, {n};"));
-        let base = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {base}, {g_col}, {}, {bbase};", mm.b.cs));
-        b_slots.push((krow, nc, base, ok, g_col));
+        b_slots.push(mn_chunk(&mut px, &cidx, ch, (&col0, n), (mm.b.cs, &bbase)));
     }
     // Shared offsets and the k offset of each slot (registers, since they depend on %tid).
     let mut a_sm = Vec::new();
@@ -520,28 +560,15 @@ pub(super) fn emit_mma_matmul(
         px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.a.cs));
         a_sm.push((so, kk, b2, ok.clone()));
     }
-    // `[k][row]` A chunks: k row `krow`, rows `rc * ch ..`; whole chunks (`m % ch == 0`).
-    for (krow, rc, base, ok) in &a_rows_slots {
-        let so = px.fresh("r");
-        px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
-        px.line(format!("mad.lo.u32 {so}, {rc}, 16, {so};"));
-        let kk = px.fresh("rd");
-        px.line(format!("cvt.u64.u32 {kk}, {krow};"));
-        let b2 = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.a.cs));
-        a_sm.push((so, kk, b2, ok.clone()));
+    // `[k][row]` A chunks (whole chunks: `m % ch == 0`), then B's `[k][column]` ones.
+    for slot in &a_rows_slots {
+        let (so, kk, b2) = mn_chunk_at(&mut px, slot, b_row, 0, mm.a.cs);
+        a_sm.push((so, kk, b2, slot.ok.clone()));
     }
     let mut b_sm = Vec::new();
-    for (krow, nc, base, ok, g_col) in &b_slots {
-        let so = px.fresh("r");
-        px.line(format!("mul.lo.u32 {so}, {krow}, {b_row};"));
-        px.line(format!("mad.lo.u32 {so}, {nc}, 16, {so};"));
-        px.line(format!("add.u32 {so}, {so}, {a_bytes};"));
-        let kk = px.fresh("rd");
-        px.line(format!("cvt.u64.u32 {kk}, {krow};"));
-        let b2 = px.fresh("rd");
-        px.line(format!("mad.lo.s64 {b2}, {kk}, {}, {base};", mm.b.rs));
-        b_sm.push((so, kk, b2, ok.clone(), g_col.clone()));
+    for slot in &b_slots {
+        let (so, kk, b2) = mn_chunk_at(&mut px, slot, b_row, a_bytes, mm.b.rs);
+        b_sm.push((so, kk, b2, slot.ok.clone(), slot.g.clone()));
     }
 
     // Moves the stage of `k0` (i64 register) into the buffer at shared byte `st` (u32).
