@@ -304,6 +304,58 @@ fn gpu_attention_gradients_agree_under_mixed_precision() {
     }
 }
 
+/// The tensor-core attention kernel (`back::ptx::attention_mma`, 16-bit queries, keys and
+/// values): ragged tiles (70 queries against 90 keys; causal, the diagonal shifted by 20),
+/// head dimensions 64, 128 and 16, value widths other than the head's. Its output against
+/// the interpreter on the same 16-bit inputs (the probabilities are rounded to 16 bits
+/// before `p v`), then a trained step under `--amp` whose attention reads 16-bit
+/// projections (scores spread over several units, as a trained model's are) and whose
+/// gradients use the kernel's row statistics. The loss is a sum of squares: a sum of
+/// signed terms can cancel, and a bound relative to it then measures nothing.
+#[test]
+fn gpu_tensor_core_attention_agrees() {
+    if !gpu() {
+        return;
+    }
+    for (dtype, tol) in [("bf16", 1e-2), ("f16", 2e-3)] {
+        for (d, e) in [(64, 32), (128, 128), (16, 16)] {
+            for causal in [true, false] {
+                let src = format!(
+                    "model m {{
+                        input q: {dtype}[2, 3, 70, {d}]
+                        input k: {dtype}[2, 3, 90, {d}]
+                        input v: {dtype}[2, 3, 90, {e}]
+                        let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
+                        output out
+                    }}"
+                );
+                let what = format!("{dtype} attention d={d} e={e} causal={causal}");
+                agree(&src, &Options::default(), &what, 1, tol);
+            }
+        }
+    }
+    for causal in [true, false] {
+        let src = format!(
+            "model m {{
+                input x: f32[2, 70, 64]
+                input y: f32[2, 90, 64]
+                param wq: f32[64, 128] = normal(0.0, 0.3)
+                param wk: f32[64, 128] = normal(0.0, 0.3)
+                param wv: f32[64, 64] = normal(0.0, 0.3)
+                let q = permute(reshape(x @ wq, [2, 70, 2, 64]), [0, 2, 1, 3])
+                let k = permute(reshape(y @ wk, [2, 90, 2, 64]), [0, 2, 1, 3])
+                let v = permute(reshape(y @ wv, [2, 90, 2, 32]), [0, 2, 1, 3])
+                let a = attention(q, k, v, causal: {causal})
+                let loss = mean(a * a)
+                output a
+                output loss
+                train sgd(lr: 0.1) minimize loss
+            }}"
+        );
+        tcc_tests::amp::agree(&src, "", 1, 1.0, "tensor-core attention", Device::Cuda(0));
+    }
+}
+
 /// Every builtin case (forward and gradients) under `--amp bf16` and `f16` on the GPU
 /// against the interpreter's mixed-precision step, as `tests/amp.rs` does on the CPU.
 #[test]

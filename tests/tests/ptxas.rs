@@ -11,6 +11,20 @@ use tcc_tests::{
     options_from_args, ptxas, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
 };
 
+/// Fused attention over 16-bit queries, keys and values (`back::ptx::attention_mma`): 70
+/// queries against 90 keys, head dimension `d`, value width `e`.
+fn tensor_core_attention(dtype: &str, d: usize, e: usize, causal: bool) -> String {
+    format!(
+        "model m {{
+            input q: {dtype}[2, 3, 70, {d}]
+            input k: {dtype}[2, 3, 90, {d}]
+            input v: {dtype}[2, 3, 90, {e}]
+            let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
+            output out
+        }}"
+    )
+}
+
 fn programs() -> Vec<(String, String, Options)> {
     let mut v = Vec::new();
     for (ex, set) in [
@@ -48,6 +62,11 @@ fn programs() -> Vec<(String, String, Options)> {
         v.push((what, src, Options::default()));
     }
     for d in ["f16", "bf16"] {
+        v.push((
+            format!("{d} tensor-core attention"),
+            tensor_core_attention(d, 64, 32, true),
+            Options::default(),
+        ));
         v.push((
             d.to_string(),
             format!("model m {{\n input x: {d}[8, 16]\n let out = softmax(x * 2) @ transpose(x)\n output out\n}}\n"),
@@ -329,6 +348,33 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{}",
         causal.code
     );
+    // 16-bit queries, keys and values: one fused kernel on tensor cores (64 queries a
+    // block against 64 keys a step: `q kᵀ` takes d/16 × 8 products a warp, `p v` 4 × e/8),
+    // f32 and ragged or unaligned operands the exact one.
+    for (dtype, d, e) in [("bf16", 64, 32), ("f16", 128, 128), ("bf16", 16, 16)] {
+        let tc = build(
+            &tensor_core_attention(dtype, d, e, false),
+            Target::Cuda,
+            false,
+        );
+        assert_eq!(tc.fused.kernels.len(), 1);
+        let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32");
+        assert_eq!(tc.code.matches(&mma).count(), d / 16 * 8 + 4 * e / 8);
+        assert!(!tc.code.contains("ld.global.b16"), "{}", tc.code);
+    }
+    let exact = build(
+        &tensor_core_attention("f32", 64, 32, true).replace("cast(q, f32)", "q"),
+        Target::Cuda,
+        false,
+    );
+    assert!(!exact.code.contains("mma.sync"), "{}", exact.code);
+    // Queries read transposed (not contiguous along the head dimension).
+    let strided = tensor_core_attention("bf16", 64, 32, true)
+        .replace("q: bf16[2, 3, 70, 64]", "q: bf16[2, 3, 64, 70]")
+        .replace("cast(q, f32)", "cast(transpose(q), f32)");
+    let strided = build(&strided, Target::Cuda, false);
+    assert_eq!(strided.fused.kernels.len(), 1);
+    assert!(!strided.code.contains("mma.sync"), "{}", strided.code);
     // The gradients: `ds @ k` sums as `p @ v` does, `pᵀ @ do` and `dsᵀ @ q` sum the rows
     // from the diagonal on (their first row tiles are the longest).
     let grad = build(

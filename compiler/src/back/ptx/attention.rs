@@ -36,9 +36,9 @@ use crate::kernel::offsets::Offsets;
 use crate::kernel::{Attn, Kernel, Operand};
 
 /// Query rows of a block.
-const BM: usize = 64;
+pub(super) const BM: usize = 64;
 /// Keys of a block step.
-const BN: usize = 64;
+pub(super) const BN: usize = 64;
 /// Threads of a block.
 const THREADS: usize = 256;
 /// Words a row of the transposed `q` and `p` tiles (`BM` + 4: aligned, fewer conflicts).
@@ -48,7 +48,7 @@ const K_STRIDE: usize = BN + 1;
 
 /// The element offset of an operand's batch index (registers `bidx`, one per batch axis)
 /// plus its base, in a u64 register.
-fn batch_offset(px: &mut Px, o: &Operand, bidx: &[String]) -> String {
+pub(super) fn batch_offset(px: &mut Px, o: &Operand, bidx: &[String]) -> String {
     let mut r = px.imm64(o.base);
     for (v, &s) in bidx.iter().zip(&o.batch_strides) {
         let n = px.fresh("rd");
@@ -60,7 +60,14 @@ fn batch_offset(px: &mut Px, o: &Operand, bidx: &[String]) -> String {
 
 /// Byte address of `buf` + size × (`off` + `row` × rs + `col` × cs) for `o`'s element
 /// size (4, or 2 for a 16-bit operand read widened); `row`, `col` u32.
-fn element(px: &mut Px, buf: &str, off: &str, o: &Operand, row: &str, col: Option<&str>) -> String {
+pub(super) fn element(
+    px: &mut Px,
+    buf: &str,
+    off: &str,
+    o: &Operand,
+    row: &str,
+    col: Option<&str>,
+) -> String {
     let r64 = px.fresh("rd");
     px.line(format!("cvt.u64.u32 {r64}, {row};"));
     let mut e = px.fresh("rd");
@@ -222,6 +229,63 @@ fn row_reduce(px: &mut Px, op: &str, x: &str) -> String {
     v
 }
 
+/// Block `(bx, by)`'s first query row (u32; heaviest row tiles first: block x takes row
+/// tile `row_tiles - 1 - x` of `BM` = 64 rows) and its batch coordinates (u64 registers,
+/// grid y row-major over `batch`).
+pub(super) fn tile_origin(
+    px: &mut Px,
+    at: &Attn,
+    bx: &str,
+    by: &str,
+    row_tiles: usize,
+) -> (String, Vec<String>) {
+    let tile = px.fresh("r");
+    px.line(format!("sub.u32 {tile}, {}, {bx};", row_tiles - 1));
+    let row0 = px.fresh("r");
+    px.line(format!("mul.lo.u32 {row0}, {tile}, {BM};"));
+    let mut bidx = vec![String::new(); at.batch.len()];
+    let mut rest = px.fresh("rd");
+    px.line(format!("cvt.u64.u32 {rest}, {by};"));
+    for i in (0..at.batch.len()).rev() {
+        let v = px.fresh("rd");
+        if i == 0 {
+            px.line(format!("mov.u64 {v}, {rest};"));
+        } else {
+            px.line(format!("rem.u64 {v}, {rest}, {};", at.batch[i]));
+            let q = px.fresh("rd");
+            px.line(format!("div.u64 {q}, {rest}, {};", at.batch[i]));
+            rest = q;
+        }
+        bidx[i] = v;
+    }
+    (row0, bidx)
+}
+
+/// How many key blocks of `BN` = 64 the row tile from `row0` reads (u32): all, or (causal)
+/// those up to its last row's diagonal `j <= i + S - T`.
+pub(super) fn key_blocks(px: &mut Px, at: &Attn, row0: &str) -> String {
+    let (t, s) = (at.t, at.s);
+    let nblk = px.fresh("r");
+    if at.causal {
+        // Keys below `min(row0 + 64 + S - T, S)`, at least 0.
+        let hi = px.fresh("r");
+        let shift = s as i64 - t as i64 + BM as i64;
+        px.line(format!("cvt.s32.u32 {hi}, {row0};"));
+        let hs = px.fresh("r");
+        px.line(format!("add.s32 {hs}, {hi}, {shift};"));
+        let c = px.fresh("r");
+        px.line(format!("max.s32 {c}, {hs}, 0;"));
+        let c2 = px.fresh("r");
+        px.line(format!("min.s32 {c2}, {c}, {s};"));
+        let c3 = px.fresh("r");
+        px.line(format!("add.u32 {c3}, {c2}, {};", BN - 1));
+        px.line(format!("div.u32 {nblk}, {c3}, {BN};"));
+    } else {
+        px.line(format!("mov.u32 {nblk}, {};", s.div_ceil(BN)));
+    }
+    nblk
+}
+
 /// The attention kernel's PTX and launch shape.
 pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, LaunchShape)> {
     let mut px = Px::new(k, offsets, Vec::new(), Vec::new());
@@ -267,27 +331,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
     let (tx, ty) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {tx}, {tid}, 15;"));
     px.line(format!("shr.u32 {ty}, {tid}, 4;"));
-    // Heaviest row tiles first: block x takes row tile `row_tiles - 1 - x`.
-    let tile = px.fresh("r");
-    px.line(format!("sub.u32 {tile}, {}, {bx};", row_tiles - 1));
-    let row0 = px.fresh("r");
-    px.line(format!("mul.lo.u32 {row0}, {tile}, {BM};"));
-    // Batch coordinates of grid y (row-major over `batch`).
-    let mut bidx = vec![String::new(); at.batch.len()];
-    let mut rest = px.fresh("rd");
-    px.line(format!("cvt.u64.u32 {rest}, {by};"));
-    for i in (0..at.batch.len()).rev() {
-        let v = px.fresh("rd");
-        if i == 0 {
-            px.line(format!("mov.u64 {v}, {rest};"));
-        } else {
-            px.line(format!("rem.u64 {v}, {rest}, {};", at.batch[i]));
-            let q = px.fresh("rd");
-            px.line(format!("div.u64 {q}, {rest}, {};", at.batch[i]));
-            rest = q;
-        }
-        bidx[i] = v;
-    }
+    let (row0, bidx) = tile_origin(&mut px, at, &bx, &by, row_tiles);
     let qbuf = operand_buffer(&mut px, at.q.buf)?.0;
     let qoff = batch_offset(&mut px, &at.q, &bidx);
     let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
@@ -327,26 +371,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
             acc[a][b] = r;
         }
     }
-    // Key blocks: all, or (causal) up to the last row's diagonal `j <= i + S - T`.
-    let key_blocks = s.div_ceil(BN);
-    let nblk = px.fresh("r");
-    if at.causal {
-        // Keys below `min(row0 + 64 + S - T, S)`, at least 0.
-        let hi = px.fresh("r");
-        let shift = s as i64 - t as i64 + BM as i64;
-        px.line(format!("cvt.s32.u32 {hi}, {row0};"));
-        let hs = px.fresh("r");
-        px.line(format!("add.s32 {hs}, {hi}, {shift};"));
-        let c = px.fresh("r");
-        px.line(format!("max.s32 {c}, {hs}, 0;"));
-        let c2 = px.fresh("r");
-        px.line(format!("min.s32 {c2}, {c}, {s};"));
-        let c3 = px.fresh("r");
-        px.line(format!("add.u32 {c3}, {c2}, {};", BN - 1));
-        px.line(format!("div.u32 {nblk}, {c3}, {BN};"));
-    } else {
-        px.line(format!("mov.u32 {nblk}, {key_blocks};"));
-    }
+    let nblk = key_blocks(&mut px, at, &row0);
     let kb = px.fresh("r");
     px.line(format!("mov.u32 {kb}, 0;"));
     let head = px.label("akeys");

@@ -82,7 +82,7 @@ impl MmaKind {
         MMA_A_BYTES + self.bk() * self.b_row()
     }
 
-    fn instr(self) -> &'static str {
+    pub(super) fn instr(self) -> &'static str {
         match self {
             MmaKind::F16 => "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
             MmaKind::Bf16 => "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",

@@ -72,9 +72,11 @@
 //! | `tile.rs` | what every block-tiled matmul starts from: block prologue, tile origin, thread layouts |
 //! | `staging.rs` | operand staging: A and B tiles from global to shared memory |
 //! | `epilogue.rs` | the fused epilogue of every matmul |
-//! | `attention.rs` | fused attention |
+//! | `attention.rs` | fused attention, exact f32 (FFMA) |
+//! | `attention_mma.rs` | fused attention on tensor cores, for 16-bit `q`, `k`, `v` |
 
 mod attention;
+mod attention_mma;
 mod epilogue;
 mod expr;
 mod math;
@@ -190,6 +192,9 @@ pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
 
 fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, LaunchShape)> {
     if let Some(at) = &k.attention {
+        if let Some(kind) = attention_mma::plan(at, offsets) {
+            return attention_mma::emit(k, at, kind, offsets);
+        }
         return attention::emit(k, at, offsets);
     }
     if let Some(mm) = &k.matmul {
