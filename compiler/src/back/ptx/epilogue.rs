@@ -81,7 +81,7 @@ pub(super) fn store_point(
 /// The kernel's stores at `VEC` consecutive output elements of one row (the coordinates
 /// `ats`, the accumulators `accs`), as one vector store each: every lane's values are
 /// computed in a cache scope of its own, then each store writes them at lane 0's address.
-fn store_vector(
+pub(super) fn store_vector(
     px: &mut Px,
     mm: &Matmul,
     ats: &[Vec<String>],
