@@ -32,12 +32,12 @@ use super::epilogue::{
 use super::mma::MmaKind;
 use super::px::Px;
 use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
-use super::vector::VEC;
+use super::vector::{vector_access, VEC};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
 use super::{LaunchShape, Res};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{ExprId, Kernel, Matmul, Operand};
+use crate::kernel::{ExprId, Kernel, Matmul, Operand, Var, E};
 
 /// Rows of the block tile of one warpgroup.
 const WG_ROWS: usize = 64;
@@ -533,6 +533,8 @@ fn vector_epilogue(
     let (m, n, bn) = (mm.m, mm.n, plan.bn);
     let threads = plan.threads();
     let nb = mm.batch.len();
+    // The column's variable (one row and one column variable, as the vector stores ask).
+    let col = (nb + 1) as Var;
     let e = px.fresh("r");
     px.line(format!("mov.u32 {e}, {t};"));
     let top = px.label("wg_epi");
@@ -562,19 +564,42 @@ fn vector_epilogue(
             .collect();
         let skip = px.label("wg_pre_skip");
         px.line(format!("@!{ok} bra {skip};"));
-        let mut loaded: Vec<Vec<(ExprId, String)>> = vec![Vec::new(); VEC];
+        // Each load's registers by lane: a vector load at lane 0's point where the load
+        // moves along the columns in whole aligned vectors, lane 0's register where it
+        // does not move with them, else a load at each lane's point.
+        let mut by_lane: Vec<Vec<Option<String>>> = vec![vec![None; loads.len()]; VEC];
         for (lane, at) in ats.iter().enumerate() {
             px.journal.push(Vec::new());
             px.bind_point(nb, at);
             for (i, &(l, cols)) in loads.iter().enumerate() {
-                let reg = if cols || lane == 0 {
-                    px.emit(l)?
-                } else {
-                    loaded[0][i].1.clone()
-                };
-                loaded[lane].push((l, reg));
+                if by_lane[lane][i].is_some() {
+                    continue;
+                }
+                if lane > 0 && !cols {
+                    by_lane[lane][i] = by_lane[0][i].clone();
+                    continue;
+                }
+                match px.k.pool.get(l) {
+                    &E::Load { buf, dtype, index }
+                        if lane == 0 && vector_access(px.k, px.offsets, buf, dtype, index, col) =>
+                    {
+                        let idx = px.emit(index)?;
+                        let addr = px.address(buf, dtype, &idx)?;
+                        for (x, r) in px.vector_load(&addr, dtype).into_iter().enumerate() {
+                            by_lane[x][i] = Some(r);
+                        }
+                    }
+                    _ => by_lane[lane][i] = Some(px.emit(l)?),
+                }
             }
             px.pop_scope();
+        }
+        let mut loaded: Vec<Vec<(ExprId, String)>> = vec![Vec::new(); VEC];
+        for (lane, regs) in by_lane.into_iter().enumerate() {
+            for (&(l, _), r) in loads.iter().zip(regs) {
+                let r = r.ok_or_else(|| px.unsupported("an epilogue load left unissued"))?;
+                loaded[lane].push((l, r));
+            }
         }
         px.body.push_str(&format!("{skip}:\n"));
         points.push((r, c, ok, ats, loaded));
