@@ -549,6 +549,35 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     assert!(p.contains("m64n256k16"), "{p}");
     assert_eq!(l.grid, [1, 1, 132]);
+    // The epilogue walks the f32 tile 4 columns a thread: one `ld.shared.v4` and one
+    // vector store a group; a load along the columns is one vector load a group, a load
+    // along the rows one a group.
+    let (p, _) = wg(
+        " input a: bf16[512, 256]
+ input b: bf16[256, 512]
+ input h: f32[512, 512]
+ input r: f32[512, 1]",
+        "cast(tanh(cast(a @ b, f32) * h + r), bf16)",
+    );
+    assert!(p.contains("wgmma.mma_async"), "{p}");
+    let count = |p: &str, i: &str| p.matches(i).count();
+    assert!(count(&p, "ld.shared.v4.f32") > 0, "{p}");
+    assert_eq!(
+        count(&p, "ld.shared.v4.f32"),
+        count(&p, "ld.global.v4.f32"),
+        "{p}"
+    );
+    assert_eq!(
+        count(&p, "ld.shared.v4.f32"),
+        count(&p, "ld.global.f32"),
+        "{p}"
+    );
+    assert_eq!(
+        count(&p, "ld.shared.v4.f32"),
+        count(&p, "st.global.v4.b16"),
+        "{p}"
+    );
+    assert!(!p.contains("ld.shared.f32"), "{p}");
     // Small or unaligned ones keep mma.sync on sm_90.
     let (p, l) = wg(
         " input a: bf16[512, 255]\n input b: bf16[255, 512]",
