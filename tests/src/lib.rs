@@ -1389,3 +1389,17 @@ pub fn assert_micro_equals_whole(
         r.outputs
     );
 }
+
+/// Fused attention over 16-bit queries, keys and values (`back::ptx::attention_mma`): 70
+/// queries against 90 keys, head dimension `d`, value width `e`.
+pub fn tensor_core_attention(dtype: &str, d: usize, e: usize, causal: bool) -> String {
+    format!(
+        "model m {{
+            input q: {dtype}[2, 3, 70, {d}]
+            input k: {dtype}[2, 3, 90, {d}]
+            input v: {dtype}[2, 3, 90, {e}]
+            let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
+            output out
+        }}"
+    )
+}

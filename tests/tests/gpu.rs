@@ -320,15 +320,7 @@ fn gpu_tensor_core_attention_agrees() {
     for (dtype, tol) in [("bf16", 1e-2), ("f16", 2e-3)] {
         for (d, e) in [(64, 32), (128, 128), (16, 16)] {
             for causal in [true, false] {
-                let src = format!(
-                    "model m {{
-                        input q: {dtype}[2, 3, 70, {d}]
-                        input k: {dtype}[2, 3, 90, {d}]
-                        input v: {dtype}[2, 3, 90, {e}]
-                        let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
-                        output out
-                    }}"
-                );
+                let src = tcc_tests::tensor_core_attention(dtype, d, e, causal);
                 let what = format!("{dtype} attention d={d} e={e} causal={causal}");
                 agree(&src, &Options::default(), &what, 1, tol);
             }

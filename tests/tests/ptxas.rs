@@ -8,22 +8,9 @@ use tcc::front::Options;
 use tcc::kernel::fuse::FuseOptions;
 use tcc_tests::{
     assemble_ptx, builtin_program, compile_pipeline, gpu_path_cases, integer_program,
-    options_from_args, ptxas, root, tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    options_from_args, ptxas, root, tdsl_files, tensor_core_attention, BUILTIN_CASES,
+    INTEGER_CASES,
 };
-
-/// Fused attention over 16-bit queries, keys and values (`back::ptx::attention_mma`): 70
-/// queries against 90 keys, head dimension `d`, value width `e`.
-fn tensor_core_attention(dtype: &str, d: usize, e: usize, causal: bool) -> String {
-    format!(
-        "model m {{
-            input q: {dtype}[2, 3, 70, {d}]
-            input k: {dtype}[2, 3, 90, {d}]
-            input v: {dtype}[2, 3, 90, {e}]
-            let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
-            output out
-        }}"
-    )
-}
 
 fn programs() -> Vec<(String, String, Options)> {
     let mut v = Vec::new();

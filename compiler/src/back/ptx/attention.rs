@@ -286,6 +286,46 @@ pub(super) fn key_blocks(px: &mut Px, at: &Attn, row0: &str) -> String {
     nblk
 }
 
+/// The grid of an attention kernel: x one block a row tile of `BM` queries, y one a batch
+/// index; and the row tiles. Its results are f32 (mixed precision computes attention in
+/// f32).
+pub(super) fn attention_grid(k: &Kernel, at: &Attn) -> Res<(usize, [u32; 3])> {
+    let unsupported = |m: &str| PtxError::Unsupported {
+        kernel: k.name.clone(),
+        message: m.to_string(),
+    };
+    if [&at.o, &at.lse]
+        .iter()
+        .any(|o| o.as_ref().is_some_and(|o| o.dtype != crate::ir::DType::F32))
+    {
+        return Err(unsupported("attention results other than f32"));
+    }
+    let nb: usize = at.batch.iter().product();
+    let row_tiles = at.t.div_ceil(BM);
+    let grid_y = u32::try_from(nb).map_err(|_| unsupported("too many attention batches"))?;
+    if grid_y > 65535 {
+        return Err(unsupported("more than 65535 attention batches"));
+    }
+    let grid_x =
+        u32::try_from(row_tiles).map_err(|_| unsupported("too many attention row tiles"))?;
+    Ok((row_tiles, [grid_x, grid_y, 1]))
+}
+
+/// Operand `o` (when there is one) with its buffer's address and its batch index's offset
+/// (registers).
+pub(super) fn operand_at<'a>(
+    px: &mut Px,
+    o: Option<&'a Operand>,
+    bidx: &[String],
+) -> Res<Option<(&'a Operand, String, String)>> {
+    let Some(o) = o else {
+        return Ok(None);
+    };
+    let buf = operand_buffer(px, o.buf)?.0;
+    let off = batch_offset(px, o, bidx);
+    Ok(Some((o, buf, off)))
+}
+
 /// The attention kernel's PTX and launch shape.
 pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, LaunchShape)> {
     let mut px = Px::new(k, offsets, Vec::new(), Vec::new());
@@ -300,19 +340,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
             "attention head dimensions outside the kernel's",
         ));
     }
-    // Results are stored as f32 (mixed precision computes attention in f32).
-    if [&at.o, &at.lse]
-        .iter()
-        .any(|o| o.as_ref().is_some_and(|o| o.dtype != crate::ir::DType::F32))
-    {
-        return Err(unsupported("attention results other than f32"));
-    }
-    let nb: usize = at.batch.iter().product();
-    let row_tiles = t.div_ceil(BM);
-    let grid_y = u32::try_from(nb).map_err(|_| unsupported("too many attention batches"))?;
-    if grid_y > 65535 {
-        return Err(unsupported("more than 65535 attention batches"));
-    }
+    let (row_tiles, grid) = attention_grid(k, at)?;
     // Shared layout (bytes): q [D][68], k [D][65], v [64][E], p [64][68]. The padding
     // spreads the transposing stores over the banks (a row of 64 words puts a warp's 32
     // stores in one bank: the scores ran 2× slower); rows of q and p stay 16-byte aligned
@@ -336,14 +364,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
     let qoff = batch_offset(&mut px, &at.q, &bidx);
     let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
     let koff = batch_offset(&mut px, &at.k, &bidx);
-    let vparts = match &at.v {
-        Some(v) => {
-            let b = operand_buffer(&mut px, v.buf)?.0;
-            let o = batch_offset(&mut px, v, &bidx);
-            Some((v, b, o))
-        }
-        None => None,
-    };
+    let vparts = operand_at(&mut px, at.v.as_ref(), &bidx)?;
     let sq = px.fresh("r");
     px.line(format!("mov.u32 {sq}, {DYN_SHARED};"));
     let (sk, sv, sp) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
@@ -546,22 +567,8 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
     px.line(format!("bra.uni {head};"));
     px.body.push_str(&format!("{exit}:\n"));
     // Rows 4ty + a: o / l to the output, m + log(l) to the statistics.
-    let obuf = match &at.o {
-        Some(o) => Some((
-            o,
-            operand_buffer(&mut px, o.buf)?.0,
-            batch_offset(&mut px, o, &bidx),
-        )),
-        None => None,
-    };
-    let lbuf = match &at.lse {
-        Some(o) => Some((
-            o,
-            operand_buffer(&mut px, o.buf)?.0,
-            batch_offset(&mut px, o, &bidx),
-        )),
-        None => None,
-    };
+    let obuf = operand_at(&mut px, at.o.as_ref(), &bidx)?;
+    let lbuf = operand_at(&mut px, at.lse.as_ref(), &bidx)?;
     let first_lane = px.fresh("p");
     px.line(format!("setp.eq.u32 {first_lane}, {tx}, 0;"));
     for a in 0..4 {
@@ -599,7 +606,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
     }
     px.line("ret;");
     let launch = LaunchShape {
-        grid: [row_tiles as u32, grid_y, 1],
+        grid,
         block: [THREADS as u32, 1, 1],
         shared_bytes: shared as u32,
         scratch_bytes: 0,

@@ -23,7 +23,9 @@
 // Fragments are emitted by (tile, register) as the comments index them.
 #![allow(clippy::needless_range_loop)]
 
-use super::attention::{batch_offset, element, key_blocks, tile_origin, BM, BN};
+use super::attention::{
+    attention_grid, batch_offset, element, key_blocks, operand_at, tile_origin, BM, BN,
+};
 use super::mma::MmaKind;
 use super::px::{f32_lit, Px};
 use super::staging::chunk_copy;
@@ -131,23 +133,9 @@ pub(super) fn emit(
     offsets: &Offsets,
 ) -> Res<(String, LaunchShape)> {
     let mut px = Px::new(k, offsets, Vec::new(), Vec::new());
-    let unsupported = |m: &str| px_unsupported(k, m);
     let (t, s, d) = (at.t, at.s, at.d);
     let e = if at.v.is_some() { at.e } else { 0 };
-    if [&at.o, &at.lse]
-        .iter()
-        .any(|o| o.as_ref().is_some_and(|o| o.dtype != DType::F32))
-    {
-        return Err(unsupported("attention results other than f32"));
-    }
-    let nb: usize = at.batch.iter().product();
-    let row_tiles = t.div_ceil(BM);
-    let grid_y = u32::try_from(nb).map_err(|_| unsupported("too many attention batches"))?;
-    if grid_y > 65535 {
-        return Err(unsupported("more than 65535 attention batches"));
-    }
-    let row_tiles32 =
-        u32::try_from(row_tiles).map_err(|_| unsupported("too many attention row tiles"))?;
+    let (row_tiles, grid) = attention_grid(k, at)?;
     // Shared layout (bytes): q [64][d + 8]; then two stages of k [64][d + 8], v [64][e + 8].
     let (q_row, k_row, v_row) = ((d + PAD) * 2, (d + PAD) * 2, (e + PAD) * 2);
     let q_bytes = BM * q_row;
@@ -171,14 +159,7 @@ pub(super) fn emit(
     let qoff = batch_offset(&mut px, &at.q, &bidx);
     let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
     let koff = batch_offset(&mut px, &at.k, &bidx);
-    let vparts = match &at.v {
-        Some(v) => {
-            let b = operand_buffer(&mut px, v.buf)?.0;
-            let o = batch_offset(&mut px, v, &bidx);
-            Some((v, b, o))
-        }
-        None => None,
-    };
+    let vparts = operand_at(&mut px, at.v.as_ref(), &bidx)?;
     let sq = px.fresh("r");
     px.line(format!("mov.u32 {sq}, {DYN_SHARED};"));
     let s0 = px.fresh("r");
@@ -273,17 +254,7 @@ pub(super) fn emit(
         m.push(mr);
         l.push(lr);
     }
-    let acc: Vec<Vec<String>> = (0..e / 8)
-        .map(|_| {
-            (0..4)
-                .map(|_| {
-                    let r = px.fresh("f");
-                    px.line(format!("mov.f32 {r}, 0f00000000;"));
-                    r
-                })
-                .collect()
-        })
-        .collect();
+    let acc = zeroed_tiles(&mut px, e / 8);
     let qf: Vec<Vec<String>> = (0..d / 16)
         .map(|_| (0..4).map(|_| px.fresh("r")).collect())
         .collect();
@@ -332,17 +303,7 @@ pub(super) fn emit(
     px.line(format!("add.u32 {vst}, {st}, {va};"));
 
     // Scores: sc[n-tile j][2h + c] is row i0 + 8h, key col0 + 8j + 2 q4 + c.
-    let sc: Vec<Vec<String>> = (0..BN / 8)
-        .map(|_| {
-            (0..4)
-                .map(|_| {
-                    let r = px.fresh("f");
-                    px.line(format!("mov.f32 {r}, 0f00000000;"));
-                    r
-                })
-                .collect()
-        })
-        .collect();
+    let sc = zeroed_tiles(&mut px, BN / 8);
     for kd in 0..d / 16 {
         for p in 0..BN / 16 {
             let b = ldmatrix(&mut px, &kst, p * 16 * k_row + kd * 32, false);
@@ -480,22 +441,8 @@ pub(super) fn emit(
             px.line(format!("add.f32 {0}, {0}, {o};", l[h]));
         }
     }
-    let obuf = match &at.o {
-        Some(o) => Some((
-            o,
-            operand_buffer(&mut px, o.buf)?.0,
-            batch_offset(&mut px, o, &bidx),
-        )),
-        None => None,
-    };
-    let lbuf = match &at.lse {
-        Some(o) => Some((
-            o,
-            operand_buffer(&mut px, o.buf)?.0,
-            batch_offset(&mut px, o, &bidx),
-        )),
-        None => None,
-    };
+    let obuf = operand_at(&mut px, at.o.as_ref(), &bidx)?;
+    let lbuf = operand_at(&mut px, at.lse.as_ref(), &bidx)?;
     let first_lane = px.fresh("p");
     px.line(format!("setp.eq.u32 {first_lane}, {q4}, 0;"));
     for h in 0..2 {
@@ -535,7 +482,7 @@ pub(super) fn emit(
     }
     px.line("ret;");
     let launch = LaunchShape {
-        grid: [row_tiles32, grid_y, 1],
+        grid,
         block: [THREADS as u32, 1, 1],
         shared_bytes: shared as u32,
         scratch_bytes: 0,
@@ -543,9 +490,17 @@ pub(super) fn emit(
     Ok((px.finish(""), launch))
 }
 
-fn px_unsupported(k: &Kernel, m: &str) -> super::PtxError {
-    super::PtxError::Unsupported {
-        kernel: k.name.clone(),
-        message: m.to_string(),
-    }
+/// `tiles` accumulators of an `m16n8` tile (4 f32 registers each), set to 0.
+fn zeroed_tiles(px: &mut Px, tiles: usize) -> Vec<Vec<String>> {
+    (0..tiles)
+        .map(|_| {
+            (0..4)
+                .map(|_| {
+                    let r = px.fresh("f");
+                    px.line(format!("mov.f32 {r}, 0f00000000;"));
+                    r
+                })
+                .collect()
+        })
+        .collect()
 }

@@ -32,8 +32,8 @@ use super::epilogue::{
 use super::mma::MmaKind;
 use super::px::Px;
 use super::staging::{chunk_copy, next_stage, stage_chunk, stage_k0, ChunkSlot};
-use super::vector::{vector_access, VEC};
 use super::tile::{warp_tile, TileOrigin, WarpTile};
+use super::vector::{vector_access, VEC};
 use super::{LaunchShape, Res};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
@@ -477,9 +477,7 @@ pub(super) fn emit(
         let skip = px.label("wg_epi_skip");
         let TilePoint { r, c, gr, gc, ok } = tile_point(&mut px, &eu, bn, (&row0, &col0), (m, n));
         px.line(format!("@!{ok} bra {skip};"));
-        let at = px.fresh("r");
-        px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
-        px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+        let at = tile_address(&mut px, (&r, &c), rs, &sbase);
         let v = px.fresh("f");
         px.line(format!("ld.shared.f32 {v}, [{at}];"));
         let mut coords = split_index(&mut px, &gr, &mm.rows);
@@ -487,12 +485,7 @@ pub(super) fn emit(
         store_point(&mut px, mm, &coords, v, &[])?;
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line(format!("add.u32 {e}, {e}, {};", EPI_UNROLL * threads));
-    let more = px.fresh("p");
-    px.line(format!("setp.lt.u32 {more}, {e}, {};", a.tile * bn));
-    px.line(format!("@{more} bra.uni {top};"));
-    px.line("ret;");
-    Ok((px.finish(""), shape))
+    close_epilogue(px, (&e, &top), EPI_UNROLL * threads, a.tile * bn, shape)
 }
 
 /// Groups of [`VEC`] columns a thread takes an iteration of the vector epilogue, where it
@@ -507,7 +500,10 @@ fn vector_unroll(
     rs: usize,
     loads: &[(ExprId, bool)],
 ) -> Option<usize> {
-    let per_group: usize = loads.iter().map(|&(_, cols)| if cols { VEC } else { 1 }).sum();
+    let per_group: usize = loads
+        .iter()
+        .map(|&(_, cols)| if cols { VEC } else { 1 })
+        .sum();
     let unroll = prev_power_of_two(EPILOGUE_PREFETCH_REGS / per_group.max(1)).clamp(1, EPI_UNROLL);
     let groups = plan.a.tile * plan.bn / VEC;
     let fits = plan.bn.is_multiple_of(VEC)
@@ -544,9 +540,11 @@ fn vector_epilogue(
         // Group `e + u·threads`: its first element `4·group` of the row-major tile.
         let first = px.fresh("r");
         px.line(format!("add.u32 {first}, {e}, {};", u * threads));
-        px.line(format!("shl.b32 {first}, {first}, {};", VEC.trailing_zeros()));
-        let TilePoint { r, c, gr, gc, ok } =
-            tile_point(&mut px, &first, bn, (row0, col0), (m, n));
+        px.line(format!(
+            "shl.b32 {first}, {first}, {};",
+            VEC.trailing_zeros()
+        ));
+        let TilePoint { r, c, gr, gc, ok } = tile_point(&mut px, &first, bn, (row0, col0), (m, n));
         let row_at = split_index(&mut px, &gr, &mm.rows);
         let ats: Vec<Vec<String>> = (0..VEC)
             .map(|lane| {
@@ -607,20 +605,37 @@ fn vector_epilogue(
     for (r, c, ok, ats, loaded) in &points {
         let skip = px.label("wg_epi_skip");
         px.line(format!("@!{ok} bra {skip};"));
-        let at = px.fresh("r");
-        px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
-        px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+        let at = tile_address(&mut px, (r, c), rs, sbase);
         let v: Vec<String> = (0..VEC).map(|_| px.fresh("f")).collect();
         px.line(format!("ld.shared.v4.f32 {{{}}}, [{at}];", v.join(", ")));
         store_vector(&mut px, mm, ats, &v, loaded)?;
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line(format!("add.u32 {e}, {e}, {};", unroll * threads));
+    let groups = plan.a.tile * bn / VEC;
+    close_epilogue(px, (&e, &top), unroll * threads, groups, shape)
+}
+
+/// The shared address of the epilogue's f32 tile at row `r`, column `c` (rows of `rs`
+/// floats from `sbase`).
+fn tile_address(px: &mut Px, (r, c): (&str, &str), rs: usize, sbase: &str) -> String {
+    let at = px.fresh("r");
+    px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
+    px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+    at
+}
+
+/// The end of an epilogue's walk: counter `e` moves on by `step` and the walk goes back to
+/// `top` while below `end`; then the entry returns.
+fn close_epilogue(
+    mut px: Px,
+    (e, top): (&str, &str),
+    step: usize,
+    end: usize,
+    shape: LaunchShape,
+) -> Res<(String, LaunchShape)> {
+    px.line(format!("add.u32 {e}, {e}, {step};"));
     let more = px.fresh("p");
-    px.line(format!(
-        "setp.lt.u32 {more}, {e}, {};",
-        plan.a.tile * bn / VEC
-    ));
+    px.line(format!("setp.lt.u32 {more}, {e}, {end};"));
     px.line(format!("@{more} bra.uni {top};"));
     px.line("ret;");
     Ok((px.finish(""), shape))
@@ -716,18 +731,11 @@ fn prefetching_epilogue(
     for (r, c, ok, coords, regs) in &points {
         let skip = px.label("wg_epi_skip");
         px.line(format!("@!{ok} bra {skip};"));
-        let at = px.fresh("r");
-        px.line(format!("mad.lo.u32 {at}, {r}, {rs}, {c};"));
-        px.line(format!("mad.lo.u32 {at}, {at}, 4, {sbase};"));
+        let at = tile_address(&mut px, (r, c), rs, sbase);
         let v = px.fresh("f");
         px.line(format!("ld.shared.f32 {v}, [{at}];"));
         store_point(&mut px, mm, coords, v, regs)?;
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line(format!("add.u32 {e}, {e}, {};", unroll * threads));
-    let more = px.fresh("p");
-    px.line(format!("setp.lt.u32 {more}, {e}, {};", plan.a.tile * bn));
-    px.line(format!("@{more} bra.uni {top};"));
-    px.line("ret;");
-    Ok((px.finish(""), shape))
+    close_epilogue(px, (&e, &top), unroll * threads, plan.a.tile * bn, shape)
 }
