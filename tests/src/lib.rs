@@ -1390,14 +1390,19 @@ pub fn assert_micro_equals_whole(
     );
 }
 
-/// Fused attention over 16-bit queries, keys and values (`back::ptx::attention_mma`): 70
-/// queries against 90 keys, head dimension `d`, value width `e`.
-pub fn tensor_core_attention(dtype: &str, d: usize, e: usize, causal: bool) -> String {
+/// Fused attention over 16-bit queries, keys and values (`back::ptx::attention_mma`): `t`
+/// queries against `s` keys (2 × 3 heads), head dimension `d`, value width `e`.
+pub fn tensor_core_attention(
+    dtype: &str,
+    (t, s): (usize, usize),
+    (d, e): (usize, usize),
+    causal: bool,
+) -> String {
     format!(
         "model m {{
-            input q: {dtype}[2, 3, 70, {d}]
-            input k: {dtype}[2, 3, 90, {d}]
-            input v: {dtype}[2, 3, 90, {e}]
+            input q: {dtype}[2, 3, {t}, {d}]
+            input k: {dtype}[2, 3, {s}, {d}]
+            input v: {dtype}[2, 3, {s}, {e}]
             let out = attention(cast(q, f32), cast(k, f32), cast(v, f32), causal: {causal})
             output out
         }}"

@@ -306,9 +306,9 @@ fn gpu_attention_gradients_agree_under_mixed_precision() {
 
 /// The tensor-core attention kernel (`back::ptx::attention_mma`, 16-bit queries, keys and
 /// values): ragged tiles (70 queries against 90 keys; causal, the diagonal shifted by 20),
-/// head dimensions 64, 128 and 16, value widths other than the head's. Its output against
-/// the interpreter on the same 16-bit inputs (the probabilities are rounded to 16 bits
-/// before `p v`), then a trained step under `--amp` whose attention reads 16-bit
+/// head dimensions 16, 32, 64 and 128, value widths other than the head's; more queries
+/// than keys. Its output against the interpreter on the same 16-bit inputs (the
+/// probabilities are rounded to 16 bits before `p v`), then a trained step under `--amp` whose attention reads 16-bit
 /// projections (scores spread over several units, as a trained model's are) and whose
 /// gradients use the kernel's row statistics. The loss is a sum of squares: a sum of
 /// signed terms can cancel, and a bound relative to it then measures nothing.
@@ -318,13 +318,23 @@ fn gpu_tensor_core_attention_agrees() {
         return;
     }
     for (dtype, tol) in [("bf16", 1e-2), ("f16", 2e-3)] {
-        for (d, e) in [(64, 32), (128, 128), (16, 16)] {
+        for (d, e) in [(64, 32), (128, 128), (16, 16), (32, 64)] {
             for causal in [true, false] {
-                let src = tcc_tests::tensor_core_attention(dtype, d, e, causal);
+                let src = tcc_tests::tensor_core_attention(dtype, (70, 90), (d, e), causal);
                 let what = format!("{dtype} attention d={d} e={e} causal={causal}");
                 agree(&src, &Options::default(), &what, 1, tol);
             }
         }
+        // More queries than keys, causal: the first 20 rows see no key (NaN, as the
+        // composite gives) and the first row tile reads no key block.
+        let src = tcc_tests::tensor_core_attention(dtype, (90, 70), (64, 64), true);
+        agree(
+            &src,
+            &Options::default(),
+            "attention, 90 queries on 70 keys",
+            1,
+            tol,
+        );
     }
     for causal in [true, false] {
         let src = format!(

@@ -51,7 +51,7 @@ fn programs() -> Vec<(String, String, Options)> {
     for d in ["f16", "bf16"] {
         v.push((
             format!("{d} tensor-core attention"),
-            tensor_core_attention(d, 64, 32, true),
+            tensor_core_attention(d, (70, 90), (64, 32), true),
             Options::default(),
         ));
         v.push((
@@ -339,24 +339,27 @@ fn ptx_paths_are_chosen_where_they_apply() {
     // block against 64 keys a step: `q kᵀ` takes d/16 × 8 products a warp, `p v` 4 × e/8),
     // f32 and ragged or unaligned operands the exact one.
     for (dtype, d, e) in [("bf16", 64, 32), ("f16", 128, 128), ("bf16", 16, 16)] {
-        let tc = build(
-            &tensor_core_attention(dtype, d, e, false),
-            Target::Cuda,
-            false,
-        );
+        let src = tensor_core_attention(dtype, (70, 90), (d, e), false);
+        let tc = build(&src, Target::Cuda, false);
         assert_eq!(tc.fused.kernels.len(), 1);
         let mma = format!("mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32");
         assert_eq!(tc.code.matches(&mma).count(), d / 16 * 8 + 4 * e / 8);
         assert!(!tc.code.contains("ld.global.b16"), "{}", tc.code);
     }
     let exact = build(
-        &tensor_core_attention("f32", 64, 32, true).replace("cast(q, f32)", "q"),
+        &tensor_core_attention("f32", (70, 90), (64, 32), true).replace("cast(q, f32)", "q"),
         Target::Cuda,
         false,
     );
     assert!(!exact.code.contains("mma.sync"), "{}", exact.code);
+    // A head dimension of 96 (12 chunks a row, which 128 threads do not copy in whole
+    // rows a pass) keeps the exact kernel.
+    let wide = tensor_core_attention("bf16", (70, 90), (96, 96), true);
+    let wide = build(&wide, Target::Cuda, false);
+    assert_eq!(wide.fused.kernels.len(), 1);
+    assert!(!wide.code.contains("mma.sync"), "{}", wide.code);
     // Queries read transposed (not contiguous along the head dimension).
-    let strided = tensor_core_attention("bf16", 64, 32, true)
+    let strided = tensor_core_attention("bf16", (70, 90), (64, 32), true)
         .replace("q: bf16[2, 3, 70, 64]", "q: bf16[2, 3, 64, 70]")
         .replace("cast(q, f32)", "cast(transpose(q), f32)");
     let strided = build(&strided, Target::Cuda, false);
@@ -867,4 +870,38 @@ fn sass_artifacts_hold_every_kernel_whatever_the_threads() {
         sass.arch,
         cubins.iter().map(|c| c.len()).sum::<usize>()
     );
+}
+
+/// Under `--amp`, gpt's attention reads its 16-bit projections on tensor cores: each
+/// layer's attention kernel is the `mma.sync` one, rounding `p` to 16 bits in pairs.
+#[test]
+fn mixed_precision_attention_runs_on_tensor_cores() {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let args = "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
+    for a in tcc_tests::amp::policies() {
+        let g = tcc_tests::amp::step(&src, args, a);
+        let opts = CompileOptions {
+            amp: a,
+            ..tcc_tests::device_options(tcc_runtime::Device::Cuda(0), true)
+        };
+        let c = compile(&g, &opts).unwrap();
+        let dtype = a.name();
+        let attention: Vec<&str> = c
+            .code
+            .split("\n// ")
+            .filter(|k| k.lines().next().is_some_and(|l| l.contains("attention %")))
+            .collect();
+        assert_eq!(
+            attention.len(),
+            2,
+            "--amp {dtype}: one attention kernel a layer"
+        );
+        for k in attention {
+            assert!(k.contains(&format!("cvt.rn.{dtype}x2.f32")), "{k}");
+            assert!(
+                k.contains(&format!("m16n8k16.row.col.f32.{dtype}.{dtype}.f32")),
+                "{k}"
+            );
+        }
+    }
 }

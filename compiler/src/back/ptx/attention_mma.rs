@@ -41,7 +41,7 @@ const THREADS: usize = 128;
 const PAD: usize = 8;
 
 /// The tensor-core kind for this attention, or `None` where the exact kernel runs: `q`, `k`
-/// and `v` of one 16-bit dtype, head dimensions multiples of 16 up to 128, a positive
+/// and `v` of one 16-bit dtype, head dimensions 16, 32, 64 or 128, a positive
 /// scale, and every operand's rows whole aligned 16-byte chunks (contiguous along the head
 /// dimension).
 pub(super) fn plan(at: &Attn, offsets: &Offsets) -> Option<MmaKind> {
@@ -50,7 +50,9 @@ pub(super) fn plan(at: &Attn, offsets: &Offsets) -> Option<MmaKind> {
         DType::F16 => MmaKind::F16,
         _ => return None,
     };
-    let dim_ok = |x: usize| x > 0 && x <= 128 && x.is_multiple_of(16);
+    // 16, 32, 64 or 128: a row is 2 to 16 chunks, so the 128 threads copy whole rows a
+    // pass ([`stage_rows`]).
+    let dim_ok = |x: usize| (16..=128).contains(&x) && x.is_power_of_two();
     let aligned = |o: &Operand| {
         o.dtype == at.q.dtype
             && o.gather.is_none()
@@ -68,7 +70,8 @@ pub(super) fn plan(at: &Attn, offsets: &Offsets) -> Option<MmaKind> {
 
 /// Copies rows `row0..row0 + 64` of `o` (`cols` elements each, rows from `limit` on as
 /// zeros) to shared memory from byte `dst`, `row_bytes` a row, in 16-byte `cp.async`
-/// chunks: thread `tid` copies chunk `tid % (cols / 8)` of every `128 / (cols / 8)`-th row.
+/// chunks: thread `tid` copies chunk `tid % (cols / 8)` of every `128 / (cols / 8)`-th row
+/// (`cols / 8` divides 128: [`plan`] takes only powers of two).
 #[allow(clippy::too_many_arguments)]
 fn stage_rows(
     px: &mut Px,
