@@ -326,6 +326,24 @@ pub(super) fn operand_at<'a>(
     Ok(Some((o, buf, off)))
 }
 
+/// The entry's end (`ret`), its text and its launch: `threads` a block over `grid`, with
+/// `shared` bytes of dynamic shared memory.
+pub(super) fn attention_entry(
+    px: &mut Px,
+    grid: [u32; 3],
+    threads: usize,
+    shared: usize,
+) -> (String, LaunchShape) {
+    px.line("ret;");
+    let launch = LaunchShape {
+        grid,
+        block: [threads as u32, 1, 1],
+        shared_bytes: shared as u32,
+        scratch_bytes: 0,
+    };
+    (px.finish(""), launch)
+}
+
 /// The attention kernel's PTX and launch shape.
 pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, LaunchShape)> {
     let mut px = Px::new(k, offsets, Vec::new(), Vec::new());
@@ -604,12 +622,5 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
         }
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line("ret;");
-    let launch = LaunchShape {
-        grid,
-        block: [THREADS as u32, 1, 1],
-        shared_bytes: shared as u32,
-        scratch_bytes: 0,
-    };
-    Ok((px.finish(""), launch))
+    Ok(attention_entry(&mut px, grid, THREADS, shared))
 }

@@ -24,7 +24,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::attention::{
-    attention_grid, batch_offset, element, key_blocks, operand_at, tile_origin, BM, BN,
+    attention_entry, attention_grid, batch_offset, element, key_blocks, operand_at, tile_origin,
+    BM, BN,
 };
 use super::mma::MmaKind;
 use super::px::{f32_lit, Px};
@@ -483,14 +484,7 @@ pub(super) fn emit(
         }
         px.body.push_str(&format!("{skip}:\n"));
     }
-    px.line("ret;");
-    let launch = LaunchShape {
-        grid,
-        block: [THREADS as u32, 1, 1],
-        shared_bytes: shared as u32,
-        scratch_bytes: 0,
-    };
-    Ok((px.finish(""), launch))
+    Ok(attention_entry(&mut px, grid, THREADS, shared))
 }
 
 /// `tiles` accumulators of an `m16n8` tile (4 f32 registers each), set to 0.

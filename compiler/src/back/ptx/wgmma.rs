@@ -466,10 +466,7 @@ pub(super) fn emit(
     if !loads.is_empty() {
         return prefetching_epilogue(px, mm, plan, at, rs, &loads, shape);
     }
-    let e = px.fresh("r");
-    px.line(format!("mov.u32 {e}, {t};"));
-    let top = px.label("wg_epi");
-    px.body.push_str(&format!("{top}:\n"));
+    let (e, top) = open_epilogue(&mut px, &t);
     // Four elements an iteration, for independent loads and stores in flight.
     for u in 0..EPI_UNROLL {
         let eu = px.fresh("r");
@@ -531,10 +528,7 @@ fn vector_epilogue(
     let nb = mm.batch.len();
     // The column's variable (one row and one column variable, as the vector stores ask).
     let col = (nb + 1) as Var;
-    let e = px.fresh("r");
-    px.line(format!("mov.u32 {e}, {t};"));
-    let top = px.label("wg_epi");
-    px.body.push_str(&format!("{top}:\n"));
+    let (e, top) = open_epilogue(&mut px, t);
     let mut points = Vec::new();
     for u in 0..unroll {
         // Group `e + u·threads`: its first element `4·group` of the row-major tile.
@@ -624,6 +618,15 @@ fn tile_address(px: &mut Px, (r, c): (&str, &str), rs: usize, sbase: &str) -> St
     at
 }
 
+/// The start of an epilogue's walk: counter `e` from thread index `t`, and the loop's label.
+fn open_epilogue(px: &mut Px, t: &str) -> (String, String) {
+    let e = px.fresh("r");
+    px.line(format!("mov.u32 {e}, {t};"));
+    let top = px.label("wg_epi");
+    px.body.push_str(&format!("{top}:\n"));
+    (e, top)
+}
+
 /// The end of an epilogue's walk: counter `e` moves on by `step` and the walk goes back to
 /// `top` while below `end`; then the entry returns.
 fn close_epilogue(
@@ -704,10 +707,7 @@ fn prefetching_epilogue(
     let nb = mm.batch.len();
     let unroll = prev_power_of_two(EPILOGUE_PREFETCH_REGS / loads.len().max(1))
         .clamp(EPI_UNROLL, EPI_UNROLL_LOADS);
-    let e = px.fresh("r");
-    px.line(format!("mov.u32 {e}, {t};"));
-    let top = px.label("wg_epi");
-    px.body.push_str(&format!("{top}:\n"));
+    let (e, top) = open_epilogue(&mut px, t);
     let mut points = Vec::new();
     for u in 0..unroll {
         let eu = px.fresh("r");
