@@ -321,9 +321,26 @@ pub(super) fn operand_at<'a>(
     let Some(o) = o else {
         return Ok(None);
     };
+    let (buf, off) = operand_regs(px, o, bidx)?;
+    Ok(Some((o, buf, off)))
+}
+
+/// Operand `o`'s buffer address and its batch index's offset (registers).
+pub(super) fn operand_regs(px: &mut Px, o: &Operand, bidx: &[String]) -> Res<(String, String)> {
     let buf = operand_buffer(px, o.buf)?.0;
     let off = batch_offset(px, o, bidx);
-    Ok(Some((o, buf, off)))
+    Ok((buf, off))
+}
+
+/// The arena's base, then the block's coordinates and the thread's index (u32 registers
+/// from `%ctaid.x`, `%ctaid.y` and `%tid.x`).
+pub(super) fn block_ids(px: &mut Px) -> (String, String, String) {
+    px.load_arena();
+    let (bx, by, tid) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
+    px.line(format!("mov.u32 {by}, %ctaid.y;"));
+    px.line(format!("mov.u32 {tid}, %tid.x;"));
+    (bx, by, tid)
 }
 
 /// The entry's end (`ret`), its text and its launch: `threads` a block over `grid`, with
@@ -369,19 +386,13 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
     let p_bytes = BN * Q_STRIDE * 4;
     let shared = q_bytes + k_bytes + v_bytes + p_bytes;
 
-    px.load_arena();
-    let (bx, by, tid) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mov.u32 {by}, %ctaid.y;"));
-    px.line(format!("mov.u32 {tid}, %tid.x;"));
+    let (bx, by, tid) = block_ids(&mut px);
     let (tx, ty) = (px.fresh("r"), px.fresh("r"));
     px.line(format!("and.b32 {tx}, {tid}, 15;"));
     px.line(format!("shr.u32 {ty}, {tid}, 4;"));
     let (row0, bidx) = tile_origin(&mut px, at, &bx, &by, row_tiles);
-    let qbuf = operand_buffer(&mut px, at.q.buf)?.0;
-    let qoff = batch_offset(&mut px, &at.q, &bidx);
-    let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
-    let koff = batch_offset(&mut px, &at.k, &bidx);
+    let (qbuf, qoff) = operand_regs(&mut px, &at.q, &bidx)?;
+    let (kbuf, koff) = operand_regs(&mut px, &at.k, &bidx)?;
     let vparts = operand_at(&mut px, at.v.as_ref(), &bidx)?;
     let sq = px.fresh("r");
     px.line(format!("mov.u32 {sq}, {DYN_SHARED};"));

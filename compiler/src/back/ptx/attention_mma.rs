@@ -24,13 +24,12 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::attention::{
-    attention_entry, attention_grid, batch_offset, element, key_blocks, operand_at, tile_origin,
-    BM, BN,
+    attention_entry, attention_grid, block_ids, element, key_blocks, operand_at, operand_regs,
+    tile_origin, BM, BN,
 };
 use super::mma::MmaKind;
 use super::px::{f32_lit, Px};
 use super::staging::chunk_copy;
-use super::tile::operand_buffer;
 use super::{LaunchShape, Res, DYN_SHARED};
 use crate::ir::DType;
 use crate::kernel::offsets::Offsets;
@@ -148,21 +147,15 @@ pub(super) fn emit(
     let stage = k_bytes + v_bytes;
     let shared = q_bytes + 2 * stage;
 
-    px.load_arena();
-    let (bx, by, tid) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("mov.u32 {bx}, %ctaid.x;"));
-    px.line(format!("mov.u32 {by}, %ctaid.y;"));
-    px.line(format!("mov.u32 {tid}, %tid.x;"));
+    let (bx, by, tid) = block_ids(&mut px);
     let (warp, lane, g, q4) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("shr.u32 {warp}, {tid}, 5;"));
     px.line(format!("and.b32 {lane}, {tid}, 31;"));
     px.line(format!("shr.u32 {g}, {lane}, 2;"));
     px.line(format!("and.b32 {q4}, {lane}, 3;"));
     let (row0, bidx) = tile_origin(&mut px, at, &bx, &by, row_tiles);
-    let qbuf = operand_buffer(&mut px, at.q.buf)?.0;
-    let qoff = batch_offset(&mut px, &at.q, &bidx);
-    let kbuf = operand_buffer(&mut px, at.k.buf)?.0;
-    let koff = batch_offset(&mut px, &at.k, &bidx);
+    let (qbuf, qoff) = operand_regs(&mut px, &at.q, &bidx)?;
+    let (kbuf, koff) = operand_regs(&mut px, &at.k, &bidx)?;
     let vparts = operand_at(&mut px, at.v.as_ref(), &bidx)?;
     let sq = px.fresh("r");
     px.line(format!("mov.u32 {sq}, {DYN_SHARED};"));
