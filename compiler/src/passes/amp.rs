@@ -24,11 +24,22 @@
 //! the rounded value differs only where the value rounds to 0, below half the 16-bit
 //! dtype's smallest subnormal; autocast's 16-bit activations give the same mask).
 //!
+//! Another ([`stored_16_bit`]): an f32 result of an op of the `Full` row (`exp`, ...) that
+//! a tensor-core op reads, and that every other reader takes as it takes a 16-bit
+//! activation (elementwise ops, through reshapes and permutes), is stored only as its
+//! 16-bit copy: the attention probabilities the backward pass rebuilds are rounded once
+//! where they are made, and the f32 copy (gpt: 96 MiB at the peak) and the kernel that
+//! rounded it are gone.
+//!
+//! Casts keep the marks of the reader that needs them, and a cast of a recomputed value is
+//! recomputed too (`Node::recomputed`), so free recomputation (`remat::step::free`) finds
+//! a kernel to store the 16-bit clone a backward product reads.
+//!
 //! The stage runs last among the graph stages (after fused attention, whose kernel computes
 //! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
 //! outputs keep their declared dtypes (a cast back where the policy changed them).
 
-use crate::ir::{DType, Graph, NodeId, Op, TensorType, TypeError, UnaryOp};
+use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, TensorType, TypeError, UnaryOp};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Where an op computes under mixed precision.
@@ -173,6 +184,15 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         .topo_order()
         .ok_or_else(|| TypeError::new("E0002", "cyclic graph", "before mixed precision"))?;
     let forced = master_gradients(g);
+    // Values the interface names: they keep their dtype where they are made.
+    let kept: BTreeSet<NodeId> = g
+        .outputs
+        .iter()
+        .map(|(_, o)| *o)
+        .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
+        .chain(g.train.as_ref().map(|t| t.loss))
+        .chain(forced.iter().copied())
+        .collect();
     let mut h = Graph::new(g.name.clone());
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     // (value in h, dtype) -> its cast, per micro-batch of the reader (a micro-batched
@@ -303,8 +323,16 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         }
         let id = h.add(node.op.clone(), new_ins, node.span, node.checkpoint)?;
         copy_marks(&mut h, id, node);
+        // A recomputed forward value stays one (its casts are not: they are made where
+        // their reader needs them), so fusion stores it in a backward kernel of its shape
+        // and free recomputation weighs it.
+        if let Some(of) = node.recomputed {
+            h.mark_recomputed(id, of);
+        }
         let id = if forced.contains(&n) && h.ty(id).dtype != node.ty.dtype {
             cast(&mut h, casts, id, node.ty.dtype, node)?
+        } else if h.ty(id).dtype == DType::F32 && stored_16_bit(g, n, &kept) {
+            cast(&mut h, casts, id, low, node)?
         } else {
             id
         };
@@ -371,6 +399,48 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         h = h.reordered(&order);
     }
     Ok(h)
+}
+
+/// Whether the f32 result of `n`, an elementwise op that computes in f32 (`exp`, `log`,
+/// ...), is stored only as its 16-bit copy: a tensor-core op reads it (so that copy is made
+/// anyway), and every other reader is an elementwise op that takes a 16-bit operand as it
+/// takes a 16-bit activation (widened as it loads, computing in f32), seen through
+/// reshapes and permutes (not an output's). The recomputed attention probabilities are the case: `p v`'s
+/// and `pᵀ do`'s operand, and a factor of `p (dp - rowsum(do o))`, whose `dp` is itself a
+/// 16-bit matmul result. Storing `p` once in 16 bits, by the kernel that makes it, saves
+/// the f32 copy (gpt: 96 MiB at the peak) and the kernel that rounds it. Reductions,
+/// other f32 ops and the interface (`kept`) keep reading f32.
+fn stored_16_bit(g: &Graph, n: NodeId, kept: &BTreeSet<NodeId>) -> bool {
+    let node = g.node(n);
+    let f32_op = matches!(node.op, Op::Unary(_)) && precision(&node.op) == Precision::Full;
+    if !f32_op || node.ty.dtype != DType::F32 || kept.contains(&n) {
+        return false;
+    }
+    let mut tensor_core = false;
+    let mut stack = vec![n];
+    while let Some(x) = stack.pop() {
+        for u in g.users(x) {
+            let reader = g.node(u);
+            match &reader.op {
+                Op::Reshape { .. } | Op::Permute { .. } if !kept.contains(&u) => stack.push(u),
+                Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => tensor_core = true,
+                // Arithmetic (a comparison keeps the f32 value: [`sign_test_copy`] says
+                // which ones may test the 16-bit copy).
+                Op::Unary(_)
+                | Op::Binary(
+                    BinaryOp::Add
+                    | BinaryOp::Sub
+                    | BinaryOp::Mul
+                    | BinaryOp::Div
+                    | BinaryOp::Maximum
+                    | BinaryOp::Minimum,
+                ) if precision(&reader.op) == Precision::Widest && !kept.contains(&u) => {}
+                Op::Where if reader.inputs.first() != Some(&x) && !kept.contains(&u) => {}
+                _ => return false,
+            }
+        }
+    }
+    tensor_core
 }
 
 /// The 16-bit copy to compare instead, where `node` is a backward-pass strict sign test
@@ -510,6 +580,11 @@ fn cast(
     }
     let c = h.add(Op::Cast { to }, vec![x], at.span, at.checkpoint)?;
     copy_marks(h, c, at);
+    // The 16-bit copy of a recomputed value is part of its recomputation (what the
+    // backward product reads, so what fusion must store in a kernel of its shape).
+    if let Some(of) = h.node(x).recomputed {
+        h.mark_recomputed(c, of);
+    }
     casts.insert((x, to), c);
     Ok(c)
 }
@@ -569,6 +644,51 @@ impl Amp {
 mod tests {
     use super::*;
     use crate::ir::BinaryOp;
+
+    /// An `exp` that a matmul reads and an elementwise op reads beside it is stored only as
+    /// its 16-bit copy, which both read (the recomputed attention probabilities); one that a
+    /// reduction also reads, or that is an output, keeps its f32 value for them.
+    #[test]
+    fn an_f32_result_a_matmul_reads_is_stored_16_bit_where_every_reader_takes_it() {
+        let g = crate::front::test_graph(
+            "model t {
+                input x: f32[4, 8]
+                input w: f32[8, 8]
+                input d: f32[4, 8]
+                let p = exp(x)
+                output y = p @ w
+                output z = sum(p * d)
+                let q = exp(d)
+                output u = q @ w
+                output s = sum(q)
+                let r = exp(w)
+                output v = x @ r
+                output r = r
+            }",
+        );
+        let h = apply(&g, DType::BF16).unwrap_or_else(|e| panic!("{e:?}"));
+        let exps: Vec<NodeId> = h
+            .node_ids()
+            .filter(|&n| h.node(n).op == Op::Unary(UnaryOp::Exp))
+            .collect();
+        assert_eq!(exps.len(), 3);
+        let readers = |n: NodeId| -> Vec<Op> {
+            let mut ops: Vec<Op> = h.users(n).iter().map(|&u| h.node(u).op.clone()).collect();
+            ops.sort_by_key(|o| format!("{o:?}"));
+            ops
+        };
+        // p: read only through its bf16 copy, by the matmul and the product.
+        assert_eq!(readers(exps[0]), [Op::Cast { to: DType::BF16 }]);
+        let copy = h.users(exps[0])[0];
+        let copy_readers = readers(copy);
+        assert!(copy_readers.contains(&Op::MatMul), "{copy_readers:?}");
+        // q: its sum reads the f32 value.
+        assert!(readers(exps[1])
+            .iter()
+            .any(|o| matches!(o, Op::Reduce { .. })));
+        // r: an output keeps its f32 value.
+        assert!(h.outputs.iter().any(|(_, o)| *o == exps[2]));
+    }
 
     /// In the backward pass, `x > 0` of an f32 value a matmul also reads tests the matmul's
     /// bf16 copy; `x >= 0` keeps the f32 value (a tiny negative rounds to -0, and
