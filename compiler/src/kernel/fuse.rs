@@ -536,9 +536,11 @@ fn recompute_hosts(
         let mut stack = vec![c];
         while let Some(x) = stack.pop() {
             for &(u, _) in users.get(&x).map_or(&[][..], Vec::as_slice) {
-                first = first.min(pos.get(&u).copied().unwrap_or(0));
+                // A view that is no copy reads nothing where it stands: its readers do.
                 if g.node(u).op.is_view_candidate() && !m.contains(&u) {
                     stack.push(u);
+                } else {
+                    first = first.min(pos.get(&u).copied().unwrap_or(0));
                 }
             }
         }
