@@ -344,7 +344,11 @@ fn free_recomputation_under_mixed_precision_stores_clones_beside_their_own_layer
             tcc::passes::amp::Amp::default(),
         ),
         ("examples/gpt.tdsl", GPT_FREE, amp("bf16")),
-        ("examples/cnn.tdsl", CNN, amp("bf16")),
+        (
+            "examples/cnn.tdsl",
+            &[("B", "32"), ("C", "8"), ("S", "16")],
+            amp("bf16"),
+        ),
     ];
     for (file, sets, amp) in cases {
         let g = graph(file, sets);

@@ -283,7 +283,8 @@ pub enum Op {
     },
     /// Fused scaled dot-product attention `softmax(mask(q kᵀ · scale)) v` over
     /// operands `[q [.., T, D], k [.., S, D], v [.., S, E]]` (equal leading dims), result
-    /// `[.., T, E]`. `causal` keeps the scores with `j - i <= S - T` (the prelude's
+    /// `[.., T, E]`, in the operands' dtype (one float dtype for all three; computed in
+    /// f32). `causal` keeps the scores with `j - i <= S - T` (the prelude's
     /// `tril(ones([T, S]), k: S - T)`). Not written by programs: `passes::attention`
     /// introduces it on CUDA in place of the prelude's composite, whose probabilities it
     /// never stores.
@@ -1096,8 +1097,13 @@ fn infer_attention(
             format!("q {q}, k {k}{v}"),
         )
     };
-    if q.dtype != DType::F32 || k.dtype != DType::F32 || v.is_some_and(|v| v.dtype != DType::F32) {
-        return Err(wrong_dtype("attention", q.dtype, "f32"));
+    let float = matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16);
+    if !float || k.dtype != q.dtype || v.is_some_and(|v| v.dtype != q.dtype) {
+        return Err(wrong_dtype(
+            "attention",
+            q.dtype,
+            "f32, bf16 or f16 (one for all)",
+        ));
     }
     if r < 2 || k.rank() != r || k.dims()[..r - 2] != q.dims()[..r - 2] {
         return Err(mismatch());
@@ -1112,7 +1118,9 @@ fn infer_attention(
         }
         dims.push(v.dims()[r - 1]);
     }
-    Ok(TensorType::new(DType::F32, dims))
+    // The output in the operands' dtype (computed in f32), the row statistics in f32.
+    let dtype = if v.is_some() { q.dtype } else { DType::F32 };
+    Ok(TensorType::new(dtype, dims))
 }
 
 fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, TypeError> {

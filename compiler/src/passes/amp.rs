@@ -4,9 +4,9 @@
 //!
 //! | precision | ops | operands | result |
 //! |---|---|---|---|
-//! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient | 16-bit (f32 accumulation) | 16-bit |
+//! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient, fused attention | 16-bit (f32 accumulation) | 16-bit (attention's row statistics f32) |
 //! | [`Precision::Rounded`] | `conv2d`'s weight gradient (a param's gradient, summed over the batch: split along `k`, its parts add up in f32) | rounded to 16 bits, then widened (what tensor cores multiply, f32 accumulation) | f32 |
-//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s weight gradient, fused attention | f32 | f32 |
+//! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s weight gradient | f32 | f32 |
 //! | [`Precision::Widest`] | other elementwise ops, `where`, views, `concat`, pooling, `dropout`, `embedding` | the widest float dtype among them (literals, fills and params broadcast onto the result, such as a bias, adopt it) | that dtype |
 //! | [`Precision::AsIs`] | leaves (inputs, params, state, literals), `cast`, `argmax` | unchanged | unchanged |
 //!
@@ -35,8 +35,8 @@
 //! recomputed too (`Node::recomputed`), so free recomputation (`remat::step::free`) finds
 //! a kernel to store the 16-bit clone a backward product reads.
 //!
-//! The stage runs last among the graph stages (after fused attention, whose kernel computes
-//! in f32 and reads f32 operands), so every rewrite before it sees the program as written;
+//! The stage runs last among the graph stages (after fused attention, which it then gives
+//! 16-bit operands), so every rewrite before it sees the program as written;
 //! outputs keep their declared dtypes (a cast back where the policy changed them).
 
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, TensorType, TypeError, UnaryOp};
@@ -63,7 +63,14 @@ pub enum Precision {
 pub fn precision(op: &Op) -> Precision {
     use Precision::*;
     match op {
-        Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => Low,
+        // Fused attention reads 16-bit `q`, `k` and `v` (tensor cores where the kernel
+        // takes them), computes in f32 and stores a 16-bit output, as SDPA does under
+        // autocast; its row statistics stay f32 (the op's type).
+        Op::MatMul
+        | Op::Conv2d { .. }
+        | Op::Conv2dGradInput { .. }
+        | Op::Attention { .. }
+        | Op::AttentionLse { .. } => Low,
         // A weight gradient is a param's gradient (kept f32) summed over the whole batch:
         // it accumulates in f32 from 16-bit operands, split over k where k is long.
         Op::Conv2dGradWeight { .. } => Rounded,
@@ -78,10 +85,7 @@ pub fn precision(op: &Op) -> Precision {
         )
         | Op::Binary(crate::ir::BinaryOp::Pow)
         | Op::Reduce { .. }
-        | Op::EmbeddingGrad { .. }
-        // The flash-attention kernel computes in f32 from f32 operands.
-        | Op::Attention { .. }
-        | Op::AttentionLse { .. } => Full,
+        | Op::EmbeddingGrad { .. } => Full,
         Op::Unary(_)
         | Op::Binary(_)
         | Op::Where

@@ -287,18 +287,20 @@ pub(super) fn key_blocks(px: &mut Px, at: &Attn, row0: &str) -> String {
 }
 
 /// The grid of an attention kernel: x one block a row tile of `BM` queries, y one a batch
-/// index; and the row tiles. Its results are f32 (mixed precision computes attention in
-/// f32).
+/// index; and the row tiles. Its output is f32, bf16 or f16 (mixed precision), its row
+/// statistics f32.
 pub(super) fn attention_grid(k: &Kernel, at: &Attn) -> Res<(usize, [u32; 3])> {
+    use crate::ir::DType;
     let unsupported = |m: &str| PtxError::Unsupported {
         kernel: k.name.clone(),
         message: m.to_string(),
     };
-    if [&at.o, &at.lse]
-        .iter()
-        .any(|o| o.as_ref().is_some_and(|o| o.dtype != crate::ir::DType::F32))
-    {
-        return Err(unsupported("attention results other than f32"));
+    let float =
+        |o: &Option<Operand>, ok: &[DType]| o.as_ref().is_none_or(|o| ok.contains(&o.dtype));
+    if !float(&at.o, &[DType::F32, DType::BF16, DType::F16]) || !float(&at.lse, &[DType::F32]) {
+        return Err(unsupported(
+            "attention results other than f32 (or a 16-bit output)",
+        ));
     }
     let nb: usize = at.batch.iter().product();
     let row_tiles = at.t.div_ceil(BM);
@@ -616,7 +618,7 @@ pub(super) fn emit(k: &Kernel, at: &Attn, offsets: &Offsets) -> Res<(String, Lau
                 let addr = element(&mut px, b, off, o, &ia, Some(&c));
                 let y = px.fresh("f");
                 px.line(format!("div.rn.f32 {y}, {x}, {};", l[a]));
-                px.line(format!("st.global.f32 [{addr}], {y};"));
+                px.store(&addr, o.dtype, &y, false)?;
             }
         }
         if let Some((o, b, off)) = &lbuf {

@@ -459,7 +459,7 @@ pub(super) fn emit(
                     let addr = element(&mut px, b, off, o, &i, Some(&col));
                     let y = px.fresh("f");
                     px.line(format!("mul.f32 {y}, {}, {inv};", tile[2 * h + cc]));
-                    px.line(format!("st.global.f32 [{addr}], {y};"));
+                    px.store(&addr, o.dtype, &y, false)?;
                 }
             }
         }
