@@ -1097,13 +1097,16 @@ fn infer_attention(
             format!("q {q}, k {k}{v}"),
         )
     };
-    let float = matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16);
-    if !float || k.dtype != q.dtype || v.is_some_and(|v| v.dtype != q.dtype) {
-        return Err(wrong_dtype(
-            "attention",
-            q.dtype,
-            "f32, bf16 or f16 (one for all)",
-        ));
+    if !matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(wrong_dtype("attention", q.dtype, "f32, bf16 or f16"));
+    }
+    // `k` and `v` in `q`'s dtype: the error names the one that is not.
+    if let Some(other) = [Some(k), v]
+        .into_iter()
+        .flatten()
+        .find(|t| t.dtype != q.dtype)
+    {
+        return Err(wrong_dtype("attention", other.dtype, q.dtype.name()));
     }
     if r < 2 || k.rank() != r || k.dims()[..r - 2] != q.dims()[..r - 2] {
         return Err(mismatch());

@@ -227,8 +227,9 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
 }
 
 /// Whether `n` widens a 16-bit value to f32 for implicit GEMMs or fused attention alone
-/// (mixed precision's weight gradients read their 16-bit operands widened, as the f32
-/// attention kernel reads its queries, keys and values): their loads read the 16-bit
+/// (mixed precision's weight gradients read their 16-bit operands widened, as an f32
+/// attention of 16-bit queries, keys and values would; under `--amp` attention reads them
+/// as they are): their loads read the 16-bit
 /// buffer and widen each element, so the cast needs no f32 copy, and its operand gets the
 /// buffer instead.
 fn read_widened(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {

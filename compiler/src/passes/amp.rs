@@ -322,6 +322,9 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
             };
             let id = h.add(node.op.clone(), vec![x16, zero], node.span, node.checkpoint)?;
             copy_marks(&mut h, id, node);
+            if let Some(of) = node.recomputed {
+                h.mark_recomputed(id, of);
+            }
             map.insert(n, id);
             continue;
         }
@@ -405,19 +408,23 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     Ok(h)
 }
 
-/// Whether the f32 result of `n`, an elementwise op that computes in f32 (`exp`, `log`,
-/// ...), is stored only as its 16-bit copy: a tensor-core op reads it (so that copy is made
-/// anyway), and every other reader is an elementwise op that takes a 16-bit operand as it
-/// takes a 16-bit activation (widened as it loads, computing in f32), seen through
-/// reshapes and permutes (not an output's). The recomputed attention probabilities are the case: `p v`'s
-/// and `pᵀ do`'s operand, and a factor of `p (dp - rowsum(do o))`, whose `dp` is itself a
-/// 16-bit matmul result. Storing `p` once in 16 bits, by the kernel that makes it, saves
-/// the f32 copy (gpt: 96 MiB at the peak) and the kernel that rounds it. Reductions,
-/// other f32 ops and the interface (`kept`) keep reading f32.
+/// Whether the f32 result of `n`, a backward-pass elementwise op that computes in f32
+/// (`exp`, `log`, ...), is stored only as its 16-bit copy: a tensor-core op reads it (so
+/// that copy is made anyway), and every other reader is arithmetic that takes a 16-bit
+/// operand as it takes a 16-bit activation (widened as it loads, computing in f32), seen
+/// through reshapes and permutes (not an output's). The attention probabilities the
+/// backward pass rebuilds are the case: `pᵀ do`'s operand, and a factor of
+/// `p (dp - rowsum(do o))`, whose `dp` is itself a 16-bit matmul result and whose
+/// `rowsum(do o)` is f32 (so that product stays f32). Storing `p` once in 16 bits, by the
+/// kernel that makes it, saves the f32 copy (gpt: 96 MiB at the peak) and the kernel that
+/// rounds it. Forward values keep f32 where a non-tensor-core op reads them (an arithmetic
+/// reader whose other operands are 16-bit or literals would compute a 16-bit result from
+/// the copy, as autocast does not); reductions, comparisons and the interface (`kept`)
+/// keep reading f32.
 fn stored_16_bit(g: &Graph, n: NodeId, kept: &BTreeSet<NodeId>) -> bool {
     let node = g.node(n);
     let f32_op = matches!(node.op, Op::Unary(_)) && precision(&node.op) == Precision::Full;
-    if !f32_op || node.ty.dtype != DType::F32 || kept.contains(&n) {
+    if !node.backward || !f32_op || node.ty.dtype != DType::F32 || kept.contains(&n) {
         return false;
     }
     let mut tensor_core = false;
@@ -551,6 +558,7 @@ fn cast_lhs(
             chain.clear();
             let c = h.add(Op::Cast { to }, vec![src], at.span, at.checkpoint)?;
             copy_marks(h, c, at);
+            recomputed_with(h, c, src);
             c
         }
         None => {
@@ -584,13 +592,18 @@ fn cast(
     }
     let c = h.add(Op::Cast { to }, vec![x], at.span, at.checkpoint)?;
     copy_marks(h, c, at);
-    // The 16-bit copy of a recomputed value is part of its recomputation (what the
-    // backward product reads, so what fusion must store in a kernel of its shape).
+    recomputed_with(h, c, x);
+    casts.insert((x, to), c);
+    Ok(c)
+}
+
+/// Marks cast `c` of `x` recomputed where `x` is: the 16-bit copy of a recomputed value is
+/// part of its recomputation (what the backward product reads, so what fusion must store
+/// in a kernel of its shape).
+fn recomputed_with(h: &mut Graph, c: NodeId, x: NodeId) {
     if let Some(of) = h.node(x).recomputed {
         h.mark_recomputed(c, of);
     }
-    casts.insert((x, to), c);
-    Ok(c)
 }
 
 fn copy_marks(h: &mut Graph, id: NodeId, like: &crate::ir::Node) {
@@ -654,7 +667,7 @@ mod tests {
     /// reduction also reads, or that is an output, keeps its f32 value for them.
     #[test]
     fn an_f32_result_a_matmul_reads_is_stored_16_bit_where_every_reader_takes_it() {
-        let g = crate::front::test_graph(
+        let mut g = crate::front::test_graph(
             "model t {
                 input x: f32[4, 8]
                 input w: f32[8, 8]
@@ -670,6 +683,27 @@ mod tests {
                 output r = r
             }",
         );
+        // In the forward pass the rule leaves them alone: `p`'s product reads it in f32.
+        let forward = apply(&g, DType::BF16).unwrap_or_else(|e| panic!("{e:?}"));
+        let p = forward
+            .node_ids()
+            .find(|&n| forward.node(n).op == Op::Unary(UnaryOp::Exp));
+        let f32_readers = p.map_or(0, |p| {
+            let users = forward.users(p);
+            users
+                .iter()
+                .filter(|&&u| !matches!(forward.node(u).op, Op::Cast { .. }))
+                .count()
+        });
+        assert_eq!(f32_readers, 1, "the forward p * d reads p in f32");
+        // The three `exp`s play the backward pass.
+        let marked: Vec<NodeId> = g
+            .node_ids()
+            .filter(|&n| g.node(n).op == Op::Unary(UnaryOp::Exp))
+            .collect();
+        for &n in &marked {
+            g.mark_backward(n);
+        }
         let h = apply(&g, DType::BF16).unwrap_or_else(|e| panic!("{e:?}"));
         let exps: Vec<NodeId> = h
             .node_ids()

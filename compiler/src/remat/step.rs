@@ -557,8 +557,9 @@ pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), B
 }
 
 /// The step with each product that first reads a recomputed value moved after the chain
-/// of backward elementwise nodes of that value's shape which the schedule runs next (and
-/// which do not need the product), with whatever it alone feeds there. That chain is
+/// of backward elementwise nodes of that value's shape which the schedule runs next in the
+/// product's call and micro-batch (and which do not need the product), with everything
+/// between that depends on it. That chain is
 /// what fusion stores the clone by (`kernel::fuse`'s recompute hosts: the last backward
 /// kernel of its shape before its first reader). In a transformer's MLP the schedule runs
 /// the weight gradient `gelu(h)ᵀ dy` before the input gradient `(dy w2ᵀ) gelu'(h)`; moved
@@ -572,7 +573,8 @@ fn products_after_hosts(h: &Graph) -> Graph {
         .copied()
         .filter(|&c| h.node(c).recomputed.is_some() && h.node(c).op.is_elementwise())
         .collect();
-    let mut changed = false;
+    // Each product moves once (two clones may reach the same one).
+    let mut moved_products: BTreeSet<NodeId> = BTreeSet::new();
     for c in clones {
         let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         let shape = &h.ty(c).shape;
@@ -595,38 +597,59 @@ fn products_after_hosts(h: &Graph) -> Graph {
         else {
             continue;
         };
-        if !matches!(h.node(p).op, Op::MatMul) {
+        if !matches!(h.node(p).op, Op::MatMul) || moved_products.contains(&p) {
             continue;
         }
         let Some(&at) = pos.get(&p) else { continue };
-        // What the product feeds, directly or not.
+        let pn = h.node(p);
+        // What the product feeds, directly or not, in schedule order up to `i` (extended as
+        // the search goes on).
         let mut fed: BTreeSet<NodeId> = BTreeSet::from([p]);
-        for &n in &order[at + 1..] {
-            if h.node(n).inputs.iter().any(|x| fed.contains(x)) {
-                fed.insert(n);
+        let mut fed_to = at;
+        let mut feeds = |i: usize, fed: &mut BTreeSet<NodeId>| {
+            while fed_to < i {
+                fed_to += 1;
+                let n = order[fed_to];
+                if h.node(n).inputs.iter().any(|x| fed.contains(x)) {
+                    fed.insert(n);
+                }
             }
-        }
-        let chain_node = |n: NodeId| {
-            let node = h.node(n);
+        };
+        // The chain: backward elementwise nodes of the clone's shape that the product does
+        // not feed, in the product's own call (`block`: the same layer) and micro-batch,
+        // at most `MAX_HOST_WINDOW` nodes after it.
+        let last = (at + MAX_HOST_WINDOW).min(order.len() - 1);
+        let mut chain_node = |i: usize, fed: &mut BTreeSet<NodeId>| {
+            let node = h.node(order[i]);
+            feeds(i, fed);
             node.backward
                 && node.op.is_elementwise()
                 && node.ty.shape == *shape
                 && node.recomputed.is_none()
-                && !fed.contains(&n)
+                && node.block == pn.block
+                && node.micro_batch == pn.micro_batch
+                && !fed.contains(&order[i])
         };
-        let Some(mut end) = (at + 1..order.len()).find(|&i| chain_node(order[i])) else {
+        let Some(mut end) = (at + 1..=last).find(|&i| chain_node(i, &mut fed)) else {
             continue;
         };
         // Up the chain: its latest reader of that shape, while there is one.
-        while let Some(i) = h
-            .users(order[end])
-            .into_iter()
-            .filter(|&u| chain_node(u))
-            .filter_map(|u| pos.get(&u).copied())
-            .max()
-        {
-            end = i;
+        loop {
+            let mut users: Vec<usize> = h
+                .users(order[end])
+                .into_iter()
+                .filter_map(|u| pos.get(&u).copied())
+                .filter(|&i| i > end && i <= last)
+                .collect();
+            users.sort_unstable();
+            let next = users.into_iter().rev().find(|&i| chain_node(i, &mut fed));
+            match next {
+                Some(i) => end = i,
+                None => break,
+            }
         }
+        feeds(end, &mut fed);
+        // Everything between that the product feeds moves after the chain, in order.
         let (stay, moved): (Vec<NodeId>, Vec<NodeId>) =
             order[at..=end].iter().partition(|n| !fed.contains(n));
         let mut next = order[..at].to_vec();
@@ -634,14 +657,19 @@ fn products_after_hosts(h: &Graph) -> Graph {
         next.extend(moved);
         next.extend_from_slice(&order[end + 1..]);
         order = next;
-        changed = true;
+        moved_products.insert(p);
     }
-    if changed {
-        h.reordered(&order)
-    } else {
-        h.clone()
+    if moved_products.is_empty() {
+        return h.clone();
     }
+    // An update moved above a reader of its param runs after it again.
+    let order = updates_last(h, order);
+    h.reordered(&order)
 }
+
+/// Most nodes after a product that [`products_after_hosts`] looks through for the chain
+/// that stores its clone (gpt's: 27).
+const MAX_HOST_WINDOW: usize = 256;
 
 /// The step time free recomputation may add in all, as a share of the estimated step: the
 /// issue's bound on step time for memory saved by default (each value also within
