@@ -321,21 +321,12 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
                 }
             };
             let id = h.add(node.op.clone(), vec![x16, zero], node.span, node.checkpoint)?;
-            copy_marks(&mut h, id, node);
-            if let Some(of) = node.recomputed {
-                h.mark_recomputed(id, of);
-            }
+            rebuilt_marks(&mut h, id, node);
             map.insert(n, id);
             continue;
         }
         let id = h.add(node.op.clone(), new_ins, node.span, node.checkpoint)?;
-        copy_marks(&mut h, id, node);
-        // A recomputed forward value stays one (its casts are not: they are made where
-        // their reader needs them), so fusion stores it in a backward kernel of its shape
-        // and free recomputation weighs it.
-        if let Some(of) = node.recomputed {
-            h.mark_recomputed(id, of);
-        }
+        rebuilt_marks(&mut h, id, node);
         let id = if forced.contains(&n) && h.ty(id).dtype != node.ty.dtype {
             cast(&mut h, casts, id, node.ty.dtype, node)?
         } else if h.ty(id).dtype == DType::F32 && stored_16_bit(g, n, &kept) {
@@ -603,6 +594,17 @@ fn cast(
 fn recomputed_with(h: &mut Graph, c: NodeId, x: NodeId) {
     if let Some(of) = h.node(x).recomputed {
         h.mark_recomputed(c, of);
+    }
+}
+
+/// The marks of `node` on its rebuilt copy `id`: [`copy_marks`], and a recomputed forward
+/// value stays one (so fusion stores it in a backward kernel of its shape and free
+/// recomputation weighs it). A cast takes only its reader's [`copy_marks`], and is
+/// recomputed where its operand is ([`recomputed_with`]).
+fn rebuilt_marks(h: &mut Graph, id: NodeId, node: &crate::ir::Node) {
+    copy_marks(h, id, node);
+    if let Some(of) = node.recomputed {
+        h.mark_recomputed(id, of);
     }
 }
 

@@ -515,12 +515,14 @@ pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), B
     let secs = |p: &artifact::Planned| crate::kernel::peak::step_seconds(&p.graph, &p.fused);
     let base = secs(&before);
     let mut tried = None;
-    let apply = |g: &Graph, evict: &BTreeSet<NodeId>| products_after_hosts(&apply(g, evict));
+    // The step recomputing `evict`, each product that reads a clone after the chain that
+    // stores it.
+    let recompute = |g: &Graph, evict: &BTreeSet<NodeId>| products_after_hosts(&apply(g, evict));
     // A value whose clone found no kernel to be stored by (it has its own), or whose
     // recomputation costs more than its share, is kept, and the rest planned again (hosts
     // are never clones, so that settles it; a third round is a safeguard).
     for _ in 0..3 {
-        let h = apply(g, &evict);
+        let h = recompute(g, &evict);
         let after = artifact::plan_step(&h, opts)?;
         let costly = costly_clones(&after, &evict, base);
         tried = Some((h, after, evict.clone()));
