@@ -51,6 +51,9 @@
 //! Cost: a few passes over the graph; a kernel that cannot be built as decided (a matmul
 //! operand that is no strided view, a reduction evaluated too often, an in-place update
 //! hazard) materializes the offending node and fusion runs again (at most once per node).
+//! An update whose param a later kernel still reads (a reader fused into that kernel, a
+//! recomputed value it stores) moves after that kernel instead ([`updates_after`], once per
+//! update; a second hazard for it materializes the reader).
 
 use super::lower::{
     self, free_vars, matmul_anchor_ok, reachable, widening, Builder, Decisions, LowerError,
@@ -152,8 +155,10 @@ fn fuse_forcing(
     opts: FuseOptions,
     forced: &BTreeSet<NodeId>,
 ) -> Result<Fused, FuseError> {
-    let order = g.topo_order().ok_or(FuseError::Cycle)?;
+    let mut order = g.topo_order().ok_or(FuseError::Cycle)?;
     let mut forced: BTreeSet<NodeId> = forced.clone();
+    // Update values moved later once: a second hazard gives the reader a buffer instead.
+    let mut delayed: BTreeSet<NodeId> = BTreeSet::new();
     let zeros = Zeros::of(g);
     for round in 0..=order.len() {
         let (materialized, hosts) = decide(g, &order, opts, &forced);
@@ -168,6 +173,7 @@ fn fuse_forcing(
         let stores = StoreSites {
             into: concat_pieces(g, &order, &materialized, opts),
             hosts,
+            delayed: delayed.clone(),
         };
         match build(g, &order, &materialized, &stores, &layouts, &zeros, opts) {
             Ok(kernels) => {
@@ -190,6 +196,18 @@ fn fuse_forcing(
                         "fusion did not converge".into(),
                     )));
                 }
+            }
+            Err(Retry::Later(later)) => {
+                delayed.extend(later.iter().map(|l| l.0));
+                let next = updates_after(g, &order, &later, &stores.hosts);
+                if next == order {
+                    let first = later.first().map(|l| l.0);
+                    let target = g.updates.iter().find(|u| Some(u.1) == first);
+                    return Err(FuseError::UpdateHazard(
+                        target.map_or_else(String::new, |u| name_of(g, u.0)),
+                    ));
+                }
+                order = next;
             }
             Err(Retry::Fail(e)) => return Err(e),
         }
@@ -586,6 +604,9 @@ fn recompute_hosts(
 struct StoreSites {
     hosts: BTreeMap<NodeId, NodeId>,
     into: BTreeMap<NodeId, Piece>,
+    /// Update values already moved after a later reader of their target
+    /// ([`updates_after`]): another such reader gets a buffer instead.
+    delayed: BTreeSet<NodeId>,
 }
 
 /// Where a concat's piece is stored: a node whose one use is a chain of reshapes and
@@ -816,6 +837,8 @@ fn local_cost(g: &Graph, n: NodeId, m: &BTreeSet<NodeId>) -> usize {
 
 enum Retry {
     Materialize(Vec<NodeId>),
+    /// Update values whose kernels must run after the paired nodes' ([`updates_after`]).
+    Later(Vec<(NodeId, NodeId)>),
     Fail(FuseError),
 }
 
@@ -1028,6 +1051,8 @@ fn build(
     }
     // In-place updates: the kernel writing a param's new value must follow every other
     // kernel reading its old value, and read it only where it writes.
+    // Update values to move, with the position of the last kernel reading their target.
+    let mut later: BTreeMap<NodeId, usize> = BTreeMap::new();
     for &(target, value) in &g.updates {
         let Some(kv) = kernels
             .iter()
@@ -1040,19 +1065,30 @@ fn build(
                 continue;
             }
             if pos_of_kernel[ki] > pos_of_kernel[kv] {
-                // Some fused node reads the old value too late: give it a buffer (one that
-                // has one already, a guest, cannot be helped so).
-                for &x in &k.nodes {
-                    if g.node(x).inputs.contains(&target)
-                        && x != *k.nodes.last().unwrap_or(&x)
-                        && !m.contains(&x)
-                    {
-                        retry.push(x);
+                // A kernel that runs later reads the old value (a reader fused into a later
+                // kernel than where the schedule put it, or a recomputed value stored by
+                // a later kernel): the update runs after it, unless that kernel reads what
+                // the update's kernel stores; then the reader gets a buffer (one that has
+                // one already, a guest, cannot be helped so).
+                let loads = k.loads();
+                if kernels[kv].stores.iter().any(|s| loads.contains(&s.buf))
+                    || sites.delayed.contains(&value)
+                {
+                    for &x in &k.nodes {
+                        if g.node(x).inputs.contains(&target)
+                            && x != *k.nodes.last().unwrap_or(&x)
+                            && !m.contains(&x)
+                        {
+                            retry.push(x);
+                        }
                     }
+                    if retry.is_empty() {
+                        return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
+                    }
+                    continue;
                 }
-                if retry.is_empty() {
-                    return Err(Retry::Fail(FuseError::UpdateHazard(name_of(g, target))));
-                }
+                let e = later.entry(value).or_insert(pos_of_kernel[ki]);
+                *e = (*e).max(pos_of_kernel[ki]);
             }
         }
         let k = &kernels[kv];
@@ -1069,7 +1105,53 @@ fn build(
     if !retry.is_empty() {
         return Err(Retry::Materialize(retry));
     }
+    if !later.is_empty() {
+        let after = |p: usize| order.get(p).copied();
+        let pairs = later.into_iter().filter_map(|(v, p)| Some((v, after(p)?)));
+        return Err(Retry::Later(pairs.collect()));
+    }
     Ok(kernels)
+}
+
+/// `order` with each update value of `later` (with the update values its kernel stores
+/// as guests, and what reads them up to there) moved after the node paired with it.
+/// Nothing moved is read by a node left before it, so the order stays topological.
+fn updates_after(
+    g: &Graph,
+    order: &[NodeId],
+    later: &[(NodeId, NodeId)],
+    hosts: &BTreeMap<NodeId, NodeId>,
+) -> Vec<NodeId> {
+    let mut order = order.to_vec();
+    for &(value, after) in later {
+        let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let (Some(&a), Some(&b)) = (pos.get(&value), pos.get(&after)) else {
+            continue;
+        };
+        if b <= a {
+            continue;
+        }
+        let mut moved: BTreeSet<NodeId> = BTreeSet::from([value]);
+        moved.extend(hosts.iter().filter(|&(_, &h)| h == value).map(|(&u, _)| u));
+        let start = moved
+            .iter()
+            .filter_map(|n| pos.get(n).copied())
+            .min()
+            .unwrap_or(a);
+        for &n in &order[start..=b] {
+            if g.node(n).inputs.iter().any(|i| moved.contains(i)) {
+                moved.insert(n);
+            }
+        }
+        let (stay, go): (Vec<NodeId>, Vec<NodeId>) =
+            order[start..=b].iter().partition(|n| !moved.contains(n));
+        let mut next = order[..start].to_vec();
+        next.extend(stay);
+        next.extend(go);
+        next.extend_from_slice(&order[b + 1..]);
+        order = next;
+    }
+    order
 }
 
 fn name_of(g: &Graph, n: NodeId) -> String {

@@ -7,9 +7,10 @@
 //! picks, among ready nodes, the one that allocates least minus frees most (ties: program
 //! order), so gradients are consumed and activations freed as early as their inputs allow;
 //! the result is kept only when it lowers max-live. An optimizer update (written in place
-//! into its param) runs only after every other reader of that param. A micro-batched step
-//! (`--micro-batches K`) runs its micro-batches one after another, and adds each
-//! micro-batch's gradient contributions as they are made.
+//! into its param) runs only after every other reader of that param, and then as soon as
+//! its gradient is ready ([`updates_when_ready`]) where that does not raise max-live. A
+//! micro-batched step (`--micro-batches K`) runs its micro-batches one after another, and
+//! adds each micro-batch's gradient contributions as they are made.
 //! Cost: O(nodes × operands × log nodes), plus the re-ranking of a ready node each time a root
 //! it reads comes down to its last reads.
 
@@ -39,10 +40,205 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     let order = if after < before { listed } else { program };
     if g.ranks.is_some() {
         *g = g.reordered(&collectives_last(g, &order));
-    } else if after < before || micro {
-        *g = g.reordered(&order);
+        return Ok(());
+    }
+    // Updates applied as their gradients are ready, where that does not raise max-live.
+    let mut applied = updates_when_ready(g, &order);
+    if applied != order && liveness(g, &applied).max_live() > before.min(after) {
+        applied.clone_from(&order);
+    }
+    if applied != order || after < before || micro {
+        *g = g.reordered(&applied);
     }
     Ok(())
+}
+
+/// `order` with each optimizer update moved up to where its gradient is complete: the
+/// nodes that only an update reads (its moments, its weight decay, the new value), up to
+/// the gradient the optimizer applies, run just after the last value they need and the
+/// last other reader of the param (or state) the update writes in place. The gradient's
+/// bytes are then free for the rest of the backward pass, so at most the gradients of the
+/// params whose backward pass is under way are live at once, where program order applied
+/// every update after the whole backward pass (the cnn's stage-4 weights, 27 MiB of
+/// gradient, stayed live through stages 3 to 1, its peak). What depends on no moved-up
+/// value (Adam's step count and bias corrections, the states themselves) runs just before
+/// its first reader. The result is checked (same nodes, topological, every update after
+/// every other reader of its target through views); `order` is returned if any check
+/// fails, and unchanged for a step without updates.
+pub(crate) fn updates_when_ready(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
+    if g.updates.is_empty() {
+        return order.to_vec();
+    }
+    let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let gradients: BTreeSet<NodeId> = g.grads.iter().map(|&(_, d)| d).collect();
+    let interface: BTreeSet<NodeId> = g.outputs.iter().map(|&(_, o)| o).collect();
+    let values: BTreeMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();
+    // The cone of the updates: what they read, back to the gradients, stopping at inputs
+    // and at anything another value reads.
+    let mut cone: BTreeSet<NodeId> = BTreeSet::new();
+    let mut stack: Vec<NodeId> = values.keys().copied().collect();
+    while let Some(n) = stack.pop() {
+        if interface.contains(&n) || !cone.insert(n) {
+            continue;
+        }
+        if matches!(g.node(n).op, Op::Input { .. }) || gradients.contains(&n) {
+            continue;
+        }
+        stack.extend(g.node(n).inputs.iter().copied());
+    }
+    // Moved: cone nodes all of whose readers move too (latest first, so readers are known).
+    let mut moved: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().rev() {
+        if cone.contains(&n)
+            && !matches!(g.node(n).op, Op::Input { .. })
+            && g.users(n).iter().all(|u| moved.contains(u))
+        {
+            moved.insert(n);
+        }
+    }
+    if moved.is_empty() {
+        return order.to_vec();
+    }
+    // The readers of each update's target, through views.
+    let targets: BTreeSet<NodeId> = g.updates.iter().map(|&(t, _)| t).collect();
+    let mut readers: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    for &n in order {
+        for &i in &g.node(n).inputs {
+            let r = view_root(g, i);
+            if targets.contains(&r) {
+                readers.entry(r).or_default().push(n);
+            }
+        }
+    }
+    // Each moved node's anchor: the position after which it runs (`None`: it floats, and
+    // runs just before its first reader).
+    let mut anchor: BTreeMap<NodeId, Option<usize>> = BTreeMap::new();
+    for &n in order.iter().filter(|n| moved.contains(n)) {
+        let at = |x: &NodeId| {
+            if moved.contains(x) {
+                anchor.get(x).copied().flatten()
+            } else {
+                pos.get(x).copied()
+            }
+        };
+        let mut a = g.node(n).inputs.iter().filter_map(at).max();
+        if let Some(t) = values.get(&n) {
+            let r = readers
+                .get(t)
+                .into_iter()
+                .flatten()
+                .filter(|&&r| r != n)
+                .filter_map(at)
+                .max();
+            a = a.max(r);
+        }
+        anchor.insert(n, a);
+    }
+    // Then as late as their earliest reader, but never later than `order` ran them: an
+    // update's nodes run together, where its last constraint allows (a momentum read by
+    // its param's new value waits for the param's last reader, so fusion still computes
+    // both in one kernel), and a gradient the schedule ran early stays there.
+    for &n in order.iter().rev().filter(|n| moved.contains(n)) {
+        let latest = g
+            .users(n)
+            .iter()
+            .filter_map(|u| anchor.get(u).copied().flatten())
+            .min();
+        let (Some(Some(a)), Some(l), Some(&p)) = (anchor.get(&n).copied(), latest, pos.get(&n))
+        else {
+            continue;
+        };
+        let l = l.min(p.saturating_sub(1));
+        if l > a {
+            anchor.insert(n, Some(l));
+        }
+    }
+    let mut after: BTreeMap<usize, Vec<NodeId>> = BTreeMap::new();
+    for &n in order.iter().filter(|n| moved.contains(n)) {
+        if let Some(Some(a)) = anchor.get(&n) {
+            after.entry(*a).or_default().push(n);
+        }
+    }
+    let mut out: Vec<NodeId> = Vec::with_capacity(order.len());
+    let mut placed: BTreeSet<NodeId> = BTreeSet::new();
+    // Places `n` after its floating operands (each once, operands first).
+    fn place(g: &Graph, n: NodeId, out: &mut Vec<NodeId>, placed: &mut BTreeSet<NodeId>) {
+        let mut stack = vec![(n, false)];
+        while let Some((x, ready)) = stack.pop() {
+            if placed.contains(&x) {
+                continue;
+            }
+            if ready {
+                placed.insert(x);
+                out.push(x);
+                continue;
+            }
+            stack.push((x, true));
+            for &i in g.node(x).inputs.iter().rev() {
+                if !placed.contains(&i) {
+                    stack.push((i, false));
+                }
+            }
+        }
+    }
+    let floating = |n: &NodeId| moved.contains(n) && anchor.get(n) == Some(&None);
+    for (i, &n) in order.iter().enumerate() {
+        if !moved.contains(&n) {
+            // Its operands are unmoved (placed before it) or floating.
+            place(g, n, &mut out, &mut placed);
+        }
+        for &m in after.get(&i).into_iter().flatten() {
+            place(g, m, &mut out, &mut placed);
+        }
+    }
+    // Floating nodes nothing placed reads (none when every update is placed).
+    for &n in order.iter().filter(|n| floating(n)) {
+        place(g, n, &mut out, &mut placed);
+    }
+    if valid_update_order(g, order, &out, &readers) {
+        out
+    } else {
+        order.to_vec()
+    }
+}
+
+/// `new` holds `old`'s nodes once each, in a topological order, and runs every update's
+/// value after every other reader of its target.
+fn valid_update_order(
+    g: &Graph,
+    old: &[NodeId],
+    new: &[NodeId],
+    readers: &BTreeMap<NodeId, Vec<NodeId>>,
+) -> bool {
+    let at: BTreeMap<NodeId, usize> = new.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    if new.len() != old.len() || at.len() != old.len() || old.iter().any(|n| !at.contains_key(n)) {
+        return false;
+    }
+    let topological = new.iter().enumerate().all(|(i, &n)| {
+        g.node(n)
+            .inputs
+            .iter()
+            .all(|x| at.get(x).is_some_and(|&j| j < i))
+    });
+    topological
+        && g.updates.iter().all(|&(t, v)| {
+            readers
+                .get(&t)
+                .into_iter()
+                .flatten()
+                .all(|r| *r == v || at.get(r) < at.get(&v))
+        })
+}
+
+/// The storage a value reads: through views, the node whose buffer they are.
+fn view_root(g: &Graph, mut n: NodeId) -> NodeId {
+    while g.node(n).op.is_view_candidate() {
+        match g.node(n).inputs.first() {
+            Some(&i) => n = i,
+            None => break,
+        }
+    }
+    n
 }
 
 /// The micro-batch during which each node of `order` (a topological order of a

@@ -661,11 +661,13 @@ fn products_after_hosts(h: &Graph) -> Graph {
         order = next;
         moved_products.insert(p);
     }
-    if moved_products.is_empty() {
+    // An update above a reader of its param (or of a clone of one) runs after it.
+    let unmoved = moved_products.is_empty();
+    let before = unmoved.then(|| order.clone());
+    let order = updates_last(h, order);
+    if before.as_ref() == Some(&order) {
         return h.clone();
     }
-    // An update moved above a reader of its param runs after it again.
-    let order = updates_last(h, order);
     h.reordered(&order)
 }
 
@@ -722,8 +724,27 @@ fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
                 moved.insert(n);
             }
         }
-        // Readers of the param (through views) that are not part of it.
-        let reads = |n: NodeId| h.node(n).inputs.iter().any(|&i| view_root(h, i) == target);
+        // Recomputed values read from the param: fusion stores such a clone by a later
+        // kernel, or computes it inside its readers, so the param is read where they are.
+        let mut clones: BTreeSet<NodeId> = BTreeSet::new();
+        for &n in &order {
+            let node = h.node(n);
+            if node.recomputed.is_some()
+                && node
+                    .inputs
+                    .iter()
+                    .any(|&i| view_root(h, i) == target || clones.contains(&view_root(h, i)))
+            {
+                clones.insert(n);
+            }
+        }
+        // Readers of the param (through views and clones) that are not part of it.
+        let reads = |n: NodeId| {
+            h.node(n).inputs.iter().any(|&i| {
+                let r = view_root(h, i);
+                r == target || clones.contains(&r)
+            })
+        };
         let last = order
             .iter()
             .enumerate()
