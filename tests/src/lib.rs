@@ -113,6 +113,27 @@ pub fn tdsl_files(rel_dir: &str) -> Vec<PathBuf> {
     v
 }
 
+/// The scheduled training step of a repository file (as `tcc remat` and `tcc build` make
+/// it), with `sets` overriding its constants (`("B", "8")`).
+pub fn scheduled_step(file: &str, sets: &[(&str, &str)]) -> tcc::ir::Graph {
+    let p = root().join(file);
+    let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let sets: Vec<(String, String)> = sets
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    tcc::cli::remat_cmd::step_graph(
+        &p,
+        &bytes,
+        &sets,
+        &None,
+        true,
+        Default::default(),
+        Default::default(),
+    )
+    .unwrap_or_else(|e| panic!("{file}: {e}"))
+}
+
 /// Compiles a source and runs the pipeline from `lower` to `schedule` (the program stages
 /// before `remat`) on its single model, verifying after every stage.
 pub fn compile_pipeline(src: &str, opts: &Options) -> Result<tcc::ir::Graph, String> {

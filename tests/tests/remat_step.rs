@@ -4,27 +4,11 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 use tcc::artifact::{self, CompileOptions};
-use tcc::cli::remat_cmd::step_graph;
 use tcc::remat::step::{self, AutoOptions, RematError};
 use tcc_tests::{cpu_steps, params_rel_err, rel_err};
 
 fn graph(file: &str, sets: &[(&str, &str)]) -> tcc::ir::Graph {
-    let p = tcc_tests::root().join(file);
-    let bytes = std::fs::read(&p).unwrap();
-    let sets: Vec<(String, String)> = sets
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    step_graph(
-        &p,
-        &bytes,
-        &sets,
-        &None,
-        true,
-        Default::default(),
-        Default::default(),
-    )
-    .unwrap()
+    tcc_tests::scheduled_step(file, sets)
 }
 
 const GPT: &[(&str, &str)] = &[

@@ -5,31 +5,19 @@
 
 use std::collections::BTreeSet;
 use tcc::artifact::{self, CompileOptions};
-use tcc::cli::remat_cmd::step_graph;
 use tcc::ir::{Graph, NodeId, Op};
 use tcc::kernel::Kernel;
 use tcc::remat::step;
 use tcc_runtime::Device;
 use tcc_tests::{cpu_steps, device_options, eager_steps, params_rel_err, rel_err};
 
+/// The scheduled step of `file` with `sets` (`"B=8 C=16"`).
 fn graph(file: &str, sets: &str) -> Graph {
-    let p = tcc_tests::root().join(file);
-    let bytes = std::fs::read(&p).unwrap();
-    let sets: Vec<(String, String)> = sets
+    let sets: Vec<(&str, &str)> = sets
         .split_whitespace()
         .filter_map(|kv| kv.split_once('='))
-        .map(|(a, b)| (a.to_string(), b.to_string()))
         .collect();
-    step_graph(
-        &p,
-        &bytes,
-        &sets,
-        &None,
-        true,
-        Default::default(),
-        Default::default(),
-    )
-    .unwrap()
+    tcc_tests::scheduled_step(file, &sets)
 }
 
 /// The step as `tcc build` plans it for `device`: free recomputation, then the kernels.

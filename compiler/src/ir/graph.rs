@@ -293,6 +293,18 @@ impl Graph {
         self.graph.node_indices().map(NodeId)
     }
 
+    /// The node whose buffer `n` reads through a chain of views (`n` itself when it is no
+    /// view candidate; a param is never a view, so a param's views lead to it).
+    pub fn view_root(&self, mut n: NodeId) -> NodeId {
+        while self.node(n).op.is_view_candidate() {
+            match self.node(n).inputs.first() {
+                Some(&i) => n = i,
+                None => break,
+            }
+        }
+        n
+    }
+
     /// The nodes that read `id`'s result, each once, in id order.
     pub fn users(&self, id: NodeId) -> Vec<NodeId> {
         let mut v: Vec<NodeId> = self

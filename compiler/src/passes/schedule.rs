@@ -104,7 +104,7 @@ pub(crate) fn updates_when_ready(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     let mut readers: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
     for &n in order {
         for &i in &g.node(n).inputs {
-            let r = view_root(g, i);
+            let r = g.view_root(i);
             if targets.contains(&r) {
                 readers.entry(r).or_default().push(n);
             }
@@ -228,17 +228,6 @@ fn valid_update_order(
                 .flatten()
                 .all(|r| *r == v || at.get(r) < at.get(&v))
         })
-}
-
-/// The storage a value reads: through views, the node whose buffer they are.
-fn view_root(g: &Graph, mut n: NodeId) -> NodeId {
-    while g.node(n).op.is_view_candidate() {
-        match g.node(n).inputs.first() {
-            Some(&i) => n = i,
-            None => break,
-        }
-    }
-    n
 }
 
 /// The micro-batch during which each node of `order` (a topological order of a

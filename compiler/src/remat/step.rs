@@ -103,18 +103,6 @@ fn evictable(g: &Graph, n: NodeId, alias: bool) -> bool {
         && !g.updates.iter().any(|(t, v)| *t == n || *v == n)
 }
 
-/// The operand a chain of views reads (a param is never a view, so a param's views lead
-/// to it).
-fn view_root(g: &Graph, mut n: NodeId) -> NodeId {
-    while g.node(n).op.is_view_candidate() {
-        match g.node(n).inputs.first() {
-            Some(&i) => n = i,
-            None => break,
-        }
-    }
-    n
-}
-
 /// The storage root of a chain of views among `views`.
 fn root_in(g: &Graph, views: &BTreeSet<NodeId>, mut n: NodeId) -> NodeId {
     while views.contains(&n) {
@@ -455,7 +443,7 @@ pub fn free_candidates(g: &Graph) -> BTreeSet<NodeId> {
     // Forward views of evicted values go with them.
     for &n in &order {
         let node = g.node(n);
-        if !node.backward && node.op.is_view_candidate() && evict.contains(&view_root(g, n)) {
+        if !node.backward && node.op.is_view_candidate() && evict.contains(&g.view_root(n)) {
             evict.insert(n);
         }
     }
@@ -529,7 +517,7 @@ pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), B
         if costly.is_empty() {
             break;
         }
-        evict.retain(|&n| !costly.contains(&view_root(g, n)));
+        evict.retain(|&n| !costly.contains(&g.view_root(n)));
         if evict.iter().all(|&n| g.node(n).op.is_view_candidate()) {
             break;
         }
@@ -733,7 +721,7 @@ fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
                 && node
                     .inputs
                     .iter()
-                    .any(|&i| view_root(h, i) == target || clones.contains(&view_root(h, i)))
+                    .any(|&i| h.view_root(i) == target || clones.contains(&h.view_root(i)))
             {
                 clones.insert(n);
             }
@@ -741,7 +729,7 @@ fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
         // Readers of the param (through views and clones) that are not part of it.
         let reads = |n: NodeId| {
             h.node(n).inputs.iter().any(|&i| {
-                let r = view_root(h, i);
+                let r = h.view_root(i);
                 r == target || clones.contains(&r)
             })
         };
