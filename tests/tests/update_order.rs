@@ -20,13 +20,16 @@ fn graph(file: &str, sets: &str) -> Graph {
     tcc_tests::scheduled_step(file, &sets)
 }
 
-/// The step as `tcc build` plans it for `device`: free recomputation, then the kernels.
+/// The step as `tcc build` plans it for `device`: free recomputation, then the kernels,
+/// verified.
 fn kernels(g: &Graph, device: Device) -> (Graph, Vec<Kernel>) {
     let opts = CompileOptions {
         ..device_options(device, true)
     };
     let (h, _) = step::free(g, &opts).unwrap();
     let p = artifact::plan_step(&h, &opts).unwrap();
+    // No kernel reads a param or state after the kernel writing its new value.
+    tcc::kernel::verify::verify_kernels(&p.graph, &p.fused).unwrap();
     (p.graph, p.fused.kernels)
 }
 

@@ -198,16 +198,11 @@ fn fuse_forcing(
                 }
             }
             Err(Retry::Later(later)) => {
+                // Moved or not (every node between may depend on the update), each of
+                // these updates is delayed now: a hazard for it again materializes the
+                // reader next round.
                 delayed.extend(later.iter().map(|l| l.0));
-                let next = updates_after(g, &order, &later, &stores.hosts);
-                if next == order {
-                    let first = later.first().map(|l| l.0);
-                    let target = g.updates.iter().find(|u| Some(u.1) == first);
-                    return Err(FuseError::UpdateHazard(
-                        target.map_or_else(String::new, |u| name_of(g, u.0)),
-                    ));
-                }
-                order = next;
+                order = updates_after(g, &order, &later, &stores.hosts);
             }
             Err(Retry::Fail(e)) => return Err(e),
         }

@@ -649,13 +649,11 @@ fn products_after_hosts(h: &Graph) -> Graph {
         order = next;
         moved_products.insert(p);
     }
-    // An update above a reader of its param (or of a clone of one) runs after it.
-    let unmoved = moved_products.is_empty();
-    let before = unmoved.then(|| order.clone());
-    let order = updates_last(h, order);
-    if before.as_ref() == Some(&order) {
+    if moved_products.is_empty() {
         return h.clone();
     }
+    // An update moved above a reader of its param runs after it again.
+    let order = updates_last(h, order);
     h.reordered(&order)
 }
 
