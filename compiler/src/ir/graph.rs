@@ -118,6 +118,21 @@ pub struct TrainSpec {
     pub span: Span,
 }
 
+/// Moves the nodes of `moved` within `order[range]` after the range's other nodes, each
+/// part in its own order (a schedule's reordering: what a node feeds runs after it).
+pub fn sink(
+    order: &mut [NodeId],
+    range: std::ops::RangeInclusive<usize>,
+    moved: &std::collections::BTreeSet<NodeId>,
+) {
+    let Some(part) = order.get_mut(range) else {
+        return;
+    };
+    let (mut stay, go): (Vec<NodeId>, Vec<NodeId>) = part.iter().partition(|n| !moved.contains(n));
+    stay.extend(go);
+    part.copy_from_slice(&stay);
+}
+
 /// One compiled model: the graph plus its interface.
 #[derive(Clone, Debug, Default)]
 pub struct Graph {

@@ -1138,13 +1138,7 @@ fn updates_after(
                 moved.insert(n);
             }
         }
-        let (stay, go): (Vec<NodeId>, Vec<NodeId>) =
-            order[start..=b].iter().partition(|n| !moved.contains(n));
-        let mut next = order[..start].to_vec();
-        next.extend(stay);
-        next.extend(go);
-        next.extend_from_slice(&order[b + 1..]);
-        order = next;
+        crate::ir::sink(&mut order, start..=b, &moved);
     }
     order
 }

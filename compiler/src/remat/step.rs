@@ -640,13 +640,7 @@ fn products_after_hosts(h: &Graph) -> Graph {
         }
         feeds(end, &mut fed);
         // Everything between that the product feeds moves after the chain, in order.
-        let (stay, moved): (Vec<NodeId>, Vec<NodeId>) =
-            order[at..=end].iter().partition(|n| !fed.contains(n));
-        let mut next = order[..at].to_vec();
-        next.extend(stay);
-        next.extend(moved);
-        next.extend_from_slice(&order[end + 1..]);
-        order = next;
+        crate::ir::sink(&mut order, at..=end, &fed);
         moved_products.insert(p);
     }
     if moved_products.is_empty() {
@@ -743,12 +737,7 @@ fn updates_last(h: &Graph, mut order: Vec<NodeId>) -> Vec<NodeId> {
         if first > last {
             continue;
         }
-        let (early, rest): (Vec<NodeId>, Vec<NodeId>) =
-            order[..=last].iter().partition(|n| !moved.contains(n));
-        let mut next = early;
-        next.extend(rest);
-        next.extend_from_slice(&order[last + 1..]);
-        order = next;
+        crate::ir::sink(&mut order, 0..=last, &moved);
     }
     order
 }
