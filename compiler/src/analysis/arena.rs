@@ -22,6 +22,11 @@
 //!   Depth-first search is heavy-tailed, so it restarts with a doubling node limit and a
 //!   round robin of three static orders; restarts run on a few threads.
 //!
+//! Past [`MAX_PROBLEM`] pairs of buffers live at the same time (a long unrolled loop keeps
+//! thousands of activations live through its backward pass), both greedy solvers are
+//! quadratic and the search refuses the problem: [`plan`] then places the buffers with
+//! one [`sweep`] in time order, as an allocator running the program would (O(n log n)).
+//!
 //! [`plan`] runs the greedy solvers, then searches capacities between the lower bound
 //! (max-live, or the largest buffer) and the best greedy result within a budget: first
 //! the lower bound itself (with 60% of the budget), then bisection over multiples of the
@@ -299,6 +304,139 @@ pub fn greedy(
             index.insert(i, iv.upper);
             by_offset.insert((off, off.saturating_add(iv.size), i));
         }
+    }
+    Placement {
+        offsets,
+        size,
+        method,
+    }
+}
+
+/// Pairs of buffers live at the same time, counted up to `cap` (the count stops there).
+/// O(n log n).
+pub fn overlapping_pairs(intervals: &[Interval], cap: u64) -> u64 {
+    let mut events: Vec<(u64, bool)> = Vec::with_capacity(intervals.len() * 2);
+    for iv in intervals.iter().filter(|iv| iv.size > 0 && iv.is_live()) {
+        events.push((iv.lower, true));
+        events.push((iv.upper, false));
+    }
+    // Ends before starts at the same instant (half-open lifetimes): `false` sorts first.
+    events.sort_unstable();
+    let (mut active, mut pairs) = (0u64, 0u64);
+    for (_, start) in events {
+        if start {
+            // The buffer meets every one live when it starts, and each pair is counted
+            // once: by the later-starting buffer.
+            pairs = pairs.saturating_add(active);
+            if pairs > cap {
+                return pairs;
+            }
+            active += 1;
+        } else {
+            active = active.saturating_sub(1);
+        }
+    }
+    pairs
+}
+
+/// Placement in order of start, as an allocator running the program would do it: at each
+/// start, the buffers that ended give their bytes back (merged with free neighbours), and
+/// the new buffer takes the smallest free range it fits in (the lowest such), else goes on
+/// top. O(n log n) whatever the overlap, where [`greedy`] visits every placed buffer a new
+/// one overlaps: [`plan`] uses this one for problems too large for those.
+pub fn sweep(intervals: &[Interval], align: u64, method: &'static str) -> Placement {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let align = align.max(1);
+    let n = intervals.len();
+    let mut offsets = vec![0u64; n];
+    let mut size = 0u64;
+    let mut order: Vec<usize> = Vec::with_capacity(n);
+    for (i, iv) in intervals.iter().enumerate() {
+        if iv.size > 0 && iv.is_live() {
+            order.push(i);
+        } else {
+            // Never live: offset 0, only has to fit.
+            size = size.max(iv.size);
+        }
+    }
+    order.sort_by_key(|&i| (intervals[i].lower, i));
+    // Live buffers by end; free ranges `[start, end)` below `top`, by start and by
+    // (length, start).
+    let mut ends: BinaryHeap<Reverse<(u64, usize)>> = BinaryHeap::new();
+    let mut by_start: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let mut by_len: BTreeSet<(u64, u64)> = BTreeSet::new();
+    let mut top = 0u64;
+    for &i in &order {
+        let iv = intervals[i];
+        while let Some(&Reverse((end, j))) = ends.peek() {
+            if end > iv.lower {
+                break;
+            }
+            ends.pop();
+            let (mut a, mut b) = (offsets[j], offsets[j].saturating_add(intervals[j].size));
+            // Merge with the free ranges touching it.
+            if let Some(&(s, e)) = by_start.range(..(a, u64::MAX)).next_back() {
+                if e == a {
+                    by_start.remove(&(s, e));
+                    by_len.remove(&(e - s, s));
+                    a = s;
+                }
+            }
+            if let Some(&(s, e)) = by_start.range((b, 0)..).next() {
+                if s == b {
+                    by_start.remove(&(s, e));
+                    by_len.remove(&(e - s, s));
+                    b = e;
+                }
+            }
+            if b >= top {
+                top = a;
+            } else {
+                by_start.insert((a, b));
+                by_len.insert((b - a, a));
+            }
+        }
+        // Smallest free range that fits once its start is aligned, the lowest on ties.
+        let mut best: Option<(u64, u64, u64)> = None; // (usable length, offset, range start)
+        for &(len, s) in by_len.range((iv.size, 0)..) {
+            // Aligning the start loses less than `align` bytes: no longer range can do
+            // better.
+            if best.is_some_and(|(l, ..)| len >= l.saturating_add(align)) {
+                break;
+            }
+            let o = round_up(s, align);
+            let usable = (s + len).saturating_sub(o);
+            if usable >= iv.size && best.is_none_or(|(l, bo, _)| (usable, o) < (l, bo)) {
+                best = Some((usable, o, s));
+            }
+        }
+        let off = match best {
+            Some((_, o, s)) => {
+                let e = by_start.range((s, 0)..).next().map_or(s, |&(_, e)| e);
+                by_start.remove(&(s, e));
+                by_len.remove(&(e - s, s));
+                for (a, b) in [(s, o), (o + iv.size, e)] {
+                    if b > a {
+                        by_start.insert((a, b));
+                        by_len.insert((b - a, a));
+                    }
+                }
+                o
+            }
+            None => {
+                let o = round_up(top, align);
+                if o > top {
+                    by_start.insert((top, o));
+                    by_len.insert((o - top, top));
+                }
+                top = o.saturating_add(iv.size);
+                o
+            }
+        };
+        offsets[i] = off;
+        size = size.max(off.saturating_add(iv.size));
+        ends.push(Reverse((iv.upper, i)));
     }
     Placement {
         offsets,
@@ -1049,10 +1187,21 @@ fn search_with(
 pub struct PlanReport {
     pub placement: Placement,
     pub lower_bound: u64,
-    pub greedy_by_size: u64,
-    pub greedy_by_lifetime: u64,
+    /// The heuristics that ran before any search, with the arena each gave.
+    pub heuristics: Vec<(&'static str, u64)>,
     /// True when the arena equals the lower bound or the search proved nothing smaller fits.
     pub optimal: bool,
+}
+
+impl PlanReport {
+    /// The smallest arena a heuristic gave (what the search started from).
+    pub fn best_heuristic(&self) -> u64 {
+        self.heuristics
+            .iter()
+            .map(|&(_, size)| size)
+            .min()
+            .unwrap_or(self.placement.size)
+    }
 }
 
 /// Greedy solvers, then the skyline search within the work `budget` allows ([`work_of`];
@@ -1077,6 +1226,21 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
             i,
         )
     });
+    let lb_live = max_live(intervals);
+    if overlapping_pairs(intervals, MAX_PROBLEM as u64) > MAX_PROBLEM as u64 {
+        // Too many buffers live together for the greedy solvers (quadratic then) and the
+        // search (which would refuse the problem): one sweep in time order.
+        let placement = sweep(intervals, align, "sweep in time order");
+        let step = granularity(intervals, align);
+        let largest = intervals.iter().map(|v| v.size).max().unwrap_or(0);
+        let lb = round_up(lb_live.max(largest), step).min(placement.size);
+        return PlanReport {
+            optimal: placement.size <= lb,
+            heuristics: vec![(placement.method, placement.size)],
+            placement,
+            lower_bound: lb,
+        };
+    }
     let a = greedy(intervals, &by_size, align, "greedy by size");
     let b = greedy(intervals, &by_life, align, "greedy by lifetime");
     let (gs, gl) = (a.size, b.size);
@@ -1084,7 +1248,7 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
     // Only capacities that are multiples of `step` need trying (see `granularity`).
     let step = granularity(intervals, align);
     let largest = intervals.iter().map(|v| v.size).max().unwrap_or(0);
-    let lb = round_up(max_live(intervals).max(largest), step).min(best.size);
+    let lb = round_up(lb_live.max(largest), step).min(best.size);
     // Capacities below `lo` are ruled out (proved infeasible while `proved`); `hi` fits.
     let (mut lo, mut hi) = (lb, best.size);
     let mut proved = true;
@@ -1119,8 +1283,7 @@ pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport 
     PlanReport {
         placement: best,
         lower_bound: lb,
-        greedy_by_size: gs,
-        greedy_by_lifetime: gl,
+        heuristics: vec![("greedy by size", gs), ("greedy by lifetime", gl)],
         optimal,
     }
 }
@@ -1440,7 +1603,7 @@ mod tests {
                 max_live(&v) <= r.lower_bound && r.lower_bound <= size,
                 "{v:?}"
             );
-            assert!(size <= r.greedy_by_size.min(r.greedy_by_lifetime), "{v:?}");
+            assert!(size <= r.best_heuristic(), "{v:?}");
             if r.optimal && size > r.lower_bound {
                 // Only a proof can claim it: then one byte less must not fit.
                 assert_eq!(search(&v, size - 1, align, LONG), SearchOutcome::Infeasible);
@@ -1509,7 +1672,7 @@ mod tests {
         let r = plan(&v, 1, Duration::from_millis(50));
         verify(&v, &r.placement, 1).unwrap();
         assert_eq!(r.placement.method, "skyline search");
-        assert!(r.placement.size < r.greedy_by_size.min(r.greedy_by_lifetime));
+        assert!(r.placement.size < r.best_heuristic());
     }
 
     /// The greedy with its time index against a plain quadratic scan.
@@ -1574,6 +1737,92 @@ mod tests {
             assert_eq!(g.offsets, plain(&v, &order, align));
             verify(&v, &g, align).unwrap();
         }
+    }
+
+    /// The sweep against the policy it implements, computed plainly: at each start (in
+    /// start order), the free ranges are the holes between the live buffers below the
+    /// highest one; the smallest that fits once aligned (the lowest on ties), else on top.
+    #[test]
+    fn sweep_matches_a_plain_allocator() {
+        fn plain(v: &[Interval], align: u64) -> Vec<u64> {
+            let mut offsets = vec![0u64; v.len()];
+            let mut order: Vec<usize> = (0..v.len())
+                .filter(|&i| v[i].size > 0 && v[i].is_live())
+                .collect();
+            order.sort_by_key(|&i| (v[i].lower, i));
+            for (k, &i) in order.iter().enumerate() {
+                let mut busy: Vec<(u64, u64)> = order[..k]
+                    .iter()
+                    .filter(|&&j| v[j].upper > v[i].lower)
+                    .map(|&j| (offsets[j], offsets[j] + v[j].size))
+                    .collect();
+                busy.sort_unstable();
+                let (mut best, mut cursor) = (None::<(u64, u64)>, 0u64);
+                for (s, e) in busy {
+                    if s > cursor {
+                        let o = round_up(cursor, align);
+                        let usable = s.saturating_sub(o);
+                        if usable >= v[i].size && best.is_none_or(|b| (usable, o) < b) {
+                            best = Some((usable, o));
+                        }
+                    }
+                    cursor = cursor.max(e);
+                }
+                offsets[i] = best.map_or(round_up(cursor, align), |(_, o)| o);
+            }
+            offsets
+        }
+        let mut rng = Rng(7);
+        for round in 0..300 {
+            let n = rng.below(120) as usize;
+            let mut v = random_instance(&mut rng, n, 60, 48);
+            if n > 0 && round % 3 == 0 {
+                v[0].upper = v[0].lower; // never live
+                let k = rng.below(n as u64) as usize;
+                v[k].size = 0;
+            }
+            let align = [1, 8, 16][round % 3];
+            let p = sweep(&v, align, "test");
+            assert_eq!(p.offsets, plain(&v, align), "round {round}");
+            verify(&v, &p, align).unwrap();
+        }
+    }
+
+    #[test]
+    fn overlapping_pairs_are_counted_once() {
+        let mut rng = Rng(5);
+        for _ in 0..50 {
+            let n = rng.below(60) as usize;
+            let v = random_instance(&mut rng, n, 30, 4);
+            let mut want = 0u64;
+            for a in 0..n {
+                for b in a + 1..n {
+                    want += (v[a].size > 0 && v[b].size > 0 && v[a].overlaps(&v[b])) as u64;
+                }
+            }
+            assert_eq!(overlapping_pairs(&v, u64::MAX), want);
+            if want > 0 {
+                // The count stops once past its cap.
+                assert!(overlapping_pairs(&v, want - 1) > want - 1);
+            }
+        }
+    }
+
+    /// Past [`MAX_PROBLEM`] overlapping pairs (a long unrolled loop keeps thousands of
+    /// activations live at once) the plan is one sweep, at once; nested lifetimes stack up
+    /// to exactly the lower bound.
+    #[test]
+    fn too_many_overlapping_pairs_are_swept() {
+        let n = 3000u64;
+        let mut v: Vec<Interval> = (0..n).map(|k| iv(k, 2 * n - k, 256)).collect();
+        // Short-lived ones in between, reusing what the nested ones leave.
+        v.extend((0..n).map(|k| iv(n + k, n + k + 1, 512)));
+        assert!(overlapping_pairs(&v, u64::MAX) > MAX_PROBLEM as u64);
+        let r = plan(&v, 256, Duration::from_millis(50));
+        verify(&v, &r.placement, 256).unwrap();
+        assert_eq!(r.placement.method, "sweep in time order");
+        assert_eq!(r.placement.size, max_live(&v));
+        assert!(r.optimal);
     }
 
     #[test]

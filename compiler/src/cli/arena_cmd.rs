@@ -57,13 +57,17 @@ pub fn run(args: &ArenaArgs) -> Result<(), String> {
         .and_then(|c| c.parse().ok());
     let a = report.placement.size;
     let mut line = format!(
-        "{}: {} buffers  arena {a}  lower bound {}  ({:+.2}% over)  greedy {} / {}  by {}  {:.3} s{}",
+        "{}: {} buffers  arena {a}  lower bound {}  ({:+.2}% over)  {}  by {}  {:.3} s{}",
         args.file.display(),
         intervals.len(),
         report.lower_bound,
         pct(a, report.lower_bound),
-        report.greedy_by_size,
-        report.greedy_by_lifetime,
+        report
+            .heuristics
+            .iter()
+            .map(|(m, size)| format!("{m} {size}"))
+            .collect::<Vec<_>>()
+            .join(" / "),
         report.placement.method,
         secs,
         if report.optimal { "  optimal" } else { "" }
