@@ -17,8 +17,8 @@
 //! layer's input gradient and its weight gradient, an optimizer update and the backward
 //! pass of earlier layers) may then overlap, and wave tails of one fill with another.
 //!
-//! Cost: O(n² · r) for `n` kernels of at most `r` byte ranges each, plus `n²/64` words of
-//! ancestor bitsets.
+//! Cost: near-linear in the kernels' byte ranges to find the conflicts (see [`deps_of`]),
+//! plus the ancestor bitsets that keep only the direct ones.
 
 use crate::ir::NodeId;
 use crate::kernel::Kernel;
@@ -42,6 +42,7 @@ impl Ranges {
         Ranges(out)
     }
 
+    #[cfg(test)]
     fn overlaps(&self, other: &Ranges) -> bool {
         let (mut i, mut j) = (0, 0);
         while i < self.0.len() && j < other.0.len() {
@@ -89,6 +90,9 @@ fn footprint(k: &Kernel, plan: &Plan, scratch: Option<(u64, u64)>) -> Footprint 
     }
 }
 
+/// Whether a later kernel must follow an earlier one (the pairwise definition, which the
+/// tests check [`deps_of`] against).
+#[cfg(test)]
 fn conflict(later: &Footprint, earlier: &Footprint) -> bool {
     later.reads.overlaps(&earlier.writes)
         || later.writes.overlaps(&earlier.reads)
@@ -109,30 +113,150 @@ pub fn launch_deps(
         .enumerate()
         .map(|(i, k)| footprint(k, plan, scratch.get(i).copied().flatten()))
         .collect();
-    let words = kernels.len().div_ceil(64);
-    // ancestors[i]: bit j set when kernel j must finish before kernel i starts.
-    let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(kernels.len());
-    let mut deps = Vec::with_capacity(kernels.len());
+    deps_of(&prints)
+}
+
+/// The direct dependencies of each footprint (see [`launch_deps`]).
+///
+/// Only some conflicting kernels are candidates: the last writer of each byte a kernel
+/// reads or writes, and the readers of a byte it writes since that byte's last write.
+/// Every other conflicting kernel is an ancestor of a later candidate (an earlier writer
+/// of a byte conflicts with its last writer, an earlier reader with the write after it),
+/// so the candidates that are no other's ancestor are exactly the conflicting kernels that
+/// are none's. Cost: O(n log n) in the arena's byte segments, plus n²/64 words of
+/// ancestor bitsets to build, stored without their leading run of ancestors (a step is
+/// mostly a chain, so what is kept stays small).
+fn deps_of(prints: &[Footprint]) -> Vec<Vec<u32>> {
+    let n = prints.len();
+    let mut bytes = Segments::new();
+    let mut ancestors: Vec<Ancestors> = Vec::with_capacity(n);
+    let mut deps = Vec::with_capacity(n);
+    let mut candidates: Vec<u32> = Vec::new();
+    let mut cur: Vec<u64> = Vec::new();
     for (i, p) in prints.iter().enumerate() {
-        let mut anc = vec![0u64; words];
+        candidates.clear();
+        bytes.conflicts(p, &mut candidates);
+        candidates.sort_unstable();
+        candidates.dedup();
+        // `cur`: this kernel's ancestors so far, words `[0, i/64]`; words below `full`
+        // are all ones.
+        cur.clear();
+        cur.resize(i / 64 + 1, 0);
+        let mut full = 0usize;
         let mut direct = Vec::new();
-        // Latest first: an earlier conflict that a later dependency already implies is
-        // in `anc` by the time it is reached.
-        for j in (0..i).rev() {
-            if anc[j / 64] >> (j % 64) & 1 == 1 || !conflict(p, &prints[j]) {
+        // Latest first: an earlier candidate that a later dependency already implies is
+        // in `cur` by the time it is reached.
+        for &j in candidates.iter().rev() {
+            let ju = j as usize;
+            if cur[ju / 64] >> (ju % 64) & 1 == 1 {
                 continue;
             }
-            direct.push(j as u32);
-            anc[j / 64] |= 1 << (j % 64);
-            for (w, a) in anc.iter_mut().zip(&ancestors[j]) {
-                *w |= a;
+            direct.push(j);
+            cur[ju / 64] |= 1 << (ju % 64);
+            let a = &ancestors[ju];
+            if a.full > full {
+                cur[full..a.full].fill(u64::MAX);
+                full = a.full;
+            }
+            for (w, b) in cur[a.full..].iter_mut().zip(&a.tail) {
+                *w |= b;
             }
         }
         direct.reverse();
-        ancestors.push(anc);
+        ancestors.push(Ancestors::compact(&cur));
         deps.push(direct);
+        bytes.record(i as u32, p);
     }
     deps
+}
+
+/// A kernel's ancestors: every kernel below `64 * full`, and the bits of `tail` from
+/// there.
+struct Ancestors {
+    full: usize,
+    tail: Vec<u64>,
+}
+
+impl Ancestors {
+    fn compact(words: &[u64]) -> Ancestors {
+        let full = words.iter().take_while(|&&w| w == u64::MAX).count();
+        let mut tail = words[full..].to_vec();
+        while tail.last() == Some(&0) {
+            tail.pop();
+        }
+        Ancestors { full, tail }
+    }
+}
+
+/// The arena cut into byte segments `[start, end)`, each with its last writer and the
+/// kernels that read it since. The segments cover every byte (the first starts at 0, the
+/// last ends at `u64::MAX`).
+struct Segments(std::collections::BTreeMap<u64, Segment>);
+
+#[derive(Clone)]
+struct Segment {
+    end: u64,
+    writer: Option<u32>,
+    readers: Vec<u32>,
+}
+
+impl Segments {
+    fn new() -> Segments {
+        let all = Segment {
+            end: u64::MAX,
+            writer: None,
+            readers: Vec::new(),
+        };
+        Segments(std::iter::once((0, all)).collect())
+    }
+
+    /// Makes `at` the start of a segment.
+    fn split(&mut self, at: u64) {
+        let Some((&start, seg)) = self.0.range_mut(..=at).next_back() else {
+            return;
+        };
+        if start == at || seg.end <= at {
+            return;
+        }
+        let upper = seg.clone();
+        seg.end = at;
+        self.0.insert(at, upper);
+    }
+
+    /// The segments of `[s, e)`, split at its ends.
+    fn cover(&mut self, (s, e): (u64, u64)) -> impl Iterator<Item = &mut Segment> {
+        self.split(s);
+        self.split(e);
+        self.0.range_mut(s..e).map(|(_, seg)| seg)
+    }
+
+    /// Pushes the candidates of a kernel with footprint `p` (see [`deps_of`]).
+    fn conflicts(&mut self, p: &Footprint, out: &mut Vec<u32>) {
+        for &r in &p.reads.0 {
+            out.extend(self.cover(r).filter_map(|seg| seg.writer));
+        }
+        for &w in &p.writes.0 {
+            for seg in self.cover(w) {
+                out.extend(seg.writer);
+                out.extend_from_slice(&seg.readers);
+            }
+        }
+    }
+
+    /// Records kernel `i`'s reads, then its writes (which start each segment afresh).
+    fn record(&mut self, i: u32, p: &Footprint) {
+        for &r in &p.reads.0 {
+            for seg in self.cover(r) {
+                seg.readers.push(i);
+            }
+        }
+        for &w in &p.writes.0 {
+            for seg in self.cover(w) {
+                seg.writer = Some(i);
+                seg.readers.clear();
+            }
+        }
+    }
 }
 
 /// The longest chain of dependent kernels (1 for a step of independent kernels, the kernel
@@ -161,6 +285,66 @@ mod tests {
         assert!(a.overlaps(&Ranges::new(vec![(29, 31)])));
         assert!(!a.overlaps(&Ranges::new(vec![(5, 10), (30, 60)])));
         assert!(!a.overlaps(&Ranges::default()));
+    }
+
+    /// The definition, checked pair by pair: O(n²).
+    fn deps_by_pairs(prints: &[Footprint]) -> Vec<Vec<u32>> {
+        let words = prints.len().div_ceil(64);
+        let mut ancestors: Vec<Vec<u64>> = Vec::new();
+        let mut deps = Vec::new();
+        for (i, p) in prints.iter().enumerate() {
+            let mut anc = vec![0u64; words];
+            let mut direct = Vec::new();
+            for j in (0..i).rev() {
+                if anc[j / 64] >> (j % 64) & 1 == 1 || !conflict(p, &prints[j]) {
+                    continue;
+                }
+                direct.push(j as u32);
+                anc[j / 64] |= 1 << (j % 64);
+                for (w, a) in anc.iter_mut().zip(&ancestors[j]) {
+                    *w |= a;
+                }
+            }
+            direct.reverse();
+            ancestors.push(anc);
+            deps.push(direct);
+        }
+        deps
+    }
+
+    #[test]
+    fn candidates_give_the_pairwise_dependencies() {
+        // Random footprints over a small arena (many overlaps, partial ones included),
+        // more than 64 kernels so the bitsets span several words.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % m
+        };
+        for round in 0..40 {
+            let n = 20 + next(180) as usize;
+            let span = 8 + round * 16;
+            let ranges = |count: u64, next: &mut dyn FnMut(u64) -> u64| {
+                (0..count)
+                    .map(|_| {
+                        let s = next(span);
+                        (s, s + 1 + next(12))
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let prints: Vec<Footprint> = (0..n)
+                .map(|_| {
+                    let (r, w) = (next(4), next(3));
+                    Footprint {
+                        reads: Ranges::new(ranges(r, &mut next)),
+                        writes: Ranges::new(ranges(w, &mut next)),
+                    }
+                })
+                .collect();
+            assert_eq!(deps_of(&prints), deps_by_pairs(&prints), "round {round}");
+        }
     }
 
     #[test]
