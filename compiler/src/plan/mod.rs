@@ -12,6 +12,7 @@ use crate::analysis::arena::{self, Interval};
 use crate::analysis::interference;
 use crate::analysis::liveness::{liveness, BufferKind, Liveness};
 use crate::ir::{Graph, NodeId};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Offset alignment of every buffer, in bytes ([`TargetInfo::align`](crate::target::TargetInfo::align)).
@@ -215,6 +216,10 @@ pub fn verify(g: &Graph, p: &Plan) -> Result<(), Vec<PlanError>> {
         .filter(|&i| lv.buffers[i].bytes > 0)
         .collect();
     idx.sort_by_key(|&i| (lv.buffers[i].start, i));
+    if !any_overlap(p, &idx) {
+        return if errs.is_empty() { Ok(()) } else { Err(errs) };
+    }
+    // Some buffers overlap: name every pair (quadratic, only for a broken plan).
     let mut live: Vec<usize> = Vec::new();
     for &i in &idx {
         let b = &lv.buffers[i];
@@ -233,6 +238,36 @@ pub fn verify(g: &Graph, p: &Plan) -> Result<(), Vec<PlanError>> {
     } else {
         Err(errs)
     }
+}
+
+/// Whether two buffers live at the same time share a byte: a sweep over `idx` (the
+/// buffers in order of start) keeping the live ones by offset. While none overlap, a new
+/// one overlaps a live one exactly when it overlaps the last starting at or below its
+/// offset or the first starting above. O(n log n).
+fn any_overlap(p: &Plan, idx: &[usize]) -> bool {
+    use std::cmp::Reverse;
+    let bufs = &p.liveness.buffers;
+    let mut ends: std::collections::BinaryHeap<Reverse<(usize, usize)>> = Default::default();
+    let mut by_offset: BTreeMap<(u64, usize), u64> = BTreeMap::new();
+    for &i in idx {
+        let b = &bufs[i];
+        while let Some(&Reverse((end, j))) = ends.peek() {
+            if end > b.start {
+                break;
+            }
+            ends.pop();
+            by_offset.remove(&(p.offsets[j], j));
+        }
+        let (a0, a1) = (p.offsets[i], p.offsets[i].saturating_add(b.bytes));
+        let below = by_offset.range(..=(a0, usize::MAX)).next_back();
+        let above = by_offset.range((a0, usize::MAX)..).next();
+        if below.is_some_and(|(_, &e)| e > a0) || above.is_some_and(|(&(s, _), _)| s < a1) {
+            return true;
+        }
+        by_offset.insert((a0, i), a1);
+        ends.push(Reverse((b.end, i)));
+    }
+    false
 }
 
 /// Sizes as people read them: `512 B`, `1.50 KiB`, `6.08 GiB`.
