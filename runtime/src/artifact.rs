@@ -437,16 +437,22 @@ fn align_up(x: u64, align: u64) -> u64 {
 pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
     let mut m = manifest.clone();
     m.format_version = FORMAT_VERSION;
+    // Each section's checksum, once (the layout below may run several times).
+    let sums: Vec<String> = sections
+        .iter()
+        .map(|(_, bytes)| format!("{:016x}", fnv1a64(bytes)))
+        .collect();
     let lay_out = |m: &mut Manifest, base: u64| {
         let mut at = base;
         m.sections = sections
             .iter()
-            .map(|(name, bytes)| {
+            .zip(&sums)
+            .map(|((name, bytes), sum)| {
                 let s = Section {
                     name: (*name).to_string(),
                     offset: at,
                     len: bytes.len() as u64,
-                    fnv1a64: format!("{:016x}", fnv1a64(bytes)),
+                    fnv1a64: sum.clone(),
                 };
                 at = align_up(at + bytes.len() as u64, SECTION_ALIGN);
                 s

@@ -99,13 +99,22 @@ impl Liveness {
 pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
     let n = order.len();
     // Node-level last reads.
-    let mut last_read: BTreeMap<NodeId, usize> = BTreeMap::new();
+    // By node index; `None` for a node nothing reads.
+    let slots = order
+        .iter()
+        .flat_map(|&x| std::iter::once(x).chain(g.node(x).inputs.iter().copied()))
+        .map(|x| x.index() + 1)
+        .max()
+        .unwrap_or(0);
+    let mut last_read: Vec<Option<usize>> = vec![None; slots];
     for (t, &x) in order.iter().enumerate() {
         for i in &g.node(x).inputs {
-            let e = last_read.entry(*i).or_insert(t);
-            *e = (*e).max(t);
+            if let Some(e) = last_read.get_mut(i.index()) {
+                *e = Some(e.map_or(t, |r| r.max(t)));
+            }
         }
     }
+    let last_read = |i: NodeId| last_read.get(i.index()).copied().flatten();
     let outputs: std::collections::BTreeSet<NodeId> = g.outputs.iter().map(|(_, o)| *o).collect();
     let update_target: BTreeMap<NodeId, NodeId> = g.updates.iter().map(|&(t, v)| (v, t)).collect();
     let mut lv = Liveness {
@@ -155,7 +164,7 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
                         && read_until.get(b).is_none_or(|&r| r <= t)
                         && g.ty(i).shape == node.ty.shape
                         && g.ty(i).size_bytes() == node.ty.size_bytes()
-                        && last_read.get(&i) == Some(&t)
+                        && last_read(i) == Some(t)
                         // No other operand reads the same bytes through another node.
                         && node.inputs.iter().all(|&o| o == i || lv.buffer_of.get(&o) != Some(&b))
                 });
@@ -174,7 +183,7 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
             if read_until.len() <= b {
                 read_until.resize(b + 1, 0);
             }
-            read_until[b] = read_until[b].max(last_read.get(&x).copied().unwrap_or(0));
+            read_until[b] = read_until[b].max(last_read(x).unwrap_or(0));
             let bufm = &mut lv.buffers[b];
             if bufm.owner != x {
                 bufm.nodes.push(x);

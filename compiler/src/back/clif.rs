@@ -99,13 +99,84 @@ struct SimdPlan {
 }
 
 /// Translates kernels to CLIF text, in order. `offsets` gives each buffer's arena offset.
+///
+/// Kernels are translated independently, so chunks of them go to the machine's cores and
+/// their texts are joined in order: the same text on any number of threads. The error is
+/// the first kernel's that fails (every chunk before a failed one is finished).
 pub fn emit_module(kernels: &[Kernel], offsets: &Offsets) -> Res<String> {
+    /// Stack of a translating thread: a kernel's expressions are walked recursively, as
+    /// deep as the longest chain fused into it (pages are reserved, committed only when
+    /// used).
+    const WORKER_STACK: usize = 8 << 20;
+    use std::fmt::Write as _;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    const CHUNK: usize = 64;
+    let chunk = |c: &[Kernel], fctx: &mut FunctionBuilderContext| -> Res<String> {
+        let mut out = String::new();
+        for k in c {
+            let f = emit_kernel(k, offsets, fctx)?;
+            // Writing into a `String` cannot fail.
+            let _ = writeln!(out, "{}", f.display());
+        }
+        Ok(out)
+    };
+    let chunks: Vec<&[Kernel]> = kernels.chunks(CHUNK).collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(16)
+        .min(chunks.len());
+    if threads <= 1 {
+        return chunk(kernels, &mut FunctionBuilderContext::new());
+    }
+    let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let done: Option<Vec<(usize, Res<String>)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .stack_size(WORKER_STACK)
+                    .spawn_scoped(s, || {
+                        let mut fctx = FunctionBuilderContext::new();
+                        let mut out = Vec::new();
+                        while !failed.load(Relaxed) {
+                            let i = next.fetch_add(1, Relaxed);
+                            let Some(c) = chunks.get(i) else { break };
+                            let r = chunk(c, &mut fctx);
+                            failed.fetch_or(r.is_err(), Relaxed);
+                            out.push((i, r));
+                        }
+                        out
+                    })
+                    .ok()
+            })
+            .collect();
+        if workers.is_empty() {
+            return None;
+        }
+        let done = workers
+            .into_iter()
+            // A worker that panicked gives nothing: its chunks are missing, found below.
+            .flat_map(|w| w.join().unwrap_or_default())
+            .collect();
+        Some(done)
+    });
+    let Some(mut done) = done else {
+        // No thread could be started: translate on this one.
+        return chunk(kernels, &mut FunctionBuilderContext::new());
+    };
+    done.sort_by_key(|(i, _)| *i);
+    let mut done = done.into_iter();
     let mut out = String::new();
-    let mut fctx = FunctionBuilderContext::new();
-    for k in kernels {
-        let f = emit_kernel(k, offsets, &mut fctx)?;
-        out.push_str(&f.display().to_string());
-        out.push('\n');
+    for (want, c) in chunks.iter().enumerate() {
+        match done.next() {
+            Some((i, r)) if i == want => out.push_str(&r?),
+            // Only a worker that panicked loses a chunk before the first failed one.
+            _ => {
+                return Err(ClifError::Unsupported {
+                    kernel: c.first().map_or_else(String::new, |k| k.name.clone()),
+                    message: "the translation of this kernel did not finish".to_string(),
+                })
+            }
+        }
     }
     Ok(out)
 }

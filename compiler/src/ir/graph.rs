@@ -476,25 +476,29 @@ impl Graph {
     /// A deterministic topological order: among ready nodes, the smallest id first. For a
     /// graph built in program order this is program order. `None` if there is a cycle.
     pub fn topo_order(&self) -> Option<Vec<NodeId>> {
-        let mut indegree: std::collections::BTreeMap<NodeIndex<u32>, usize> = self
-            .graph
-            .node_indices()
-            .map(|n| (n, self.graph.node_weight(n).map_or(0, |w| w.inputs.len())))
-            .collect();
-        let mut ready: BinaryHeap<std::cmp::Reverse<NodeIndex<u32>>> = indegree
-            .iter()
-            .filter(|(_, &d)| d == 0)
-            .map(|(&n, _)| std::cmp::Reverse(n))
-            .collect();
-        let mut order = Vec::with_capacity(indegree.len());
+        // Inputs not yet ordered, by node index (a removed node's slot stays unused).
+        let mut indegree: Vec<usize> =
+            vec![0; petgraph::visit::NodeIndexable::node_bound(&self.graph)];
+        let mut ready: BinaryHeap<std::cmp::Reverse<NodeIndex<u32>>> = BinaryHeap::new();
+        for n in self.graph.node_indices() {
+            let d = self.graph.node_weight(n).map_or(0, |w| w.inputs.len());
+            indegree[n.index()] = d;
+            if d == 0 {
+                ready.push(std::cmp::Reverse(n));
+            }
+        }
+        let mut order = Vec::with_capacity(self.graph.node_count());
         while let Some(std::cmp::Reverse(n)) = ready.pop() {
             order.push(NodeId(n));
             for e in self.graph.edges_directed(n, Direction::Outgoing) {
-                if let Some(d) = indegree.get_mut(&e.target()) {
-                    *d -= 1;
-                    if *d == 0 {
-                        ready.push(std::cmp::Reverse(e.target()));
+                match indegree.get_mut(e.target().index()) {
+                    Some(d) if *d > 0 => {
+                        *d -= 1;
+                        if *d == 0 {
+                            ready.push(std::cmp::Reverse(e.target()));
+                        }
                     }
+                    _ => {}
                 }
             }
         }

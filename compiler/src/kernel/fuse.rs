@@ -134,20 +134,36 @@ fn reads_a_product(g: &Graph, u: NodeId) -> bool {
 
 /// Runs fusion on a scheduled graph.
 pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
-    let first = fuse_forcing(g, opts, &BTreeSet::new())?;
     if !opts.fuse {
-        return Ok(first);
+        return fuse_forcing(g, opts, &BTreeSet::new());
     }
-    let unfused = fuse_forcing(
-        g,
-        FuseOptions {
-            fuse: false,
-            ..opts
-        },
-        &BTreeSet::new(),
-    )?;
-    super::peak::limit_peak(g, unfused, first, |forced| fuse_forcing(g, opts, forced))
+    let one_per_op = FuseOptions {
+        fuse: false,
+        ..opts
+    };
+    // The fused kernels and the one-kernel-per-op ones (the peak's limit) are independent:
+    // on two threads where a second one starts (the same result either way).
+    let (first, unfused) = std::thread::scope(|s| {
+        let unfused = std::thread::Builder::new()
+            .stack_size(WORKER_STACK)
+            .spawn_scoped(s, || fuse_forcing(g, one_per_op, &BTreeSet::new()));
+        let first = fuse_forcing(g, opts, &BTreeSet::new());
+        let unfused = match unfused {
+            Ok(h) => h.join().unwrap_or_else(|_| {
+                Err(FuseError::Lower(LowerError::Internal(
+                    "the one-kernel-per-op fusion stopped".into(),
+                )))
+            }),
+            Err(_) => fuse_forcing(g, one_per_op, &BTreeSet::new()),
+        };
+        (first, unfused)
+    });
+    super::peak::limit_peak(g, unfused?, first?, |forced| fuse_forcing(g, opts, forced))
 }
+
+/// Stack of the thread that builds the one-kernel-per-op kernels: lowering walks
+/// expressions recursively (pages are reserved, committed only when used).
+const WORKER_STACK: usize = 256 << 20;
 
 /// Fusion with the nodes of `forced` given buffers.
 fn fuse_forcing(
@@ -246,9 +262,11 @@ fn beneath_first(g: &Graph, ns: &[NodeId]) -> Vec<NodeId> {
 /// buffer and widen each element, so the cast needs no f32 copy, and its operand gets the
 /// buffer instead.
 fn read_widened(g: &Graph, n: NodeId, opts: FuseOptions) -> bool {
+    if !widening(g, n) {
+        return false;
+    }
     let users = g.users(n);
-    widening(g, n)
-        && !users.is_empty()
+    !users.is_empty()
         && users.iter().all(|&u| match g.node(u).op {
             Op::Conv2d { .. } | Op::Conv2dGradInput { .. } | Op::Conv2dGradWeight { .. } => {
                 opts.conv_gemm

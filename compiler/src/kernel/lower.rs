@@ -16,7 +16,7 @@ use super::{
 };
 use crate::analysis::zeros::{Region, Zeros};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 /// Why a kernel could not be built as decided.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -230,14 +230,14 @@ fn conv_row_axes(op: &Op) -> &'static [usize] {
 pub struct Builder<'a> {
     d: &'a Decisions<'a>,
     pub pool: ExprPool,
-    ext: HashMap<Var, usize>,
+    ext: rustc_hash::FxHashMap<Var, usize>,
     domain: Vec<usize>,
     dvars: Vec<ExprId>,
     root: NodeId,
     /// Further nodes this kernel computes and stores (never loads) beside `root`.
     guests: Vec<NodeId>,
     pub matmul: Option<(NodeId, Matmul)>,
-    memo: HashMap<(NodeId, Vec<ExprId>), ExprId>,
+    memo: rustc_hash::FxHashMap<(NodeId, Vec<ExprId>), ExprId>,
     /// Fused nodes visited (root excluded).
     pub fused: BTreeSet<NodeId>,
     /// Reductions made for fused (non-root) nodes, to check where they are evaluated.
@@ -264,7 +264,7 @@ impl<'a> Builder<'a> {
     pub fn new(d: &'a Decisions<'a>, root: NodeId, domain: Vec<usize>) -> Builder<'a> {
         let mut pool = ExprPool::default();
         pool.reserve_vars(domain.len() as u32);
-        let mut ext = HashMap::new();
+        let mut ext = rustc_hash::FxHashMap::default();
         let mut dvars = Vec::new();
         for (i, &e) in domain.iter().enumerate() {
             ext.insert(i as Var, e);
@@ -279,7 +279,7 @@ impl<'a> Builder<'a> {
             root,
             guests: Vec::new(),
             matmul: None,
-            memo: HashMap::new(),
+            memo: Default::default(),
             fused: BTreeSet::new(),
             fused_reductions: Vec::new(),
             extra_anchors: Vec::new(),
@@ -1416,16 +1416,39 @@ pub fn reachable(pool: &ExprPool, roots: &[ExprId]) -> Vec<ExprId> {
         .collect()
 }
 
-/// Operands of an expression node.
-pub fn children(e: &E) -> Vec<ExprId> {
-    match e {
-        E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => vec![],
-        E::Load { index, .. } => vec![*index],
-        E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => vec![*a],
-        E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => vec![*a, *b],
-        E::Select(c, a, b) => vec![*c, *a, *b],
-        E::Reduce { body, .. } | E::ArgMax { body, .. } => vec![*body],
-        E::Uniform { index, .. } => vec![*index],
+/// Operands of an expression node (at most three, held inline: fusion and every analysis
+/// walk pools through this, and a vector per node was much of their time).
+pub fn children(e: &E) -> Children {
+    let (ids, len) = match e {
+        E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => ([ExprId(0); 3], 0),
+        E::Load { index, .. } | E::Uniform { index, .. } => ([*index, ExprId(0), ExprId(0)], 1),
+        E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => ([*a, ExprId(0), ExprId(0)], 1),
+        E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => ([*a, *b, ExprId(0)], 2),
+        E::Select(c, a, b) => ([*c, *a, *b], 3),
+        E::Reduce { body, .. } | E::ArgMax { body, .. } => ([*body, ExprId(0), ExprId(0)], 1),
+    };
+    Children { ids, len }
+}
+
+/// The operands [`children`] returns, in order; a slice by `Deref`.
+#[derive(Clone, Copy, Debug)]
+pub struct Children {
+    ids: [ExprId; 3],
+    len: usize,
+}
+
+impl std::ops::Deref for Children {
+    type Target = [ExprId];
+    fn deref(&self) -> &[ExprId] {
+        &self.ids[..self.len]
+    }
+}
+
+impl IntoIterator for Children {
+    type Item = ExprId;
+    type IntoIter = std::iter::Take<std::array::IntoIter<ExprId, 3>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.ids.into_iter().take(self.len)
     }
 }
 

@@ -167,7 +167,8 @@ pub enum E {
 pub struct ExprPool {
     pub nodes: Vec<E>,
     pub tys: Vec<VTy>,
-    intern: HashMap<E, ExprId>,
+    /// Fx hashing: interning is the hottest map of fusion; only looked up, never iterated.
+    intern: rustc_hash::FxHashMap<E, ExprId>,
     next_var: Var,
 }
 

@@ -234,23 +234,9 @@ fn exact(v: i64) -> Iv {
     }
 }
 
-/// Children of an expression node (as `lower::children`, without allocating).
-fn for_children(e: &E, mut f: impl FnMut(ExprId)) {
-    match e {
-        E::Var(_) | E::Int(_) | E::F32(_) | E::I32(_) | E::Bool(_) | E::Acc => {}
-        E::Load { index, .. } | E::Uniform { index, .. } => f(*index),
-        E::Un(_, a) | E::Cast(_, a) | E::Round(_, a) => f(*a),
-        E::Bin(_, a, b) | E::IMin(a, b) | E::IMax(a, b) => {
-            f(*a);
-            f(*b);
-        }
-        E::Select(c, a, b) => {
-            f(*c);
-            f(*a);
-            f(*b);
-        }
-        E::Reduce { body, .. } | E::ArgMax { body, .. } => f(*body),
-    }
+/// Calls `f` on each operand of an expression node, in order.
+fn for_children(e: &E, f: impl FnMut(ExprId)) {
+    crate::kernel::lower::children(e).into_iter().for_each(f);
 }
 
 /// Per-kernel analysis of its pool: which nodes are well formed (children before the node,
