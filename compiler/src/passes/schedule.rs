@@ -47,10 +47,76 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     if applied != order && liveness(g, &applied).max_live() > before.min(after) {
         applied.clone_from(&order);
     }
-    if applied != order || after < before || micro {
-        *g = g.reordered(&applied);
+    let late = leaf_views_late(g, &applied);
+    if late != order || after < before || micro {
+        *g = g.reordered(&late);
     }
     Ok(())
+}
+
+/// Whether `n` is a view whose chain of inputs (through views) ends at a leaf.
+fn leaf_view(g: &Graph, mut n: NodeId) -> bool {
+    if !g.node(n).op.is_view_candidate() {
+        return false;
+    }
+    // A chain is at most as long as the graph.
+    for _ in 0..g.node_count() {
+        let node = g.node(n);
+        if node.op.is_leaf() {
+            return true;
+        }
+        match node.inputs.first() {
+            Some(&i) if node.op.is_view_candidate() => n = i,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// `order` with every view of a leaf (a param's transpose, an input's reshape, through any
+/// chain of views) moved to just before its first reader. A view runs no code and has no
+/// bytes of its own in the schedule's model, so the order's liveness is the same; but
+/// fusion may give it a buffer (a matmul operand copied into the order the GEMM reads), and
+/// that copy then lives from where the view stands to its last reader. Views of leaves
+/// are ready at the start, so the list schedule put them there: a loop that multiplies by
+/// one weight at each of N steps kept N copies of its transpose from the first kernel to
+/// the backward pass (half the arena of a 64-step `tanh(h @ w) + h`). Views nothing reads
+/// (outputs) stay where they are.
+fn leaf_views_late(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
+    // Deferred: views of leaves read by something.
+    let deferred: BTreeSet<NodeId> = order
+        .iter()
+        .copied()
+        .filter(|&n| leaf_view(g, n) && !g.users(n).is_empty())
+        .collect();
+    if deferred.is_empty() {
+        return order.to_vec();
+    }
+    let mut out = Vec::with_capacity(order.len());
+    let mut emitted: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order {
+        if deferred.contains(&n) {
+            continue;
+        }
+        // The deferred views `n` reads, each after the deferred views it reads (a chain of
+        // views, walked without recursion).
+        let mut stack: Vec<(NodeId, bool)> =
+            g.node(n).inputs.iter().rev().map(|&i| (i, false)).collect();
+        while let Some((x, ready)) = stack.pop() {
+            if !deferred.contains(&x) || emitted.contains(&x) {
+                continue;
+            }
+            if ready {
+                emitted.insert(x);
+                out.push(x);
+                continue;
+            }
+            stack.push((x, true));
+            stack.extend(g.node(x).inputs.iter().rev().map(|&i| (i, false)));
+        }
+        out.push(n);
+    }
+    out
 }
 
 /// `order` with each optimizer update moved up to where its gradient is complete: the
@@ -286,6 +352,13 @@ fn shared_once(g: &mut Graph) {
         // A value made in a `checkpoint { }` block is never merged: its recomputed clone
         // for the backward pass is the same op of the same operands.
         if node.checkpoint.is_some() {
+            continue;
+        }
+        // Nor a view of a leaf (a weight's transpose): each micro-batch's runs just before
+        // its reader ([`leaf_views_late`]), so a copy fusion makes of it lives within that
+        // micro-batch, where one merged view would be copied once and live from the first
+        // micro-batch's reader to the last one's.
+        if leaf_view(g, n) {
             continue;
         }
         let key = (format!("{:?}", node.op), node.inputs.clone());
