@@ -9,7 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tcc
-dir="${TCC_BUILD_TIME_DIR:-$(mktemp -d)}"
+if [ -n "${TCC_BUILD_TIME_DIR:-}" ]; then
+  dir="$TCC_BUILD_TIME_DIR"
+else
+  dir="$(mktemp -d)"
+  trap 'rm -rf "$dir"' EXIT
+fi
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(250 2000 10000)
 for n in "${sizes[@]}"; do
@@ -28,10 +33,12 @@ model m {
 }
 EOF
   start=$(date +%s.%N)
-  log=$(/usr/bin/env time -f "%M" ./target/release/tcc build "$dir/loop$n.tdsl" -o "$dir/loop$n.tcc" 2>&1)
+  if ! log=$(/usr/bin/env time -f "%M" ./target/release/tcc build "$dir/loop$n.tdsl" -o "$dir/loop$n.tcc" 2>&1); then
+    echo "N=$n: the build failed (GNU time is needed):"; echo "$log"; exit 1
+  fi
   end=$(date +%s.%N)
   rss=$(tail -1 <<<"$log")
   printf 'N=%-6s %6.2f s  %5d MiB peak RSS\n' "$n" "$(awk "BEGIN{print $end - $start}")" "$((rss / 1024))"
   grep -E '^compiled' <<<"$log" | sed 's/^/    /'
-  rm -f "$dir/loop$n.tcc"
+  rm -f "$dir/loop$n.tcc" "$dir/loop$n.tdsl"
 done

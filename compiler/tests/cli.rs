@@ -763,6 +763,29 @@ fn deeply_nested_programs_are_compiled_or_refused_without_crashing() {
 }
 
 #[test]
+fn a_deep_sum_in_a_long_program_builds() {
+    // A 10,000-term sum fused into one kernel, among 200 more: the CPU code of so many
+    // kernels is translated on worker threads, whose stacks must hold the sum's recursion
+    // as the compiler thread's does.
+    let d = tmpdir("deep_build");
+    let src = format!(
+        "model m {{\n input x: f32[8, 8]\n input w: f32[8, 8]\n let h = x{}\n for i in 0..200 {{\n h = relu(h @ w)\n }}\n output h\n}}\n",
+        " + x".repeat(10_000)
+    );
+    let f = d.join("deep.tdsl");
+    std::fs::write(&f, src).unwrap();
+    let out = d.join("deep.tcc");
+    let o = tcc(&[
+        "build",
+        f.to_str().unwrap(),
+        "-q",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
 fn a_line_of_stray_characters_is_one_error_and_long_lists_are_cut() {
     let d = tmpdir("garbage");
     // 5,000 stray characters in one run: one error (it was 5,000, each rendering the line:

@@ -312,8 +312,8 @@ pub fn greedy(
     }
 }
 
-/// Pairs of buffers live at the same time, counted up to `cap` (the count stops there).
-/// O(n log n).
+/// Pairs of buffers live at the same time; the count stops at the first value above `cap`
+/// (all a caller comparing with `cap` needs). O(n log n).
 pub fn overlapping_pairs(intervals: &[Interval], cap: u64) -> u64 {
     let mut events: Vec<(u64, bool)> = Vec::with_capacity(intervals.len() * 2);
     for iv in intervals.iter().filter(|iv| iv.size > 0 && iv.is_live()) {
@@ -341,9 +341,11 @@ pub fn overlapping_pairs(intervals: &[Interval], cap: u64) -> u64 {
 
 /// Placement in order of start, as an allocator running the program would do it: at each
 /// start, the buffers that ended give their bytes back (merged with free neighbours), and
-/// the new buffer takes the smallest free range it fits in (the lowest such), else goes on
-/// top. O(n log n) whatever the overlap, where [`greedy`] visits every placed buffer a new
-/// one overlaps: [`plan`] uses this one for problems too large for those.
+/// the new buffer takes the free range with the smallest usable length once its start is
+/// aligned (the lowest aligned offset on ties), else goes on top. O(n log n) in the live
+/// buffers with `align` 1; with a larger one, the free ranges within `align` bytes of the
+/// best length are compared too. [`greedy`] instead visits every placed buffer a new one
+/// overlaps: [`plan`] uses this one for problems too large for that.
 pub fn sweep(intervals: &[Interval], align: u64, method: &'static str) -> Placement {
     use std::cmp::Reverse;
     use std::collections::BinaryHeap;
@@ -401,8 +403,8 @@ pub fn sweep(intervals: &[Interval], align: u64, method: &'static str) -> Placem
         let mut best: Option<(u64, u64, u64)> = None; // (usable length, offset, range start)
         for &(len, s) in by_len.range((iv.size, 0)..) {
             // Aligning the start loses less than `align` bytes: no longer range can do
-            // better.
-            if best.is_some_and(|(l, ..)| len >= l.saturating_add(align)) {
+            // better (unaligned, the first that fits is the best: the shortest, lowest).
+            if best.is_some_and(|(l, ..)| align == 1 || len >= l.saturating_add(align)) {
                 break;
             }
             let o = round_up(s, align);
@@ -1205,7 +1207,7 @@ impl PlanReport {
 }
 
 /// Greedy solvers, then the skyline search within the work `budget` allows ([`work_of`];
-/// see the module doc).
+/// see the module doc); one [`sweep`] instead past [`MAX_PROBLEM`] overlapping pairs.
 pub fn plan(intervals: &[Interval], align: u64, budget: Duration) -> PlanReport {
     let align = align.max(1);
     let n = intervals.len();

@@ -105,9 +105,9 @@ struct SimdPlan {
 /// the first kernel's that fails (every chunk before a failed one is finished).
 pub fn emit_module(kernels: &[Kernel], offsets: &Offsets) -> Res<String> {
     /// Stack of a translating thread: a kernel's expressions are walked recursively, as
-    /// deep as the longest chain fused into it (pages are reserved, committed only when
-    /// used).
-    const WORKER_STACK: usize = 8 << 20;
+    /// deep as the longest chain fused into it (a 10,000-term sum), so it gets the
+    /// compiler thread's stack (`main.rs`; pages are reserved, committed only when used).
+    const WORKER_STACK: usize = 1 << 30;
     use std::fmt::Write as _;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     const CHUNK: usize = 64;
@@ -154,8 +154,8 @@ pub fn emit_module(kernels: &[Kernel], offsets: &Offsets) -> Res<String> {
         }
         let done = workers
             .into_iter()
-            // A worker that panicked gives nothing: its chunks are missing, found below.
-            .flat_map(|w| w.join().unwrap_or_default())
+            // A worker that panicked (a compiler bug) panics here too, with its message.
+            .flat_map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect();
         Some(done)
     });
@@ -169,7 +169,7 @@ pub fn emit_module(kernels: &[Kernel], offsets: &Offsets) -> Res<String> {
     for (want, c) in chunks.iter().enumerate() {
         match done.next() {
             Some((i, r)) if i == want => out.push_str(&r?),
-            // Only a worker that panicked loses a chunk before the first failed one.
+            // Every chunk before the first failed one is finished (claimed in order).
             _ => {
                 return Err(ClifError::Unsupported {
                     kernel: c.first().map_or_else(String::new, |k| k.name.clone()),

@@ -158,12 +158,15 @@ pub fn fuse(g: &Graph, opts: FuseOptions) -> Result<Fused, FuseError> {
         };
         (first, unfused)
     });
-    super::peak::limit_peak(g, unfused?, first?, |forced| fuse_forcing(g, opts, forced))
+    // The fused kernels' error first, as when they were built first.
+    let (first, unfused) = (first?, unfused?);
+    super::peak::limit_peak(g, unfused, first, |forced| fuse_forcing(g, opts, forced))
 }
 
 /// Stack of the thread that builds the one-kernel-per-op kernels: lowering walks
-/// expressions recursively (pages are reserved, committed only when used).
-const WORKER_STACK: usize = 256 << 20;
+/// expressions recursively, so it gets the compiler thread's stack (`main.rs`; pages are
+/// reserved, committed only when used).
+const WORKER_STACK: usize = 1 << 30;
 
 /// Fusion with the nodes of `forced` given buffers.
 fn fuse_forcing(
