@@ -1393,6 +1393,16 @@ mod tests {
         }
     }
 
+    /// Every third round: the first buffer never live and a random one of size 0.
+    fn with_edge_cases(rng: &mut Rng, mut v: Vec<Interval>, round: usize) -> Vec<Interval> {
+        if !v.is_empty() && round.is_multiple_of(3) {
+            v[0].upper = v[0].lower;
+            let k = rng.below(v.len() as u64) as usize;
+            v[k].size = 0;
+        }
+        v
+    }
+
     fn random_instance(rng: &mut Rng, n: usize, horizon: u64, max_size: u64) -> Vec<Interval> {
         (0..n)
             .map(|_| {
@@ -1710,12 +1720,8 @@ mod tests {
         let mut rng = Rng(99);
         for round in 0..200 {
             let n = rng.below(80) as usize;
-            let mut v = random_instance(&mut rng, n, 50, 40);
-            if n > 0 && round % 3 == 0 {
-                v[0].upper = v[0].lower; // never live
-                let k = rng.below(n as u64) as usize;
-                v[k].size = 0;
-            }
+            let v = random_instance(&mut rng, n, 50, 40);
+            let v = with_edge_cases(&mut rng, v, round);
             let mut order: Vec<usize> = (0..n).collect();
             for i in (1..n).rev() {
                 order.swap(i, rng.below(i as u64 + 1) as usize);
@@ -1777,12 +1783,8 @@ mod tests {
         let mut rng = Rng(7);
         for round in 0..300 {
             let n = rng.below(120) as usize;
-            let mut v = random_instance(&mut rng, n, 60, 48);
-            if n > 0 && round % 3 == 0 {
-                v[0].upper = v[0].lower; // never live
-                let k = rng.below(n as u64) as usize;
-                v[k].size = 0;
-            }
+            let v = random_instance(&mut rng, n, 60, 48);
+            let v = with_edge_cases(&mut rng, v, round);
             let align = [1, 8, 16][round % 3];
             let p = sweep(&v, align, "test");
             assert_eq!(p.offsets, plain(&v, align), "round {round}");
