@@ -587,6 +587,27 @@ pub fn assert_cpu_like_eager(g: &tcc::ir::Graph, seed: u64, tol: f64, what: &str
     }
 }
 
+/// Asserts that `steps` fused CPU steps of `g` give the interpreter's outputs and params
+/// within `tol`, on random inputs drawn with `seed`; `what` names the case in a failure.
+pub fn assert_cpu_steps_like_eager(
+    g: &tcc::ir::Graph,
+    seed: u64,
+    steps: usize,
+    tol: f64,
+    what: &str,
+) {
+    let inputs = tcc::eager::random_inputs(g, seed);
+    let want = eager_steps(g, &inputs, steps, 0).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = cpu_steps(g, &inputs, steps, 0, true).unwrap_or_else(|e| panic!("{what}: {e}"));
+    for (name, t) in &want.outputs {
+        let e = rel_err(&got.outputs[name], t);
+        assert!(e <= tol, "{what}: output `{name}` differs by {e:e}");
+    }
+    let e = params_rel_err(&got.persistent, &want.persistent)
+        .unwrap_or_else(|| panic!("{what}: the params differ in names or sizes"));
+    assert!(e <= tol, "{what}: params differ by {e:e}");
+}
+
 /// The kernels (by description) that only copy views: every node they compute is an op
 /// whose name starts with one of `views`.
 pub fn view_copy_kernels(

@@ -8,10 +8,7 @@ use proptest::prelude::*;
 use std::time::Duration;
 use tcc::front::Options;
 use tcc_runtime::Device;
-use tcc_tests::{
-    compile_pipeline, cpu_steps, device_options, eager_steps, options_from_args, params_rel_err,
-    random_program, rel_err, root,
-};
+use tcc_tests::{compile_pipeline, device_options, options_from_args, random_program, root};
 
 /// Both plans of one program for one device: the fused arena, the arena of the same step
 /// built with one op per kernel (`tcc build --no-fuse`), and the values stored in place.
@@ -148,15 +145,7 @@ fn values_stored_in_place_compute_what_the_interpreter_does() {
     let fused = tcc::kernel::fuse::fuse(&g, Default::default()).unwrap();
     assert!(!fused.in_place.is_empty(), "nothing stored in place");
     tcc::kernel::verify::verify_kernels(&g, &fused).unwrap();
-    let inputs = tcc::eager::random_inputs(&g, 3);
-    let want = eager_steps(&g, &inputs, 3, 0).unwrap();
-    let got = cpu_steps(&g, &inputs, 3, 0, true).unwrap();
-    for (name, t) in &want.outputs {
-        let e = rel_err(&got.outputs[name], t);
-        assert!(e <= 1e-5, "output `{name}` differs by {e:e}");
-    }
-    let e = params_rel_err(&got.persistent, &want.persistent).unwrap();
-    assert!(e <= 1e-5, "params differ by {e:e}");
+    tcc_tests::assert_cpu_steps_like_eager(&g, 3, 3, 1e-5, "rnn_chain T=8");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use tcc::ir::{Graph, NodeId, Op};
 use tcc::kernel::Kernel;
 use tcc::remat::step;
 use tcc_runtime::Device;
-use tcc_tests::{cpu_steps, device_options, eager_steps, params_rel_err, rel_err};
+use tcc_tests::device_options;
 
 /// The scheduled step of `file` with `sets` (`"B=8 C=16"`).
 fn graph(file: &str, sets: &str) -> Graph {
@@ -143,16 +143,7 @@ fn updates_applied_early_compute_what_the_interpreter_does() {
         ("examples/cnn.tdsl", "B=8 C=8 S=16", 1),
         ("examples/gpt.tdsl", GPT, 3),
     ] {
-        let g = graph(file, sets);
-        let inputs = tcc::eager::random_inputs(&g, 5);
-        let want = eager_steps(&g, &inputs, steps, 0).unwrap();
-        let got = cpu_steps(&g, &inputs, steps, 0, true).unwrap();
-        for (name, t) in &want.outputs {
-            let e = rel_err(&got.outputs[name], t);
-            assert!(e <= 1e-5, "{file}: output `{name}` differs by {e:e}");
-        }
-        let e = params_rel_err(&got.persistent, &want.persistent).unwrap();
-        assert!(e <= 1e-5, "{file}: params differ by {e:e}");
+        tcc_tests::assert_cpu_steps_like_eager(&graph(file, sets), 5, steps, 1e-5, file);
     }
 }
 

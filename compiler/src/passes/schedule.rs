@@ -56,22 +56,8 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 }
 
 /// Whether `n` is a view whose chain of inputs (through views) ends at a leaf.
-fn leaf_view(g: &Graph, mut n: NodeId) -> bool {
-    if !g.node(n).op.is_view_candidate() {
-        return false;
-    }
-    // A chain is at most as long as the graph.
-    for _ in 0..g.node_count() {
-        let node = g.node(n);
-        if node.op.is_leaf() {
-            return true;
-        }
-        match node.inputs.first() {
-            Some(&i) if node.op.is_view_candidate() => n = i,
-            _ => return false,
-        }
-    }
-    false
+fn leaf_view(g: &Graph, n: NodeId) -> bool {
+    g.node(n).op.is_view_candidate() && g.node(g.view_root(n)).op.is_leaf()
 }
 
 /// `order` with every view of a leaf (a param's transpose, an input's reshape, through any
@@ -93,31 +79,36 @@ fn leaf_views_late(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     if deferred.is_empty() {
         return order.to_vec();
     }
+    // Every other node in order, each after the deferred views it reads (its other
+    // operands are placed already).
     let mut out = Vec::with_capacity(order.len());
-    let mut emitted: BTreeSet<NodeId> = BTreeSet::new();
-    for &n in order {
-        if deferred.contains(&n) {
-            continue;
-        }
-        // The deferred views `n` reads, each after the deferred views it reads (a chain of
-        // views, walked without recursion).
-        let mut stack: Vec<(NodeId, bool)> =
-            g.node(n).inputs.iter().rev().map(|&i| (i, false)).collect();
-        while let Some((x, ready)) = stack.pop() {
-            if !deferred.contains(&x) || emitted.contains(&x) {
-                continue;
-            }
-            if ready {
-                emitted.insert(x);
-                out.push(x);
-                continue;
-            }
-            stack.push((x, true));
-            stack.extend(g.node(x).inputs.iter().rev().map(|&i| (i, false)));
-        }
-        out.push(n);
+    let mut placed: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().filter(|n| !deferred.contains(n)) {
+        place(g, n, &mut out, &mut placed);
     }
     out
+}
+
+/// Appends `n` to `out` after its operands not yet placed, each once, operands first
+/// (without recursion: a chain of operands may be long).
+fn place(g: &Graph, n: NodeId, out: &mut Vec<NodeId>, placed: &mut BTreeSet<NodeId>) {
+    let mut stack = vec![(n, false)];
+    while let Some((x, ready)) = stack.pop() {
+        if placed.contains(&x) {
+            continue;
+        }
+        if ready {
+            placed.insert(x);
+            out.push(x);
+            continue;
+        }
+        stack.push((x, true));
+        for &i in g.node(x).inputs.iter().rev() {
+            if !placed.contains(&i) {
+                stack.push((i, false));
+            }
+        }
+    }
 }
 
 /// `order` with each optimizer update moved up to where its gradient is complete: the
@@ -228,26 +219,6 @@ pub(crate) fn updates_when_ready(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
     }
     let mut out: Vec<NodeId> = Vec::with_capacity(order.len());
     let mut placed: BTreeSet<NodeId> = BTreeSet::new();
-    // Places `n` after its floating operands (each once, operands first).
-    fn place(g: &Graph, n: NodeId, out: &mut Vec<NodeId>, placed: &mut BTreeSet<NodeId>) {
-        let mut stack = vec![(n, false)];
-        while let Some((x, ready)) = stack.pop() {
-            if placed.contains(&x) {
-                continue;
-            }
-            if ready {
-                placed.insert(x);
-                out.push(x);
-                continue;
-            }
-            stack.push((x, true));
-            for &i in g.node(x).inputs.iter().rev() {
-                if !placed.contains(&i) {
-                    stack.push((i, false));
-                }
-            }
-        }
-    }
     let floating = |n: &NodeId| moved.contains(n) && anchor.get(n) == Some(&None);
     for (i, &n) in order.iter().enumerate() {
         if !moved.contains(&n) {
