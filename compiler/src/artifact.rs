@@ -250,7 +250,8 @@ fn ptx_options(o: &CompileOptions, scratch_offset: u64) -> crate::back::ptx::Ptx
     }
 }
 
-fn dtype(d: DType) -> fmt::DType {
+/// The runtime's name for a dtype.
+pub fn runtime_dtype(d: DType) -> fmt::DType {
     match d {
         DType::F32 => fmt::DType::F32,
         DType::F16 => fmt::DType::F16,
@@ -264,7 +265,7 @@ fn slot(g: &Graph, c: &Compiled, name: &str, n: NodeId) -> fmt::TensorSlot {
     let ty = g.ty(n);
     fmt::TensorSlot {
         name: name.to_string(),
-        dtype: dtype(ty.dtype),
+        dtype: runtime_dtype(ty.dtype),
         shape: ty.dims().to_vec(),
         offset: c.offset_of(n).unwrap_or(0),
         bytes: ty.size_bytes() as u64,
@@ -292,7 +293,7 @@ fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::
             op,
             offset: c.offset_of(result).unwrap_or(0),
             bytes: ty.size_bytes() as u64,
-            dtype: dtype(ty.dtype),
+            dtype: runtime_dtype(ty.dtype),
             in_place: false,
             input: Some(fmt::Region {
                 offset: c.offset_of(operand).unwrap_or(0),
@@ -319,7 +320,7 @@ fn collective(c: &Compiled, k: &crate::kernel::Kernel, operand: NodeId) -> fmt::
         // Stored by this kernel, so planned (the plan verifier checks every store has bytes).
         offset: c.offset_of(result).unwrap_or(0),
         bytes: ty.size_bytes() as u64,
-        dtype: dtype(ty.dtype),
+        dtype: runtime_dtype(ty.dtype),
         in_place,
         input: None,
     }
@@ -471,7 +472,7 @@ pub fn recipe(init: crate::ir::Init, seed: u64) -> Option<tcc_runtime::init::Rec
 pub fn persistent_image(
     c: &Compiled,
     seed: u64,
-    given: &std::collections::BTreeMap<String, eager::tensor::Tensor>,
+    given: &std::collections::BTreeMap<String, eager::io::HostTensor>,
 ) -> Result<PersistentInit, BuildError> {
     let g = &c.graph;
     let mut out = PersistentInit::default();
@@ -482,7 +483,7 @@ pub fn persistent_image(
             continue;
         };
         match (given.get(name), recipe(*init, seed)) {
-            (Some(t), _) => stored.push((off, t.to_le_bytes())),
+            (Some(t), _) => stored.push((off, t.bytes.as_slice())),
             (None, Some(r)) => {
                 out.recipes.insert(name.clone(), r);
             }
@@ -499,7 +500,7 @@ pub fn persistent_image(
     for (off, bytes) in stored {
         let o = off as usize;
         if let Some(dst) = out.image.get_mut(o..o + bytes.len()) {
-            dst.copy_from_slice(&bytes);
+            dst.copy_from_slice(bytes);
         }
     }
     Ok(out)

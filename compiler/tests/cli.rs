@@ -301,6 +301,40 @@ fn build_artifact_then_run_it_and_reject_a_corrupt_one() {
     assert_eq!(o.status.code(), Some(1));
 }
 
+/// An endless file (`/dev/zero`) named where tcc reads a source, an input, params or an
+/// artifact is refused after its first bytes or at a stated size limit, never read until
+/// memory runs out (issue 32, g7).
+#[cfg(unix)]
+#[test]
+fn endless_files_are_refused_not_read() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["check", "/dev/zero"], "longer than the 268435456 bytes"),
+        (
+            &["run", "examples/tiny.tdsl", "--input", "x=/dev/zero"],
+            "not a valid .npy file",
+        ),
+        (
+            &["run", "examples/tiny.tdsl", "--param-file", "/dev/zero"],
+            "safetensors",
+        ),
+        (
+            &[
+                "run",
+                "examples/tiny.tdsl",
+                "--eager",
+                "--input",
+                "y=/dev/zero",
+            ],
+            "not a valid .npy file",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = tcc(args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+    }
+}
+
 #[test]
 fn run_reads_npy_inputs_and_reports_bad_ones() {
     let d = tmpdir("npy");

@@ -500,6 +500,38 @@ pub fn manifest_check(json: &[u8]) -> u32 {
     ((h ^ (h >> 32)) as u32).max(1)
 }
 
+/// How long an artifact says it is, from its first bytes ([`crate::fsutil::read_declared`]):
+/// the header gives the manifest's length, the manifest its sections' ends. Bytes that are
+/// not an artifact's stop the read; [`read`] then says what is wrong with them.
+pub fn declared_len(prefix: &[u8]) -> crate::fsutil::Declared {
+    use crate::fsutil::Declared;
+    if prefix.len() < HEADER_BYTES {
+        return Declared::Header(HEADER_BYTES as u64);
+    }
+    if prefix[..8] != MAGIC {
+        return Declared::Stop;
+    }
+    let mut len8 = [0u8; 8];
+    len8.copy_from_slice(&prefix[16..24]);
+    let json_end = (HEADER_BYTES as u64).saturating_add(u64::from_le_bytes(len8));
+    if (prefix.len() as u64) < json_end {
+        return Declared::Header(json_end);
+    }
+    #[derive(Deserialize)]
+    struct Sections {
+        sections: Vec<Section>,
+    }
+    match serde_json::from_slice::<Sections>(&prefix[HEADER_BYTES..json_end as usize]) {
+        Ok(m) => Declared::Total(
+            m.sections
+                .iter()
+                .map(|s| s.offset.saturating_add(s.len))
+                .fold(json_end, u64::max),
+        ),
+        Err(_) => Declared::Stop,
+    }
+}
+
 /// The byte ranges of an artifact's sections, by name, in file order.
 pub type SectionRanges = Vec<(String, std::ops::Range<usize>)>;
 
@@ -607,8 +639,7 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
     }
     if at < bytes.len() {
         return Err(Error::BadManifest(format!(
-            "the file has {} bytes after its last section",
-            bytes.len() - at
+            "the file goes on after its last section, which ends at byte {at}"
         )));
     }
     Ok((manifest, ranges))

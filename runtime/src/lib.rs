@@ -517,10 +517,12 @@ impl Model {
     /// Reads and checks the artifact at `path` (see [`Model::from_bytes`]).
     pub fn load(path: impl AsRef<Path>) -> Result<Model> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes =
+            fsutil::read_declared(path, artifact::HEADER_BYTES as u64, artifact::declared_len)
+                .map_err(|source| Error::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
         Model::from_bytes(bytes)
     }
 
@@ -1446,7 +1448,7 @@ impl<'a> Session<'a> {
 
 /// A params file's bytes, for [`Session::load_params`] and `DataParallel::load_params`.
 pub(crate) fn read_params_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|source| Error::Io {
+    fsutil::read_declared(path, 8, fsutil::safetensors_len).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
     })

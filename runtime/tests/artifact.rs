@@ -312,6 +312,48 @@ fn load_from_a_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A file is read only as far as its header and manifest declare, plus one byte: trailing
+/// bytes are still refused, a truncated file still names its section, and an endless file
+/// (`/dev/zero`) or one that is not an artifact stops after its first bytes.
+#[test]
+fn load_reads_only_what_the_artifact_declares() {
+    let dir = std::env::temp_dir().join(format!("tcc-runtime-declared-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("m.tcc");
+    let whole = tiny_artifact();
+    let load = |bytes: &[u8]| {
+        std::fs::write(&path, bytes).unwrap();
+        Model::load(&path)
+    };
+    assert!(load(&whole).is_ok());
+    let mut longer = whole.clone();
+    longer.extend([0u8; 4096]);
+    let err = load(&longer).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        Model::from_bytes(longer.clone()).unwrap_err().to_string()
+    );
+    let err = load(&whole[..whole.len() - 1]).unwrap_err();
+    assert!(matches!(err, Error::Truncated { .. }), "{err}");
+    let err = load(b"not an artifact, and longer than its header").unwrap_err();
+    assert!(matches!(err, Error::NotAnArtifact), "{err}");
+    // The bytes read of a file that declares less than it holds: the declared length + 1.
+    std::fs::write(&path, &longer).unwrap();
+    let read = tcc_runtime::fsutil::read_declared(
+        &path,
+        artifact::HEADER_BYTES as u64,
+        artifact::declared_len,
+    )
+    .unwrap();
+    assert_eq!(read.len(), whole.len() + 1);
+    #[cfg(unix)]
+    {
+        let err = Model::load("/dev/zero").unwrap_err();
+        assert!(matches!(err, Error::NotAnArtifact), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Format 2: a param with a recipe is drawn at load with `tcc_runtime::init`, over the
 /// stored bytes; the recipe is checked like every other manifest field.
 #[test]

@@ -171,7 +171,11 @@ fn run_case(dir: &Path) -> Outcome {
         Ok(c) => c,
         Err(e) => return Outcome::Fail(format!("compile: {e}")),
     };
-    let given: BTreeMap<String, Tensor> = imp.params.iter().cloned().collect();
+    let given: BTreeMap<String, tcc::eager::io::HostTensor> = imp
+        .params
+        .iter()
+        .map(|(n, t)| (n.clone(), tcc::eager::io::HostTensor::from_tensor(t)))
+        .collect();
     let img = match tcc::artifact::persistent_image(&c, 0, &given) {
         Ok(i) => i,
         Err(e) => return Outcome::Fail(format!("params: {e}")),

@@ -6,8 +6,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 pub fn run(args: &ArenaArgs) -> Result<(), String> {
-    let text = std::fs::read_to_string(&args.file)
-        .map_err(|e| format!("cannot read {}: {e}", args.file.display()))?;
+    let text = super::read_text(&args.file, super::MAX_DATA_BYTES)?;
     let (ids, intervals) =
         arena::parse_csv(&text).map_err(|e| format!("{}: {e}", args.file.display()))?;
     let start = Instant::now();

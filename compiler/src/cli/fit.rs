@@ -128,7 +128,7 @@ pub fn run(
     parallel: super::Parallel,
 ) -> Result<u64, String> {
     let ranks = parallel.ranks;
-    let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let bytes = super::read_file(file, super::MAX_SOURCE_BYTES)?;
     let mut tried: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut last_fit: Option<(u64, String)> = None;
     let mut smallest: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();

@@ -19,6 +19,26 @@ use std::process::ExitCode;
 use std::time::Instant;
 use tcc_grammar::diag::Diagnostic;
 
+/// The most bytes tcc reads of a TDSL source.
+pub const MAX_SOURCE_BYTES: u64 = 256 << 20;
+/// The most bytes tcc reads of an `.onnx` model (protobuf's own limit is 2 GiB).
+pub const MAX_ONNX_BYTES: u64 = 2 << 30;
+/// The most bytes tcc reads of a graph (`tcc remat`) or interval (`tcc arena`) file.
+pub const MAX_DATA_BYTES: u64 = 1 << 30;
+
+/// Reads a file of at most `limit` bytes ([`tcc_runtime::fsutil::read_capped`]): a longer or
+/// endless one is an error, not a read that never ends.
+pub fn read_file(path: &std::path::Path, limit: u64) -> Result<Vec<u8>, String> {
+    tcc_runtime::fsutil::read_capped(path, limit)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))
+}
+
+/// [`read_file`] as UTF-8 text.
+pub fn read_text(path: &std::path::Path, limit: u64) -> Result<String, String> {
+    String::from_utf8(read_file(path, limit)?)
+        .map_err(|_| format!("cannot read {}: it is not UTF-8 text", path.display()))
+}
+
 static QUIET: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// `-q`: informational lines (compile summaries, timings, `wrote ...`) and progress are off.
@@ -952,7 +972,7 @@ pub fn run(cli: Cli) -> ExitCode {
             };
             let mut opts = opts;
             if eager {
-                match onnx_cmd::given_params(&program) {
+                match onnx_cmd::given_params_tensors(&program) {
                     Ok(g) => opts.params = g,
                     Err(e) => {
                         let _ = writeln!(stderr, "error: {e}");
@@ -1273,10 +1293,10 @@ fn load(
             }
         }
     } else {
-        match std::fs::read(&program.file) {
+        match read_file(&program.file, MAX_SOURCE_BYTES) {
             Ok(b) => b,
             Err(e) => {
-                let _ = writeln!(stderr, "error: cannot read {}: {e}", display(&program.file));
+                let _ = writeln!(stderr, "error: {e}");
                 return None;
             }
         }

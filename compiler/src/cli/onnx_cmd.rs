@@ -3,6 +3,7 @@
 //! any program and its initializers given to the compiled step as the params' values.
 
 use super::ProgramArgs;
+use crate::eager::io::HostTensor;
 use crate::eager::Tensor;
 use crate::onnx::{self, ImportOptions, Imported};
 use std::collections::BTreeMap;
@@ -33,7 +34,19 @@ pub fn import_file(
     dims: Vec<(String, usize)>,
     f64_as_f32: bool,
 ) -> Result<Imported, String> {
-    let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    // A protobuf message starts with a field's tag, never a zero byte: refuse such a file
+    // (`/dev/zero`) before reading up to the size limit.
+    let mut first = [0u8; 1];
+    let starts = std::fs::File::open(file)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut first))
+        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    if starts == 1 && first[0] == 0 {
+        return Err(format!(
+            "{}: not an ONNX model (a protobuf message cannot start with a zero byte)",
+            file.display()
+        ));
+    }
+    let bytes = super::read_file(file, super::MAX_ONNX_BYTES)?;
     let stem = file
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -116,8 +129,17 @@ pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
     Ok(imp)
 }
 
-/// The params' values of an `.onnx` program (empty for other files).
-pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, Tensor>, String> {
+/// The params' values of an `.onnx` program (empty for other files), as the bytes an
+/// artifact stores.
+pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, HostTensor>, String> {
+    Ok(given_params_tensors(program)?
+        .into_iter()
+        .map(|(name, t)| (name, HostTensor::from_tensor(&t)))
+        .collect())
+}
+
+/// [`given_params`] as the interpreter's tensors (`--eager`).
+pub fn given_params_tensors(program: &ProgramArgs) -> Result<BTreeMap<String, Tensor>, String> {
     if !is_onnx(&program.file) {
         return Ok(BTreeMap::new());
     }
@@ -192,7 +214,7 @@ pub fn run_import(
 pub fn params_from_file(
     g: &crate::ir::Graph,
     path: &Path,
-) -> Result<BTreeMap<String, Tensor>, String> {
+) -> Result<BTreeMap<String, HostTensor>, String> {
     let wanted: Vec<(String, crate::ir::TensorType)> = g
         .params
         .iter()
@@ -208,7 +230,7 @@ pub fn params_from_file(
     if wanted.is_empty() {
         return Ok(BTreeMap::new());
     }
-    Ok(crate::eager::io::read_safetensors(path, &wanted)
+    Ok(crate::eager::io::read_safetensors_bytes(path, &wanted)
         .map_err(|e| e.to_string())?
         .into_iter()
         .collect())

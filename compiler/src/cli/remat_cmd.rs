@@ -227,7 +227,7 @@ fn run_tdsl(
     time_ms: u64,
     amp: Amp,
 ) -> Result<(), String> {
-    let bytes = std::fs::read(file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+    let bytes = super::read_file(file, super::MAX_SOURCE_BYTES)?;
     let t = Instant::now();
     let g = step_graph(file, &bytes, sets, model, true, amp, Default::default())?;
     let copts = CompileOptions {
@@ -331,8 +331,7 @@ fn run_graphs(files: &[&PathBuf], budgets: &[f64], time_ms: u64) -> Result<(), S
         "status"
     );
     for f in files {
-        let text =
-            std::fs::read_to_string(f).map_err(|e| format!("cannot read {}: {e}", f.display()))?;
+        let text = super::read_text(f, super::MAX_DATA_BYTES)?;
         let g: RematGraph =
             remat::parse_node_link(&text).map_err(|e| format!("{}: {e}", f.display()))?;
         let base = remat::none(&g);

@@ -299,6 +299,25 @@ fn report_step(
     }
 }
 
+/// The bytes `tcc run` feeds input `slot` when no `--input` file gives it: the program's
+/// seeded random values (index inputs below their bound), drawn straight into the dtype's
+/// bytes. From an artifact alone, the bound is the one its manifest records, so `tcc run
+/// model.tcc` feeds what `tcc run model.tdsl` does.
+fn random_input_bytes(
+    slot: &tcc_runtime::artifact::TensorSlot,
+    graph: Option<&crate::ir::Graph>,
+    seed: u64,
+) -> Vec<u8> {
+    let ty = tensor_type(slot);
+    match graph {
+        Some(g) => eager::random_graph_input_bytes(g, &slot.name, seed)
+            .unwrap_or_else(|| vec![0; ty.size_bytes()]),
+        None => {
+            eager::random_input_bytes(&slot.name, &ty, slot.index_bound.map(|b| b as usize), seed)
+        }
+    }
+}
+
 /// The line `--params` prints: what a params file held of the model's persistent tensors.
 fn report_loaded(path: &std::path::Path, loaded: &tcc_runtime::ParamsLoaded) {
     super::info!(
@@ -394,29 +413,17 @@ pub fn run_compiled(
         report_loaded(path, &loaded);
     }
     let mut inputs: Vec<(String, Vec<u8>)> = Vec::new();
-    let random = graph.map(|g| eager::random_inputs(g, opts.seed));
     for slot in model.inputs() {
-        let ty = tensor_type(slot);
-        let given = opts.inputs.iter().find(|(n, _)| *n == slot.name);
-        let t = match (given, &random) {
-            (Some((_, file)), _) => {
-                eager::io::read_npy(std::path::Path::new(file), &slot.name, &ty)
+        let bytes = match opts.inputs.iter().find(|(n, _)| *n == slot.name) {
+            Some((_, file)) => {
+                let path = std::path::Path::new(file);
+                eager::io::read_npy_bytes(path, &slot.name, &tensor_type(slot))
                     .map_err(|e| e.to_string())?
+                    .bytes
             }
-            (None, Some(r)) => r
-                .get(&slot.name)
-                .cloned()
-                .unwrap_or_else(|| Tensor::zeros(ty.clone())),
-            // The same values as from the source: index inputs below the bound the artifact
-            // records.
-            (None, None) => eager::random_input(
-                &slot.name,
-                &ty,
-                slot.index_bound.map(|b| b as usize),
-                opts.seed,
-            ),
+            None => random_input_bytes(slot, graph, opts.seed),
         };
-        inputs.push((slot.name.clone(), t.to_le_bytes()));
+        inputs.push((slot.name.clone(), bytes));
     }
     check_input_names(model, opts)?;
     let mut times = Vec::with_capacity(opts.steps as usize);
@@ -634,29 +641,17 @@ fn run_data_parallel(
                 Some(d) => {
                     *d *= ranks;
                     let big = crate::ir::TensorType::new(ty.dtype, dims);
-                    eager::io::read_npy(path, &slot.name, &big)
-                        .or_else(|_| eager::io::read_npy(path, &slot.name, &ty))
+                    eager::io::read_npy_bytes(path, &slot.name, &big)
+                        .or_else(|_| eager::io::read_npy_bytes(path, &slot.name, &ty))
                 }
-                None => eager::io::read_npy(path, &slot.name, &ty),
+                None => eager::io::read_npy_bytes(path, &slot.name, &ty),
             }
             .map_err(|e| e.to_string())?;
-            whole = t.to_le_bytes();
+            whole = t.bytes;
         } else {
             for r in 0..ranks {
                 let seed = opts.seed.wrapping_add(r as u64);
-                let t = match graph {
-                    Some(g) => eager::random_inputs(g, seed)
-                        .get(&slot.name)
-                        .cloned()
-                        .unwrap_or_else(|| Tensor::zeros(ty.clone())),
-                    None => eager::random_input(
-                        &slot.name,
-                        &ty,
-                        slot.index_bound.map(|b| b as usize),
-                        seed,
-                    ),
-                };
-                whole.extend(t.to_le_bytes());
+                whole.extend(random_input_bytes(slot, graph, seed));
             }
         }
         inputs.push((slot.name.clone(), whole));

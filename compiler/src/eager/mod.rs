@@ -276,37 +276,55 @@ pub fn random_inputs(g: &Graph, seed: u64) -> BTreeMap<String, Tensor> {
     out
 }
 
+/// Input `name`'s [`random_inputs`] value as bytes ([`random_input_bytes`]); `None` for a
+/// name that is no input of `g`.
+pub fn random_graph_input_bytes(g: &Graph, name: &str, seed: u64) -> Option<Vec<u8>> {
+    g.inputs.iter().find_map(|&id| match &g.node(id).op {
+        Op::Input { name: n, ty } if n == name => {
+            Some(random_input_bytes(name, ty, int_input_bound(g, id), seed))
+        }
+        _ => None,
+    })
+}
+
 /// One input of [`random_inputs`], from its name, type and index bound alone (what an
 /// artifact's manifest records), so that `tcc run model.tcc` feeds what `tcc run
 /// model.tdsl` does.
 pub fn random_input(name: &str, ty: &TensorType, bound: Option<usize>, seed: u64) -> Tensor {
+    let bytes = random_input_bytes(name, ty, bound, seed);
+    Tensor::from_le_bytes(ty.clone(), &bytes).unwrap_or_else(|| Tensor::zeros(ty.clone()))
+}
+
+/// [`random_input`] as little-endian bytes of its dtype (the arena's layout), drawn
+/// straight into them: what `tcc run` feeds a compiled program, with no f64 staging.
+pub fn random_input_bytes(name: &str, ty: &TensorType, bound: Option<usize>, seed: u64) -> Vec<u8> {
     let key = seed.wrapping_add(0x5EED) ^ name_hash(name);
     let n = ty.shape.numel() as u64;
     match ty.dtype {
         DType::I32 => {
             let b = bound.unwrap_or(16) as f64;
-            Tensor::from_i32(
-                ty.shape.clone(),
-                (0..n).map(|i| (uniform(key, i) * b) as i32).collect(),
-            )
+            (0..n)
+                .flat_map(|i| ((uniform(key, i) * b) as i32).to_le_bytes())
+                .collect()
         }
-        DType::Bool => Tensor {
-            ty: ty.clone(),
-            data: Data::B((0..n).map(|i| uniform(key, i) < 0.5).collect()),
-        },
+        DType::Bool => (0..n).map(|i| u8::from(uniform(key, i) < 0.5)).collect(),
         d => {
-            let v = init_value(
-                name,
-                ty,
-                Init::Normal {
+            let recipe = tcc_runtime::init::Recipe {
+                dist: tcc_runtime::init::Dist::Normal {
                     mean: 0.0,
                     std: 1.0,
                 },
-                key,
-            )
-            .map(|t| t.to_f64())
-            .unwrap_or_default();
-            Tensor::from_f64(d, ty.shape.clone(), v)
+                seed: key,
+            };
+            let mut out = vec![0u8; ty.size_bytes()];
+            tcc_runtime::init::fill_le(
+                name,
+                recipe,
+                crate::artifact::runtime_dtype(d),
+                &mut out,
+                1,
+            );
+            out
         }
     }
 }
