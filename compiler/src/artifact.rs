@@ -520,12 +520,18 @@ pub fn write_artifact_with_sass(
     sass: Option<(&fmt::Sass, &[u8])>,
 ) -> Vec<u8> {
     let mut m = manifest(c, target, persistent);
+    // The code section starts with what the code was compiled for, from the same plan
+    // (`tcc_runtime::artifact::check_bounds` holds the manifest to it).
+    let code = fmt::bounds_line(&m) + &c.code;
     let mut sections = vec![
-        ("code", c.code.as_bytes()),
+        ("code", code.as_bytes()),
         ("persistent", persistent.image.as_slice()),
     ];
     if let Some((s, bytes)) = sass {
-        m.sass = Some(s.clone());
+        // The cubins were made from the PTX without its bounds comment: the same code.
+        let mut s = s.clone();
+        s.code_fnv1a64 = format!("{:016x}", fmt::fnv1a64(code.as_bytes()));
+        m.sass = Some(s);
         sections.push(("sass", bytes));
     }
     fmt::write(&m, &sections)

@@ -8,7 +8,11 @@ use serde::{Deserialize, Serialize};
 /// First 8 bytes of every artifact.
 pub const MAGIC: [u8; 8] = *b"TCCMODEL";
 /// The format version this crate writes and the newest it reads.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest format version this crate reads: version 3 added the code section's bounds
+/// line ([`bounds_line`]), without which the manifest's numbers cannot be checked against
+/// the code.
+pub const OLDEST_VERSION: u32 = 3;
 /// Alignment of every section's start in the file.
 pub const SECTION_ALIGN: u64 = 64;
 
@@ -500,6 +504,110 @@ pub fn manifest_check(json: &[u8]) -> u32 {
     ((h ^ (h >> 32)) as u32).max(1)
 }
 
+/// The first line of a code section: a comment (`;` in CLIF, `//` in PTX) stating what the
+/// code was compiled for: the arena bytes it addresses (every offset it uses lies below)
+/// and, for each kernel in launch order, the extent its loop bound or thread guard was
+/// compiled with and, on CUDA, the grid, block and dynamic shared bytes its indexing
+/// assumes. The writer puts it there from the same plan the code was generated from;
+/// [`check_bounds`] refuses a manifest whose numbers differ.
+pub fn bounds_line(m: &Manifest) -> String {
+    use std::fmt::Write as _;
+    let mut s = match m.target {
+        Target::Cpu => String::from(";"),
+        Target::Cuda => String::from("//"),
+    };
+    let _ = write!(s, " tcc-bounds arena={}", m.arena_bytes);
+    for k in &m.kernels {
+        let _ = write!(s, " {}={}", k.name, kernel_bounds(k));
+    }
+    s.push('\n');
+    s
+}
+
+/// A kernel's entry in [`bounds_line`]: `extent` or `extent:gx,gy,gz:bx,by,bz:shared`.
+fn kernel_bounds(k: &KernelEntry) -> String {
+    match &k.launch {
+        None => k.extent.to_string(),
+        Some(l) => format!(
+            "{}:{},{},{}:{},{},{}:{}",
+            k.extent,
+            l.grid[0],
+            l.grid[1],
+            l.grid[2],
+            l.block[0],
+            l.block[1],
+            l.block[2],
+            l.shared_bytes
+        ),
+    }
+}
+
+/// Checks the manifest's arena size, kernels, extents and launch shapes against the code
+/// section's bounds line ([`bounds_line`]), naming the first number that differs.
+pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
+    use crate::Error;
+    let want = bounds_line(m);
+    let first = code.split('\n').next().unwrap_or("");
+    if first == want.trim_end_matches('\n') {
+        return Ok(());
+    }
+    let mut words = first
+        .strip_prefix(';')
+        .or_else(|| first.strip_prefix("//"))
+        .unwrap_or("")
+        .split(' ')
+        .filter(|w| !w.is_empty());
+    if words.next() != Some("tcc-bounds") {
+        return Err(Error::BadManifest(
+            "the code section does not start with its `tcc-bounds` line (what the code was \
+             compiled for), so the manifest cannot be checked against it"
+                .into(),
+        ));
+    }
+    let arena = words.next().and_then(|w| w.strip_prefix("arena="));
+    if arena != Some(m.arena_bytes.to_string().as_str()) {
+        return Err(Error::BadManifest(format!(
+            "the manifest's arena is {} bytes, but the code addresses {} bytes",
+            m.arena_bytes,
+            arena.unwrap_or("an unstated number of")
+        )));
+    }
+    let code_kernels: Vec<&str> = words.collect();
+    for (i, k) in m.kernels.iter().enumerate() {
+        let Some(entry) = code_kernels.get(i) else {
+            return Err(Error::BadManifest(format!(
+                "the manifest launches {} kernels, but the code was compiled for {}",
+                m.kernels.len(),
+                code_kernels.len()
+            )));
+        };
+        let (name, spec) = entry.split_once('=').unwrap_or((entry, ""));
+        if name != k.name {
+            return Err(Error::BadManifest(format!(
+                "kernel {i} is `{}` in the manifest but `{name}` in the code's bounds",
+                k.name
+            )));
+        }
+        let ours = kernel_bounds(k);
+        if spec != ours {
+            return Err(Error::BadManifest(format!(
+                "kernel `{name}`: the manifest's extent{} `{ours}` is not the `{spec}` the \
+                 code was compiled for",
+                if k.launch.is_some() {
+                    " and launch (extent:grid:block:shared bytes)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    Err(Error::BadManifest(format!(
+        "the manifest launches {} kernels, but the code was compiled for {}",
+        m.kernels.len(),
+        code_kernels.len()
+    )))
+}
+
 /// How long an artifact says it is, from its first bytes ([`crate::fsutil::read_declared`]):
 /// the header gives the manifest's length, the manifest its sections' ends. Bytes that are
 /// not an artifact's stop the read; [`read`] then says what is wrong with them.
@@ -554,6 +662,13 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
         return Err(Error::BadManifest(
             "format version 0 does not exist (versions start at 1)".into(),
         ));
+    }
+    if version < OLDEST_VERSION {
+        return Err(Error::BadManifest(format!(
+            "format version {version} is older than the oldest this runtime reads \
+             ({OLDEST_VERSION}, whose code states what it was compiled for): rebuild the \
+             artifact with this tcc"
+        )));
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&bytes[16..24]);

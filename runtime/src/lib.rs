@@ -577,6 +577,11 @@ impl Model {
         let code = std::str::from_utf8(&bytes[code])
             .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
             .to_string();
+        artifact::check_bounds(&manifest, &code)?;
+        // The code proper, after its bounds line (which `check_bounds` found there).
+        let code = code
+            .split_once('\n')
+            .map_or(String::new(), |(_, rest)| rest.to_string());
         let drawn = draw_params(&manifest, &bytes[persistent.clone()])?;
         Ok(Model {
             inner: Arc::new(ModelInner {
@@ -621,7 +626,8 @@ impl Model {
         self.inner.manifest.alignment as usize
     }
 
-    /// The code section: Cranelift IR text (`cpu`) or PTX (`cuda`).
+    /// The code section after its bounds line ([`artifact::bounds_line`]): Cranelift IR
+    /// text (`cpu`) or PTX (`cuda`), as `tcc build --emit clif|ptx` prints it.
     pub fn code(&self) -> &str {
         &self.inner.code
     }

@@ -27,7 +27,12 @@ fn write_then_read_round_trips() {
     assert_eq!(m, want);
     assert_eq!(sections.len(), 2);
     assert_eq!(sections[0].0, "code");
-    assert_eq!(&bytes[sections[0].1.clone()], tiny_code().as_bytes());
+    let code = artifact::bounds_line(&m) + &tiny_code();
+    assert!(
+        code.starts_with("; tcc-bounds arena=256 k0=4 k1=4\n"),
+        "{code}"
+    );
+    assert_eq!(&bytes[sections[0].1.clone()], code.as_bytes());
     assert_eq!(sections[1].0, "persistent");
     assert_eq!(sections[1].1.len(), 64);
     for (s, (_, r)) in m.sections.iter().zip(&sections) {
@@ -107,17 +112,22 @@ fn short_file_or_bad_magic_is_not_an_artifact() {
 #[test]
 fn newer_version_names_both_versions() {
     let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
     let err = Model::from_bytes(bytes).unwrap_err();
     assert!(matches!(
         err,
         Error::NewerVersion {
-            found: 3,
-            supported: 2
+            found: 4,
+            supported: 3
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains('3') && msg.contains('2'), "{msg}");
+    assert!(msg.contains('4') && msg.contains('3'), "{msg}");
+    // Older than the bounds line: refused, with the advice to rebuild.
+    let mut bytes = tiny_artifact();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let err = Model::from_bytes(bytes).unwrap_err();
+    assert!(err.to_string().contains("rebuild"), "{err}");
 }
 
 #[test]
@@ -177,9 +187,9 @@ fn invalid_json_is_a_bad_manifest() {
 
 #[test]
 fn missing_field_is_a_bad_manifest() {
-    let json = br#"{"format_version":1}"#;
+    let json = br#"{"format_version":3}"#;
     let mut bytes = b"TCCMODEL".to_vec();
-    bytes.extend_from_slice(&1u32.to_le_bytes());
+    bytes.extend_from_slice(&3u32.to_le_bytes());
     bytes.extend_from_slice(&0u32.to_le_bytes());
     bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
     bytes.extend_from_slice(json);
@@ -310,6 +320,73 @@ fn load_from_a_file() {
     let model = Model::load(&path).unwrap();
     assert_eq!(model.manifest().model, "tiny");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The manifest is held to the code section's bounds line: an arena, extent, launch shape
+/// or kernel list edited after the code was written (checksums recomputed) is refused with
+/// an error naming it, on both targets.
+#[test]
+fn the_manifest_is_checked_against_the_codes_bounds() {
+    let loads = |m: &artifact::Manifest, code: String| {
+        let init = persistent_init(&[1.0, 2.0, 3.0, 4.0], 64);
+        Model::from_bytes(artifact::write(
+            m,
+            &[("code", code.as_bytes()), ("persistent", &init)],
+        ))
+    };
+    let refused = |m: &artifact::Manifest, code: String, needle: &str| match loads(m, code) {
+        Err(Error::BadManifest(msg)) => assert!(msg.contains(needle), "{needle}: {msg}"),
+        other => panic!("expected BadManifest({needle}), got {other:?}"),
+    };
+    for (m, body) in [
+        (tiny_manifest(), tiny_code()),
+        (cuda_tiny_manifest(), cuda_tiny_ptx()),
+    ] {
+        let code = artifact::bounds_line(&m) + &body;
+        assert!(loads(&m, code.clone()).is_ok());
+        let mut e = m.clone();
+        e.arena_bytes += 256;
+        refused(&e, code.clone(), "the code addresses 256 bytes");
+        let mut e = m.clone();
+        e.kernels[1].extent += 1;
+        refused(&e, code.clone(), "kernel `k1`");
+        let mut e = m.clone();
+        e.kernels.pop();
+        refused(
+            &e,
+            code.clone(),
+            "launches 1 kernels, but the code was compiled for 2",
+        );
+        let mut e = m.clone();
+        e.kernels.swap(0, 1);
+        refused(
+            &e,
+            code.clone(),
+            "kernel 0 is `k1` in the manifest but `k0`",
+        );
+        refused(
+            &m,
+            body.clone(),
+            "does not start with its `tcc-bounds` line",
+        );
+        if m.target == artifact::Target::Cuda {
+            for edit in [
+                |l: &mut artifact::Launch| l.grid[0] += 1,
+                |l: &mut artifact::Launch| l.block[0] *= 2,
+                |l: &mut artifact::Launch| l.shared_bytes = 1 << 20,
+            ] {
+                let mut e = m.clone();
+                if let Some(l) = e.kernels[0].launch.as_mut() {
+                    edit(l);
+                }
+                refused(
+                    &e,
+                    code.clone(),
+                    "kernel `k0`: the manifest's extent and launch",
+                );
+            }
+        }
+    }
 }
 
 /// A file is read only as far as its header and manifest declare, plus one byte: trailing
@@ -485,7 +562,10 @@ fn with_sass(
     m.sass = Some(Sass {
         arch: "sm_90a".into(),
         assembler: "ptxas test".into(),
-        code_fnv1a64: format!("{:016x}", fnv1a64(cuda_tiny_ptx().as_bytes())),
+        code_fnv1a64: format!(
+            "{:016x}",
+            fnv1a64((artifact::bounds_line(&cuda_tiny_manifest()) + &cuda_tiny_ptx()).as_bytes())
+        ),
         pieces: vec![
             SassPiece {
                 offset: 0,
@@ -500,7 +580,7 @@ fn with_sass(
         ],
     });
     edit(&mut m);
-    let code = cuda_tiny_ptx();
+    let code = artifact::bounds_line(&m) + &cuda_tiny_ptx();
     let init = persistent_init(&[1.0, 2.0, 3.0, 4.0], 64);
     let mut sections = vec![("code", code.as_bytes()), ("persistent", init.as_slice())];
     if let Some(s) = section {

@@ -17,6 +17,8 @@ fn run(
     g: &tcc::ir::Graph,
     steps: usize,
 ) -> Vec<Vec<u8>> {
+    // The kernels' order is the manifest's: the code's bounds line lists them in it.
+    let code = fmt::bounds_line(m) + code;
     let bytes = fmt::write(m, &[("code", code.as_bytes()), ("persistent", persistent)]);
     let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
     let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();

@@ -198,8 +198,10 @@ pub fn persistent_init(w: &[f32], bytes: usize) -> Vec<u8> {
     init
 }
 
-/// Serialises `manifest` with a `code` and a `persistent` section.
+/// Serialises `manifest` with a `code` section (`code` after the manifest's bounds line, as
+/// the compiler writes it) and a `persistent` section.
 pub fn build(manifest: &Manifest, code: &str, persistent: &[u8]) -> Vec<u8> {
+    let code = artifact::bounds_line(manifest) + code;
     artifact::write(
         manifest,
         &[("code", code.as_bytes()), ("persistent", persistent)],
