@@ -507,8 +507,8 @@ pub fn manifest_check(json: &[u8]) -> u32 {
 /// The first line of a code section: a comment (`;` in CLIF, `//` in PTX) stating what the
 /// code was compiled for: the arena bytes it addresses (every offset it uses lies below)
 /// and, for each kernel in launch order, the extent its loop bound or thread guard was
-/// compiled with and, on CUDA, the grid, block and dynamic shared bytes its indexing
-/// assumes. The writer puts it there from the same plan the code was generated from;
+/// compiled with, whether its range may be split over threads, and, on CUDA, the grid,
+/// block and dynamic shared bytes its indexing assumes. The writer puts it there from the same plan the code was generated from;
 /// [`check_bounds`] refuses a manifest whose numbers differ.
 pub fn bounds_line(m: &Manifest) -> String {
     use std::fmt::Write as _;
@@ -524,20 +524,16 @@ pub fn bounds_line(m: &Manifest) -> String {
     s
 }
 
-/// A kernel's entry in [`bounds_line`]: `extent` or `extent:gx,gy,gz:bx,by,bz:shared`.
+/// A kernel's entry in [`bounds_line`]: its extent, `p` after it where chunks of the range
+/// may run at once (compiled for that: `parallel`), then on CUDA
+/// `:gx,gy,gz:bx,by,bz:shared`.
 fn kernel_bounds(k: &KernelEntry) -> String {
+    let extent = format!("{}{}", k.extent, if k.parallel { "p" } else { "" });
     match &k.launch {
-        None => k.extent.to_string(),
+        None => extent,
         Some(l) => format!(
-            "{}:{},{},{}:{},{},{}:{}",
-            k.extent,
-            l.grid[0],
-            l.grid[1],
-            l.grid[2],
-            l.block[0],
-            l.block[1],
-            l.block[2],
-            l.shared_bytes
+            "{extent}:{},{},{}:{},{},{}:{}",
+            l.grid[0], l.grid[1], l.grid[2], l.block[0], l.block[1], l.block[2], l.shared_bytes
         ),
     }
 }
@@ -592,7 +588,7 @@ pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
         if spec != ours {
             return Err(Error::BadManifest(format!(
                 "kernel `{name}`: the manifest's extent{} `{ours}` is not the `{spec}` the \
-                 code was compiled for",
+                 code was compiled for (`p`: split over threads)",
                 if k.launch.is_some() {
                     " and launch (extent:grid:block:shared bytes)"
                 } else {

@@ -29,9 +29,12 @@ fn write_then_read_round_trips() {
     assert_eq!(sections[0].0, "code");
     let code = artifact::bounds_line(&m) + &tiny_code();
     assert!(
-        code.starts_with("; tcc-bounds arena=256 k0=4 k1=4\n"),
+        code.starts_with("; tcc-bounds arena=256 k0=4 k1=4p\n"),
         "{code}"
     );
+    let mut par = m.clone();
+    par.kernels[0].parallel = true;
+    assert!(artifact::bounds_line(&par).starts_with("; tcc-bounds arena=256 k0=4p k1=4p\n"));
     assert_eq!(&bytes[sections[0].1.clone()], code.as_bytes());
     assert_eq!(sections[1].0, "persistent");
     assert_eq!(sections[1].1.len(), 64);
@@ -350,6 +353,9 @@ fn the_manifest_is_checked_against_the_codes_bounds() {
         let mut e = m.clone();
         e.kernels[1].extent += 1;
         refused(&e, code.clone(), "kernel `k1`");
+        let mut e = m.clone();
+        e.kernels[0].parallel = !e.kernels[0].parallel;
+        refused(&e, code.clone(), "kernel `k0`");
         let mut e = m.clone();
         e.kernels.pop();
         refused(
