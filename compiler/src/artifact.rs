@@ -438,6 +438,16 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
             buffers,
         },
         sass: None,
+        checks: g
+            .checks
+            .iter()
+            .filter(|c| outputs_named(&g.outputs, &c.output))
+            .map(|c| fmt::Check {
+                output: c.output.clone(),
+                what: c.what.clone(),
+                bound: c.bound,
+            })
+            .collect(),
         sections: Vec::new(),
     }
 }
@@ -535,4 +545,9 @@ pub fn write_artifact_with_sass(
         sections.push(("sass", bytes));
     }
     fmt::write(&m, &sections)
+}
+
+/// Whether an output of that name is among `outputs`.
+fn outputs_named(outputs: &[(String, NodeId)], name: &str) -> bool {
+    outputs.iter().any(|(n, _)| n == name)
 }

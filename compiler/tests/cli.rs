@@ -1421,3 +1421,87 @@ fn zero_needs_gpus_on_every_command() {
         );
     }
 }
+
+/// Ids the step computes (`ids + 6`, not an input the runtime checks at `set_input`) that
+/// fall outside the table stop the compiled step with an error naming the embedding, as
+/// the interpreter stops at the op; in range, the step runs and the check's count is
+/// neither printed nor saved (issue 32, g5).
+#[test]
+fn ids_computed_in_the_step_are_checked_on_every_path() {
+    let d = tmpdir("in-step-ids");
+    let src = d.join("emb.tdsl");
+    std::fs::write(
+        &src,
+        "model m {\n    input ids: i32[4]\n    param table: f32[8, 2] = normal(0.0, 1.0)\n    \
+         let e = embedding(table, ids + 6)\n    output e\n}\n",
+    )
+    .unwrap();
+    let src = src.display().to_string();
+    let low = d.join("low.npy");
+    write_npy_i32(&low, &[0, 1, 0, 1]);
+    let high = d.join("high.npy");
+    write_npy_i32(&high, &[0, 1, 2, 1]);
+    let (low, high) = (
+        format!("ids={}", low.display()),
+        format!("ids={}", high.display()),
+    );
+    for target in ["cpu", "eager"] {
+        let run = |input: &str, extra: &[&str]| {
+            let mut args = vec!["run", src.as_str(), "--steps", "2", "--input", input];
+            if target == "eager" {
+                args.push("--eager");
+            }
+            args.extend_from_slice(extra);
+            tcc(&args)
+        };
+        let o = run(&high, &[]);
+        assert_eq!(o.status.code(), Some(1), "{target}: {}", stdout(&o));
+        let want = if target == "eager" {
+            "embedding id 8 out of range 0..8"
+        } else {
+            "embedding into `table`: 1 index value(s) computed in the step lie outside [0, 8)"
+        };
+        assert!(stderr(&o).contains(want), "{target}: {}", stderr(&o));
+        let outs = d.join(format!("outs-{target}"));
+        let outs_arg = outs.display().to_string();
+        let o = run(&low, &["--save-outputs", &outs_arg]);
+        assert!(o.status.success(), "{target}: {}", stderr(&o));
+        assert!(!stdout(&o).contains("tcc.check"), "{}", stdout(&o));
+        let saved: Vec<String> = std::fs::read_dir(&outs)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(saved, vec!["e.npy".to_string()]);
+    }
+    // The artifact records the check; an index input's embedding gets none.
+    let art = d.join("emb.tcc");
+    let o = tcc(&["build", &src, "-o", &art.display().to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = tcc_runtime::Model::load(&art).unwrap();
+    assert_eq!(m.manifest().checks.len(), 1);
+    assert_eq!(m.manifest().checks[0].bound, 8);
+    let o = tcc(&[
+        "build",
+        "examples/gpt.tdsl",
+        "--set",
+        "L=1",
+        "--set",
+        "D=64",
+        "--set",
+        "H=2",
+        "--set",
+        "T=16",
+        "--set",
+        "B=2",
+        "--set",
+        "V=64",
+        "-o",
+        &art.display().to_string(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(tcc_runtime::Model::load(&art)
+        .unwrap()
+        .manifest()
+        .checks
+        .is_empty());
+}

@@ -229,6 +229,20 @@ pub enum Target {
     Cuda,
 }
 
+/// The name every check output starts with ([`Manifest::checks`]); not a TDSL name, so no
+/// program output can take it.
+pub const CHECK_PREFIX: &str = "tcc.check.";
+
+/// An output counting out-of-range index values ([`Manifest::checks`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Check {
+    /// The output's name (a scalar f32 output starting with [`CHECK_PREFIX`]).
+    pub output: String,
+    /// What reads the indices: "embedding into `wte`".
+    pub what: String,
+    pub bound: u64,
+}
+
 /// The JSON manifest.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -257,6 +271,11 @@ pub struct Manifest {
     /// load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sass: Option<Sass>,
+    /// In-step index checks: outputs (scalar f32) that count the index values an op was
+    /// handed outside `[0, bound)` in the step; [`crate::Session::run`] fails a step whose
+    /// count is not zero. Absent: no op reads indices the step computes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<Check>,
     /// Sections present in the file: `code` (UTF-8 text) and `persistent` (the initial
     /// bytes of the arena's persistent region, `plan.persistent_bytes` long); `sass` with
     /// [`Manifest::sass`].
@@ -782,6 +801,17 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
             "the persistent region ({} bytes) is larger than the arena ({} bytes)",
             m.plan.persistent_bytes, m.arena_bytes
         ));
+    }
+    for c in &m.checks {
+        let scalar = m.outputs.iter().any(|o| {
+            o.name == c.output && o.dtype == DType::F32 && o.shape.iter().product::<usize>() == 1
+        });
+        if !c.output.starts_with(CHECK_PREFIX) || !scalar {
+            return bad(format!(
+                "check `{}` does not name a scalar f32 output starting with `{CHECK_PREFIX}`",
+                c.output
+            ));
+        }
     }
     let check_slot = |kind: &str, s: &TensorSlot, limit: u64, region: &str| {
         if let Some(b) = s.index_bound {

@@ -223,6 +223,18 @@ pub enum Error {
         value: i64,
         bound: u64,
     },
+    /// An op read index values the step computed outside their range (an artifact's
+    /// in-step check, [`artifact::Manifest::checks`]): the kernels clamped them, so the
+    /// step's results are not the program's.
+    #[error(
+        "{what}: {count} index value(s) computed in the step lie outside [0, {bound}); the \
+         step's results are not valid"
+    )]
+    IndexOutOfRangeInStep {
+        what: String,
+        count: u64,
+        bound: u64,
+    },
     /// The data has a different number of bytes than the tensor.
     #[error("`{name}` is {expected} bytes, but the data is {got} bytes")]
     ByteLenMismatch {
@@ -1288,7 +1300,31 @@ impl<'a> Session<'a> {
         match &mut self.exec {
             Executor::Cpu(c) => c.run(base),
             #[cfg(feature = "cuda")]
-            Executor::Cuda(c) => return c.run(),
+            Executor::Cuda(c) => c.run()?,
+        }
+        self.in_step_checks()
+    }
+
+    /// Fails with the first in-step index check ([`artifact::Manifest::checks`]) whose
+    /// count the step left above zero. Allocates nothing.
+    pub(crate) fn in_step_checks(&self) -> Result<()> {
+        let m = self.model.manifest();
+        for c in &m.checks {
+            let Some(index) = m.outputs.iter().position(|o| o.name == c.output) else {
+                continue;
+            };
+            let bytes = self.output_source(index, m.outputs[index].range())?;
+            let count = match bytes {
+                [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
+                _ => 0.0,
+            };
+            if count != 0.0 {
+                return Err(Error::IndexOutOfRangeInStep {
+                    what: c.what.clone(),
+                    count: count as u64,
+                    bound: c.bound,
+                });
+            }
         }
         Ok(())
     }

@@ -513,6 +513,16 @@ impl DataParallel {
     /// for it. After an error the communicator is aborted, and every later `run` fails:
     /// make a new `DataParallel`.
     pub fn run(&mut self) -> Result<()> {
+        self.run_ranks()?;
+        // Every rank's in-step index checks (the first that fails).
+        for s in &self.sessions {
+            s.in_step_checks()?;
+        }
+        Ok(())
+    }
+
+    /// One step on every rank, the collectives between them.
+    fn run_ranks(&mut self) -> Result<()> {
         match &mut self.comm {
             Comm::Host(comm) => std::thread::scope(|scope| {
                 let handles: Vec<_> = self

@@ -729,3 +729,44 @@ fn shards_must_be_one_of_ranks_blocks_of_a_param() {
         "cannot be one of 2 shards",
     );
 }
+
+/// An in-step check names a scalar f32 output; a step that leaves its count above zero
+/// fails with the op and the bound, and one that leaves it at zero runs.
+#[test]
+fn in_step_checks_name_a_scalar_output_and_fail_the_step() {
+    let check = |output: &str| artifact::Check {
+        output: output.into(),
+        what: "embedding into `t`".into(),
+        bound: 8,
+    };
+    rejects(
+        |m| m.checks.push(check("tcc.check.0")),
+        "check `tcc.check.0` does not name a scalar f32 output",
+    );
+    rejects(
+        |m| {
+            m.outputs.push(slot("y2", DType::F32, &[], 0));
+            m.checks.push(check("y2"));
+        },
+        "starting with `tcc.check.`",
+    );
+    // The count lives at the param's first element (1.0 here, 0.0 once zeroed).
+    let mut m = tiny_manifest();
+    m.outputs.push(slot("tcc.check.0", DType::F32, &[], 0));
+    m.checks.push(check("tcc.check.0"));
+    let model = Model::from_bytes(build(
+        &m,
+        &tiny_code(),
+        &persistent_init(&[1.0, 2.0, 3.0, 4.0], 64),
+    ))
+    .unwrap();
+    let mut s = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    match s.run() {
+        Err(Error::IndexOutOfRangeInStep { what, count, bound }) => {
+            assert_eq!((what.as_str(), count, bound), ("embedding into `t`", 1, 8));
+        }
+        other => panic!("expected IndexOutOfRangeInStep, got {other:?}"),
+    }
+    s.set_param("w", &[0.0, 2.0, 3.0, 4.0]).unwrap();
+    s.run().unwrap();
+}

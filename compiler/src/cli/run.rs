@@ -175,8 +175,9 @@ pub fn run_eager(
     let mut last = Vec::new();
     for step in 1..=opts.steps {
         let start = Instant::now();
-        let outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
+        let mut outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
             .map_err(|e| e.to_string())?;
+        outs.retain(|(name, _)| !is_check(name));
         times.push(start.elapsed().as_secs_f64() * 1e3);
         let printed = step % opts.every == 0 || step == opts.steps;
         let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (n.as_str(), t)));
@@ -318,6 +319,19 @@ fn random_input_bytes(
     }
 }
 
+/// Whether an output is an in-step index check's count (the runtime reads it; `tcc run`
+/// neither prints nor saves it).
+fn is_check(name: &str) -> bool {
+    name.starts_with(tcc_runtime::artifact::CHECK_PREFIX)
+}
+
+/// The outputs of the program, without the in-step checks' counts.
+fn user_outputs(
+    model: &tcc_runtime::Model,
+) -> impl Iterator<Item = &tcc_runtime::artifact::TensorSlot> {
+    model.outputs().iter().filter(|s| !is_check(&s.name))
+}
+
 /// The line `--params` prints: what a params file held of the model's persistent tensors.
 fn report_loaded(path: &std::path::Path, loaded: &tcc_runtime::ParamsLoaded) {
     super::info!(
@@ -441,7 +455,7 @@ pub fn run_compiled(
         let printed = step % opts.every == 0 || step == opts.steps;
         // Scalar outputs (the loss) every step, the others when printed.
         let mut outs: Vec<(&str, Tensor)> = Vec::new();
-        for slot in model.outputs() {
+        for slot in user_outputs(model) {
             let one = slot.shape.iter().product::<usize>() == 1;
             if !(printed || one) {
                 continue;
@@ -455,7 +469,7 @@ pub fn run_compiled(
     }
     if let Some(dir) = &opts.save_outputs {
         let mut outs = Vec::new();
-        for slot in model.outputs() {
+        for slot in user_outputs(model) {
             let b = s.output_bytes(&slot.name).map_err(|e| e.to_string())?;
             let t = Tensor::from_le_bytes(tensor_type(slot), b)
                 .ok_or_else(|| format!("output `{}` has the wrong size", slot.name))?;
@@ -666,7 +680,7 @@ fn run_data_parallel(
         times.push(start.elapsed().as_secs_f64() * 1e3);
         let printed = step % opts.every == 0 || step == opts.steps;
         let mut outs: Vec<(&str, Tensor)> = Vec::new();
-        for slot in model.outputs() {
+        for slot in user_outputs(model) {
             let one = slot.shape.iter().product::<usize>() == 1;
             if !(printed || one) {
                 continue;

@@ -163,6 +163,19 @@ pub struct Graph {
     /// The micro-batches of a step split with `--micro-batches K`
     /// ([`crate::front::micro_batch`]); `None` for a step over its whole batch at once.
     pub micro_batches: Option<usize>,
+    /// In-step index checks ([`crate::passes::index_checks`]): for each output that counts
+    /// the out-of-range values an op was handed, the op it guards and the bound.
+    pub checks: Vec<IndexCheck>,
+}
+
+/// An output counting the index values an op read outside `[0, bound)` in a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IndexCheck {
+    /// The output's name (it starts with [`tcc_runtime::artifact::CHECK_PREFIX`]).
+    pub output: String,
+    /// What is checked, for the error: "embedding into `table`".
+    pub what: String,
+    pub bound: u64,
 }
 
 /// The largest tensor a program may make, in bytes (1 TiB): far above any device's
@@ -470,6 +483,7 @@ impl Graph {
         out.ranks = self.ranks;
         out.shards = self.shards.clone();
         out.micro_batches = self.micro_batches;
+        out.checks = self.checks.clone();
         out
     }
 

@@ -374,6 +374,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     h.ranks = g.ranks;
     h.micro_batches = g.micro_batches;
     h.shards = g.shards.clone();
+    h.checks = g.checks.clone();
     // A swap left with no reader is dropped, with the reshapes below it that only it read
     // (the others keep their order).
     let grads: BTreeSet<NodeId> = h.grads.iter().map(|&(_, d)| d).collect();

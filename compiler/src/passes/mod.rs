@@ -4,6 +4,7 @@
 
 pub mod amp;
 pub mod attention;
+pub mod index_checks;
 pub mod outputs;
 pub mod schedule;
 pub mod split_reductions;

@@ -149,6 +149,7 @@ pub fn tiny_manifest() -> Manifest {
         alignment: ALIGN,
         ranks: None,
         sass: None,
+        checks: Vec::new(),
         inputs: vec![slot("x", DType::F32, &[4], 64)],
         outputs: vec![
             slot("y", DType::F32, &[4], 128),
