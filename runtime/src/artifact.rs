@@ -545,16 +545,23 @@ pub fn bounds_line(m: &Manifest) -> String {
 
 /// A kernel's entry in [`bounds_line`]: its extent, `p` after it where chunks of the range
 /// may run at once (compiled for that: `parallel`), then on CUDA
-/// `:gx,gy,gz:bx,by,bz:shared`.
+/// `:gx,gy,gz:bx,by,bz:shared`, then `/` and the kernels it waits for (`after`), which
+/// the code's reads and writes need: a dropped edge would let two kernels race.
 fn kernel_bounds(k: &KernelEntry) -> String {
     let extent = format!("{}{}", k.extent, if k.parallel { "p" } else { "" });
-    match &k.launch {
+    let mut s = match &k.launch {
         None => extent,
         Some(l) => format!(
             "{extent}:{},{},{}:{},{},{}:{}",
             l.grid[0], l.grid[1], l.grid[2], l.block[0], l.block[1], l.block[2], l.shared_bytes
         ),
+    };
+    if let Some(after) = &k.after {
+        let deps: Vec<String> = after.iter().map(u32::to_string).collect();
+        s.push('/');
+        s.push_str(&deps.join(","));
     }
+    s
 }
 
 /// Checks the manifest's arena size, kernels, extents and launch shapes against the code
@@ -607,7 +614,7 @@ pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
         if spec != ours {
             return Err(Error::BadManifest(format!(
                 "kernel `{name}`: the manifest's extent{} `{ours}` is not the `{spec}` the \
-                 code was compiled for (`p`: split over threads)",
+                 code was compiled for (`p`: split over threads; `/`: the kernels it waits for)",
                 if k.launch.is_some() {
                     " and launch (extent:grid:block:shared bytes)"
                 } else {

@@ -357,6 +357,9 @@ fn the_manifest_is_checked_against_the_codes_bounds() {
         e.kernels[0].parallel = !e.kernels[0].parallel;
         refused(&e, code.clone(), "kernel `k0`");
         let mut e = m.clone();
+        e.kernels[1].after = Some(vec![]);
+        refused(&e, code.clone(), "kernel `k1`");
+        let mut e = m.clone();
         e.kernels.pop();
         refused(
             &e,
