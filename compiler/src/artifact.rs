@@ -539,8 +539,11 @@ pub fn write_artifact_with_sass(
     ];
     if let Some((s, bytes)) = sass {
         // The cubins were made from the PTX without its bounds comment: the same code.
+        // (SASS of other PTX keeps its checksum, and the reader refuses it.)
         let mut s = s.clone();
-        s.code_fnv1a64 = format!("{:016x}", fmt::fnv1a64(code.as_bytes()));
+        if s.code_fnv1a64 == format!("{:016x}", fmt::fnv1a64(c.code.as_bytes())) {
+            s.code_fnv1a64 = format!("{:016x}", fmt::fnv1a64(code.as_bytes()));
+        }
         m.sass = Some(s);
         sections.push(("sass", bytes));
     }

@@ -535,12 +535,34 @@ pub fn bounds_line(m: &Manifest) -> String {
         Target::Cpu => String::from(";"),
         Target::Cuda => String::from("//"),
     };
-    let _ = write!(s, " tcc-bounds arena={}", m.arena_bytes);
+    let _ = write!(
+        s,
+        " tcc-bounds arena={} align={} checks={}",
+        m.arena_bytes,
+        m.alignment,
+        checks_bounds(m)
+    );
     for k in &m.kernels {
         let _ = write!(s, " {}={}", k.name, kernel_bounds(k));
     }
     s.push('\n');
     s
+}
+
+/// The in-step checks' entry in [`bounds_line`]: `output:bound` of each, comma-separated.
+fn checks_bounds(m: &Manifest) -> String {
+    let each: Vec<String> = m
+        .checks
+        .iter()
+        .map(|c| format!("{}:{}", c.output, c.bound))
+        .collect();
+    each.join(",")
+}
+
+/// Whether an output is an in-step check's count ([`Manifest::checks`]): not one of the
+/// program's own results.
+pub fn is_check_output(name: &str) -> bool {
+    name.starts_with(CHECK_PREFIX)
 }
 
 /// A kernel's entry in [`bounds_line`]: its extent, `p` after it where chunks of the range
@@ -594,6 +616,22 @@ pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
             arena.unwrap_or("an unstated number of")
         )));
     }
+    let align = words.next().and_then(|w| w.strip_prefix("align="));
+    if align != Some(m.alignment.to_string().as_str()) {
+        return Err(Error::BadManifest(format!(
+            "the manifest's alignment is {}, but the code was compiled for {}",
+            m.alignment,
+            align.unwrap_or("an unstated one")
+        )));
+    }
+    let checks = words.next().and_then(|w| w.strip_prefix("checks="));
+    if checks != Some(checks_bounds(m).as_str()) {
+        return Err(Error::BadManifest(format!(
+            "the manifest's in-step checks `{}` are not the code's `{}`",
+            checks_bounds(m),
+            checks.unwrap_or("")
+        )));
+    }
     let code_kernels: Vec<&str> = words.collect();
     for (i, k) in m.kernels.iter().enumerate() {
         let Some(entry) = code_kernels.get(i) else {
@@ -623,12 +661,20 @@ pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
             )));
         }
     }
-    Err(Error::BadManifest(format!(
-        "the manifest launches {} kernels, but the code was compiled for {}",
-        m.kernels.len(),
-        code_kernels.len()
-    )))
+    if code_kernels.len() != m.kernels.len() {
+        return Err(Error::BadManifest(format!(
+            "the manifest launches {} kernels, but the code was compiled for {}",
+            m.kernels.len(),
+            code_kernels.len()
+        )));
+    }
+    Err(Error::BadManifest(
+        "the code's bounds line is not written as the manifest's would be".into(),
+    ))
 }
+
+/// The longest manifest [`declared_len`] reads (1 GiB).
+pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 
 /// How long an artifact says it is, from its first bytes ([`crate::fsutil::read_declared`]):
 /// the header gives the manifest's length, the manifest its sections' ends. Bytes that are
@@ -643,7 +689,12 @@ pub fn declared_len(prefix: &[u8]) -> crate::fsutil::Declared {
     }
     let mut len8 = [0u8; 8];
     len8.copy_from_slice(&prefix[16..24]);
-    let json_end = (HEADER_BYTES as u64).saturating_add(u64::from_le_bytes(len8));
+    let json_len = u64::from_le_bytes(len8);
+    // No manifest is that long (gpt's is under 1 MiB): stop, and [`read`] says truncated.
+    if json_len > MAX_MANIFEST_BYTES {
+        return Declared::Stop;
+    }
+    let json_end = HEADER_BYTES as u64 + json_len;
     if (prefix.len() as u64) < json_end {
         return Declared::Header(json_end);
     }

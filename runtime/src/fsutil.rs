@@ -95,6 +95,18 @@ pub fn read_declared(
 /// longer file is an `InvalidData` error naming the limit, after `limit + 1` bytes, so an
 /// endless one is refused too.
 pub fn read_capped(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
+    read_capped_checked(path, limit, 0, |_| Ok(()))
+}
+
+/// [`read_capped`] that first reads up to `first` bytes and hands them to `check`, whose
+/// error stops the read there (a file that cannot be of its format is refused before up to
+/// `limit` bytes of it are read). One handle reads it all, so a pipe loses nothing.
+pub fn read_capped_checked(
+    path: &Path,
+    limit: u64,
+    first: u64,
+    check: impl FnOnce(&[u8]) -> io::Result<()>,
+) -> io::Result<Vec<u8>> {
     let mut f = File::open(path)?;
     let mut buf = Vec::new();
     if let Ok(m) = f.metadata() {
@@ -102,6 +114,8 @@ pub fn read_capped(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
             return Err(too_long(limit));
         }
     }
+    fill(&mut f, &mut buf, first.min(limit.saturating_add(1)))?;
+    check(&buf)?;
     fill(&mut f, &mut buf, limit.saturating_add(1))?;
     if buf.len() as u64 > limit {
         return Err(too_long(limit));
@@ -117,9 +131,10 @@ fn too_long(limit: u64) -> io::Error {
 }
 
 /// Reads from `f` until `buf` holds `want` bytes; `false` when the file ended first. The
-/// buffer is reserved fallibly: up to the file's length at once where the file is a regular
-/// one (so a declared length far beyond the real one costs no memory), else in steps of at
-/// most 64 MiB as bytes come.
+/// buffer is reserved fallibly: where the file is a regular one, exactly what it can still
+/// give (its length and one byte, to see the end), so a declared length far beyond the real
+/// one costs no memory and the buffer is not grown past the file; else in steps of at most
+/// 64 MiB as bytes come.
 fn fill(f: &mut File, buf: &mut Vec<u8>, want: u64) -> io::Result<bool> {
     const STEP: u64 = 64 << 20;
     let no_memory = || {
@@ -130,14 +145,18 @@ fn fill(f: &mut File, buf: &mut Vec<u8>, want: u64) -> io::Result<bool> {
     };
     if let Ok(m) = f.metadata() {
         if m.is_file() {
-            let to = want.min(m.len()).saturating_sub(buf.len() as u64);
+            let to = want
+                .min(m.len().saturating_add(1))
+                .saturating_sub(buf.len() as u64);
             let to = usize::try_from(to).map_err(|_| no_memory())?;
             buf.try_reserve_exact(to).map_err(|_| no_memory())?;
         }
     }
     while (buf.len() as u64) < want {
         let chunk = (want - buf.len() as u64).min(STEP);
-        buf.try_reserve(chunk as usize).map_err(|_| no_memory())?;
+        if buf.len() == buf.capacity() {
+            buf.try_reserve(chunk as usize).map_err(|_| no_memory())?;
+        }
         if Read::take(&mut *f, chunk).read_to_end(buf)? == 0 {
             return Ok(false);
         }
@@ -218,7 +237,10 @@ mod tests {
         let p = file("declared", &bytes);
         assert_eq!(read_declared(&p, 1, two_stage).unwrap(), &bytes[..7]);
         let p = file("exact", &bytes[..6]);
-        assert_eq!(read_declared(&p, 1, two_stage).unwrap(), &bytes[..6]);
+        let read = read_declared(&p, 1, two_stage).unwrap();
+        assert_eq!(read, &bytes[..6]);
+        // Reserved for the file's bytes and the one that shows its end, no more.
+        assert!(read.capacity() <= 7, "{}", read.capacity());
         // Ends early: returned as it is.
         let p = file("short", &bytes[..4]);
         assert_eq!(read_declared(&p, 1, two_stage).unwrap(), &bytes[..4]);

@@ -225,7 +225,7 @@ pub enum Error {
     },
     /// An op read index values the step computed outside their range (an artifact's
     /// in-step check, [`artifact::Manifest::checks`]): the kernels clamped them, so the
-    /// step's results are not the program's.
+    /// step's results, and the params and state its updates wrote, are not the program's.
     #[error(
         "{what}: {count} index value(s) computed in the step lie outside [0, {bound}); the \
          step's results are not valid"

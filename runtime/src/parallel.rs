@@ -510,8 +510,10 @@ impl DataParallel {
 
     /// Runs one step on every rank, each on its own thread, combining the gradients across
     /// them. The first error of any rank is returned; the others stop instead of waiting
-    /// for it. After an error the communicator is aborted, and every later `run` fails:
-    /// make a new `DataParallel`.
+    /// for it. After an error of a rank the communicator is aborted, and every later `run`
+    /// fails: make a new `DataParallel`. A failed in-step index check
+    /// ([`crate::Error::IndexOutOfRangeInStep`]) comes after every rank's step has run and
+    /// aborts nothing.
     pub fn run(&mut self) -> Result<()> {
         self.run_ranks()?;
         // Every rank's in-step index checks (the first that fails).

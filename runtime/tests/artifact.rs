@@ -29,12 +29,13 @@ fn write_then_read_round_trips() {
     assert_eq!(sections[0].0, "code");
     let code = artifact::bounds_line(&m) + &tiny_code();
     assert!(
-        code.starts_with("; tcc-bounds arena=256 k0=4 k1=4p\n"),
+        code.starts_with("; tcc-bounds arena=256 align=64 checks= k0=4 k1=4p\n"),
         "{code}"
     );
     let mut par = m.clone();
     par.kernels[0].parallel = true;
-    assert!(artifact::bounds_line(&par).starts_with("; tcc-bounds arena=256 k0=4p k1=4p\n"));
+    assert!(artifact::bounds_line(&par)
+        .starts_with("; tcc-bounds arena=256 align=64 checks= k0=4p k1=4p\n"));
     assert_eq!(&bytes[sections[0].1.clone()], code.as_bytes());
     assert_eq!(sections[1].0, "persistent");
     assert_eq!(sections[1].1.len(), 64);
@@ -365,6 +366,37 @@ fn the_manifest_is_checked_against_the_codes_bounds() {
             &e,
             code.clone(),
             "launches 1 kernels, but the code was compiled for 2",
+        );
+        let mut e = m.clone();
+        e.alignment = 32;
+        refused(
+            &e,
+            code.clone(),
+            "alignment is 32, but the code was compiled for 64",
+        );
+        // A check dropped from the manifest (its output kept) would turn it off.
+        let mut with_check = m.clone();
+        with_check
+            .outputs
+            .push(slot("tcc.check.0", DType::F32, &[], 0));
+        with_check.checks.push(artifact::Check {
+            output: "tcc.check.0".into(),
+            what: "embedding".into(),
+            bound: 8,
+        });
+        let checked = artifact::bounds_line(&with_check) + &body;
+        assert!(loads(&with_check, checked.clone()).is_ok());
+        let mut e = with_check.clone();
+        e.checks.clear();
+        refused(
+            &e,
+            checked,
+            "in-step checks `` are not the code's `tcc.check.0:8`",
+        );
+        refused(
+            &m,
+            code.replacen("  ", " ", 1).replacen(" k0=", "  k0=", 1),
+            "not written as the manifest's would be",
         );
         let mut e = m.clone();
         e.kernels.swap(0, 1);

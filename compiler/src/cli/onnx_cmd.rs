@@ -36,17 +36,16 @@ pub fn import_file(
 ) -> Result<Imported, String> {
     // A protobuf message starts with a field's tag, never a zero byte: refuse such a file
     // (`/dev/zero`) before reading up to the size limit.
-    let mut first = [0u8; 1];
-    let starts = std::fs::File::open(file)
-        .and_then(|mut f| std::io::Read::read(&mut f, &mut first))
-        .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-    if starts == 1 && first[0] == 0 {
-        return Err(format!(
-            "{}: not an ONNX model (a protobuf message cannot start with a zero byte)",
-            file.display()
-        ));
-    }
-    let bytes = super::read_file(file, super::MAX_ONNX_BYTES)?;
+    let bytes = tcc_runtime::fsutil::read_capped_checked(file, super::MAX_ONNX_BYTES, 1, |b| {
+        if b.first() == Some(&0) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "not an ONNX model (a protobuf message cannot start with a zero byte)",
+            ));
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("cannot read {}: {e}", file.display()))?;
     let stem = file
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())

@@ -322,7 +322,7 @@ fn random_input_bytes(
 /// Whether an output is an in-step index check's count (the runtime reads it; `tcc run`
 /// neither prints nor saves it).
 fn is_check(name: &str) -> bool {
-    name.starts_with(tcc_runtime::artifact::CHECK_PREFIX)
+    tcc_runtime::artifact::is_check_output(name)
 }
 
 /// The outputs of the program, without the in-step checks' counts.

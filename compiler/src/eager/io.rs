@@ -25,6 +25,9 @@ pub enum IoError {
     },
 }
 
+/// The longest `.npy` header tcc reads (numpy writes a few hundred bytes).
+const MAX_NPY_HEADER: u64 = 1 << 20;
+
 /// A tensor as little-endian bytes of its dtype (the arena's layout): what params and inputs
 /// are read into for the compiled program and the runtime, where the interpreter's
 /// [`Tensor`] would hold every float as an f64 (twice an f32's bytes).
@@ -81,11 +84,36 @@ pub fn read_npy_bytes(
     expected: &TensorType,
 ) -> Result<HostTensor, IoError> {
     let p = path.display().to_string();
-    let file = std::fs::File::open(path).map_err(|source| IoError::Read {
+    let mut file = std::fs::File::open(path).map_err(|source| IoError::Read {
         path: p.clone(),
         source,
     })?;
-    let npy = npyz::NpyFile::new(std::io::BufReader::new(file)).map_err(|e| IoError::Npy {
+    // The header's length, checked before npyz allocates it: magic (6 bytes), version (2),
+    // then a u16 (version 1) or u32 length.
+    let mut head = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, 12), &mut head).map_err(
+        |source| IoError::Read {
+            path: p.clone(),
+            source,
+        },
+    )?;
+    let header_len = match head.get(6) {
+        Some(1) => head
+            .get(8..10)
+            .map(|b| u64::from(u16::from_le_bytes([b[0], b[1]]))),
+        Some(_) => head
+            .get(8..12)
+            .map(|b| u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        None => None,
+    };
+    if header_len.is_some_and(|n| n > MAX_NPY_HEADER) {
+        return Err(IoError::Npy {
+            path: p,
+            why: format!("its header is longer than {MAX_NPY_HEADER} bytes"),
+        });
+    }
+    let reader = std::io::BufReader::new(std::io::Read::chain(std::io::Cursor::new(head), file));
+    let npy = npyz::NpyFile::new(reader).map_err(|e| IoError::Npy {
         path: p.clone(),
         why: e.to_string(),
     })?;
@@ -130,8 +158,8 @@ pub fn read_npy_bytes(
             path: p.clone(),
             why: format!("cannot allocate {} bytes for it", expected.size_bytes()),
         })?;
-    fn each<T: npyz::Deserialize>(
-        npy: npyz::NpyFile<std::io::BufReader<std::fs::File>>,
+    fn each<T: npyz::Deserialize, R: std::io::Read>(
+        npy: npyz::NpyFile<R>,
         mut f: impl FnMut(T),
     ) -> std::io::Result<()> {
         let data = npy
