@@ -1505,3 +1505,33 @@ fn ids_computed_in_the_step_are_checked_on_every_path() {
         .checks
         .is_empty());
 }
+
+/// A reader that stops early (`tcc run … | head -1`) ends tcc quietly with the status a
+/// shell gives a tool stopped by SIGPIPE (141), not a panic report.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_stops_tcc_quietly() {
+    use std::io::Read;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args([
+            "run",
+            "examples/tiny.tdsl",
+            "--steps",
+            "100000",
+            "--every",
+            "1",
+            "-q",
+        ])
+        .current_dir(root())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcc runs");
+    let mut first = [0u8; 64];
+    let mut out = child.stdout.take().unwrap();
+    out.read_exact(&mut first).unwrap();
+    drop(out);
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(141), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}
