@@ -482,7 +482,7 @@ pub fn recipe(init: crate::ir::Init, seed: u64) -> Option<tcc_runtime::init::Rec
 pub fn persistent_image(
     c: &Compiled,
     seed: u64,
-    given: &std::collections::BTreeMap<String, eager::io::HostTensor>,
+    given: &std::collections::BTreeMap<String, eager::io::TensorBytes>,
 ) -> Result<PersistentInit, BuildError> {
     let g = &c.graph;
     let mut out = PersistentInit::default();

@@ -608,28 +608,31 @@ pub fn check_bounds(m: &Manifest, code: &str) -> Result<(), crate::Error> {
                 .into(),
         ));
     }
-    let arena = words.next().and_then(|w| w.strip_prefix("arena="));
-    if arena != Some(m.arena_bytes.to_string().as_str()) {
+    // The line's fields before the kernels, each `key=value`: the code's value where it
+    // differs from the manifest's (`None` for a field that matches).
+    let mut differs = |key: &str, ours: &str| {
+        let code = words
+            .next()
+            .and_then(|w| w.strip_prefix(key))
+            .and_then(|w| w.strip_prefix('='));
+        (code != Some(ours)).then(|| code.unwrap_or("none stated").to_string())
+    };
+    if let Some(code) = differs("arena", &m.arena_bytes.to_string()) {
         return Err(Error::BadManifest(format!(
-            "the manifest's arena is {} bytes, but the code addresses {} bytes",
-            m.arena_bytes,
-            arena.unwrap_or("an unstated number of")
+            "the manifest's arena is {} bytes, but the code addresses {code} bytes",
+            m.arena_bytes
         )));
     }
-    let align = words.next().and_then(|w| w.strip_prefix("align="));
-    if align != Some(m.alignment.to_string().as_str()) {
+    if let Some(code) = differs("align", &m.alignment.to_string()) {
         return Err(Error::BadManifest(format!(
-            "the manifest's alignment is {}, but the code was compiled for {}",
-            m.alignment,
-            align.unwrap_or("an unstated one")
+            "the manifest's alignment is {}, but the code was compiled for {code}",
+            m.alignment
         )));
     }
-    let checks = words.next().and_then(|w| w.strip_prefix("checks="));
-    if checks != Some(checks_bounds(m).as_str()) {
+    let checks = checks_bounds(m);
+    if let Some(code) = differs("checks", &checks) {
         return Err(Error::BadManifest(format!(
-            "the manifest's in-step checks `{}` are not the code's `{}`",
-            checks_bounds(m),
-            checks.unwrap_or("")
+            "the manifest's in-step checks `{checks}` are not the code's `{code}`"
         )));
     }
     let code_kernels: Vec<&str> = words.collect();

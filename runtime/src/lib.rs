@@ -587,9 +587,8 @@ impl Model {
             }
         };
         let code = std::str::from_utf8(&bytes[code])
-            .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?
-            .to_string();
-        artifact::check_bounds(&manifest, &code)?;
+            .map_err(|e| Error::BadManifest(format!("the code section is not UTF-8: {e}")))?;
+        artifact::check_bounds(&manifest, code)?;
         // The code proper, after its bounds line (which `check_bounds` found there).
         let code = code
             .split_once('\n')

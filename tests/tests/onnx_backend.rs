@@ -171,10 +171,10 @@ fn run_case(dir: &Path) -> Outcome {
         Ok(c) => c,
         Err(e) => return Outcome::Fail(format!("compile: {e}")),
     };
-    let given: BTreeMap<String, tcc::eager::io::HostTensor> = imp
+    let given: BTreeMap<String, tcc::eager::io::TensorBytes> = imp
         .params
         .iter()
-        .map(|(n, t)| (n.clone(), tcc::eager::io::HostTensor::from_tensor(t)))
+        .map(|(n, t)| (n.clone(), tcc::eager::io::TensorBytes::from_tensor(t)))
         .collect();
     let img = match tcc::artifact::persistent_image(&c, 0, &given) {
         Ok(i) => i,

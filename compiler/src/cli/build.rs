@@ -171,7 +171,7 @@ pub fn emit_bytes(
     p: &Product,
     out: Request,
     locations: Option<&crate::SourceMap>,
-    given: &std::collections::BTreeMap<String, crate::eager::io::HostTensor>,
+    given: &std::collections::BTreeMap<String, crate::eager::io::TensorBytes>,
     stderr: &mut StandardStream,
 ) -> Option<Vec<u8>> {
     match (out.emit, p) {

@@ -3,7 +3,7 @@
 //! any program and its initializers given to the compiled step as the params' values.
 
 use super::ProgramArgs;
-use crate::eager::io::HostTensor;
+use crate::eager::io::TensorBytes;
 use crate::eager::Tensor;
 use crate::onnx::{self, ImportOptions, Imported};
 use std::collections::BTreeMap;
@@ -130,10 +130,10 @@ pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
 
 /// The params' values of an `.onnx` program (empty for other files), as the bytes an
 /// artifact stores.
-pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, HostTensor>, String> {
+pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, TensorBytes>, String> {
     Ok(given_params_tensors(program)?
         .into_iter()
-        .map(|(name, t)| (name, HostTensor::from_tensor(&t)))
+        .map(|(name, t)| (name, TensorBytes::from_tensor(&t)))
         .collect())
 }
 
@@ -213,7 +213,7 @@ pub fn run_import(
 pub fn params_from_file(
     g: &crate::ir::Graph,
     path: &Path,
-) -> Result<BTreeMap<String, HostTensor>, String> {
+) -> Result<BTreeMap<String, TensorBytes>, String> {
     let wanted: Vec<(String, crate::ir::TensorType)> = g
         .params
         .iter()

@@ -7,6 +7,7 @@ use crate::ir::{Graph, Op};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
+use tcc_runtime::artifact::is_check_output;
 
 pub struct RunOptions {
     pub steps: u32,
@@ -177,7 +178,7 @@ pub fn run_eager(
         let start = Instant::now();
         let mut outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
             .map_err(|e| e.to_string())?;
-        outs.retain(|(name, _)| !is_check(name));
+        outs.retain(|(name, _)| !is_check_output(name));
         times.push(start.elapsed().as_secs_f64() * 1e3);
         let printed = step % opts.every == 0 || step == opts.steps;
         let check = check_outputs(step, printed, outs.iter().map(|(n, t)| (n.as_str(), t)));
@@ -319,17 +320,12 @@ fn random_input_bytes(
     }
 }
 
-/// Whether an output is an in-step index check's count (the runtime reads it; `tcc run`
-/// neither prints nor saves it).
-fn is_check(name: &str) -> bool {
-    tcc_runtime::artifact::is_check_output(name)
-}
-
-/// The outputs of the program, without the in-step checks' counts.
+/// The outputs of the program, without the in-step checks' counts (the runtime reads
+/// those; `tcc run` neither prints nor saves them).
 fn user_outputs(
     model: &tcc_runtime::Model,
 ) -> impl Iterator<Item = &tcc_runtime::artifact::TensorSlot> {
-    model.outputs().iter().filter(|s| !is_check(&s.name))
+    model.outputs().iter().filter(|s| !is_check_output(&s.name))
 }
 
 /// The line `--params` prints: what a params file held of the model's persistent tensors.

@@ -32,15 +32,15 @@ const MAX_NPY_HEADER: u64 = 1 << 20;
 /// are read into for the compiled program and the runtime, where the interpreter's
 /// [`Tensor`] would hold every float as an f64 (twice an f32's bytes).
 #[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
+pub struct TensorBytes {
     pub ty: TensorType,
     pub bytes: Vec<u8>,
 }
 
-impl HostTensor {
+impl TensorBytes {
     /// The bytes of an interpreter's tensor.
-    pub fn from_tensor(t: &Tensor) -> HostTensor {
-        HostTensor {
+    pub fn from_tensor(t: &Tensor) -> TensorBytes {
+        TensorBytes {
             ty: t.ty.clone(),
             bytes: t.to_le_bytes(),
         }
@@ -82,7 +82,7 @@ pub fn read_npy_bytes(
     path: &Path,
     name: &str,
     expected: &TensorType,
-) -> Result<HostTensor, IoError> {
+) -> Result<TensorBytes, IoError> {
     let p = path.display().to_string();
     let mut file = std::fs::File::open(path).map_err(|source| IoError::Read {
         path: p.clone(),
@@ -186,7 +186,7 @@ pub fn read_npy_bytes(
         }
     }
     .map_err(bad)?;
-    Ok(HostTensor {
+    Ok(TensorBytes {
         ty: expected.clone(),
         bytes,
     })
@@ -216,7 +216,7 @@ pub fn read_safetensors(
 pub fn read_safetensors_bytes(
     path: &Path,
     wanted: &[(String, TensorType)],
-) -> Result<Vec<(String, HostTensor)>, IoError> {
+) -> Result<Vec<(String, TensorBytes)>, IoError> {
     let p = path.display().to_string();
     let bytes = tcc_runtime::fsutil::read_declared(path, 8, tcc_runtime::fsutil::safetensors_len)
         .map_err(|source| IoError::Read {
@@ -267,7 +267,7 @@ pub fn read_safetensors_bytes(
         }
         out.push((
             name.clone(),
-            HostTensor {
+            TensorBytes {
                 ty: ty.clone(),
                 bytes: data,
             },
