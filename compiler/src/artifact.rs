@@ -446,6 +446,7 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
                 output: c.output.clone(),
                 what: c.what.clone(),
                 bound: c.bound,
+                kind: c.kind,
             })
             .collect(),
         sections: Vec::new(),

@@ -693,7 +693,7 @@ fn mixed_precision_flags() {
     let o = tcc(&["run", art, "--amp", "f16"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("keeps the precision it was built with"),
+        stderr(&o).contains("keeps the numerics it was built with"),
         "{}",
         stderr(&o)
     );
@@ -1023,7 +1023,8 @@ fn non_finite_losses_stop_the_run_and_params_are_not_saved() {
         let o = tcc(&args);
         assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     }
-    // One step: the loss is finite, the update is not.
+    // One step: the loss is finite, the update is not. The step's finite check stops the
+    // run; without it (`--no-finite-check`), `--save-params` still refuses the params.
     let huge = d.join("huge.tdsl");
     std::fs::write(
         &huge,
@@ -1047,6 +1048,18 @@ fn non_finite_losses_stop_the_run_and_params_are_not_saved() {
         let o = tcc(&args);
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
         assert!(
+            stderr(&o).contains(
+                "step 1: the params `train` updates are not finite after the step (the sum of \
+                 their magnitudes is inf)"
+            ),
+            "{}",
+            stderr(&o)
+        );
+        assert!(!saved.exists());
+        args.push("--no-finite-check");
+        let o = tcc(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(
             stderr(&o).contains("not saving params: `w` holds inf"),
             "{}",
             stderr(&o)
@@ -1058,6 +1071,79 @@ fn non_finite_losses_stop_the_run_and_params_are_not_saved() {
         assert!(saved.exists());
         std::fs::remove_file(&saved).unwrap();
     }
+}
+
+/// A gradient that is NaN while the loss is finite (the derivative of `sqrt(w * w)` at 0)
+/// stops the run at that step on every path, and on 2 data-parallel ranks with and without
+/// ZeRO-1: the step's finite check sums the params its updates wrote (issue 32, group 9).
+/// Loss scaling keeps its own check (the step is skipped), and `--no-finite-check` builds
+/// the step without one, so the NaN shows in the next step's loss.
+#[test]
+fn a_non_finite_gradient_stops_the_run_at_its_step() {
+    let d = tmpdir("nan-grad");
+    let src = d.join("nan.tdsl");
+    std::fs::write(
+        &src,
+        "model m {
+            input x: f32[4, 8]
+            param w: f32[8] = zeros
+            param v: f32[8, 8] = normal(0.0, 1.0)
+            let loss = mean(x @ v) + sum(sqrt(w * w))
+            output loss
+            train adam(lr: 0.01) minimize loss
+        }",
+    )
+    .unwrap();
+    let s = src.display().to_string();
+    let want = "error: step 1: the params `train` updates are not finite after the step (the \
+                sum of their magnitudes is NaN): a gradient held NaN or infinity";
+    for extra in [
+        &[][..],
+        &["--eager"],
+        &["--gpus", "2"],
+        &["--gpus", "2", "--zero", "1"],
+        &["--amp", "bf16"],
+    ] {
+        let mut args = vec!["run", &s[..], "--steps", "3"];
+        args.extend_from_slice(extra);
+        let o = tcc(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want), "{args:?}: {}", stderr(&o));
+        assert!(stdout(&o).contains("step    1  loss"), "{}", stdout(&o));
+        args.push("--allow-nonfinite");
+        let o = tcc(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    }
+    // f16 loss scaling skips the non-finite step instead (and every later one here).
+    let o = tcc(&["run", &s, "--steps", "3", "--amp", "f16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("3 steps skipped"), "{}", stdout(&o));
+    // Without the check, the NaN reaches the loss one step later.
+    let o = tcc(&["run", &s, "--steps", "3", "--no-finite-check"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("step 2: output `loss` is NaN"),
+        "{}",
+        stderr(&o)
+    );
+    // The artifact records the check; the runtime fails the step itself unless allowed.
+    let art = d.join("nan.tcc");
+    let o = tcc(&["build", &s, "-o", &art.display().to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let model = tcc_runtime::Model::load(&art).unwrap();
+    let mut session = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu).unwrap();
+    session.set_input_bytes("x", &[0u8; 4 * 8 * 4]).unwrap();
+    match session.run() {
+        Err(tcc_runtime::Error::NonFiniteUpdate { what, sum }) => {
+            assert_eq!(what, "the params `train` updates");
+            assert!(sum.is_nan());
+        }
+        other => panic!("expected NonFiniteUpdate, got {other:?}"),
+    }
+    session.set_allow_nonfinite(true);
+    session.set_input_bytes("x", &[0u8; 4 * 8 * 4]).unwrap();
+    session.run().unwrap();
+    assert!(session.updated_params_l1().unwrap().unwrap().is_nan());
 }
 
 /// Sizes are checked at `check` time (issue 32, group 6): a declared type or an op's result
@@ -1499,11 +1585,15 @@ fn ids_computed_in_the_step_are_checked_on_every_path() {
         &art.display().to_string(),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(tcc_runtime::Model::load(&art)
+    // gpt's ids are an input: its only check is the training step's finite check.
+    let kinds: Vec<_> = tcc_runtime::Model::load(&art)
         .unwrap()
         .manifest()
         .checks
-        .is_empty());
+        .iter()
+        .map(|c| c.kind)
+        .collect();
+    assert_eq!(kinds, vec![tcc_runtime::artifact::CheckKind::FiniteUpdates]);
 }
 
 /// A reader that stops early (`tcc run … | head -1`) ends tcc quietly with the status a

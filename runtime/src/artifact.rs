@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 
 /// First 8 bytes of every artifact.
 pub const MAGIC: [u8; 8] = *b"TCCMODEL";
-/// The format version this crate writes and the newest it reads.
-pub const FORMAT_VERSION: u32 = 3;
+/// The format version this crate writes and the newest it reads. Version 4 added
+/// [`CheckKind::FiniteUpdates`], which a version-3 reader would take for an index check.
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest format version this crate reads: version 3 added the code section's bounds
 /// line ([`bounds_line`]), without which the manifest's numbers cannot be checked against
 /// the code.
@@ -233,14 +234,35 @@ pub enum Target {
 /// program output can take it.
 pub const CHECK_PREFIX: &str = "tcc.check.";
 
-/// An output counting out-of-range index values ([`Manifest::checks`]).
+/// What an in-step check's output holds ([`Check`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CheckKind {
+    /// The count of index values an op was handed outside `[0, bound)`: the step fails
+    /// when it is not zero. (Format 3's only kind, so the default.)
+    #[default]
+    IndexRange,
+    /// The sum of the magnitudes of the params after the step's updates (their L1 norm):
+    /// the step fails when it is not finite, that is when a gradient held NaN or infinity
+    /// (every optimizer carries it into its param) or an update left f32's range. `bound`
+    /// is 0.
+    FiniteUpdates,
+}
+
+/// An output the runtime checks after every step ([`Manifest::checks`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Check {
     /// The output's name (a scalar f32 output starting with [`CHECK_PREFIX`]).
     pub output: String,
-    /// What reads the indices: "embedding into `wte`".
+    /// What is checked: "embedding into `wte`", "the params `train` updates".
     pub what: String,
     pub bound: u64,
+    #[serde(default, skip_serializing_if = "is_index_range")]
+    pub kind: CheckKind,
+}
+
+fn is_index_range(k: &CheckKind) -> bool {
+    *k == CheckKind::IndexRange
 }
 
 /// The JSON manifest.
@@ -271,9 +293,12 @@ pub struct Manifest {
     /// load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sass: Option<Sass>,
-    /// In-step index checks: outputs (scalar f32) that count the index values an op was
-    /// handed outside `[0, bound)` in the step; [`crate::Session::run`] fails a step whose
-    /// count is not zero. Absent: no op reads indices the step computes.
+    /// In-step checks: outputs (scalar f32) that count the index values an op was handed
+    /// outside `[0, bound)` in the step ([`CheckKind::IndexRange`]; [`crate::Session::run`]
+    /// fails a step whose count is not zero), or that sum the magnitudes of the gradients
+    /// the optimizer applied ([`CheckKind::FiniteUpdates`]; the step fails when the sum
+    /// is not finite, unless [`crate::Session::set_allow_nonfinite`]). Absent: nothing to
+    /// check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checks: Vec<Check>,
     /// Sections present in the file: `code` (UTF-8 text) and `persistent` (the initial
@@ -549,12 +574,16 @@ pub fn bounds_line(m: &Manifest) -> String {
     s
 }
 
-/// The in-step checks' entry in [`bounds_line`]: `output:bound` of each, comma-separated.
+/// The in-step checks' entry in [`bounds_line`]: `output:bound` of each index check and
+/// `output:finite` of each finite check, comma-separated.
 fn checks_bounds(m: &Manifest) -> String {
     let each: Vec<String> = m
         .checks
         .iter()
-        .map(|c| format!("{}:{}", c.output, c.bound))
+        .map(|c| match c.kind {
+            CheckKind::IndexRange => format!("{}:{}", c.output, c.bound),
+            CheckKind::FiniteUpdates => format!("{}:finite", c.output),
+        })
         .collect();
     each.join(",")
 }

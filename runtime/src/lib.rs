@@ -235,6 +235,14 @@ pub enum Error {
         count: u64,
         bound: u64,
     },
+    /// The step's updates left params that are not finite (an artifact's finite check,
+    /// [`artifact::CheckKind::FiniteUpdates`]): a gradient held NaN or infinity, or an
+    /// update left f32's range. [`Session::set_allow_nonfinite`] turns this error off.
+    #[error(
+        "{what} are not finite after the step (the sum of their magnitudes is {sum}): a \
+         gradient held NaN or infinity, or an update left f32's range"
+    )]
+    NonFiniteUpdate { what: String, sum: f32 },
     /// The data has a different number of bytes than the tensor.
     #[error("`{name}` is {expected} bytes, but the data is {got} bytes")]
     ByteLenMismatch {
@@ -907,6 +915,8 @@ pub struct Session<'a> {
     arena: Arena<'a>,
     model: Model,
     device: Device,
+    /// [`Session::set_allow_nonfinite`].
+    allow_nonfinite: bool,
 }
 
 impl fmt::Debug for Session<'_> {
@@ -980,6 +990,7 @@ impl Session<'static> {
                     arena: Arena::alloc(0, model.alignment())?,
                     model: model.clone(),
                     device,
+                    allow_nonfinite: false,
                 });
             }
             #[cfg(not(feature = "cuda"))]
@@ -991,6 +1002,7 @@ impl Session<'static> {
             arena,
             model: model.clone(),
             device,
+            allow_nonfinite: false,
         };
         s.copy_persistent_init();
         s.set_threads(0)?;
@@ -1031,6 +1043,7 @@ impl<'a> Session<'a> {
             arena,
             model: model.clone(),
             device: Device::Cpu,
+            allow_nonfinite: false,
         };
         s.reset();
         s.set_threads(0)?;
@@ -1304,28 +1317,72 @@ impl<'a> Session<'a> {
         self.in_step_checks()
     }
 
-    /// Fails with the first in-step index check ([`artifact::Manifest::checks`]) whose
-    /// count the step left above zero. Allocates nothing.
+    /// Fails with the first in-step check ([`artifact::Manifest::checks`]) the step did not
+    /// pass: an index count above zero, or (unless [`Session::set_allow_nonfinite`]) a sum
+    /// of the updated params that is not finite. Allocates nothing.
     pub(crate) fn in_step_checks(&self) -> Result<()> {
         let m = self.model.manifest();
         for c in &m.checks {
-            let Some(index) = m.outputs.iter().position(|o| o.name == c.output) else {
-                continue;
-            };
-            let bytes = self.output_source(index, m.outputs[index].range())?;
-            let count = match bytes {
-                [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
-                _ => 0.0,
-            };
-            if count != 0.0 {
-                return Err(Error::IndexOutOfRangeInStep {
-                    what: c.what.clone(),
-                    count: count as u64,
-                    bound: c.bound,
-                });
+            let value = self.check_value(&c.output)?;
+            match c.kind {
+                artifact::CheckKind::IndexRange if value != 0.0 => {
+                    return Err(Error::IndexOutOfRangeInStep {
+                        what: c.what.clone(),
+                        count: value as u64,
+                        bound: c.bound,
+                    });
+                }
+                artifact::CheckKind::FiniteUpdates
+                    if !value.is_finite() && !self.allow_nonfinite =>
+                {
+                    return Err(Error::NonFiniteUpdate {
+                        what: c.what.clone(),
+                        sum: value,
+                    });
+                }
+                _ => {}
             }
         }
         Ok(())
+    }
+
+    /// The value of the check output `name` after the last step (0 where there is none).
+    fn check_value(&self, name: &str) -> Result<f32> {
+        let m = self.model.manifest();
+        let Some(index) = m.outputs.iter().position(|o| o.name == name) else {
+            return Ok(0.0);
+        };
+        let bytes = self.output_source(index, m.outputs[index].range())?;
+        Ok(match bytes {
+            [a, b, c, d] => f32::from_le_bytes([*a, *b, *c, *d]),
+            _ => 0.0,
+        })
+    }
+
+    /// Whether [`Session::run`] returns after a step that left params non-finite
+    /// ([`artifact::CheckKind::FiniteUpdates`]) instead of failing with
+    /// [`Error::NonFiniteUpdate`]; off by default. With it on, read
+    /// [`Session::updated_params_l1`] to see such a step.
+    pub fn set_allow_nonfinite(&mut self, allow: bool) {
+        self.allow_nonfinite = allow;
+    }
+
+    /// The sum of the magnitudes of the params after the last step's updates (their L1
+    /// norm, summed on the device in f32), or `None` when the artifact has no finite check
+    /// (an inference program, a step built with `--no-finite-check`, or one with loss
+    /// scaling, which skips non-finite steps itself). NaN or infinity: a gradient held NaN
+    /// or infinity (every optimizer carries it into its param), or an update left f32's
+    /// range.
+    pub fn updated_params_l1(&self) -> Result<Option<f32>> {
+        let m = self.model.manifest();
+        match m
+            .checks
+            .iter()
+            .find(|c| c.kind == artifact::CheckKind::FiniteUpdates)
+        {
+            Some(c) => self.check_value(&c.output).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Runs one step as a rank of a CPU [`DataParallel`]: `combine` runs each collective on

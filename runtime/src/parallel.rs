@@ -398,6 +398,14 @@ impl DataParallel {
         self.sessions.get(rank)
     }
 
+    /// [`Session::set_allow_nonfinite`] on every rank: whether [`DataParallel::run`] returns
+    /// after a step that left params non-finite instead of failing.
+    pub fn set_allow_nonfinite(&mut self, allow: bool) {
+        for s in &mut self.sessions {
+            s.set_allow_nonfinite(allow);
+        }
+    }
+
     /// Rank `rank`'s session, to set its inputs. Running it alone is an error
     /// ([`Error::Ranks`]): a data-parallel step runs only through [`DataParallel::run`].
     pub fn session_mut(&mut self, rank: usize) -> Option<&mut Session<'static>> {
@@ -511,12 +519,12 @@ impl DataParallel {
     /// Runs one step on every rank, each on its own thread, combining the gradients across
     /// them. The first error of any rank is returned; the others stop instead of waiting
     /// for it. After an error of a rank the communicator is aborted, and every later `run`
-    /// fails: make a new `DataParallel`. A failed in-step index check
-    /// ([`crate::Error::IndexOutOfRangeInStep`]) comes after every rank's step has run and
-    /// aborts nothing.
+    /// fails: make a new `DataParallel`. A failed in-step check
+    /// ([`crate::Error::IndexOutOfRangeInStep`], [`crate::Error::NonFiniteUpdate`]) comes
+    /// after every rank's step has run and aborts nothing.
     pub fn run(&mut self) -> Result<()> {
         self.run_ranks()?;
-        // Every rank's in-step index checks (the first that fails).
+        // Every rank's in-step checks (the first that fails).
         for s in &self.sessions {
             s.in_step_checks()?;
         }

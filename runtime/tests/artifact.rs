@@ -116,17 +116,29 @@ fn short_file_or_bad_magic_is_not_an_artifact() {
 #[test]
 fn newer_version_names_both_versions() {
     let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&4u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&5u32.to_le_bytes());
     let err = Model::from_bytes(bytes).unwrap_err();
     assert!(matches!(
         err,
         Error::NewerVersion {
-            found: 4,
-            supported: 3
+            found: 5,
+            supported: 4
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains('4') && msg.contains('3'), "{msg}");
+    assert!(msg.contains('5') && msg.contains('4'), "{msg}");
+    // Version 3 (before the finite check's kind) still loads: the same bytes stamped 3 in
+    // the header and the manifest (a digit for a digit), with the manifest's checksum.
+    let mut bytes = tiny_artifact();
+    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let text = String::from_utf8(bytes[24..24 + len].to_vec()).unwrap();
+    let old = text.replacen("\"format_version\":4", "\"format_version\":3", 1);
+    assert_ne!(old, text);
+    bytes[24..24 + len].copy_from_slice(old.as_bytes());
+    bytes[12..16].copy_from_slice(&artifact::manifest_check(old.as_bytes()).to_le_bytes());
+    let m = Model::from_bytes(bytes).unwrap();
+    assert_eq!(m.manifest().format_version, 3);
     // Older than the bounds line: refused, with the advice to rebuild.
     let mut bytes = tiny_artifact();
     bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
@@ -383,6 +395,7 @@ fn the_manifest_is_checked_against_the_codes_bounds() {
             output: "tcc.check.0".into(),
             what: "embedding".into(),
             bound: 8,
+            kind: Default::default(),
         });
         let checked = artifact::bounds_line(&with_check) + &body;
         assert!(loads(&with_check, checked.clone()).is_ok());
@@ -773,6 +786,7 @@ fn in_step_checks_name_a_scalar_output_and_fail_the_step() {
         output: output.into(),
         what: "embedding into `t`".into(),
         bound: 8,
+        kind: Default::default(),
     };
     rejects(
         |m| m.checks.push(check("tcc.check.0")),

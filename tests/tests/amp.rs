@@ -118,6 +118,7 @@ fn f16_with(scale: Option<LossScale>) -> Amp {
     Amp {
         dtype: Some(DType::F16),
         loss_scale: scale,
+        no_finite_check: false,
     }
 }
 

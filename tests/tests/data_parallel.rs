@@ -314,8 +314,9 @@ fn zero_one_shards_the_state_and_reports_the_formula() {
     ] {
         assert_eq!(ops.iter().filter(|&&o| o == op).count(), 4, "{op:?}");
     }
+    // (The finite check's sums over the 4 gathered params take a few kernels of their own.)
     assert!(
-        c.fused.kernels.len() < 40,
+        c.fused.kernels.len() < 46,
         "{} kernels",
         c.fused.kernels.len()
     );
@@ -571,4 +572,83 @@ model convs {
     let mut cpu = cpu_options();
     cpu.fuse.channels_last = true;
     assert_two_ranks_equal_the_whole_batch(src, 2, 3, cpu);
+}
+
+/// `DataParallel::run` fails a step whose in-step checks fail on any rank, after every
+/// rank's step: ids the step computes out of range (an index check), and params a NaN
+/// gradient made NaN (the finite check, with and without ZeRO-1), which
+/// `set_allow_nonfinite` lets through.
+#[test]
+fn in_step_checks_fail_a_data_parallel_step() {
+    use tcc_runtime::{DataParallel, Error};
+    let ids = "model m {
+        input ids: i32[2]
+        input x: f32[2, 2]
+        param table: f32[8, 2] = normal(0.0, 1.0)
+        let loss = mean(embedding(table, ids + 6) * x)
+        output loss
+        train sgd(lr: 0.1) minimize loss
+    }";
+    let compile = tcc::artifact::CompileOptions {
+        ranks: 2,
+        ..Default::default()
+    };
+    let (_, _, model) =
+        tcc_tests::compile_step(ids, &Default::default(), &compile).expect("compiles");
+    let ones: Vec<u8> = [1.0f32; 8].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let run = |id: i32| {
+        let mut dp = DataParallel::new(&model, &[Device::Cpu; 2]).unwrap();
+        // Rank 1 gets `id`; rank 0 stays in range.
+        let ids: Vec<u8> = [0i32, 1, 0, id]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        dp.set_input_split("ids", &ids).unwrap();
+        dp.set_input_split("x", &ones).unwrap();
+        dp.run()
+    };
+    run(1).unwrap();
+    match run(2) {
+        Err(Error::IndexOutOfRangeInStep { what, count, bound }) => {
+            assert_eq!(
+                (what.as_str(), count, bound),
+                ("embedding into `table`", 1, 8)
+            );
+        }
+        other => panic!("expected IndexOutOfRangeInStep, got {other:?}"),
+    }
+    let nan = "model m {
+        input x: f32[2, 4]
+        param w: f32[4] = zeros
+        param v: f32[4, 4] = normal(0.0, 1.0)
+        let loss = mean(x @ v) + sum(sqrt(w * w))
+        output loss
+        train adam(lr: 0.01) minimize loss
+    }";
+    for zero in [false, true] {
+        let compile = tcc::artifact::CompileOptions {
+            ranks: 2,
+            zero,
+            ..Default::default()
+        };
+        let (_, _, model) =
+            tcc_tests::compile_step(nan, &Default::default(), &compile).expect("compiles");
+        let mut dp = DataParallel::new(&model, &[Device::Cpu; 2]).unwrap();
+        let x: Vec<u8> = [0.5f32; 16].iter().flat_map(|v| v.to_le_bytes()).collect();
+        dp.set_input_split("x", &x).unwrap();
+        match dp.run() {
+            Err(Error::NonFiniteUpdate { what, sum }) => {
+                assert_eq!(what, "the params `train` updates");
+                assert!(sum.is_nan(), "zero {zero}: {sum}");
+            }
+            other => panic!("zero {zero}: expected NonFiniteUpdate, got {other:?}"),
+        }
+        dp.set_allow_nonfinite(true);
+        dp.set_input_split("x", &x).unwrap();
+        dp.run().unwrap();
+        for r in 0..2 {
+            let s = dp.session(r).unwrap();
+            assert!(s.updated_params_l1().unwrap().unwrap().is_nan());
+        }
+    }
 }

@@ -48,6 +48,7 @@ fn training_step_keeps_activations_for_backward_and_updates_in_place() {
     // Forward: x*w (8) → sum (4): peak 12, both die (nothing reads the loss later).
     // Backward: seed 1.0 (4) broadcast (view) → dw = g*x (8): 12; the seed dies → 8.
     // SGD: literal 0.5 (4) → 12; lr*dw (8) → 20 (the peak); w - step writes w in place.
+    // The finite check: |w| (8) → its sum (4), after the peak.
     let g = compile_pipeline(
         "model m {\n input x: f32[2]\n param w: f32[2] = ones\n let loss = sum(x * w)\n train sgd(lr: 0.5) minimize loss\n}\n",
         &Options::default(),
@@ -56,7 +57,7 @@ fn training_step_keeps_activations_for_backward_and_updates_in_place() {
     let m = account(&g);
     assert_eq!((m.input_bytes, m.param_bytes, m.state_bytes), (8, 8, 0));
     assert_eq!(m.peak_transient_bytes, 20);
-    assert_eq!(m.total_transient_bytes, 8 + 4 + 4 + 8 + 4 + 8);
+    assert_eq!(m.total_transient_bytes, 8 + 4 + 4 + 8 + 4 + 8 + 8 + 4);
 }
 
 #[test]

@@ -467,14 +467,20 @@ pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 /// kernel) and every gradient `train` applies is summed over the ranks by an `all_reduce`
 /// before anything reads it (loss-scale checks included, so every rank takes the same
 /// decision). `ranks` of 1 or less is [`expand_scaled`].
+///
+/// With `finite_check` and no loss scaling, the step also gets an output summing the
+/// magnitudes of the params its updates write, which the runtime checks is finite after
+/// every step ([`tcc_runtime::artifact::CheckKind::FiniteUpdates`]): one more read of each
+/// param. Loss scaling has its own finite-check, which skips the step's updates instead.
 pub fn expand_data_parallel(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
     zero: bool,
+    finite_check: bool,
 ) -> Result<(), Vec<Diagnostic>> {
     if ranks <= 1 {
-        return expand_scaled(g, loss_scale);
+        return expand_with(g, loss_scale, 1, false, finite_check);
     }
     if g.train.is_none() {
         return Err(vec![Diagnostic::error(
@@ -484,7 +490,7 @@ pub fn expand_data_parallel(
         )]);
     }
     g.ranks = Some(ranks);
-    expand_with(g, loss_scale, ranks, zero)
+    expand_with(g, loss_scale, ranks, zero, finite_check)
 }
 
 /// [`expand`], with dynamic loss scaling of `train` when `loss_scale` is given
@@ -493,7 +499,7 @@ pub fn expand_scaled(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
 ) -> Result<(), Vec<Diagnostic>> {
-    expand_with(g, loss_scale, 1, false)
+    expand_with(g, loss_scale, 1, false, false)
 }
 
 fn expand_with(
@@ -501,6 +507,7 @@ fn expand_with(
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
     zero: bool,
+    finite_check: bool,
 ) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
@@ -606,8 +613,47 @@ fn expand_with(
                 scaler.finish(g, finite, train.span).map_err(|e| at(e, g))?;
             }
         }
+        if finite_check && loss_scale.is_none() {
+            check_updates(g, train.span).map_err(|e| at(e, g))?;
+        }
     }
     *g = g.compacted();
+    Ok(())
+}
+
+/// What a finite check reports ([`tcc_runtime::artifact::Check::what`]).
+pub const UPDATES_CHECKED: &str = "the params `train` updates";
+
+/// Adds the finite check: an output `tcc.check.N` holding the sum of the magnitudes of
+/// the values the updates write into the params, and its [`crate::ir::StepCheck`]. Every
+/// optimizer carries a NaN or infinite gradient into its param, so the sum is not finite
+/// when a gradient was not (or an update left f32's range). It reads each new param
+/// value once, after the update kernel has stored it, which keeps a gradient's update in
+/// the kernel that computes the gradient (reading the gradients themselves would store
+/// each one for a second reader).
+fn check_updates(g: &mut Graph, span: tcc_grammar::span::Span) -> Result<(), TypeError> {
+    let values: Vec<NodeId> = g
+        .updates
+        .iter()
+        .filter(|(t, _)| g.params.contains(t))
+        .map(|&(_, v)| v)
+        .collect();
+    let mut b = Builder::new(g, span);
+    let mut total = None;
+    for v in values {
+        scale::add_magnitude(&mut b, &mut total, v)?;
+    }
+    let Some(total) = total else {
+        return Ok(());
+    };
+    let output = format!("{}{}", tcc_runtime::artifact::CHECK_PREFIX, g.checks.len());
+    g.outputs.push((output.clone(), total));
+    g.checks.push(crate::ir::StepCheck {
+        output,
+        what: UPDATES_CHECKED.to_string(),
+        bound: 0,
+        kind: tcc_runtime::artifact::CheckKind::FiniteUpdates,
+    });
     Ok(())
 }
 

@@ -20,6 +20,38 @@ use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, Scalar, TensorType, TypeErro
 use std::collections::BTreeMap;
 use tcc_grammar::span::Span;
 
+/// Adds the sum of the magnitudes of `grad` (an f32 scalar) to `total`: a finite-check at
+/// the cost of one read (a sum over NaN or infinity is not finite).
+pub(super) fn add_magnitude(
+    b: &mut Builder,
+    total: &mut Option<NodeId>,
+    grad: NodeId,
+) -> Result<(), TypeError> {
+    let a = b.un(UnaryOp::Abs, grad)?;
+    let rank = b.ty(a).rank();
+    let s = b.sum(a, (0..rank).collect(), false)?;
+    let s = b.cast(s, DType::F32)?;
+    *total = Some(match *total {
+        Some(t) => b.add2(t, s)?,
+        None => s,
+    });
+    Ok(())
+}
+
+/// A sum of magnitudes over every rank's shard (`sharded`: ZeRO-1), so every rank takes
+/// the same decision; `total` itself otherwise.
+pub(super) fn over_ranks(
+    b: &mut Builder,
+    total: NodeId,
+    sharded: bool,
+) -> Result<NodeId, TypeError> {
+    if sharded {
+        b.add(Op::AllReduce, vec![total])
+    } else {
+        Ok(total)
+    }
+}
+
 /// `GradScaler`'s settings; the defaults are PyTorch's.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LossScale {
@@ -113,22 +145,11 @@ impl Scaler {
             let inv_d = b.cast(inv, dt)?;
             let u = b.mul(d, inv_d)?;
             out.insert(p, u);
-            let a = b.un(UnaryOp::Abs, u)?;
-            let rank = b.ty(a).rank();
-            let s = b.sum(a, (0..rank).collect(), false)?;
-            let s = b.cast(s, DType::F32)?;
-            total = Some(match total {
-                Some(t) => b.add2(t, s)?,
-                None => s,
-            });
+            add_magnitude(&mut b, &mut total, u)?;
         }
         let finite = match total {
             Some(t) => {
-                let t = if sharded {
-                    b.add(Op::AllReduce, vec![t])?
-                } else {
-                    t
-                };
+                let t = over_ranks(&mut b, t, sharded)?;
                 let inf = b.add(
                     Op::Literal {
                         value: Scalar::Float(f64::INFINITY),

@@ -420,6 +420,13 @@ pub struct AmpArgs {
     /// none otherwise.
     #[arg(long, value_name = "SPEC")]
     pub loss_scale: Option<String>,
+    /// Build the training step without its finite check: by default a step without loss
+    /// scaling sums the magnitudes of the params its updates write (one more read of each,
+    /// on the device), and the run stops at the first step where the sum is not finite (a
+    /// NaN or infinite gradient, which every optimizer carries into its param, or an
+    /// update past f32's range).
+    #[arg(long)]
+    pub no_finite_check: bool,
 }
 
 /// `--amp` values.
@@ -445,6 +452,7 @@ impl AmpArgs {
         };
         let mut amp =
             crate::passes::amp::Amp::named(name).ok_or_else(|| format!("--amp {name}: unknown"))?;
+        amp.no_finite_check = self.no_finite_check;
         let Some(spec) = &self.loss_scale else {
             return Ok(amp);
         };
@@ -1089,7 +1097,7 @@ fn run_compiled(
     if is_artifact && opts.amp != crate::passes::amp::Amp::default() {
         let _ = writeln!(
             stderr,
-            "error: {}: `--amp` and `--loss-scale` apply when a program is compiled; an artifact keeps the precision it was built with (`tcc build --amp ...`)",
+            "error: {}: `--amp`, `--loss-scale` and `--no-finite-check` apply when a program is compiled; an artifact keeps the numerics it was built with (`tcc build --amp ...`)",
             display(&program.file)
         );
         return ExitCode::from(1);

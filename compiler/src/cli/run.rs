@@ -83,6 +83,21 @@ fn check_outputs<'a>(
     Ok(())
 }
 
+/// The error a step whose updated params are not finite stops the run with (unless
+/// `--allow-nonfinite`): `sum` is the sum of their magnitudes the step's finite check
+/// computed (`None`: the step has no such check).
+fn check_updates(step: u32, sum: Option<f32>) -> Result<(), String> {
+    match sum {
+        Some(v) if !v.is_finite() => Err(format!(
+            "step {step}: {} are not finite after the step (the sum of their magnitudes is \
+             {v}): a gradient held NaN or infinity, or an update left f32's range; the run \
+             stops at the first non-finite step (`--allow-nonfinite` goes on)",
+            crate::autodiff::UPDATES_CHECKED
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The error `--save-params` refuses non-finite params with (unless `--allow-nonfinite`).
 fn check_params<'a>(params: impl Iterator<Item = (&'a str, &'a Tensor)>) -> Result<(), String> {
     for (name, t) in params {
@@ -178,6 +193,12 @@ pub fn run_eager(
         let start = Instant::now();
         let mut outs = eager::run_step(g, &mut persistent, &inputs, Precision::Native)
             .map_err(|e| e.to_string())?;
+        let updated = g
+            .checks
+            .iter()
+            .filter(|c| c.kind == tcc_runtime::artifact::CheckKind::FiniteUpdates)
+            .find_map(|c| outs.iter().find(|(n, _)| *n == c.output))
+            .and_then(|(_, t)| t.to_f64().first().map(|&v| v as f32));
         outs.retain(|(name, _)| !is_check_output(name));
         times.push(start.elapsed().as_secs_f64() * 1e3);
         let printed = step % opts.every == 0 || step == opts.steps;
@@ -191,6 +212,7 @@ pub fn run_eager(
         }
         if !opts.allow_nonfinite {
             check?;
+            check_updates(step, updated)?;
         }
         last = outs;
     }
@@ -395,6 +417,8 @@ pub fn run_compiled(
         super::quiet(),
     );
     let mut s = tcc_runtime::Session::new(model, device).map_err(|e| e.to_string())?;
+    // The finite check is reported after the step's outputs (below).
+    s.set_allow_nonfinite(true);
     drop(spinner);
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     if device == tcc_runtime::Device::Cpu {
@@ -462,6 +486,9 @@ pub fn run_compiled(
             }
         }
         report_step(step, printed, &outs, opts.allow_nonfinite)?;
+        if !opts.allow_nonfinite {
+            check_updates(step, s.updated_params_l1().map_err(|e| e.to_string())?)?;
+        }
     }
     if let Some(dir) = &opts.save_outputs {
         let mut outs = Vec::new();
@@ -594,6 +621,7 @@ fn run_data_parallel(
         super::quiet(),
     );
     let mut dp = tcc_runtime::DataParallel::new(model, &devices).map_err(|e| e.to_string())?;
+    dp.set_allow_nonfinite(true);
     drop(spinner);
     if model.target() == tcc_runtime::artifact::Target::Cpu {
         // The ranks share the host's cores.
@@ -709,6 +737,11 @@ fn run_data_parallel(
             }
         }
         report_step(step, printed, &outs, opts.allow_nonfinite)?;
+        if !opts.allow_nonfinite {
+            // Every rank holds the same params after the step.
+            let s = dp.session(0).ok_or("no such rank")?;
+            check_updates(step, s.updated_params_l1().map_err(|e| e.to_string())?)?;
+        }
     }
     println!(
         "arena: {} per rank on {ranks} ranks (params and optimizer state {})",

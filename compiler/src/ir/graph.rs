@@ -163,19 +163,22 @@ pub struct Graph {
     /// The micro-batches of a step split with `--micro-batches K`
     /// ([`crate::front::micro_batch`]); `None` for a step over its whole batch at once.
     pub micro_batches: Option<usize>,
-    /// In-step index checks ([`crate::passes::index_checks`]): for each output that counts
-    /// the out-of-range values an op was handed, the op it guards and the bound.
-    pub checks: Vec<IndexCheck>,
+    /// In-step checks: for each output that counts the out-of-range values an op was
+    /// handed ([`crate::passes::index_checks`]) or sums the magnitudes of the gradients
+    /// `train` applies ([`crate::autodiff`]), what it guards.
+    pub checks: Vec<StepCheck>,
 }
 
-/// An output counting the index values an op read outside `[0, bound)` in a step.
+/// An output the runtime checks after every step.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IndexCheck {
+pub struct StepCheck {
     /// The output's name (it starts with [`tcc_runtime::artifact::CHECK_PREFIX`]).
     pub output: String,
     /// What is checked, for the error: "embedding into `table`".
     pub what: String,
+    /// The index bound of an index check (0 for a gradient check).
     pub bound: u64,
+    pub kind: tcc_runtime::artifact::CheckKind,
 }
 
 /// The largest tensor a program may make, in bytes (1 TiB): far above any device's

@@ -621,13 +621,17 @@ fn copy_marks(h: &mut Graph, id: NodeId, like: &crate::ir::Node) {
     }
 }
 
-/// Mixed-precision settings (`--amp`, `--loss-scale`).
+/// The step's numerics: mixed precision (`--amp`), loss scaling (`--loss-scale`) and the
+/// finite check of the updated params (`--no-finite-check`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Amp {
     /// The 16-bit dtype (bf16 or f16); `None`: the program's own dtypes.
     pub dtype: Option<DType>,
     /// Dynamic loss scaling of `train` (on by default for f16).
     pub loss_scale: Option<crate::autodiff::scale::LossScale>,
+    /// `--no-finite-check`: no in-step check that the params `train` updates stay finite
+    /// ([`crate::autodiff::expand_data_parallel`]). Loss scaling has its own.
+    pub no_finite_check: bool,
 }
 
 impl Amp {
@@ -640,6 +644,7 @@ impl Amp {
         Some(Amp {
             dtype: Some(dtype),
             loss_scale: (dtype == DType::F16).then(Default::default),
+            no_finite_check: false,
         })
     }
 

@@ -6,10 +6,10 @@
 //! GPU as it is in the interpreter, which stops at the op itself.
 //!
 //! Expects: a lowered graph (before autodiff). Guarantees: the graph with, for each such
-//! embedding, a scalar f32 output named `tcc.check.N` and its [`IndexCheck`] in
+//! embedding, a scalar f32 output named `tcc.check.N` and its [`StepCheck`] in
 //! `g.checks`; nothing else changes.
 
-use crate::ir::{BinaryOp, DType, Graph, IndexCheck, Op, ReduceOp, Scalar, TypeError};
+use crate::ir::{BinaryOp, DType, Graph, Op, ReduceOp, Scalar, StepCheck, TypeError};
 use tcc_runtime::artifact::CHECK_PREFIX;
 
 /// The pass.
@@ -61,10 +61,11 @@ pub fn index_checks(g: &mut Graph) -> Result<(), TypeError> {
         };
         let output = format!("{CHECK_PREFIX}{}", g.checks.len());
         g.outputs.push((output.clone(), count));
-        g.checks.push(IndexCheck {
+        g.checks.push(StepCheck {
             output,
             what,
             bound: vocab as u64,
+            kind: tcc_runtime::artifact::CheckKind::IndexRange,
         });
     }
     Ok(())

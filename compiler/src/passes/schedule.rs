@@ -144,12 +144,36 @@ pub(crate) fn updates_when_ready(g: &Graph, order: &[NodeId]) -> Vec<NodeId> {
         }
         stack.extend(g.node(n).inputs.iter().copied());
     }
-    // Moved: cone nodes all of whose readers move too (latest first, so readers are known).
+    // In-step checks that read the new values (the finite check's sums) stay where they
+    // are, after the values: they hold an update back no more than its store does.
+    let checks: BTreeSet<NodeId> = g
+        .outputs
+        .iter()
+        .filter(|(name, _)| tcc_runtime::artifact::is_check_output(name))
+        .map(|&(_, o)| o)
+        .collect();
+    let mut trailing: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().rev() {
+        let users = g.users(n);
+        if checks.contains(&n)
+            || (!interface.contains(&n)
+                && !values.contains_key(&n)
+                && !users.is_empty()
+                && users.iter().all(|u| trailing.contains(u)))
+        {
+            trailing.insert(n);
+        }
+    }
+    // Moved: cone nodes all of whose readers move too, or are such checks (latest first,
+    // so readers are known).
     let mut moved: BTreeSet<NodeId> = BTreeSet::new();
     for &n in order.iter().rev() {
         if cone.contains(&n)
+            && !trailing.contains(&n)
             && !matches!(g.node(n).op, Op::Input { .. })
-            && g.users(n).iter().all(|u| moved.contains(u))
+            && g.users(n)
+                .iter()
+                .all(|u| moved.contains(u) || trailing.contains(u))
         {
             moved.insert(n);
         }
