@@ -11,6 +11,7 @@
 #   `device-bench` only the benchmarks and the table (each fits one 10-minute call).
 #   `device-onnx` runs the ONNX backend cases on the GPU and bench/onnx_models.py.
 #   `device-dp` runs the data-parallel (NCCL) tests and benchmarks beside PyTorch DDP.
+#   `device-fuzz` runs issue 32's edited-manifest campaign with CUDA steps (memcheck too).
 #   `device-load` times each example's first step from a PTX-only and a SASS artifact.
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
@@ -39,6 +40,9 @@ build() {
     test_executables gpu -p tcc-tests --features cuda --test gpu | head -1 | xargs -I{} cp {} "$OUT/gpu-tests"
     test_executables cuda -p tcc-runtime --features cuda \
         | while read -r exe; do cp "$exe" "$OUT/runtime-$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+    # Issue 32's edited-manifest campaign with CUDA steps (`device-fuzz`).
+    test_executables artifact_integrity -p tcc-tests --features cuda --test artifact_integrity \
+        | head -1 | xargs -I{} cp {} "$OUT/artifact-integrity"
     # The ONNX backend cases on the GPU (`device-onnx`), with the onnx package's data (the GPU
     # machine cannot install the pinned package).
     test_executables onnx_backend -p tcc-tests --features cuda --test onnx_backend | head -1 \
@@ -113,6 +117,39 @@ device() {
         echo "== summary"
         python3 bench/summary.py "$log" || true
     fi
+    return $status
+}
+
+# Issue 32's edited-manifest campaign on the GPU: artifacts whose manifest was edited (and
+# its checksums recomputed) load or fail with a typed error; every model that loads runs a
+# step, CUDA ones on GPU 0 (TCC_FUZZ_CUDA=1). FUZZ_SANITIZED cases (default 300) run under
+# compute-sanitizer memcheck, then FUZZ_CASES (default 3000) without it.
+device_fuzz() {
+    local log="$OUT/log" status=0 t="$OUT/artifact-integrity" CS
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    run_fuzz() {
+        local name="$1" cases="$2" start rc
+        shift 2
+        start=$(date +%s)
+        TCC_FUZZ_CUDA=1 TCC_FUZZ_CASES="$cases" "$@" "$t" edited_manifests --test-threads 1 \
+            >"$log/fuzz-$name.txt" 2>&1
+        rc=$?
+        echo "$name: $cases cases in $(( $(date +%s) - start )) s, exit $rc;" \
+            "CUDA steps: $(grep -c '^fuzz-step Cuda: ran' "$log/fuzz-$name.txt") ran," \
+            "$(grep -c '^fuzz-step Cuda: step error' "$log/fuzz-$name.txt") failed with an error," \
+            "$(grep -c '^fuzz-step Cuda: session error' "$log/fuzz-$name.txt") sessions refused;" \
+            "CPU steps: $(grep -c '^fuzz-step Cpu' "$log/fuzz-$name.txt")"
+        grep -E "ERROR SUMMARY|^test result|panicked|past the" "$log/fuzz-$name.txt" | head -5
+        return $rc
+    }
+    if [ -n "$CS" ]; then
+        run_fuzz memcheck "${FUZZ_SANITIZED:-300}" "$CS" --tool memcheck --error-exitcode 3 || status=1
+    else
+        echo "compute-sanitizer not found"; status=1
+    fi
+    run_fuzz plain "${FUZZ_CASES:-3000}" || status=1
     return $status
 }
 
@@ -279,9 +316,10 @@ case "$mode" in
     device-onnx) device_onnx ;;
     device) device all ;;
     device-tests) device tests ;;
+    device-fuzz) device_fuzz ;;
     device-bench) device bench ;;
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab|device-dp|device-load]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab|device-dp|device-load|device-fuzz]"; exit 2 ;;
 esac

@@ -627,11 +627,67 @@ pub fn view_copy_kernels(
         .collect()
 }
 
+/// The longest one fuzz case may take (issue 32: no hang past 10 s). [`timed_case`]
+/// fails a case that returns later; its watchdog ends the process when one runs longer.
+pub const CASE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// When each thread's running fuzz case started ([`timed_case`]).
+static CASES: std::sync::Mutex<Vec<(std::thread::ThreadId, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Runs one fuzz case and fails it when it took longer than [`CASE_LIMIT`]. A watchdog
+/// thread (started by the first case) looks at the running cases every second and ends
+/// the process with status 101, naming the test's thread, when one has run past the
+/// limit: a case that hangs fails the campaign instead of stalling it.
+pub fn timed_case(f: impl FnOnce()) -> Result<(), proptest::test_runner::TestCaseError> {
+    static WATCHDOG: std::sync::Once = std::sync::Once::new();
+    WATCHDOG.call_once(|| {
+        std::thread::spawn(|| loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            let cases = CASES.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((id, start)) = cases.iter().find(|(_, s)| s.elapsed() > CASE_LIMIT) {
+                // Straight to the stream: the harness captures `eprintln!` of a test's threads.
+                let _ = std::io::Write::write_fmt(
+                    &mut std::io::stderr(),
+                    format_args!(
+                        "a fuzz case on thread {id:?} has run for {:.1} s, past the {} s limit: \
+                         a hang\n",
+                        start.elapsed().as_secs_f64(),
+                        CASE_LIMIT.as_secs()
+                    ),
+                );
+                std::process::exit(101);
+            }
+        });
+    });
+    let id = std::thread::current().id();
+    let start = std::time::Instant::now();
+    CASES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((id, start));
+    f();
+    CASES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|(t, _)| *t != id);
+    let took = start.elapsed();
+    if took > CASE_LIMIT {
+        return Err(proptest::test_runner::TestCaseError::fail(format!(
+            "the case took {:.1} s, past the {} s limit",
+            took.as_secs_f64(),
+            CASE_LIMIT.as_secs()
+        )));
+    }
+    Ok(())
+}
+
 /// Configuration of the suite's property tests: `cases` cases from a fixed seed, so that a
 /// run of the suite (CI's included) draws the same programs every time and a failure
 /// reproduces. `PROPTEST_RNG_SEED=<u64>` explores other seeds, and `TCC_FUZZ_SCALE=N` runs
-/// N times as many cases (`scripts/fuzz-campaign.sh`); a failure's case is saved in the
-/// test's `.proptest-regressions` file, which is replayed before the seeded cases.
+/// N times as many cases (`scripts/fuzz-campaign.sh`), `TCC_FUZZ_CASES=N` exactly N; a
+/// failure's case is saved in the test's `.proptest-regressions` file, which is replayed
+/// before the seeded cases.
 pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
     use proptest::test_runner::{Config, RngSeed};
     let base = Config::default();
@@ -644,8 +700,11 @@ pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
         .and_then(|s| s.trim().parse::<u32>().ok())
         .filter(|&s| s > 0)
         .unwrap_or(1);
+    let exact = std::env::var("TCC_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
     Config {
-        cases: cases.saturating_mul(scale),
+        cases: exact.unwrap_or(cases.saturating_mul(scale)),
         rng_seed,
         ..base
     }

@@ -67,8 +67,8 @@ mod edited_manifests {
     use std::sync::OnceLock;
     use tcc::artifact;
 
-    /// The artifacts edited: tiny for both targets, a small MLP trained with Adam, and tiny
-    /// for CUDA with SASS.
+    /// The artifacts edited: tiny for both targets, a small MLP's training step (`mlp.tdsl`
+    /// at B=4, D=8) for both targets, and tiny for CUDA with SASS.
     fn originals() -> &'static Vec<Vec<u8>> {
         static A: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
         A.get_or_init(|| {
@@ -80,11 +80,18 @@ mod edited_manifests {
             .unwrap();
             let c = artifact::compile(&g, &Default::default()).unwrap();
             let img = artifact::persistent_image(&c, 0, &Default::default()).unwrap();
+            let cuda = artifact::CompileOptions {
+                target: artifact::Target::Cuda,
+                ..Default::default()
+            };
+            let cc = artifact::compile(&g, &cuda).unwrap();
+            let cimg = artifact::persistent_image(&cc, 0, &Default::default()).unwrap();
             vec![
                 super::tiny_artifact(artifact::Target::Cpu),
                 super::tiny_artifact(artifact::Target::Cuda),
                 artifact::write_artifact(&c, artifact::Target::Cpu, &img),
                 with_sass(),
+                artifact::write_artifact(&cc, artifact::Target::Cuda, &cimg),
             ]
         })
     }
@@ -128,6 +135,11 @@ mod edited_manifests {
             .sass()
             .is_some());
         bytes
+    }
+
+    /// Whether CUDA models that load run a step (`TCC_FUZZ_CUDA=1`).
+    fn cuda() -> bool {
+        std::env::var_os("TCC_FUZZ_CUDA").is_some_and(|v| v == "1")
     }
 
     /// Numbers a corrupt manifest may hold.
@@ -307,7 +319,7 @@ mod edited_manifests {
         #![proptest_config(tcc_tests::proptest_config(3000))]
 
         #[test]
-        fn edited_manifests_are_errors_or_checked_models(which in 0usize..4, edits in prop::collection::vec(edit(), 1..4)) {
+        fn edited_manifests_are_errors_or_checked_models(which in 0usize..5, edits in prop::collection::vec(edit(), 1..4)) {
             let original = &originals()[which];
             let len = u64::from_le_bytes(original[16..24].try_into().unwrap()) as usize;
             let mut json: Value = serde_json::from_slice(&original[24..24 + len]).unwrap();
@@ -320,13 +332,33 @@ mod edited_manifests {
             // A typed error or a model; a panic fails the case, an abort the whole test. A
             // CPU model that loads also runs a step (a typed error is fine there too): what
             // the checks let through must not make the code touch memory it should not.
-            if let Ok(model) = tcc_runtime::Model::from_bytes(bytes) {
-                if model.target() == tcc_runtime::artifact::Target::Cpu {
-                    if let Ok(mut s) = tcc_runtime::Session::new(&model, tcc_runtime::Device::Cpu) {
-                        let _ = s.run();
-                    }
+            // With `TCC_FUZZ_CUDA=1` (a `--features cuda` build on a GPU machine, under
+            // compute-sanitizer in `scripts/gpu-check.sh device-fuzz`), CUDA models run a
+            // step on GPU 0 likewise.
+            tcc_tests::timed_case(|| {
+                let Ok(model) = tcc_runtime::Model::from_bytes(bytes) else {
+                    return;
+                };
+                let device = match model.target() {
+                    tcc_runtime::artifact::Target::Cpu => tcc_runtime::Device::Cpu,
+                    tcc_runtime::artifact::Target::Cuda if cuda() => tcc_runtime::Device::Cuda(0),
+                    tcc_runtime::artifact::Target::Cuda => return,
+                };
+                let ran = match tcc_runtime::Session::new(&model, device) {
+                    Ok(mut s) => match s.run() {
+                        Ok(()) => "ran",
+                        Err(_) => "step error",
+                    },
+                    Err(_) => "session error",
+                };
+                if cuda() {
+                    // Counted by `device-fuzz` (straight to the stream, past the capture).
+                    let _ = std::io::Write::write_fmt(
+                        &mut std::io::stderr(),
+                        format_args!("fuzz-step {:?}: {ran}\n", model.target()),
+                    );
                 }
-            }
+            })?;
         }
     }
 }

@@ -155,25 +155,25 @@ proptest! {
     #[test]
     fn random_tokens_never_panic(tokens in prop::collection::vec(prop::sample::select(VOCAB), 0..80)) {
         let src = tokens.join(" ");
-        check(src.as_bytes());
+        tcc_tests::timed_case(|| check(src.as_bytes()))?;
     }
 
     #[test]
     fn random_tokens_inside_a_model_never_panic(tokens in prop::collection::vec(prop::sample::select(VOCAB), 0..40)) {
         let src = format!("const B = 4\nmodel m {{\n input x: f32[B, 3]\n let y = {}\n output x\n}}\n", tokens.join(" "));
-        check(src.as_bytes());
+        tcc_tests::timed_case(|| check(src.as_bytes()))?;
     }
 
     #[test]
     fn mutated_examples_never_panic(which in 0usize..4, muts in prop::collection::vec(mutation(), 1..6)) {
         let ex = examples();
         let src = apply(&ex[which], &muts);
-        check(&src);
+        tcc_tests::timed_case(|| check(&src))?;
     }
 
     #[test]
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
-        check(&bytes);
+        tcc_tests::timed_case(|| check(&bytes))?;
     }
 }
 
@@ -211,12 +211,12 @@ proptest! {
     fn mutated_small_models_never_panic_anywhere(which in 0usize..2, muts in prop::collection::vec(mutation(), 1..4)) {
         let ex = examples();
         let src = apply(&ex[which], &muts);
-        check_pipeline(&src);
+        tcc_tests::timed_case(|| check_pipeline(&src))?;
     }
 
     #[test]
     fn random_statements_never_panic_anywhere(tokens in prop::collection::vec(prop::sample::select(VOCAB), 0..30)) {
         let src = format!("model m {{\n input x: f32[4, 3]\n param w: f32[3, 3] = normal(0.0, 0.1)\n let y = x @ w\n let z = {}\n let loss = sum(y * y)\n output loss\n train sgd(lr: 0.1) minimize loss\n}}\n", tokens.join(" "));
-        check_pipeline(src.as_bytes());
+        tcc_tests::timed_case(|| check_pipeline(src.as_bytes()))?;
     }
 }
