@@ -660,17 +660,26 @@ pub fn timed_case(f: impl FnOnce()) -> Result<(), proptest::test_runner::TestCas
             }
         });
     });
+    /// Takes the thread's case off the list when it ends, returning or panicking (proptest
+    /// catches a failing case's panic and goes on shrinking on the same thread).
+    struct Running(std::thread::ThreadId);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            CASES
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|(t, _)| *t != self.0);
+        }
+    }
     let id = std::thread::current().id();
     let start = std::time::Instant::now();
     CASES
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .push((id, start));
+    let running = Running(id);
     f();
-    CASES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|(t, _)| *t != id);
+    drop(running);
     let took = start.elapsed();
     if took > CASE_LIMIT {
         return Err(proptest::test_runner::TestCaseError::fail(format!(
