@@ -142,6 +142,8 @@ device_fuzz() {
             "$(grep -c '^fuzz-step Cuda: session error' "$log/fuzz-$name.txt") sessions refused;" \
             "CPU steps: $(grep -c '^fuzz-step Cpu' "$log/fuzz-$name.txt")"
         grep -E "ERROR SUMMARY|^test result|panicked|past the" "$log/fuzz-$name.txt" | head -5
+        # A loaded CUDA model's step has no reason to fail: count one as a failure.
+        if grep -q '^fuzz-step Cuda: step error' "$log/fuzz-$name.txt"; then rc=1; fi
         return $rc
     }
     if [ -n "$CS" ]; then

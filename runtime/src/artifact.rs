@@ -295,9 +295,9 @@ pub struct Manifest {
     pub sass: Option<Sass>,
     /// In-step checks: outputs (scalar f32) that count the index values an op was handed
     /// outside `[0, bound)` in the step ([`CheckKind::IndexRange`]; [`crate::Session::run`]
-    /// fails a step whose count is not zero), or that sum the magnitudes of the gradients
-    /// the optimizer applied ([`CheckKind::FiniteUpdates`]; the step fails when the sum
-    /// is not finite, unless [`crate::Session::set_allow_nonfinite`]). Absent: nothing to
+    /// fails a step whose count is not zero), or that sum the magnitudes of the params the
+    /// step's updates wrote ([`CheckKind::FiniteUpdates`]; the step fails when the sum is
+    /// not finite, unless [`crate::Session::set_allow_nonfinite`]). Absent: nothing to
     /// check.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checks: Vec<Check>,
@@ -893,6 +893,12 @@ pub fn validate(m: &Manifest) -> Result<(), crate::Error> {
         ));
     }
     for c in &m.checks {
+        if c.kind == CheckKind::FiniteUpdates && c.bound != 0 {
+            return bad(format!(
+                "check `{}`: a finite check with a bound of {} (it has none)",
+                c.output, c.bound
+            ));
+        }
         let scalar = m.outputs.iter().any(|o| {
             o.name == c.output && o.dtype == DType::F32 && o.shape.iter().product::<usize>() == 1
         });

@@ -632,31 +632,34 @@ pub fn view_copy_kernels(
 pub const CASE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// When each thread's running fuzz case started ([`timed_case`]).
-static CASES: std::sync::Mutex<Vec<(std::thread::ThreadId, std::time::Instant)>> =
+#[allow(clippy::type_complexity)]
+static CASES: std::sync::Mutex<Vec<(std::thread::ThreadId, String, std::time::Instant)>> =
     std::sync::Mutex::new(Vec::new());
 
 /// Runs one fuzz case and fails it when it took longer than [`CASE_LIMIT`]. A watchdog
-/// thread (started by the first case) looks at the running cases every second and ends
-/// the process with status 101, naming the test's thread, when one has run past the
-/// limit: a case that hangs fails the campaign instead of stalling it.
+/// thread (started by the first case) looks at the running cases every second and aborts
+/// the process, naming the test, when one has run past the limit: a case that hangs fails
+/// the campaign instead of stalling it.
 pub fn timed_case(f: impl FnOnce()) -> Result<(), proptest::test_runner::TestCaseError> {
     static WATCHDOG: std::sync::Once = std::sync::Once::new();
     WATCHDOG.call_once(|| {
         std::thread::spawn(|| loop {
             std::thread::sleep(std::time::Duration::from_secs(1));
             let cases = CASES.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some((id, start)) = cases.iter().find(|(_, s)| s.elapsed() > CASE_LIMIT) {
+            if let Some((_, test, start)) = cases.iter().find(|(_, _, s)| s.elapsed() > CASE_LIMIT)
+            {
                 // Straight to the stream: the harness captures `eprintln!` of a test's threads.
                 let _ = std::io::Write::write_fmt(
                     &mut std::io::stderr(),
                     format_args!(
-                        "a fuzz case on thread {id:?} has run for {:.1} s, past the {} s limit: \
+                        "a fuzz case of {test} has run for {:.1} s, past the {} s limit: \
                          a hang\n",
                         start.elapsed().as_secs_f64(),
                         CASE_LIMIT.as_secs()
                     ),
                 );
-                std::process::exit(101);
+                // Not `exit`: its handlers could wait on the hung work.
+                std::process::abort();
             }
         });
     });
@@ -668,15 +671,16 @@ pub fn timed_case(f: impl FnOnce()) -> Result<(), proptest::test_runner::TestCas
             CASES
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .retain(|(t, _)| *t != self.0);
+                .retain(|(t, _, _)| *t != self.0);
         }
     }
-    let id = std::thread::current().id();
+    let thread = std::thread::current();
+    let (id, test) = (thread.id(), thread.name().unwrap_or("a test").to_string());
     let start = std::time::Instant::now();
     CASES
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .push((id, start));
+        .push((id, test, start));
     let running = Running(id);
     f();
     drop(running);
@@ -711,7 +715,8 @@ pub fn proptest_config(cases: u32) -> proptest::test_runner::Config {
         .unwrap_or(1);
     let exact = std::env::var("TCC_FUZZ_CASES")
         .ok()
-        .and_then(|s| s.trim().parse::<u32>().ok());
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .filter(|&n| n > 0);
     Config {
         cases: exact.unwrap_or(cases.saturating_mul(scale)),
         rng_seed,

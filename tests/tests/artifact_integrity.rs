@@ -357,6 +357,15 @@ mod edited_manifests {
                         &mut std::io::stderr(),
                         format_args!("fuzz-step {:?}: {ran}\n", model.target()),
                     );
+                    // A kernel that faulted poisons the process's CUDA context, after
+                    // which every step fails: the unedited CUDA tiny must still run.
+                    if device != tcc_runtime::Device::Cpu && ran != "ran" {
+                        let good = tcc_runtime::Model::from_bytes(originals()[1].clone());
+                        let ok = good.is_ok_and(|m| {
+                            tcc_runtime::Session::new(&m, device).is_ok_and(|mut s| s.run().is_ok())
+                        });
+                        assert!(ok, "after a CUDA {ran}, an unedited model no longer runs");
+                    }
                 }
             })?;
         }

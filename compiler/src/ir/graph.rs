@@ -164,8 +164,8 @@ pub struct Graph {
     /// ([`crate::front::micro_batch`]); `None` for a step over its whole batch at once.
     pub micro_batches: Option<usize>,
     /// In-step checks: for each output that counts the out-of-range values an op was
-    /// handed ([`crate::passes::index_checks`]) or sums the magnitudes of the gradients
-    /// `train` applies ([`crate::autodiff`]), what it guards.
+    /// handed ([`crate::passes::index_checks`]) or sums the magnitudes of the params the
+    /// updates of `train` write ([`crate::autodiff`]), what it guards.
     pub checks: Vec<StepCheck>,
 }
 
@@ -176,7 +176,7 @@ pub struct StepCheck {
     pub output: String,
     /// What is checked, for the error: "embedding into `table`".
     pub what: String,
-    /// The index bound of an index check (0 for a gradient check).
+    /// The index bound of an index check (0 for a finite check).
     pub bound: u64,
     pub kind: tcc_runtime::artifact::CheckKind,
 }
