@@ -630,33 +630,24 @@ pub const UPDATES_CHECKED: &str = "the params `train` updates";
 /// when a gradient was not (or an update left f32's range, or the param was not finite
 /// before). It reads each new param value once, after the update kernel has stored it,
 /// which keeps a gradient's update in the kernel that computes the gradient (reading the
-/// gradients themselves would store each one for a second reader). Under ZeRO-1 each
-/// rank sums its own new shard and the ranks add their sums (`all_reduce`), so no rank
-/// reads the gathered param.
+/// gradients themselves would store each one for a second reader). Under ZeRO-1 every
+/// rank reads the gathered params, so every rank's sum is the same. (Each rank summing
+/// the shard it updated, before the gather, took gpt's step on 2 H100s from 64.3 to
+/// 72.1 ms; reading the gathered params costs 0.1 ms.)
 fn check_updates(g: &mut Graph, span: tcc_grammar::span::Span) -> Result<(), TypeError> {
-    let values: Vec<(NodeId, bool)> = g
+    let values: Vec<NodeId> = g
         .updates
         .iter()
         .filter(|(t, _)| g.params.contains(t))
-        .map(|&(_, v)| match new_shard(g, v) {
-            Some(s) => (s, true),
-            None => (v, false),
-        })
+        .map(|&(_, v)| v)
         .collect();
     let mut b = Builder::new(g, span);
-    let (mut shards, mut whole) = (None, None);
-    for (v, sharded) in values {
-        let total = if sharded { &mut shards } else { &mut whole };
-        scale::add_magnitude(&mut b, total, v)?;
+    let mut total = None;
+    for v in values {
+        scale::add_magnitude(&mut b, &mut total, v)?;
     }
-    let shards = match shards {
-        Some(t) => Some(scale::over_ranks(&mut b, t, true)?),
-        None => None,
-    };
-    let total = match (shards, whole) {
-        (Some(s), Some(w)) => b.add2(s, w)?,
-        (Some(t), None) | (None, Some(t)) => t,
-        (None, None) => return Ok(()),
+    let Some(total) = total else {
+        return Ok(());
     };
     let output = format!("{}{}", tcc_runtime::artifact::CHECK_PREFIX, g.checks.len());
     g.outputs.push((output.clone(), total));
@@ -667,21 +658,6 @@ fn check_updates(g: &mut Graph, span: tcc_grammar::span::Span) -> Result<(), Typ
         kind: tcc_runtime::artifact::CheckKind::FiniteUpdates,
     });
     Ok(())
-}
-
-/// The updated shard a ZeRO-1 param's new value gathers (`all_gather`, through the slice
-/// and reshape of a padded one), or `None` for a value computed whole.
-fn new_shard(g: &Graph, v: NodeId) -> Option<NodeId> {
-    let mut n = v;
-    for _ in 0..3 {
-        let node = g.node(n);
-        match node.op {
-            Op::AllGather { .. } => return node.inputs.first().copied(),
-            Op::Reshape { .. } | Op::Slice { .. } => n = *node.inputs.first()?,
-            _ => return None,
-        }
-    }
-    None
 }
 
 /// This rank's shard of each gradient summed over the ranks of a ZeRO-1 step
