@@ -1305,6 +1305,11 @@ impl<'a> Session<'a> {
     /// the step's CUDA graph (or launches the kernels one by one, see
     /// [`Session::set_cuda_graph`]), copies every output to its pinned host buffer and waits
     /// for all of it; a failing launch, kernel or copy is an [`Error::Cuda`].
+    ///
+    /// After the step, the artifact's in-step checks: ids the step computed out of range
+    /// are [`Error::IndexOutOfRangeInStep`], and params its updates left NaN or infinite
+    /// are [`Error::NonFiniteUpdate`] (unless [`Session::set_allow_nonfinite`]). Either way
+    /// the step has run and its updates are written.
     pub fn run(&mut self) -> Result<()> {
         // A rank of a data-parallel step runs only through `DataParallel::run`.
         check_alone(&self.model)?;

@@ -628,7 +628,7 @@ pub fn view_copy_kernels(
 }
 
 /// The longest one fuzz case may take (issue 32: no hang past 10 s). [`timed_case`]
-/// fails a case that returns later; its watchdog ends the process when one runs longer.
+/// fails a case that returns later; its watchdog aborts the process when one runs longer.
 pub const CASE_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// When each thread's running fuzz case started ([`timed_case`]).

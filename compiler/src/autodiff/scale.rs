@@ -20,15 +20,15 @@ use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, Scalar, TensorType, TypeErro
 use std::collections::BTreeMap;
 use tcc_grammar::span::Span;
 
-/// Adds the sum of the magnitudes of the tensor `grad`, summed in f32 (an f16 tensor's
-/// sum would pass f16's range), to the f32 scalar `total`: a finite-check at the cost of
-/// one read (a sum over NaN or infinity is not finite).
+/// Adds the sum of the magnitudes of the tensor `x` (a gradient, a new param value),
+/// summed in f32 (an f16 tensor's sum would pass f16's range), to the f32 scalar `total`:
+/// a finite-check at the cost of one read (a sum over NaN or infinity is not finite).
 pub(super) fn add_magnitude(
     b: &mut Builder,
     total: &mut Option<NodeId>,
-    grad: NodeId,
+    x: NodeId,
 ) -> Result<(), TypeError> {
-    let a = b.un(UnaryOp::Abs, grad)?;
+    let a = b.un(UnaryOp::Abs, x)?;
     let a = b.cast(a, DType::F32)?;
     let rank = b.ty(a).rank();
     let s = b.sum(a, (0..rank).collect(), false)?;
