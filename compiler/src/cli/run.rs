@@ -88,12 +88,17 @@ fn check_outputs<'a>(
 /// computed (`None`: the step has no such check).
 fn check_updates(step: u32, sum: Option<f32>) -> Result<(), String> {
     match sum {
-        Some(v) if !v.is_finite() => Err(format!(
-            "step {step}: {} are not finite after the step (the sum of their magnitudes is \
-             {v}): a gradient held NaN or infinity, or an update left f32's range; the run \
-             stops at the first non-finite step (`--allow-nonfinite` goes on)",
-            crate::autodiff::UPDATES_CHECKED
-        )),
+        Some(sum) if !sum.is_finite() => {
+            // The runtime's own error, so every path words it the same.
+            let e = tcc_runtime::Error::NonFiniteUpdate {
+                what: crate::autodiff::UPDATES_CHECKED.to_string(),
+                sum,
+            };
+            Err(format!(
+                "step {step}: {e}; the run stops at the first non-finite step \
+                 (`--allow-nonfinite` goes on)"
+            ))
+        }
         _ => Ok(()),
     }
 }
