@@ -174,7 +174,7 @@ fn run_case(dir: &Path) -> Outcome {
     let given: BTreeMap<String, tcc::eager::io::TensorBytes> = imp
         .params
         .iter()
-        .map(|(n, t)| (n.clone(), tcc::eager::io::TensorBytes::from_tensor(t)))
+        .map(|(n, t)| (n.clone(), t.clone()))
         .collect();
     let img = match tcc::artifact::persistent_image(&c, 0, &given) {
         Ok(i) => i,

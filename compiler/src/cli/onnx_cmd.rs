@@ -55,7 +55,7 @@ pub fn import_file(
         name: Some(onnx_model_name(&stem)),
         f64_as_f32,
     };
-    onnx::import(&bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))
+    onnx::import_owned(bytes, &opts).map_err(|e| format!("{}: {e}", file.display()))
 }
 
 /// The note on the float64 values `--f64-as-f32` computed in f32 (printed once per command).
@@ -131,14 +131,6 @@ pub fn program_source(program: &ProgramArgs) -> Result<Imported, String> {
 /// The params' values of an `.onnx` program (empty for other files), as the bytes an
 /// artifact stores.
 pub fn given_params(program: &ProgramArgs) -> Result<BTreeMap<String, TensorBytes>, String> {
-    Ok(given_params_tensors(program)?
-        .into_iter()
-        .map(|(name, t)| (name, TensorBytes::from_tensor(&t)))
-        .collect())
-}
-
-/// [`given_params`] as the interpreter's tensors (`--eager`).
-pub fn given_params_tensors(program: &ProgramArgs) -> Result<BTreeMap<String, Tensor>, String> {
     if !is_onnx(&program.file) {
         return Ok(BTreeMap::new());
     }
@@ -148,6 +140,19 @@ pub fn given_params_tensors(program: &ProgramArgs) -> Result<BTreeMap<String, Te
         program.f64_as_f32,
     )?;
     Ok(imp.params.into_iter().collect())
+}
+
+/// [`given_params`] as the interpreter's tensors (`--eager`).
+pub fn given_params_tensors(program: &ProgramArgs) -> Result<BTreeMap<String, Tensor>, String> {
+    given_params(program)?
+        .into_iter()
+        .map(|(name, t)| match t.to_tensor() {
+            Some(t) => Ok((name, t)),
+            None => Err(format!(
+                "internal error: the imported bytes of `{name}` do not match its type"
+            )),
+        })
+        .collect()
 }
 
 /// `tcc import`: writes `STEM.tdsl` and `STEM.safetensors`.
@@ -186,7 +191,7 @@ pub fn run_import(
     }
     tcc_runtime::fsutil::write_atomic(&tdsl_path, imp.tdsl.as_bytes())
         .map_err(|e| format!("cannot write {}: {e}", tdsl_path.display()))?;
-    let st = crate::eager::io::write_safetensors(&imp.params)
+    let st = crate::eager::io::write_safetensors_bytes(&imp.params)
         .map_err(|e| format!("cannot save params: {e}"))?;
     tcc_runtime::fsutil::write_atomic(&st_path, &st)
         .map_err(|e| format!("cannot write {}: {e}", st_path.display()))?;

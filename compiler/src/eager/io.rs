@@ -278,23 +278,33 @@ pub fn read_safetensors_bytes(
 
 /// Serialises tensors to `.safetensors` bytes (names sorted).
 pub fn write_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, String> {
-    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut owned = Vec::new();
     for (name, t) in tensors {
-        let dt = match (&t.data, t.ty.dtype) {
-            (Data::F(_), DType::F32) => safetensors::Dtype::F32,
-            (Data::F(_), DType::F16) => safetensors::Dtype::F16,
-            (Data::F(_), DType::BF16) => safetensors::Dtype::BF16,
-            (Data::I(_), _) => safetensors::Dtype::I32,
-            (Data::B(_), _) => safetensors::Dtype::BOOL,
+        match (&t.data, t.ty.dtype) {
+            (Data::F(_), DType::F32 | DType::F16 | DType::BF16)
+            | (Data::I(_), DType::I32)
+            | (Data::B(_), DType::Bool) => {}
             _ => return Err(format!("`{name}` has data that does not match its dtype")),
-        };
-        let bytes = t.to_le_bytes();
-        owned.push((name.clone(), dt, t.dims().to_vec(), bytes));
+        }
+        owned.push((name.clone(), TensorBytes::from_tensor(t)));
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = owned
+    write_safetensors_bytes(&owned)
+}
+
+/// Serialises tensors held as the bytes their dtype stores to `.safetensors` bytes (names
+/// sorted).
+pub fn write_safetensors_bytes(tensors: &[(String, TensorBytes)]) -> Result<Vec<u8>, String> {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
-        .map(|(n, dt, shape, bytes)| {
-            safetensors::tensor::TensorView::new(*dt, shape.clone(), bytes)
+        .map(|(n, t)| {
+            let dt = match t.ty.dtype {
+                DType::F32 => safetensors::Dtype::F32,
+                DType::F16 => safetensors::Dtype::F16,
+                DType::BF16 => safetensors::Dtype::BF16,
+                DType::I32 => safetensors::Dtype::I32,
+                DType::Bool => safetensors::Dtype::BOOL,
+            };
+            safetensors::tensor::TensorView::new(dt, t.ty.shape.0.clone(), &t.bytes)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| e.to_string())
         })

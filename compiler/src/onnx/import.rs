@@ -7,12 +7,15 @@
 //! elements equal) or a `param` whose value goes to the params file.
 
 use super::proto::{data_type as dt, DimValue, ModelProto, NodeProto};
-use super::tensor::{host_tensor, runtime_dtype, to_tensor_as, CData, FloatKind, HostTensor};
+use super::tensor::{
+    host_tensor, runtime_dtype, to_bytes_as, CData, FloatKind, Floats, HostTensor,
+};
 use super::ImportError;
-use crate::eager::Tensor;
+use crate::eager::io::TensorBytes;
 use crate::ir::DType;
 use prost::Message;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::rc::Rc;
 
 /// Import options.
 #[derive(Clone, Debug, Default)]
@@ -43,7 +46,7 @@ pub struct Imported {
     /// The model's name in it.
     pub model: String,
     /// The `param`s' values, by TDSL name (sorted).
-    pub params: Vec<(String, Tensor)>,
+    pub params: Vec<(String, TensorBytes)>,
     /// ONNX names that are not legal (or free) TDSL names, with the name each got.
     pub renamed: Vec<(String, String)>,
     pub inputs: Vec<IoValue>,
@@ -104,11 +107,17 @@ enum Val {
         dtype: DType,
         dims: Vec<usize>,
     },
-    /// A compile-time constant.
-    C(HostTensor),
+    /// A compile-time constant (shared: a weight's values are not copied when a node reads
+    /// it).
+    C(Rc<HostTensor>),
 }
 
 impl Val {
+    /// A constant.
+    fn c(h: HostTensor) -> Val {
+        Val::C(Rc::new(h))
+    }
+
     fn dims(&self) -> &[usize] {
         match self {
             Val::Rt { dims, .. } => dims,
@@ -277,7 +286,7 @@ struct Importer {
     renamed: Vec<(String, String)>,
     decls: Vec<String>,
     body: Vec<String>,
-    params: BTreeMap<String, Tensor>,
+    params: BTreeMap<String, TensorBytes>,
     /// ONNX constant name → the TDSL param holding it.
     param_of: HashMap<String, String>,
     op: String,
@@ -397,12 +406,11 @@ impl Importer {
                         h.dims
                     )));
                 }
-                let vals = h.data.as_f64();
-                let first = vals.first().copied().unwrap_or(0.0);
+                let first = h.data.first_f64().unwrap_or(0.0);
                 let uniform = !self.initializers.contains(hint)
-                    && vals
-                        .iter()
-                        .all(|&x| x == first || (x.is_nan() && first.is_nan()));
+                    && h.data
+                        .iter_f64()
+                        .all(|x| x == first || (x.is_nan() && first.is_nan()));
                 if uniform && !h.dims.is_empty() {
                     if let Some(l) = lit(first, dtype) {
                         return Ok((
@@ -424,7 +432,7 @@ impl Importer {
                 let name = self.fresh(hint, true);
                 self.decls
                     .push(format!("    param  {name}: {}", ty_str(dtype, &h.dims)));
-                let t = to_tensor_as(h, dtype);
+                let t = to_bytes_as(hint, h, dtype)?;
                 self.params.insert(name.clone(), t);
                 self.param_of.insert(key, name.clone());
                 Ok((name, dtype, h.dims.clone()))
@@ -472,7 +480,7 @@ impl Importer {
         if let Val::C(h) = v {
             if h.numel() == 1 && h.dims.len() <= other_rank {
                 let dtype = self.dtype_of(hint, h)?;
-                if let Some(l) = h.data.as_f64().first().and_then(|&x| lit(x, dtype)) {
+                if let Some(l) = h.data.first_f64().and_then(|x| lit(x, dtype)) {
                     return Ok((l, dtype, h.dims.clone()));
                 }
             }
@@ -487,7 +495,7 @@ fn const_ints(im: &Importer, v: Option<&Val>, what: &str) -> R<Option<Vec<i64>>>
         None => Ok(None),
         Some(Val::C(h)) => match &h.data {
             CData::I(v) => Ok(Some(v.clone())),
-            CData::F(v, _) => Ok(Some(v.iter().map(|&x| x as i64).collect())),
+            CData::F(v, _) => Ok(Some(v.iter().map(|x| x as i64).collect())),
             CData::B(_) => Err(im.err(format!("{what} must be integers"))),
         },
         Some(Val::Rt { .. }) => Err(im.unsupported(format!(
@@ -519,7 +527,15 @@ impl Attrs<'_> {
 
 /// Imports a model from its protobuf bytes.
 pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportError> {
-    let m = ModelProto::decode(bytes).map_err(|e| ImportError::Decode(e.to_string()))?;
+    import_owned(bytes.to_vec(), opts)
+}
+
+/// [`import`] from a buffer it takes: the initializers' raw data is read in place, not
+/// copied out of it (the file's bytes, then the values as their dtype: about 8 bytes a
+/// 4-byte weight while importing, besides the params handed back).
+pub fn import_owned(bytes: Vec<u8>, opts: &ImportOptions) -> Result<Imported, ImportError> {
+    let m = ModelProto::decode(bytes::Bytes::from(bytes))
+        .map_err(|e| ImportError::Decode(e.to_string()))?;
     let graph = m.graph.as_ref().ok_or(ImportError::NoGraph)?;
     let opset = m
         .opset_import
@@ -546,7 +562,7 @@ pub fn import(bytes: &[u8], opts: &ImportOptions) -> Result<Imported, ImportErro
     // Initializers: constants until a runtime op reads them.
     for t in &graph.initializer {
         let h = host_tensor(t)?;
-        im.vals.insert(t.name.clone(), Val::C(h));
+        im.vals.insert(t.name.clone(), Val::c(h));
     }
     // Inputs (older exporters list the initializers among them: those stay constants).
     let dims_given: BTreeMap<&str, usize> =
@@ -800,7 +816,7 @@ fn fold_unary(op: &str, h: &HostTensor) -> Option<HostTensor> {
         match &h.data {
             CData::F(v, k) => Some(HostTensor {
                 dims: h.dims.clone(),
-                data: CData::F(v.iter().map(|&x| g(x)).collect(), *k),
+                data: CData::F(Floats::of(*k, v.iter().map(g)), *k),
                 onnx_type: h.onnx_type,
             }),
             CData::I(v) if op == "Neg" || op == "Abs" || op == "Relu" => Some(HostTensor {
@@ -883,7 +899,7 @@ fn fold_binary(op: &str, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
             }
         }
         (CData::F(x, k), CData::F(y, _)) => {
-            let pairs = ia.iter().zip(&ib).map(|(&i, &j)| (x[i], y[j]));
+            let pairs = ia.iter().zip(&ib).map(|(&i, &j)| (x.get(i), y.get(j)));
             if cmp {
                 CData::B(
                     pairs
@@ -907,13 +923,7 @@ fn fold_binary(op: &str, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
                     "Min" => f64::min,
                     _ => return None,
                 };
-                let r: Vec<f64> = pairs.map(|(p, q)| g(p, q)).collect();
-                let r = if *k == FloatKind::F32 {
-                    r.into_iter().map(|x| x as f32 as f64).collect()
-                } else {
-                    r
-                };
-                CData::F(r, *k)
+                CData::F(Floats::of(*k, pairs.map(|(p, q)| g(p, q))), *k)
             }
         }
         (CData::B(x), CData::B(y)) => {
@@ -949,22 +959,14 @@ fn cast_target(to: i64) -> Option<(DType, i32)> {
 }
 
 fn fold_cast(h: &HostTensor, to: i32) -> HostTensor {
-    let v = h.data.as_f64();
+    let float = |k| CData::F(Floats::of(k, h.data.iter_f64()), k);
     let data = match to {
-        dt::FLOAT => CData::F(v.iter().map(|&x| x as f32 as f64).collect(), FloatKind::F32),
-        dt::FLOAT16 => CData::F(
-            v.iter().map(|&x| half::f16::from_f64(x).to_f64()).collect(),
-            FloatKind::F16,
-        ),
-        dt::BFLOAT16 => CData::F(
-            v.iter()
-                .map(|&x| half::bf16::from_f64(x).to_f64())
-                .collect(),
-            FloatKind::BF16,
-        ),
-        dt::BOOL => CData::B(v.iter().map(|&x| x != 0.0).collect()),
-        dt::DOUBLE => CData::F(v, FloatKind::F64),
-        _ => CData::I(v.iter().map(|&x| x as i64).collect()),
+        dt::FLOAT => float(FloatKind::F32),
+        dt::FLOAT16 => float(FloatKind::F16),
+        dt::BFLOAT16 => float(FloatKind::BF16),
+        dt::DOUBLE => float(FloatKind::F64),
+        dt::BOOL => CData::B(h.data.iter_f64().map(|x| x != 0.0).collect()),
+        _ => CData::I(h.data.iter_f64().map(|x| x as i64).collect()),
     };
     HostTensor {
         dims: h.dims.clone(),
@@ -1051,7 +1053,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         let cs: Vec<&HostTensor> = ins
             .iter()
             .filter_map(|v| match v {
-                Some(Val::C(h)) => Some(h),
+                Some(Val::C(h)) => Some(&**h),
                 _ => None,
             })
             .collect();
@@ -1065,7 +1067,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             _ => None,
         };
         if let Some(h) = folded {
-            im.vals.insert(out0, Val::C(h));
+            im.vals.insert(out0, Val::c(h));
             return Ok(());
         }
     }
@@ -1119,7 +1121,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 let n = dims.iter().product();
                 im.vals.insert(
                     node.output[1].clone(),
-                    Val::C(HostTensor {
+                    Val::c(HostTensor {
                         dims,
                         data: CData::B(vec![true; n]),
                         onnx_type: dt::BOOL,
@@ -1141,12 +1143,12 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 )?,
                 ("value_float", _) => HostTensor {
                     dims: vec![],
-                    data: CData::F(vec![a.f as f64], FloatKind::F32),
+                    data: CData::F(Floats::F32(vec![a.f]), FloatKind::F32),
                     onnx_type: dt::FLOAT,
                 },
                 ("value_floats", _) => HostTensor {
                     dims: vec![a.floats.len()],
-                    data: CData::F(a.floats.iter().map(|&x| x as f64).collect(), FloatKind::F32),
+                    data: CData::F(Floats::F32(a.floats.clone()), FloatKind::F32),
                     onnx_type: dt::FLOAT,
                 },
                 ("value_int", _) => HostTensor {
@@ -1157,7 +1159,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 ("value_ints", _) => ints_tensor(a.ints.clone()),
                 (other, _) => return Err(im.unsupported(format!("a `{other}` attribute"))),
             };
-            im.vals.insert(out0, Val::C(h));
+            im.vals.insert(out0, Val::c(h));
         }
         "Shape" => {
             let v = input(0)?;
@@ -1166,13 +1168,13 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let s = clamp(at.i("start", 0));
             let e = clamp(at.i("end", r));
             let dims: Vec<i64> = v.dims()[s..e.max(s)].iter().map(|&d| d as i64).collect();
-            im.vals.insert(out0, Val::C(ints_tensor(dims)));
+            im.vals.insert(out0, Val::c(ints_tensor(dims)));
         }
         "Size" => {
             let n: usize = input(0)?.dims().iter().product();
             im.vals.insert(
                 out0,
-                Val::C(HostTensor {
+                Val::c(HostTensor {
                     dims: vec![],
                     data: CData::I(vec![n as i64]),
                     onnx_type: dt::INT64,
@@ -1188,7 +1190,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 Some(t) => host_tensor(t)?,
                 None => HostTensor {
                     dims: vec![1],
-                    data: CData::F(vec![0.0], FloatKind::F32),
+                    data: CData::F(Floats::F32(vec![0.0]), FloatKind::F32),
                     onnx_type: dt::FLOAT,
                 },
             };
@@ -1198,7 +1200,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             if n > MAX_FOLD {
                 // Too large to hold at import: filled at run time.
                 let dtype = im.dtype_of(&out0, &value)?;
-                let v = value.data.as_f64().first().copied().unwrap_or(0.0);
+                let v = value.data.first_f64().unwrap_or(0.0);
                 let l = lit(v, dtype).ok_or_else(|| im.unsupported("a NaN fill value"))?;
                 im.bind(
                     &out0,
@@ -1211,7 +1213,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let data = value.data.pick(&vec![0; n]);
             im.vals.insert(
                 out0,
-                Val::C(HostTensor {
+                Val::c(HostTensor {
                     dims,
                     data,
                     onnx_type: value.onnx_type,
@@ -1221,12 +1223,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
         "Range" => {
             let get = |i: usize| -> R<f64> {
                 match input(i)? {
-                    Val::C(h) => h
-                        .data
-                        .as_f64()
-                        .first()
-                        .copied()
-                        .ok_or_else(|| im.err("empty operand")),
+                    Val::C(h) => h.data.first_f64().ok_or_else(|| im.err("empty operand")),
                     _ => Err(im.unsupported("operands computed at run time")),
                 }
             };
@@ -1241,18 +1238,21 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             let n = n as usize;
             let v: Vec<f64> = (0..n).map(|i| s + d * i as f64).collect();
             let h = match input(0)? {
-                Val::C(HostTensor {
-                    data: CData::F(_, k),
-                    onnx_type,
-                    ..
-                }) => HostTensor {
-                    dims: vec![n],
-                    data: CData::F(v, k),
-                    onnx_type,
+                Val::C(h) => match *h {
+                    HostTensor {
+                        data: CData::F(_, k),
+                        onnx_type,
+                        ..
+                    } => HostTensor {
+                        dims: vec![n],
+                        data: CData::F(Floats::of(k, v.into_iter()), k),
+                        onnx_type,
+                    },
+                    _ => ints_tensor(v.iter().map(|&x| x as i64).collect()),
                 },
                 _ => ints_tensor(v.iter().map(|&x| x as i64).collect()),
             };
-            im.vals.insert(out0, Val::C(h));
+            im.vals.insert(out0, Val::c(h));
         }
         "Cast" => {
             let to = at.i("to", 0);
@@ -1384,7 +1384,9 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             // Before opset 7 a slope of C values is per channel (axis 1): [C, 1, …].
             if let (Val::C(h), Some(&c)) = (&mut s, dims.get(1)) {
                 if im.opset < 7 && h.dims == [c] && dims.len() > 2 {
-                    h.dims.extend(std::iter::repeat_n(1, dims.len() - 2));
+                    Rc::make_mut(h)
+                        .dims
+                        .extend(std::iter::repeat_n(1, dims.len() - 2));
                 }
             }
             let sdims = s.dims().to_vec();
@@ -1446,7 +1448,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 let get = |i: usize| -> R<Option<f64>> {
                     match ins.get(i).cloned().flatten() {
                         None => Ok(None),
-                        Some(Val::C(h)) => Ok(h.data.as_f64().first().copied()),
+                        Some(Val::C(h)) => Ok(h.data.first_f64()),
                         Some(Val::Rt { .. }) => Err(im.unsupported("bounds computed at run time")),
                     }
                 };
@@ -1686,7 +1688,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                     let data = h.data.pick(&idx);
                     im.vals.insert(
                         out0,
-                        Val::C(HostTensor {
+                        Val::c(HostTensor {
                             dims,
                             data,
                             onnx_type: h.onnx_type,
@@ -1726,7 +1728,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                     let data = h.data.pick(&permute_index(&h.dims, &perm));
                     im.vals.insert(
                         out0,
-                        Val::C(HostTensor {
+                        Val::c(HostTensor {
                             dims,
                             data,
                             onnx_type: h.onnx_type,
@@ -1795,10 +1797,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                             a.extend(b);
                             CData::I(a)
                         }
-                        (Some(CData::F(mut a, k)), CData::F(b, _)) => {
-                            a.extend(b);
-                            CData::F(a, k)
-                        }
+                        (Some(CData::F(a, k)), CData::F(b, _)) => CData::F(a.extend(b), k),
                         (Some(CData::B(mut a)), CData::B(b)) => {
                             a.extend(b);
                             CData::B(a)
@@ -1809,7 +1808,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 let onnx_type = hs.first().map_or(dt::INT64, |h| h.onnx_type);
                 im.vals.insert(
                     out0,
-                    Val::C(HostTensor {
+                    Val::c(HostTensor {
                         dims,
                         data: data_all.unwrap_or(CData::I(vec![])),
                         onnx_type,
@@ -1948,7 +1947,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                             let data = h.data.pick(&flat);
                             im.vals.insert(
                                 out0,
-                                Val::C(HostTensor {
+                                Val::c(HostTensor {
                                     dims: out_dims,
                                     data,
                                     onnx_type: h.onnx_type,
@@ -2037,7 +2036,7 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
                 at.f("value", 0.0) as f64
             } else {
                 match ins.get(2).cloned().flatten() {
-                    Some(Val::C(h)) => h.data.as_f64().first().copied().unwrap_or(0.0),
+                    Some(Val::C(h)) => h.data.first_f64().unwrap_or(0.0),
                     Some(_) => return Err(im.unsupported("a run-time pad value")),
                     None => 0.0,
                 }
@@ -2276,9 +2275,10 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
 fn reshape_to(im: &mut Importer, out: &str, v: Val, hint: &str, nd: Vec<usize>) -> R<()> {
     match v {
         Val::C(h) if !im.keeps_param(hint, &h) => {
+            let h = Rc::unwrap_or_clone(h);
             im.vals.insert(
                 out.to_string(),
-                Val::C(HostTensor {
+                Val::c(HostTensor {
                     dims: nd,
                     data: h.data,
                     onnx_type: h.onnx_type,
@@ -2306,7 +2306,7 @@ fn slice_to(im: &mut Importer, out: &str, v: &Val, hint: &str, ranges: &[(usize,
             let data = h.data.pick(&slice_index(&h.dims, ranges));
             im.vals.insert(
                 out.to_string(),
-                Val::C(HostTensor {
+                Val::c(HostTensor {
                     dims: nd,
                     data,
                     onnx_type: h.onnx_type,
@@ -3401,7 +3401,7 @@ fn sequence_op(im: &mut Importer, node: &NodeProto) -> R<()> {
             let n = seq_in(im, 0)?.len() as i64;
             im.vals.insert(
                 out,
-                Val::C(HostTensor {
+                Val::c(HostTensor {
                     dims: Vec::new(),
                     data: CData::I(vec![n]),
                     onnx_type: dt::INT64,

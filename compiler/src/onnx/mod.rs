@@ -17,7 +17,7 @@ pub mod tensor;
 #[cfg(test)]
 mod tests;
 
-pub use import::{import, ImportOptions, Imported, IoValue};
+pub use import::{import, import_owned, ImportOptions, Imported, IoValue};
 pub use tensor::{read_tensor_file, read_tensor_file_as};
 
 /// Why a model could not be imported.

@@ -115,8 +115,9 @@ pub struct TensorProto {
     pub int64_data: Vec<i64>,
     #[prost(string, tag = "8")]
     pub name: String,
-    #[prost(bytes = "vec", tag = "9")]
-    pub raw_data: Vec<u8>,
+    /// A slice of the decoded buffer, not a copy, when decoded from `bytes::Bytes`.
+    #[prost(bytes = "bytes", tag = "9")]
+    pub raw_data: bytes::Bytes,
     #[prost(double, repeated, tag = "10")]
     pub double_data: Vec<f64>,
     #[prost(uint64, repeated, tag = "11")]

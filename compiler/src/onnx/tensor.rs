@@ -3,6 +3,7 @@
 
 use super::proto::{data_type as dt, TensorProto};
 use super::ImportError;
+use crate::eager::io::TensorBytes;
 use crate::eager::Tensor;
 use crate::ir::DType;
 use prost::Message;
@@ -16,7 +17,7 @@ const MAX_ELEMENTS: usize = 1 << 34;
 pub enum CData {
     /// Floats with the dtype they are stored in (f32, f16 or bf16; f64 values of a `double`
     /// tensor are kept only for folding shape arithmetic and are an error at run time).
-    F(Vec<f64>, FloatKind),
+    F(Floats, FloatKind),
     /// Integers of any ONNX integer type.
     I(Vec<i64>),
     B(Vec<bool>),
@@ -42,6 +43,71 @@ impl FloatKind {
     }
 }
 
+/// Float values, held in the narrowest type that keeps them exactly: f32 for f32, f16 and
+/// bf16 tensors (4 bytes a weight while importing, not 8), f64 only for float64 ones.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Floats {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl Floats {
+    /// `values` rounded to `kind` (to f16 or bf16, then held as f32).
+    pub fn of(kind: FloatKind, values: impl Iterator<Item = f64>) -> Floats {
+        match kind {
+            FloatKind::F64 => Floats::F64(values.collect()),
+            FloatKind::F32 => Floats::F32(values.map(|x| x as f32).collect()),
+            FloatKind::F16 => {
+                Floats::F32(values.map(|x| half::f16::from_f64(x).to_f32()).collect())
+            }
+            FloatKind::BF16 => {
+                Floats::F32(values.map(|x| half::bf16::from_f64(x).to_f32()).collect())
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Floats::F32(v) => v.len(),
+            Floats::F64(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The value at `i` (below `len()`).
+    pub fn get(&self, i: usize) -> f64 {
+        match self {
+            Floats::F32(v) => f64::from(v[i]),
+            Floats::F64(v) => v[i],
+        }
+    }
+
+    pub fn first(&self) -> Option<f64> {
+        (!self.is_empty()).then(|| self.get(0))
+    }
+
+    pub fn iter(&self) -> Box<dyn Iterator<Item = f64> + '_> {
+        match self {
+            Floats::F32(v) => Box::new(v.iter().map(|&x| f64::from(x))),
+            Floats::F64(v) => Box::new(v.iter().copied()),
+        }
+    }
+
+    /// `self` followed by `other` (held as f64 if either is).
+    pub fn extend(self, other: Floats) -> Floats {
+        match (self, other) {
+            (Floats::F32(mut a), Floats::F32(b)) => {
+                a.extend(b);
+                Floats::F32(a)
+            }
+            (a, b) => Floats::F64(a.iter().chain(b.iter()).collect()),
+        }
+    }
+}
+
 impl CData {
     pub fn len(&self) -> usize {
         match self {
@@ -59,18 +125,29 @@ impl CData {
     /// the tensor's own dims).
     pub fn pick(&self, idx: &[usize]) -> CData {
         match self {
-            CData::F(v, k) => CData::F(idx.iter().map(|&i| v[i]).collect(), *k),
+            CData::F(v, k) => CData::F(Floats::of(*k, idx.iter().map(|&i| v.get(i))), *k),
             CData::I(v) => CData::I(idx.iter().map(|&i| v[i]).collect()),
             CData::B(v) => CData::B(idx.iter().map(|&i| v[i]).collect()),
         }
     }
 
+    /// Every value as f64 (a copy: for shape arithmetic and small constants; large ones
+    /// are read with [`CData::iter_f64`]).
     pub fn as_f64(&self) -> Vec<f64> {
+        self.iter_f64().collect()
+    }
+
+    pub fn iter_f64(&self) -> Box<dyn Iterator<Item = f64> + '_> {
         match self {
-            CData::F(v, _) => v.clone(),
-            CData::I(v) => v.iter().map(|&x| x as f64).collect(),
-            CData::B(v) => v.iter().map(|&b| f64::from(u8::from(b))).collect(),
+            CData::F(v, _) => v.iter(),
+            CData::I(v) => Box::new(v.iter().map(|&x| x as f64)),
+            CData::B(v) => Box::new(v.iter().map(|&b| f64::from(u8::from(b)))),
         }
+    }
+
+    /// The first value as f64.
+    pub fn first_f64(&self) -> Option<f64> {
+        self.iter_f64().next()
     }
 }
 
@@ -149,27 +226,22 @@ pub fn host_tensor(t: &TensorProto) -> Result<HostTensor, ImportError> {
             if use_raw {
                 size(4)?;
                 CData::F(
-                    chunks::<4>(raw)
-                        .map(|c| f32::from_le_bytes(c) as f64)
-                        .collect(),
+                    Floats::F32(chunks::<4>(raw).map(f32::from_le_bytes).collect()),
                     FloatKind::F32,
                 )
             } else {
-                CData::F(
-                    t.float_data.iter().map(|&x| x as f64).collect(),
-                    FloatKind::F32,
-                )
+                CData::F(Floats::F32(t.float_data.clone()), FloatKind::F32)
             }
         }
         dt::DOUBLE => {
             if use_raw {
                 size(8)?;
                 CData::F(
-                    chunks::<8>(raw).map(f64::from_le_bytes).collect(),
+                    Floats::F64(chunks::<8>(raw).map(f64::from_le_bytes).collect()),
                     FloatKind::F64,
                 )
             } else {
-                CData::F(t.double_data.clone(), FloatKind::F64)
+                CData::F(Floats::F64(t.double_data.clone()), FloatKind::F64)
             }
         }
         dt::FLOAT16 | dt::BFLOAT16 => {
@@ -180,21 +252,23 @@ pub fn host_tensor(t: &TensorProto) -> Result<HostTensor, ImportError> {
             };
             let conv = |b: [u8; 2]| {
                 if kind == FloatKind::F16 {
-                    half::f16::from_le_bytes(b).to_f64()
+                    half::f16::from_le_bytes(b).to_f32()
                 } else {
-                    half::bf16::from_le_bytes(b).to_f64()
+                    half::bf16::from_le_bytes(b).to_f32()
                 }
             };
             if use_raw {
                 size(2)?;
-                CData::F(chunks::<2>(raw).map(conv).collect(), kind)
+                CData::F(Floats::F32(chunks::<2>(raw).map(conv).collect()), kind)
             } else {
                 // Stored as their 16 bits in `int32_data`.
                 CData::F(
-                    t.int32_data
-                        .iter()
-                        .map(|&x| conv((x as u16).to_le_bytes()))
-                        .collect(),
+                    Floats::F32(
+                        t.int32_data
+                            .iter()
+                            .map(|&x| conv((x as u16).to_le_bytes()))
+                            .collect(),
+                    ),
                     kind,
                 )
             }
@@ -323,13 +397,35 @@ pub fn to_tensor(name: &str, t: &HostTensor) -> Result<Tensor, ImportError> {
 pub fn to_tensor_as(t: &HostTensor, dtype: DType) -> Tensor {
     let shape = crate::ir::Shape(t.dims.clone());
     match &t.data {
-        CData::F(v, _) => Tensor::from_f64(dtype, shape, v.clone()),
+        CData::F(v, _) => Tensor::from_f64(dtype, shape, v.iter().collect()),
         CData::I(v) => Tensor::from_i32(shape, v.iter().map(|&x| x as i32).collect()),
         CData::B(v) => Tensor {
             ty: crate::ir::TensorType::new(DType::Bool, shape),
             data: crate::eager::tensor::Data::B(v.clone()),
         },
     }
+}
+
+/// A host tensor's values as `dtype` stores them (little-endian, floats rounded to it): a
+/// param's bytes, made without an f64 copy of the weights.
+pub fn to_bytes_as(name: &str, t: &HostTensor, dtype: DType) -> Result<TensorBytes, ImportError> {
+    let n = t.data.len();
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(n.saturating_mul(dtype.size_bytes()))
+        .map_err(|_| err(name, format!("{n} values do not fit in memory")))?;
+    match &t.data {
+        CData::F(Floats::F32(v), _) if dtype == DType::F32 => {
+            bytes.extend(v.iter().flat_map(|x| x.to_le_bytes()))
+        }
+        data => data
+            .iter_f64()
+            .for_each(|x| crate::eager::io::push_le(dtype, x, &mut bytes)),
+    }
+    Ok(TensorBytes {
+        ty: crate::ir::TensorType::new(dtype, crate::ir::Shape(t.dims.clone())),
+        bytes,
+    })
 }
 
 /// Reads a serialized `TensorProto` (the backend test cases' `input_*.pb`/`output_*.pb`):

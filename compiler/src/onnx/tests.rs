@@ -422,6 +422,88 @@ fn f64_as_f32_demotes_inputs_initializers_and_casts() {
         .params
         .iter()
         .find(|(n, _)| n == "c")
-        .map(|(_, t)| t.to_f64());
+        .and_then(|(_, t)| t.to_tensor())
+        .map(|t| t.to_f64());
     assert_eq!(c, Some(vec![1.0, 2.5]));
+}
+
+/// Weights reach the params as the bytes the file holds (f32 and f16, raw and as
+/// `float_data`; signed zeros, subnormals and NaN payloads, a signaling NaN included), and while importing
+/// they are held as f32, never f64 (4 bytes a weight, not 8 as before).
+#[test]
+fn weights_reach_the_params_bit_for_bit_without_an_f64_copy() {
+    let f32s: Vec<f32> = vec![
+        -0.0,
+        f32::from_bits(1),
+        f32::from_bits(0x7fc0_1234),
+        f32::from_bits(0x7f80_0001),
+        1.0 / 3.0,
+        f32::MAX,
+    ];
+    let raw32: Vec<u8> = f32s.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let f16s: Vec<u16> = vec![0x8000, 0x0001, 0x3555, 0x7bff, 0xc780, 0x3c00];
+    let raw16: Vec<u8> = f16s.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let t32 = TensorProto {
+        dims: vec![2, 3],
+        data_type: data_type::FLOAT,
+        raw_data: raw32.clone().into(),
+        name: "w".into(),
+        ..Default::default()
+    };
+    let t16 = TensorProto {
+        dims: vec![2, 3],
+        data_type: data_type::FLOAT16,
+        raw_data: raw16.clone().into(),
+        name: "h".into(),
+        ..Default::default()
+    };
+    let tf = floats("v", &[2, 3], &f32s);
+    for t in [&t32, &t16, &tf] {
+        let h = super::tensor::host_tensor(t).unwrap();
+        assert!(
+            matches!(
+                h.data,
+                super::tensor::CData::F(super::tensor::Floats::F32(_), _)
+            ),
+            "{}: {:?}",
+            t.name,
+            h.data
+        );
+    }
+    let m = model(
+        vec![
+            node("Add", "a", &["x", "w"], &["y0"], vec![]),
+            node("Add", "b", &["y0", "v"], &["y1"], vec![]),
+            node(
+                "Cast",
+                "c",
+                &["y1"],
+                &["y2"],
+                vec![cast_to(data_type::FLOAT16)],
+            ),
+            node("Add", "d", &["y2", "h"], &["y"], vec![]),
+        ],
+        vec![t32, t16, tf],
+        vec![vi("x", data_type::FLOAT, &[Dim::N(2), Dim::N(3)])],
+        &["y"],
+    );
+    let imp = import(&m, &opts(&[])).unwrap();
+    let bytes = |n: &str| {
+        imp.params
+            .iter()
+            .find(|(p, _)| p == n)
+            .map(|(_, t)| t.bytes.clone())
+    };
+    assert_eq!(bytes("w"), Some(raw32.clone()), "{}", imp.tdsl);
+    assert_eq!(bytes("v"), Some(raw32));
+    assert_eq!(bytes("h"), Some(raw16));
+}
+
+fn cast_to(to: i32) -> AttributeProto {
+    AttributeProto {
+        name: "to".into(),
+        i: i64::from(to),
+        r#type: 2,
+        ..Default::default()
+    }
 }
