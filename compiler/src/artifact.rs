@@ -542,8 +542,8 @@ pub fn write_artifact_with_sass(
         // The cubins were made from the PTX without its bounds comment: the same code.
         // (SASS of other PTX keeps its checksum, and the reader refuses it.)
         let mut s = s.clone();
-        if s.code_fnv1a64 == format!("{:016x}", fmt::fnv1a64(c.code.as_bytes())) {
-            s.code_fnv1a64 = format!("{:016x}", fmt::fnv1a64(code.as_bytes()));
+        if s.code_checksum == fmt::checksum_hex(c.code.as_bytes()) {
+            s.code_checksum = fmt::checksum_hex(code.as_bytes());
         }
         m.sass = Some(s);
         sections.push(("sass", bytes));

@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 /// First 8 bytes of every artifact.
 pub const MAGIC: [u8; 8] = *b"TCCMODEL";
 /// The format version this crate writes and the newest it reads. Version 4 added
-/// [`CheckKind::FiniteUpdates`], which a version-3 reader would take for an index check.
-pub const FORMAT_VERSION: u32 = 4;
+/// [`CheckKind::FiniteUpdates`], which a version-3 reader would take for an index check;
+/// version 5 checksums with XXH3-64 instead of FNV-1a 64 ([`checksum`]).
+pub const FORMAT_VERSION: u32 = 5;
 /// The oldest format version this crate reads: version 3 added the code section's bounds
 /// line ([`bounds_line`]), without which the manifest's numbers cannot be checked against
 /// the code.
@@ -216,8 +217,10 @@ pub struct Section {
     /// Byte offset from the start of the file (a multiple of [`SECTION_ALIGN`]).
     pub offset: u64,
     pub len: u64,
-    /// FNV-1a 64 of the section's bytes, as 16 lowercase hex digits.
-    pub fnv1a64: String,
+    /// The section's [`checksum`] as 16 lowercase hex digits (key `xxh3_64`; formats 3 and
+    /// 4 wrote an FNV-1a 64 under `fnv1a64`, read and checked as such).
+    #[serde(rename = "xxh3_64", alias = "fnv1a64")]
+    pub checksum: String,
 }
 
 /// Which kind of code the `code` section holds.
@@ -317,9 +320,11 @@ pub struct Sass {
     pub arch: String,
     /// The `ptxas` that made them (its `--version` line naming the release).
     pub assembler: String,
-    /// The FNV-1a 64 of the PTX they were made from (the `code` section's), as 16 hex
-    /// digits: cubins of other PTX are refused.
-    pub code_fnv1a64: String,
+    /// The [`checksum`] of the PTX they were made from (the `code` section's), as 16 hex
+    /// digits: cubins of other PTX are refused (key `code_xxh3_64`; `code_fnv1a64` in
+    /// formats 3 and 4).
+    #[serde(rename = "code_xxh3_64", alias = "code_fnv1a64")]
+    pub code_checksum: String,
     pub pieces: Vec<SassPiece>,
 }
 
@@ -359,17 +364,17 @@ impl Sass {
 
     /// Checks the pieces against the section's length and the kernels: every piece lies in
     /// the section, after the previous one, and every kernel is in exactly one piece; and
-    /// that the cubins were made from the PTX whose checksum is `code_fnv1a64`.
+    /// that the cubins were made from the PTX whose checksum is `code_checksum`.
     pub fn check(
         &self,
         section_len: u64,
         kernels: &[&str],
-        code_fnv1a64: &str,
+        code_checksum: &str,
     ) -> Result<(), String> {
-        if self.code_fnv1a64 != code_fnv1a64 {
+        if self.code_checksum != code_checksum {
             return Err(format!(
-                "SASS made from PTX with checksum `{}`, but the code section's is `{code_fnv1a64}`",
-                self.code_fnv1a64
+                "SASS made from PTX with checksum `{}`, but the code section's is `{code_checksum}`",
+                self.code_checksum
             ));
         }
         if self.capability().is_none() {
@@ -462,7 +467,24 @@ impl Manifest {
 /// Length of the fixed header before the manifest: magic, version, reserved, manifest length.
 pub const HEADER_BYTES: usize = 24;
 
-/// FNV-1a 64-bit hash (offset basis `cbf29ce484222325`, prime `100000001b3`).
+/// The checksum of format `version`'s sections and manifest: XXH3-64 (seed 0) from
+/// version 5, [`fnv1a64`] before.
+pub fn checksum(version: u32, bytes: &[u8]) -> u64 {
+    if version >= 5 {
+        xxhash_rust::xxh3::xxh3_64(bytes)
+    } else {
+        fnv1a64(bytes)
+    }
+}
+
+/// The checksum this crate writes ([`checksum`] of [`FORMAT_VERSION`]), as 16 lowercase hex
+/// digits.
+pub fn checksum_hex(bytes: &[u8]) -> String {
+    format!("{:016x}", checksum(FORMAT_VERSION, bytes))
+}
+
+/// FNV-1a 64-bit hash (offset basis `cbf29ce484222325`, prime `100000001b3`): the checksum
+/// of formats 3 and 4.
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
@@ -488,7 +510,7 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
     // Each section's checksum, once (the layout below may run several times).
     let sums: Vec<String> = sections
         .iter()
-        .map(|(_, bytes)| format!("{:016x}", fnv1a64(bytes)))
+        .map(|(_, bytes)| checksum_hex(bytes))
         .collect();
     let lay_out = |m: &mut Manifest, base: u64| {
         let mut at = base;
@@ -500,7 +522,7 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
                     name: (*name).to_string(),
                     offset: at,
                     len: bytes.len() as u64,
-                    fnv1a64: sum.clone(),
+                    checksum: sum.clone(),
                 };
                 at = align_up(at + bytes.len() as u64, SECTION_ALIGN);
                 s
@@ -530,7 +552,7 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
     let mut out = Vec::with_capacity(total as usize);
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&manifest_check(&json).to_le_bytes());
+    out.extend_from_slice(&manifest_check(FORMAT_VERSION, &json).to_le_bytes());
     out.extend_from_slice(&(json.len() as u64).to_le_bytes());
     out.extend_from_slice(&json);
     for (s, (_, bytes)) in m.sections.iter().zip(sections) {
@@ -540,11 +562,11 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
     out
 }
 
-/// The manifest's checksum in the header (bytes 12..16): FNV-1a 64 of the manifest's bytes
-/// folded to 32 bits, never 0 (0 there means a file written before the field existed,
-/// whose manifest is not checked).
-pub fn manifest_check(json: &[u8]) -> u32 {
-    let h = fnv1a64(json);
+/// The manifest's checksum in the header (bytes 12..16): format `version`'s [`checksum`] of
+/// the manifest's bytes folded to 32 bits, never 0 (0 there means a file written before the
+/// field existed, whose manifest is not checked).
+pub fn manifest_check(version: u32, json: &[u8]) -> u32 {
+    let h = checksum(version, json);
     ((h ^ (h >> 32)) as u32).max(1)
 }
 
@@ -788,7 +810,7 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
     }
     let json = &bytes[HEADER_BYTES..json_end as usize];
     let check = u32::from_le_bytes(word(12));
-    if check != 0 && check != manifest_check(json) {
+    if check != 0 && check != manifest_check(version, json) {
         return Err(Error::Corrupt {
             section: "manifest".into(),
         });
@@ -827,16 +849,16 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
             });
         }
         let range = s.offset as usize..end as usize;
-        let want = Some(&s.fnv1a64)
+        let want = Some(&s.checksum)
             .filter(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
             .and_then(|h| u64::from_str_radix(h, 16).ok())
             .ok_or_else(|| {
                 Error::BadManifest(format!(
                     "section `{}` has checksum `{}`, which is not 16 hex digits",
-                    s.name, s.fnv1a64
+                    s.name, s.checksum
                 ))
             })?;
-        if fnv1a64(&bytes[range.clone()]) != want {
+        if checksum(version, &bytes[range.clone()]) != want {
             return Err(Error::Corrupt {
                 section: s.name.clone(),
             });

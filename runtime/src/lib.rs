@@ -161,7 +161,7 @@ pub enum Error {
         have: u64,
     },
     /// A section's bytes do not match its checksum.
-    #[error("the artifact is corrupt: section `{section}` does not match its FNV-1a checksum")]
+    #[error("the artifact is corrupt: section `{section}` does not match its checksum")]
     Corrupt { section: String },
     /// The artifact was written by a newer format than this runtime reads.
     #[error(
@@ -571,7 +571,7 @@ impl Model {
         let sass = match (&manifest.sass, find("sass").ok()) {
             (None, None) => None,
             (Some(s), Some(r)) if manifest.target == Target::Cuda => {
-                let code_sum = manifest.section("code").map_or("", |c| c.fnv1a64.as_str());
+                let code_sum = manifest.section("code").map_or("", |c| c.checksum.as_str());
                 let names: Vec<&str> = manifest.kernels.iter().map(|k| k.name.as_str()).collect();
                 s.check(r.len() as u64, &names, code_sum)
                     .map_err(Error::BadManifest)?;

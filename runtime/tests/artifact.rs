@@ -7,10 +7,15 @@ use tcc_runtime::artifact::{self, fnv1a64, DType, SECTION_ALIGN};
 use tcc_runtime::{Error, Model};
 
 #[test]
-fn fnv1a64_known_values() {
+fn checksum_known_values() {
     assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
     assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
     assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+    // Formats 3 and 4 use FNV-1a 64; format 5 XXH3-64 with seed 0 (reference value of the
+    // empty input).
+    assert_eq!(artifact::checksum(4, b"foobar"), fnv1a64(b"foobar"));
+    assert_eq!(artifact::checksum(5, b""), 0x2d06_8005_38d3_94c2);
+    assert_eq!(artifact::checksum_hex(b""), "2d06800538d394c2");
 }
 
 #[test]
@@ -42,7 +47,7 @@ fn write_then_read_round_trips() {
     for (s, (_, r)) in m.sections.iter().zip(&sections) {
         assert_eq!(s.offset % SECTION_ALIGN, 0);
         assert_eq!(s.offset as usize, r.start);
-        assert_eq!(s.fnv1a64, format!("{:016x}", fnv1a64(&bytes[r.clone()])));
+        assert_eq!(s.checksum, artifact::checksum_hex(&bytes[r.clone()]));
     }
     // The manifest length in the header matches the JSON, and the first section follows it.
     let mut l = [0u8; 8];
@@ -60,7 +65,7 @@ fn write_is_deterministic_and_ignores_given_sections() {
         name: "stale".into(),
         offset: 12345,
         len: 1,
-        fnv1a64: "0".into(),
+        checksum: "0".into(),
     }];
     let b = build(
         &m,
@@ -116,29 +121,29 @@ fn short_file_or_bad_magic_is_not_an_artifact() {
 #[test]
 fn newer_version_names_both_versions() {
     let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&5u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&6u32.to_le_bytes());
     let err = Model::from_bytes(bytes).unwrap_err();
     assert!(matches!(
         err,
         Error::NewerVersion {
-            found: 5,
-            supported: 4
+            found: 6,
+            supported: 5
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains('5') && msg.contains('4'), "{msg}");
-    // Version 3 (before the finite check's kind) still loads: the same bytes stamped 3 in
-    // the header and the manifest (a digit for a digit), with the manifest's checksum.
-    let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
-    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
-    let text = String::from_utf8(bytes[24..24 + len].to_vec()).unwrap();
-    let old = text.replacen("\"format_version\":4", "\"format_version\":3", 1);
-    assert_ne!(old, text);
-    bytes[24..24 + len].copy_from_slice(old.as_bytes());
-    bytes[12..16].copy_from_slice(&artifact::manifest_check(old.as_bytes()).to_le_bytes());
-    let m = Model::from_bytes(bytes).unwrap();
-    assert_eq!(m.manifest().format_version, 3);
+    assert!(msg.contains('6') && msg.contains('5'), "{msg}");
+    // Versions 3 (before the finite check's kind) and 4 (FNV-1a checksums) still load: the
+    // same bytes stamped 3 or 4, with FNV-1a checksums under their old keys.
+    for v in [3u32, 4] {
+        let old = downgrade(&tiny_artifact(), v);
+        let m = Model::from_bytes(old.clone()).unwrap();
+        assert_eq!(m.manifest().format_version, v);
+        // An old file's sections are checked with FNV-1a: a flipped byte is still caught.
+        let (man, _) = artifact::read(&old).unwrap();
+        let mut bad = old;
+        bad[man.sections[1].offset as usize] ^= 1;
+        assert!(matches!(Model::from_bytes(bad), Err(Error::Corrupt { .. })));
+    }
     // Older than the bounds line: refused, with the advice to rebuild.
     let mut bytes = tiny_artifact();
     bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
@@ -195,7 +200,7 @@ fn invalid_json_is_a_bad_manifest() {
     );
     // With the checksum recomputed, the JSON itself is refused.
     let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
-    let check = artifact::manifest_check(&bytes[24..24 + len]);
+    let check = artifact::manifest_check(artifact::FORMAT_VERSION, &bytes[24..24 + len]);
     bytes[12..16].copy_from_slice(&check.to_le_bytes());
     let err = artifact::read(&bytes).unwrap_err();
     assert!(matches!(err, Error::BadManifest(_)), "{err}");
@@ -616,9 +621,8 @@ fn with_sass(
     m.sass = Some(Sass {
         arch: "sm_90a".into(),
         assembler: "ptxas test".into(),
-        code_fnv1a64: format!(
-            "{:016x}",
-            fnv1a64((artifact::bounds_line(&cuda_tiny_manifest()) + &cuda_tiny_ptx()).as_bytes())
+        code_checksum: artifact::checksum_hex(
+            (artifact::bounds_line(&cuda_tiny_manifest()) + &cuda_tiny_ptx()).as_bytes(),
         ),
         pieces: vec![
             SassPiece {
@@ -713,7 +717,7 @@ fn sass_runs_on_its_compute_capability() {
     let sass = |arch: &str| artifact::Sass {
         arch: arch.into(),
         assembler: String::new(),
-        code_fnv1a64: String::new(),
+        code_checksum: String::new(),
         pieces: Vec::new(),
     };
     // `a`: exactly that capability (Hopper's wgmma); without: that major, a minor as high.
@@ -818,4 +822,28 @@ fn in_step_checks_name_a_scalar_output_and_fail_the_step() {
     }
     s.set_param("w", &[0.0, 2.0, 3.0, 4.0]).unwrap();
     s.run().unwrap();
+}
+
+/// `bytes` (written by this crate) as format `v` (3 or 4) would have written them: the
+/// version in the header and the manifest, and each section's FNV-1a 64 under `fnv1a64`
+/// (a digit for a digit, so no offset moves), with the manifest's checksum of that format.
+fn downgrade(bytes: &[u8], v: u32) -> Vec<u8> {
+    let mut bytes = bytes.to_vec();
+    let (m, ranges) = artifact::read(&bytes).unwrap();
+    bytes[8..12].copy_from_slice(&v.to_le_bytes());
+    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let mut text = String::from_utf8(bytes[24..24 + len].to_vec()).unwrap();
+    let new = format!("\"format_version\":{}", artifact::FORMAT_VERSION);
+    assert!(text.contains(&new));
+    text = text.replacen(&new, &format!("\"format_version\":{v}"), 1);
+    for (s, (_, r)) in m.sections.iter().zip(&ranges) {
+        let from = format!("\"xxh3_64\":\"{}\"", s.checksum);
+        let to = format!("\"fnv1a64\":\"{:016x}\"", fnv1a64(&bytes[r.clone()]));
+        assert!(text.contains(&from));
+        text = text.replacen(&from, &to, 1);
+    }
+    assert_eq!(text.len(), len);
+    bytes[24..24 + len].copy_from_slice(text.as_bytes());
+    bytes[12..16].copy_from_slice(&artifact::manifest_check(v, text.as_bytes()).to_le_bytes());
+    bytes
 }

@@ -121,7 +121,7 @@ mod edited_manifests {
         let sass = tcc_runtime::artifact::Sass {
             arch: "sm_90".into(),
             assembler: "stand-in".into(),
-            code_fnv1a64: format!("{:016x}", tcc_runtime::artifact::fnv1a64(c.code.as_bytes())),
+            code_checksum: tcc_runtime::artifact::checksum_hex(c.code.as_bytes()),
             pieces,
         };
         let bytes = artifact::write_artifact_with_sass(
@@ -308,7 +308,10 @@ mod edited_manifests {
         }
         let old_len = u64::from_le_bytes(original[16..24].try_into().unwrap()) as usize;
         let mut out = original[..12].to_vec();
-        out.extend_from_slice(&tcc_runtime::artifact::manifest_check(&text).to_le_bytes());
+        out.extend_from_slice(
+            &tcc_runtime::artifact::manifest_check(tcc_runtime::artifact::FORMAT_VERSION, &text)
+                .to_le_bytes(),
+        );
         out.extend_from_slice(&(text.len() as u64).to_le_bytes());
         out.extend_from_slice(&text);
         out.extend_from_slice(&original[24 + old_len..]);

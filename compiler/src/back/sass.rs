@@ -191,7 +191,7 @@ impl Ptxas {
         let sass = Sass {
             arch,
             assembler: self.version.clone(),
-            code_fnv1a64: format!("{:016x}", tcc_runtime::artifact::fnv1a64(ptx.as_bytes())),
+            code_checksum: tcc_runtime::artifact::checksum_hex(ptx.as_bytes()),
             pieces: described,
         };
         Ok((sass, section))

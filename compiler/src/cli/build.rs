@@ -148,7 +148,7 @@ fn sass(
     // What the reader will check, checked before it is written: an artifact whose SASS
     // its reader refuses would be refused whole.
     let kernels: Vec<&str> = c.fused.kernels.iter().map(|k| k.name.as_str()).collect();
-    let code_sum = format!("{:016x}", tcc_runtime::artifact::fnv1a64(c.code.as_bytes()));
+    let code_sum = tcc_runtime::artifact::checksum_hex(c.code.as_bytes());
     if let Err(e) = s.check(bytes.len() as u64, &kernels, &code_sum) {
         return fail(&format!(
             "the SASS `ptxas` made does not fit the artifact: {e}"
