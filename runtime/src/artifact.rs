@@ -563,8 +563,7 @@ pub fn write(manifest: &Manifest, sections: &[(&str, &[u8])]) -> Vec<u8> {
 }
 
 /// The manifest's checksum in the header (bytes 12..16): format `version`'s [`checksum`] of
-/// the manifest's bytes folded to 32 bits, never 0 (0 there means a file written before the
-/// field existed, whose manifest is not checked).
+/// the manifest's bytes folded to 32 bits, never 0 (a reader refuses a 0 there).
 pub fn manifest_check(version: u32, json: &[u8]) -> u32 {
     let h = checksum(version, json);
     ((h ^ (h >> 32)) as u32).max(1)
@@ -810,7 +809,8 @@ pub fn read(bytes: &[u8]) -> Result<(Manifest, SectionRanges), crate::Error> {
     }
     let json = &bytes[HEADER_BYTES..json_end as usize];
     let check = u32::from_le_bytes(word(12));
-    if check != 0 && check != manifest_check(version, json) {
+    // Formats 3 and later always carry it (never 0): a zero is refused, not skipped.
+    if check != manifest_check(version, json) {
         return Err(Error::Corrupt {
             section: "manifest".into(),
         });

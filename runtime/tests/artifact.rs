@@ -211,7 +211,7 @@ fn missing_field_is_a_bad_manifest() {
     let json = br#"{"format_version":3}"#;
     let mut bytes = b"TCCMODEL".to_vec();
     bytes.extend_from_slice(&3u32.to_le_bytes());
-    bytes.extend_from_slice(&0u32.to_le_bytes());
+    bytes.extend_from_slice(&artifact::manifest_check(3, json).to_le_bytes());
     bytes.extend_from_slice(&(json.len() as u64).to_le_bytes());
     bytes.extend_from_slice(json);
     let err = artifact::read(&bytes).unwrap_err();

@@ -47,13 +47,17 @@ fn every_single_byte_change_is_rejected_at_load() {
     }
 }
 
-/// A file written before the manifest checksum existed (header bytes 12..16 zero) still
-/// loads; its sections are still checked.
+/// Every format a reader loads (3 and later) has the manifest checksum, and it is never 0:
+/// a zeroed header word is a corrupt manifest, not one left unchecked (its kernel extents
+/// reach the code).
 #[test]
-fn artifacts_without_a_manifest_checksum_still_load() {
+fn a_zeroed_manifest_checksum_is_refused() {
     let mut bytes = tiny_artifact(artifact::Target::Cpu);
     bytes[12..16].fill(0);
-    assert!(tcc_runtime::Model::from_bytes(bytes).is_ok());
+    assert!(matches!(
+        tcc_runtime::Model::from_bytes(bytes),
+        Err(tcc_runtime::Error::Corrupt { section }) if section == "manifest"
+    ));
 }
 
 /// Artifacts whose manifest was edited and whose checksums were then recomputed (a hand

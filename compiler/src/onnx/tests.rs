@@ -427,9 +427,10 @@ fn f64_as_f32_demotes_inputs_initializers_and_casts() {
     assert_eq!(c, Some(vec![1.0, 2.5]));
 }
 
-/// Weights reach the params as the bytes the file holds (f32 and f16, raw and as
-/// `float_data`; signed zeros, subnormals and NaN payloads, a signaling NaN included), and while importing
-/// they are held as f32, never f64 (4 bytes a weight, not 8 as before).
+/// Weights reach the params as the bytes the file holds (f32 raw and as `float_data`, with
+/// signed zeros, subnormals and NaN payloads, a signaling NaN included; f16 raw, finite
+/// values and signed zeros), and while importing they are held as f32, never f64 (4 bytes a
+/// weight, not 8 as before).
 #[test]
 fn weights_reach_the_params_bit_for_bit_without_an_f64_copy() {
     let f32s: Vec<f32> = vec![
