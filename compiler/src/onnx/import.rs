@@ -1237,20 +1237,21 @@ fn convert(im: &mut Importer, node: &NodeProto, ins: &[Option<Val>]) -> R<()> {
             }
             let n = n as usize;
             let v: Vec<f64> = (0..n).map(|i| s + d * i as f64).collect();
-            let h = match input(0)? {
-                Val::C(h) => match *h {
-                    HostTensor {
-                        data: CData::F(_, k),
-                        onnx_type,
-                        ..
-                    } => HostTensor {
-                        dims: vec![n],
-                        data: CData::F(Floats::of(k, v.into_iter()), k),
-                        onnx_type,
-                    },
-                    _ => ints_tensor(v.iter().map(|&x| x as i64).collect()),
+            // A float range keeps its start's float type; any other is int64.
+            let float = match input(0)? {
+                Val::C(h) => match h.data {
+                    CData::F(_, k) => Some((k, h.onnx_type)),
+                    _ => None,
                 },
-                _ => ints_tensor(v.iter().map(|&x| x as i64).collect()),
+                Val::Rt { .. } => None,
+            };
+            let h = match float {
+                Some((k, onnx_type)) => HostTensor {
+                    dims: vec![n],
+                    data: CData::F(Floats::of(k, v.into_iter()), k),
+                    onnx_type,
+                },
+                None => ints_tensor(v.iter().map(|&x| x as i64).collect()),
             };
             im.vals.insert(out0, Val::c(h));
         }

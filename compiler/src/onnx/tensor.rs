@@ -85,6 +85,14 @@ impl Floats {
         }
     }
 
+    /// The values at positions `idx` (each below `len()`), held as they are.
+    pub fn pick(&self, idx: &[usize]) -> Floats {
+        match self {
+            Floats::F32(v) => Floats::F32(idx.iter().map(|&i| v[i]).collect()),
+            Floats::F64(v) => Floats::F64(idx.iter().map(|&i| v[i]).collect()),
+        }
+    }
+
     pub fn first(&self) -> Option<f64> {
         (!self.is_empty()).then(|| self.get(0))
     }
@@ -125,7 +133,7 @@ impl CData {
     /// the tensor's own dims).
     pub fn pick(&self, idx: &[usize]) -> CData {
         match self {
-            CData::F(v, k) => CData::F(Floats::of(*k, idx.iter().map(|&i| v.get(i))), *k),
+            CData::F(v, k) => CData::F(v.pick(idx), *k),
             CData::I(v) => CData::I(idx.iter().map(|&i| v[i]).collect()),
             CData::B(v) => CData::B(idx.iter().map(|&i| v[i]).collect()),
         }
