@@ -1418,6 +1418,19 @@ pub fn micro_batched_step(
     k: usize,
     compile: &tcc::artifact::CompileOptions,
 ) -> Result<tcc::ir::Graph, String> {
+    split_step(src, sets, k, Some(1), compile)
+}
+
+/// [`micro_batched_step`] through [`tcc::front::micro_batch::compile_step`]: `k`
+/// micro-batches, and the loss head in `loss_chunks` chunks (`None`: as the front end
+/// chooses).
+pub fn split_step(
+    src: &str,
+    sets: &[(&str, &str)],
+    k: usize,
+    loss_chunks: Option<usize>,
+    compile: &tcc::artifact::CompileOptions,
+) -> Result<tcc::ir::Graph, String> {
     let opts = Options {
         sets: sets
             .iter()
@@ -1426,7 +1439,7 @@ pub fn micro_batched_step(
         ..Default::default()
     };
     let mut sources = Sources::new("case.tdsl", src.as_bytes());
-    let mut lowered = tcc::front::micro_batch::compile_micro_batched(&mut sources, &opts, k)
+    let mut lowered = tcc::front::micro_batch::compile_step(&mut sources, &opts, k, loss_chunks)
         .map_err(|d| render_all(&d, &sources.map))?;
     let g = lowered.graphs.remove(0);
     let popts = tcc::pipeline::Options {
@@ -1475,6 +1488,35 @@ pub fn micro_vs_whole(
         outputs,
         arenas: (a.arena_bytes, b.arena_bytes),
     })
+}
+
+/// Runs `src` for `steps` f32 steps on `device` with its loss head as the front end
+/// chooses to chunk it and whole, from the same params (seed 7) and inputs (seed 3), and
+/// compares them; also gives the chunks chosen.
+pub fn chunks_vs_whole(
+    src: &str,
+    sets: &[(&str, &str)],
+    steps: usize,
+    device: tcc_runtime::Device,
+) -> Result<(MicroVsWhole, Option<usize>), String> {
+    let compile = device_options(device, true);
+    let whole = split_step(src, sets, 1, Some(1), &compile)?;
+    let chunked = split_step(src, sets, 1, None, &compile)?;
+    let inputs = tcc::eager::random_inputs(&whole, 3);
+    let a = steps_compiled(&whole, &inputs, steps, 7, device, &compile)?;
+    let b = steps_compiled(&chunked, &inputs, steps, 7, device, &compile)?;
+    let params = params_rel_err(&b.persistent, &a.persistent).ok_or("params differ in name")?;
+    let mut outputs = 0.0f64;
+    for (name, t) in &a.outputs {
+        let u = b.outputs.get(name).ok_or(format!("no output `{name}`"))?;
+        outputs = outputs.max(rel_err(u, t));
+    }
+    let r = MicroVsWhole {
+        params,
+        outputs,
+        arenas: (a.arena_bytes, b.arena_bytes),
+    };
+    Ok((r, chunked.loss_chunks))
 }
 
 /// Asserts that `src` with `--micro-batches k` equals its whole-batch step after 3 steps on

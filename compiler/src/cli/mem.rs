@@ -43,6 +43,9 @@ pub struct MemReport {
     /// `--micro-batches K`: the step runs its batch as K slices (absent: 1).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub micro_batches: Option<usize>,
+    /// The loss head runs in K chunks (`--loss-chunks`, or chosen; absent: whole).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_chunks: Option<usize>,
     /// Nodes of the final graph (the one the kernels compute).
     pub nodes: usize,
     /// tcc's own op-by-op execution of the step (`tcc run --eager`): every value
@@ -372,6 +375,7 @@ pub fn report(
         amp: amp.name().to_string(),
         ranks: final_graph.ranks,
         micro_batches: final_graph.micro_batches,
+        loss_chunks: final_graph.loss_chunks,
         nodes: final_graph.node_count(),
         eager_peak_bytes: eager.peak_bytes(),
         eager_param_bytes: eager.param_bytes,
@@ -447,6 +451,13 @@ pub fn text(r: &MemReport, timing: bool) -> String {
         s.push_str(&format!(
             "  micro-batches {k}: the batch runs as {k} slices, one after another; the \
              gradients add up in f32 buffers that live through the step\n"
+        ));
+    }
+    if let Some(k) = r.loss_chunks {
+        s.push_str(&format!(
+            "  loss head in {k} chunks: its largest matmul and the loss over it run on {k} \
+             slices of the batch, each one's backward right after it (`--loss-chunks 1`: \
+             whole)\n"
         ));
     }
     line(

@@ -163,9 +163,13 @@ pub fn step_graph(
         models: ModelSelection::One(model.clone()),
     };
     let t = Instant::now();
-    let mut lowered =
-        front::micro_batch::compile_micro_batched(&mut sources, &opts, parallel.micro_batches)
-            .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
+    let mut lowered = front::micro_batch::compile_step(
+        &mut sources,
+        &opts,
+        parallel.micro_batches,
+        super::loss_chunks(None, amp),
+    )
+    .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
     if lowered.graphs.is_empty() {
         return Err("no model to compile".into());
     }

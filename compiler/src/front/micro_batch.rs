@@ -32,7 +32,7 @@
 
 use super::{compile, ModelSelection, Options, Sources};
 use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Scalar, TrainSpec};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use tcc_grammar::ast::{DimExpr, ExprKind, Item, StmtKind};
 use tcc_grammar::diag::Diagnostic;
 use tcc_grammar::span::{FileId, Span};
@@ -96,6 +96,175 @@ pub fn compile_micro_batched(
         graphs: vec![graph],
         warnings: whole.warnings,
     })
+}
+
+/// The fewest rows of the loss head's product a chunk keeps (smaller products lose more
+/// of the GPU to their edges than the memory is worth).
+const MIN_CHUNK_ROWS: usize = 256;
+/// The most chunks the loss head is computed in by default.
+const MAX_CHUNKS: usize = 4;
+/// A loss head is chunked by default where its product is at least this many times the
+/// bytes of the per-sample value it reads (a vocabulary's logits against the hidden
+/// states), and at least [`MIN_HEAD_BYTES`].
+const MIN_GROWTH: usize = 4;
+const MIN_HEAD_BYTES: usize = 1 << 20;
+
+/// The front end of a step: [`compile_micro_batched`] with `micro_batches` over 1, else the
+/// program with its loss head computed in chunks (`loss_chunks`: `None` chooses, `Some(1)`
+/// keeps the head whole, `Some(k)` asks for `k` chunks).
+///
+/// The loss head is the largest matmul of a `train` step whose result carries the batch
+/// and grows it (a language model's logits, `[B, T, V]` from `[B, T, D]`), with every
+/// per-sample value computed from it down to the loss (softmax, cross-entropy). It is
+/// split as `--micro-batches` splits a whole step, but alone: the rest of the step runs
+/// on the whole batch, each chunk reads its slice of the head's operand, and its
+/// gradients are made as soon as the chunk's loss terms are (the schedule runs each
+/// chunk's forward and backward together, `passes/schedule.rs`), so only one chunk's
+/// logits are live at a time. The result is the same but for the order of the loss's
+/// sum. By default the head is chunked where it is at least [`MIN_GROWTH`] times its
+/// operand and [`MIN_HEAD_BYTES`], into the most chunks (at most [`MAX_CHUNKS`]) that
+/// divide the batch and keep [`MIN_CHUNK_ROWS`] rows each, and not where it draws random
+/// numbers (dropout's masks would be drawn per chunk).
+pub fn compile_step(
+    sources: &mut Sources,
+    opts: &Options,
+    micro_batches: usize,
+    loss_chunks: Option<usize>,
+) -> Result<super::Lowered, Vec<Diagnostic>> {
+    if micro_batches > 1 || loss_chunks == Some(1) {
+        if loss_chunks.is_some_and(|c| c > 1) {
+            return Err(vec![Diagnostic::error(
+                "E0547",
+                "`--loss-chunks` and `--micro-batches` do not combine: each micro-batch \
+                 already computes its own slice of the loss head",
+            )]);
+        }
+        return compile_micro_batched(sources, opts, micro_batches);
+    }
+    let mut whole = compile(sources, opts)?;
+    match chunked_head(sources, opts, &whole, loss_chunks) {
+        Ok(Some(g)) => whole.graphs = vec![g],
+        Ok(None) => {}
+        Err(d) if loss_chunks.is_some() => return Err(d),
+        // Chosen by default: where the head cannot be split, it stays whole.
+        Err(_) => {}
+    }
+    Ok(whole)
+}
+
+/// The step with its loss head in chunks (see [`compile_step`]), or `None` where it is
+/// kept whole.
+fn chunked_head(
+    sources: &mut Sources,
+    opts: &Options,
+    whole: &super::Lowered,
+    want: Option<usize>,
+) -> Result<Option<Graph>, Vec<Diagnostic>> {
+    let refuse = |why: &str| -> Result<Option<Graph>, Vec<Diagnostic>> {
+        match want {
+            Some(k) => Err(vec![Diagnostic::error(
+                "E0548",
+                format!("`--loss-chunks {k}` cannot split this program's loss head: {why}"),
+            )]),
+            None => Ok(None),
+        }
+    };
+    let [full] = whole.graphs.as_slice() else {
+        return refuse("it applies to one model: pick it with `--model NAME`");
+    };
+    let Some(train) = &full.train else {
+        return refuse("the program has no `train` statement");
+    };
+    let order = full
+        .topo_order()
+        .ok_or_else(|| vec![internal("the lowered graph has a cycle")])?;
+    // What the loss depends on.
+    let mut feeds: BTreeSet<NodeId> = BTreeSet::from([train.loss]);
+    for &n in order.iter().rev() {
+        if feeds.contains(&n) {
+            feeds.extend(full.node(n).inputs.iter().copied());
+        }
+    }
+    let head = order
+        .iter()
+        .copied()
+        .filter(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n))
+        .max_by_key(|&n| (full.ty(n).size_bytes(), std::cmp::Reverse(n)));
+    let Some(head) = head else {
+        return refuse("the loss is computed from no matmul");
+    };
+    let (name, input, _) = batch_const(sources, full)?;
+    let batch = full
+        .inputs
+        .iter()
+        .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if *n == input))
+        .and_then(|&i| full.ty(i).dims().first().copied())
+        .unwrap_or(0);
+    let dims = full.ty(head).dims();
+    let rows = dims[..dims.len().saturating_sub(1)]
+        .iter()
+        .product::<usize>();
+    let k = match want {
+        Some(k) if batch % k == 0 => k,
+        Some(k) => {
+            return Err(vec![Diagnostic::error(
+                "E0541",
+                format!("`--loss-chunks {k}` does not divide the batch `{name}` = {batch}"),
+            )])
+        }
+        None => match (2..=MAX_CHUNKS)
+            .rev()
+            .find(|&k| batch % k == 0 && rows / k >= MIN_CHUNK_ROWS)
+        {
+            Some(k) => k,
+            None => return Ok(None),
+        },
+    };
+    let mut slice_opts = opts.clone();
+    slice_opts
+        .sets
+        .push((name.clone(), (batch / k).to_string()));
+    slice_opts.models = ModelSelection::One(Some(full.name.clone()));
+    let Some(part) = compile(sources, &slice_opts)?.graphs.pop() else {
+        return Err(vec![internal("the sliced model did not lower")]);
+    };
+    let (order, carries) = carriers(full, &part, k, &name)?;
+    if !carries.contains_key(&head) {
+        return refuse("its largest matmul does not carry the batch");
+    }
+    if want.is_none() {
+        let operand = full
+            .node(head)
+            .inputs
+            .iter()
+            .filter(|i| carries.contains_key(i))
+            .map(|&i| full.ty(i).size_bytes())
+            .max()
+            .unwrap_or(0);
+        let bytes = full.ty(head).size_bytes();
+        if bytes < MIN_HEAD_BYTES || bytes < MIN_GROWTH * operand {
+            return Ok(None);
+        }
+    }
+    // The head and every per-sample value computed from it.
+    let mut region: BTreeSet<NodeId> = BTreeSet::from([head]);
+    for &n in &order {
+        if carries.contains_key(&n) && full.node(n).inputs.iter().any(|i| region.contains(i)) {
+            region.insert(n);
+        }
+    }
+    if full.outputs.iter().any(|(_, v)| region.contains(v)) {
+        return refuse("a per-sample value of the head is an output of the step");
+    }
+    if region
+        .iter()
+        .any(|&n| matches!(full.node(n).op, Op::Dropout { .. }))
+    {
+        return refuse("it draws random numbers (dropout), which would be drawn per chunk");
+    }
+    let mut g = split_region(full, &part, k, &name, &order, &carries, Some(&region))?;
+    g.loss_chunks = Some(k);
+    Ok(Some(g))
 }
 
 fn internal(msg: &str) -> Diagnostic {
@@ -199,6 +368,9 @@ fn batch_const(sources: &Sources, full: &Graph) -> Result<(String, String, Span)
         })
 }
 
+/// The nodes that carry the batch, and on which axis.
+type Carries = BTreeMap<NodeId, Batch>;
+
 /// Where a value carries the batch: its axis, in both graphs.
 #[derive(Clone, Copy)]
 struct Batch {
@@ -208,6 +380,28 @@ struct Batch {
 /// The step of `full` (at the whole batch) computed as `k` slices of `part` (the same
 /// program at `1/k` of the batch); see the module doc.
 pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph, Vec<Diagnostic>> {
+    if full.train.is_none() {
+        return Err(vec![Diagnostic::error(
+            "E0540",
+            "`--micro-batches` needs a training step: it splits a `train` step's batch and \
+             adds up the gradients, and this program has no `train` statement",
+        )]);
+    }
+    let (order, carries) = carriers(full, part, k, batch)?;
+    let mut out = split_region(full, part, k, batch, &order, &carries, None)?;
+    out.micro_batches = Some(k);
+    Ok(out)
+}
+
+/// A program's nodes in order, and which of them carry the batch (on which axis): the
+/// nodes whose shape differs between `full` (the whole batch) and `part` (`1/k` of it).
+/// Errors where the two lowerings differ in more than shapes.
+fn carriers(
+    full: &Graph,
+    part: &Graph,
+    k: usize,
+    batch: &str,
+) -> Result<(Vec<NodeId>, Carries), Vec<Diagnostic>> {
     let order = full
         .topo_order()
         .ok_or_else(|| vec![internal("the lowered graph has a cycle")])?;
@@ -249,20 +443,8 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
             )]);
         }
     }
-    if full.train.is_none() {
-        return Err(vec![Diagnostic::error(
-            "E0540",
-            "`--micro-batches` needs a training step: it splits a `train` step's batch and \
-             adds up the gradients, and this program has no `train` statement",
-        )]);
-    }
     let err = |n: NodeId, code: &'static str, msg: String, label: &str| {
-        vec![Diagnostic::error(code, msg)
-            .with_primary(full.node(n).span, label.to_string())
-            .with_note(format!(
-                "`--micro-batches` runs the batch `{batch}` as slices of its samples, one \
-                 after another; an op that mixes samples of different slices cannot be split"
-            ))]
+        split_error(full, batch, n, code, msg, label)
     };
     // Which nodes carry the batch, and on which axis.
     let mut carries: BTreeMap<NodeId, Batch> = BTreeMap::new();
@@ -307,6 +489,42 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
             }
         }
     }
+    Ok((order, carries))
+}
+
+/// The diagnostic of a node that cannot be split.
+fn split_error(
+    full: &Graph,
+    batch: &str,
+    n: NodeId,
+    code: &'static str,
+    msg: String,
+    label: &str,
+) -> Vec<Diagnostic> {
+    vec![Diagnostic::error(code, msg)
+        .with_primary(full.node(n).span, label.to_string())
+        .with_note(format!(
+            "`--micro-batches` runs the batch `{batch}` as slices of its samples, one \
+             after another; an op that mixes samples of different slices cannot be split"
+        ))]
+}
+
+/// The step of `full` with the nodes of `region` that carry the batch (every such node
+/// when `region` is `None`) computed as `k` slices of `part`'s; see the module doc. A
+/// node of the region reads a carrying value from outside it through a slice of it.
+fn split_region(
+    full: &Graph,
+    part: &Graph,
+    k: usize,
+    batch: &str,
+    order: &[NodeId],
+    carries: &BTreeMap<NodeId, Batch>,
+    region: Option<&BTreeSet<NodeId>>,
+) -> Result<Graph, Vec<Diagnostic>> {
+    let err = |n: NodeId, code: &'static str, msg: String, label: &str| {
+        split_error(full, batch, n, code, msg, label)
+    };
+    let split_here = |n: NodeId| region.is_none_or(|r| r.contains(&n));
     // Values computed from the samples: carried, or combined from carried ones.
     let mut derived: BTreeMap<NodeId, NodeId> = BTreeMap::new(); // value → its combining op
     let blocks = order
@@ -317,20 +535,22 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
     let mut out = Graph::new(full.name.clone());
     let mut whole: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     let mut slices: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    // (carrying value outside the region, slice) → its slice.
+    let mut cut: BTreeMap<(NodeId, usize), NodeId> = BTreeMap::new();
     let at = |e: crate::ir::TypeError, n: NodeId| {
         vec![Diagnostic::error(e.code, e.message.clone())
             .with_primary(full.node(n).span, e.detail.clone())]
     };
-    for &n in &order {
+    for &n in order {
         let node = full.node(n);
         let carried_in: Vec<NodeId> = node
             .inputs
             .iter()
             .copied()
-            .filter(|i| carries.contains_key(i))
+            .filter(|i| slices.contains_key(i))
             .collect();
-        if let Some(&Batch { axis }) = carries.get(&n) {
-            check_carrier(full, part, n, &carries, axis, &err)?;
+        if let Some(&Batch { axis }) = carries.get(&n).filter(|_| split_here(n)) {
+            check_carrier(full, part, n, carries, axis, &err)?;
             if let Some(&i) = node.inputs.iter().find(|i| derived.contains_key(i)) {
                 let source = derived[&i];
                 let (at_source, at_reader) = (full.node(source).span, node.span);
@@ -386,11 +606,13 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
                         },
                         (op, _) => op.clone(),
                     };
-                    let inputs = node
-                        .inputs
-                        .iter()
-                        .map(|i| slices.get(i).map_or_else(|| whole[i], |c| c[s]))
-                        .collect();
+                    let mut inputs = Vec::with_capacity(node.inputs.len());
+                    for &i in &node.inputs {
+                        inputs.push(
+                            read(&mut out, i, s, &slices, &whole, carries, part, &mut cut)
+                                .map_err(|e| at(e, n))?,
+                        );
+                    }
                     out.add(op, inputs, node.span, node.checkpoint)
                         .map_err(|e| at(e, n))?
                 };
@@ -405,7 +627,7 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
         }
         if !carried_in.is_empty() {
             // Combines the samples: per slice, then across the slices.
-            let combine = combining(full, n, &carries).ok_or_else(|| {
+            let combine = combining(full, n, carries).ok_or_else(|| {
                 err(
                     n,
                     "E0545",
@@ -419,11 +641,13 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
             })?;
             let mut acc: Option<NodeId> = None;
             for s in 0..k {
-                let inputs = node
-                    .inputs
-                    .iter()
-                    .map(|i| slices.get(i).map_or_else(|| whole[i], |c| c[s]))
-                    .collect();
+                let mut inputs = Vec::with_capacity(node.inputs.len());
+                for &i in &node.inputs {
+                    inputs.push(
+                        read(&mut out, i, s, &slices, &whole, carries, part, &mut cut)
+                            .map_err(|e| at(e, n))?,
+                    );
+                }
                 let id = out
                     .add(part.node(n).op.clone(), inputs, node.span, node.checkpoint)
                     .map_err(|e| at(e, n))?;
@@ -470,7 +694,12 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
         if let Some(&source) = node.inputs.iter().find_map(|i| derived.get(i)) {
             derived.insert(n, source);
         }
-        let inputs = node.inputs.iter().map(|i| whole[i]).collect();
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|i| whole.get(i).copied())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| vec![internal("a value outside the split reads one inside it")])?;
         let id = out
             .add(node.op.clone(), inputs, node.span, node.checkpoint)
             .map_err(|e| at(e, n))?;
@@ -504,8 +733,59 @@ pub fn split(full: &Graph, part: &Graph, k: usize, batch: &str) -> Result<Graph,
             span: t.span,
         });
     }
-    out.micro_batches = Some(k);
     Ok(out)
+}
+
+/// Slice `s` of value `i` (of `full`) as a split node reads it: its own slice's copy, a
+/// slice of a carrying value that is computed whole (an input, or a value outside the
+/// region), or the value itself.
+#[allow(clippy::too_many_arguments)]
+fn read(
+    out: &mut Graph,
+    i: NodeId,
+    s: usize,
+    slices: &BTreeMap<NodeId, Vec<NodeId>>,
+    whole: &BTreeMap<NodeId, NodeId>,
+    carries: &BTreeMap<NodeId, Batch>,
+    part: &Graph,
+    cut: &mut BTreeMap<(NodeId, usize), NodeId>,
+) -> Result<NodeId, crate::ir::TypeError> {
+    if let Some(c) = slices.get(&i) {
+        return Ok(c[s]);
+    }
+    let missing = || {
+        crate::ir::TypeError::new(
+            "E0002",
+            "internal compiler error: operand out of order",
+            "while splitting the batch",
+        )
+    };
+    let &w = whole.get(&i).ok_or_else(missing)?;
+    let Some(&Batch { axis }) = carries.get(&i) else {
+        return Ok(w);
+    };
+    if let Some(&c) = cut.get(&(i, s)) {
+        return Ok(c);
+    }
+    let d = part.ty(i).dims().get(axis).copied().ok_or_else(missing)?;
+    let ranges = out
+        .ty(w)
+        .dims()
+        .iter()
+        .enumerate()
+        .map(|(a, &n)| {
+            if a == axis {
+                (s * d, (s + 1) * d)
+            } else {
+                (0, n)
+            }
+        })
+        .collect();
+    let span = out.node(w).span;
+    let id = out.add(Op::Slice { ranges }, vec![w], span, None)?;
+    out.set_micro_batch(id, s as u32);
+    cut.insert((i, s), id);
+    Ok(id)
 }
 
 /// Whether two lowerings of one op differ at most in what the batch size changes: the

@@ -163,6 +163,10 @@ pub struct Graph {
     /// The micro-batches of a step split with `--micro-batches K`
     /// ([`crate::front::micro_batch`]); `None` for a step over its whole batch at once.
     pub micro_batches: Option<usize>,
+    /// The chunks the loss head of a step is computed in
+    /// ([`crate::front::micro_batch::compile_step`]; its nodes are marked as micro-batches
+    /// are); `None` where it is computed whole.
+    pub loss_chunks: Option<usize>,
     /// In-step checks: for each output that counts the out-of-range values an op was
     /// handed ([`crate::passes::index_checks`]) or sums the magnitudes of the params the
     /// updates of `train` write ([`crate::autodiff`]), what it guards.
@@ -486,6 +490,7 @@ impl Graph {
         out.ranks = self.ranks;
         out.shards = self.shards.clone();
         out.micro_batches = self.micro_batches;
+        out.loss_chunks = self.loss_chunks;
         out.checks = self.checks.clone();
         out
     }

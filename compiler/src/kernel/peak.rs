@@ -209,14 +209,24 @@ pub(super) fn limit_peak(
     let mut forced: BTreeSet<NodeId> = BTreeSet::new();
     for _ in 0..ROUNDS {
         let mut taken = false;
-        for split in [false, true] {
+        for way in [Way::Lengthening, Way::Sums, Way::Split] {
+            let split = way == Way::Split;
             if split && peak <= limit {
                 break;
             }
-            let more = if split {
-                peak_kernel_nodes(g, &best, &best_lv)
-            } else {
-                lengthening(g, &best, &best_lv)
+            let more = match way {
+                Way::Split => peak_kernel_nodes(g, &best, &best_lv),
+                Way::Lengthening => lengthening(g, &best, &best_lv),
+                Way::Sums => {
+                    let mut l = lengthening(g, &best, &best_lv);
+                    l.retain(|&n| {
+                        let node = g.node(n);
+                        node.backward
+                            && node.op == crate::ir::Op::Binary(crate::ir::BinaryOp::Add)
+                            && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
+                    });
+                    l
+                }
             };
             let mut next = forced.clone();
             next.extend(more);
@@ -257,6 +267,21 @@ pub(super) fn limit_peak(
     Ok(prune_in_place(g, out))
 }
 
+/// How a round of [`limit_peak`] picks the nodes it gives buffers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// Every node whose fusion lengthens a lifetime at the peak ([`lengthening`]).
+    Lengthening,
+    /// The sums of gradient contributions among them (fused into a kernel at the end),
+    /// where giving buffers to all of them (forward values recomputed in backward
+    /// kernels, a product) would raise the peak elsewhere (gpt with a chunked loss head: the contributions
+    /// of the tied embedding's gradient, summed in its update kernel, kept 72 MiB alive
+    /// through the backward pass, and the round with the recomputed values was refused).
+    Sums,
+    /// The kernel at the peak split into one kernel an op ([`peak_kernel_nodes`]).
+    Split,
+}
+
 /// What [`limit_peak`] did (`Fused::peak`), for `tcc mem` and the build line. Bytes are
 /// peak transient bytes ([`fused_peak`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -290,7 +315,7 @@ impl PeakReport {
         }
         (self.rounds > 0).then(|| {
             format!(
-                "fusion lowered its transient peak {} -> {} (one op per kernel: {}) by giving {} values buffers of their own ({} round{}, estimated +{:.1}% time)",
+                "fusion lowered its transient peak {} -> {} (one op per kernel: {}) by giving {} values buffers of their own ({} round{}, estimated {:+.1}% time)",
                 b(self.first),
                 b(self.last),
                 b(self.unfused),

@@ -203,10 +203,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     // step casts a param once per micro-batch, so each copy lives only while its
     // micro-batch runs: `schedule::micro_segments`); (literal or fill in g, dtype) -> its
     // copy in h.
-    let segment = match g.micro_batches {
-        Some(_) => crate::passes::schedule::micro_segments(g, &order),
-        None => BTreeMap::new(),
-    };
+    let segment = crate::passes::schedule::segments(g, &order);
     let last = segment.values().copied().max().unwrap_or(0);
     let mut casts_by: BTreeMap<u32, BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
     let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
@@ -373,6 +370,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         .collect::<Result<_, TypeError>>()?;
     h.ranks = g.ranks;
     h.micro_batches = g.micro_batches;
+    h.loss_chunks = g.loss_chunks;
     h.shards = g.shards.clone();
     h.checks = g.checks.clone();
     // A swap left with no reader is dropped, with the reshapes below it that only it read

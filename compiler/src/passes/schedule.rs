@@ -23,17 +23,24 @@ use tcc_grammar::diag::Diagnostic;
 pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     let mut program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
     let mut listed = list_schedule(g);
-    let micro = g.micro_batches.is_some();
+    let micro = g.micro_batches.is_some() || g.loss_chunks.is_some();
     if micro {
         shared_once(g);
-        sums_in_turn(g);
+        let sums = sums_in_turn(g);
         program = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
         listed = list_schedule(g);
         // Each node's micro-batch follows from the graph alone (both orders run an
         // update after its param's readers): computed once, both orders sorted by it.
-        let segment = micro_segments(g, &program);
+        let segment = segments(g, &program);
         program.sort_by_key(|n| segment.get(n).copied().unwrap_or(0));
         listed.sort_by_key(|n| segment.get(n).copied().unwrap_or(0));
+        if g.micro_batches.is_none() {
+            // A chunked loss head's last segment is the whole backward pass: its last
+            // gradient sum runs as soon as its terms are ready, not at the segment's end.
+            for o in [&mut program, &mut listed] {
+                right_after_operands(g, o, &sums);
+            }
+        }
     }
     let before = liveness(g, &program).max_live();
     let after = liveness(g, &listed).max_live();
@@ -292,6 +299,73 @@ fn valid_update_order(
         })
 }
 
+/// The segment each node of `order` runs in: [`micro_segments`] for a micro-batched step,
+/// [`chunk_segments`] for one whose loss head is computed in chunks, none otherwise.
+pub(crate) fn segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u32> {
+    if g.micro_batches.is_some() {
+        micro_segments(g, order)
+    } else if g.loss_chunks.is_some() {
+        chunk_segments(g, order)
+    } else {
+        BTreeMap::new()
+    }
+}
+
+/// The segment each node of `order` runs in where only the loss head is computed in
+/// chunks (marked as micro-batches are, `front::micro_batch::compile_step`): a node
+/// computed from a chunk runs in the latest chunk it depends on, as in
+/// [`micro_segments`], so each chunk's backward runs right after its forward; every other
+/// node runs in the latest segment its readers allow (the whole forward pass before the
+/// first chunk, a backward value computed from forward values alone, such as the
+/// attention probabilities a backward kernel rebuilds, after the last one). Sorted by it,
+/// the order stays topological: a node's readers run in its segment or a later one, and an
+/// update after every other reader of its target.
+pub(crate) fn chunk_segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u32> {
+    let level = micro_segments(g, order);
+    let last = level.values().copied().max().unwrap_or(0);
+    let mut chunked: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order {
+        let node = g.node(n);
+        if node.micro_batch.is_some() || node.inputs.iter().any(|i| chunked.contains(i)) {
+            chunked.insert(n);
+        }
+    }
+    // A reader of a param or state runs before its update.
+    let mut updates_of: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    for &(t, v) in &g.updates {
+        updates_of.entry(t).or_default().push(v);
+    }
+    let mut users: BTreeMap<NodeId, Vec<NodeId>> = BTreeMap::new();
+    for &n in order {
+        let node = g.node(n);
+        for &i in &node.inputs {
+            users.entry(i).or_default().push(n);
+            if let Some(vs) = updates_of.get(&i) {
+                users
+                    .entry(n)
+                    .or_default()
+                    .extend(vs.iter().filter(|&&v| v != n));
+            }
+        }
+    }
+    let mut seg: BTreeMap<NodeId, u32> = BTreeMap::new();
+    for &n in order.iter().rev() {
+        let s = if chunked.contains(&n) {
+            level.get(&n).copied().unwrap_or(0)
+        } else {
+            users
+                .get(&n)
+                .into_iter()
+                .flatten()
+                .filter_map(|u| seg.get(u).copied())
+                .min()
+                .unwrap_or(last)
+        };
+        seg.insert(n, s);
+    }
+    seg
+}
+
 /// The micro-batch during which each node of `order` (a topological order of a
 /// micro-batched step) runs: the latest micro-batch it depends on, or the first for a node
 /// that depends on none (a param's transpose, a constant). [`schedule`] sorts the step by
@@ -381,9 +455,12 @@ fn shared_once(g: &mut Graph) {
 /// autodiff's reverse `((g3 + g2) + g1) + g0`, which could only start once the last
 /// micro-batch is done and so kept every micro-batch's contribution alive until then.
 /// Now each contribution is added (in place) as its micro-batch finishes.
-fn sums_in_turn(g: &mut Graph) {
-    let Some(order) = g.topo_order() else { return };
-    let mut level = micro_segments(g, &order);
+fn sums_in_turn(g: &mut Graph) -> Vec<NodeId> {
+    let mut made = Vec::new();
+    let Some(order) = g.topo_order() else {
+        return made;
+    };
+    let mut level = segments(g, &order);
     let mut pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     // Values the step hands on (outputs, updates, the gradients the optimizer applies)
     // stay nodes of their own.
@@ -439,9 +516,10 @@ fn sums_in_turn(g: &mut Graph) {
                 span,
                 None,
             ) else {
-                return;
+                return made;
             };
             g.mark_backward(id);
+            made.push(id);
             // A later root may sum this one: it stands where the root stood.
             let l = key(&level, &pos, acc).0.max(key(&level, &pos, t).0);
             level.insert(id, l);
@@ -452,6 +530,26 @@ fn sums_in_turn(g: &mut Graph) {
         g.remove(r);
         for n in inner {
             g.remove_if_unused(n);
+        }
+    }
+    made.retain(|&n| g.get(n).is_some());
+    made
+}
+
+/// Moves each of `nodes` (in turn) in `order` to just after the last of its operands: it
+/// still runs after them, and earlier than before, so before its readers.
+fn right_after_operands(g: &Graph, order: &mut Vec<NodeId>, nodes: &[NodeId]) {
+    for &n in nodes {
+        let Some(at) = order.iter().position(|&m| m == n) else {
+            continue;
+        };
+        let ins = &g.node(n).inputs;
+        let Some(last) = order[..at].iter().rposition(|m| ins.contains(m)) else {
+            continue;
+        };
+        if ins.iter().all(|i| order[..=last].contains(i)) {
+            let v = order.remove(at);
+            order.insert(last + 1, v);
         }
     }
 }
