@@ -1431,6 +1431,18 @@ pub fn split_step(
     loss_chunks: Option<usize>,
     compile: &tcc::artifact::CompileOptions,
 ) -> Result<tcc::ir::Graph, String> {
+    split_step_through(src, sets, k, loss_chunks, compile, "schedule")
+}
+
+/// [`split_step`] run through the graph stage `last` (`schedule`, `remat`, …).
+pub fn split_step_through(
+    src: &str,
+    sets: &[(&str, &str)],
+    k: usize,
+    loss_chunks: Option<usize>,
+    compile: &tcc::artifact::CompileOptions,
+    last: &str,
+) -> Result<tcc::ir::Graph, String> {
     let opts = Options {
         sets: sets
             .iter()
@@ -1447,9 +1459,9 @@ pub fn split_step(
         verify: true,
         ..Default::default()
     };
-    match tcc::pipeline::lowered(g, Default::default(), "schedule", &popts, &mut |_, _| {}) {
+    match tcc::pipeline::lowered(g, Default::default(), last, &popts, &mut |_, _| {}) {
         Ok((tcc::pipeline::Product::Graph(g), _)) => Ok(g),
-        Ok((p, _)) => Err(format!("`schedule` gave {}", p.form())),
+        Ok((p, _)) => Err(format!("`{last}` gave {}", p.form())),
         Err(e) => Err(render_all(&e.diagnostics(), &sources.map)),
     }
 }

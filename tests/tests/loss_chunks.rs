@@ -3,7 +3,7 @@
 //! forward, the same results as the whole head and a smaller arena.
 
 use tcc::artifact::CompileOptions;
-use tcc_tests::{chunks_vs_whole, device_options, split_step};
+use tcc_tests::{chunks_vs_whole, device_options, split_step, split_step_through};
 
 const GPT: &str = include_str!("../../examples/gpt.tdsl");
 
@@ -101,4 +101,35 @@ fn small_heads_and_dropout_stay_whole_and_bad_counts_are_errors() {
     assert_eq!(g.loss_chunks, None);
     let e = split_step(&drop, SMALL, 1, Some(2), &cpu()).expect_err("dropout in the head");
     assert!(e.contains("E0548") && e.contains("dropout"), "{e}");
+}
+
+#[test]
+fn a_chunks_weight_gradient_runs_in_its_chunk_under_mixed_precision() {
+    // Free recomputation moves a product that reads a recomputed value after the chain
+    // that stores it: under bf16 the chain of the next chunk's (its cast of the hidden
+    // states) was taken, so each chunk's logit gradient lived through the next chunk.
+    let compile = CompileOptions {
+        amp: tcc::passes::amp::Amp::named("bf16").expect("bf16"),
+        ..device_options(tcc_runtime::Device::Cpu, true)
+    };
+    let g = split_step_through(GPT, SMALL, 1, Some(4), &compile, "remat")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let order = g.topo_order().unwrap_or_default();
+    let mut seen = String::new();
+    for n in order {
+        let node = g.node(n);
+        if node.op != tcc::ir::Op::MatMul {
+            continue;
+        }
+        // A chunk's logits, and the tied embedding's gradient from a chunk.
+        match (node.ty.dims(), node.backward) {
+            ([1, 256, 2048], false) => seen.push('f'),
+            ([64, 2048], true) => seen.push('w'),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        seen, "fwfwfwfw",
+        "logits (f) and weight gradients (w) of the chunks in order"
+    );
 }

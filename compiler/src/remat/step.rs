@@ -565,6 +565,13 @@ fn products_after_hosts(h: &Graph) -> Graph {
         .collect();
     // Each product moves once (two clones may reach the same one).
     let mut moved_products: BTreeSet<NodeId> = BTreeSet::new();
+    // A chunked loss head's segments (each chunk's forward and backward): a product of
+    // one chunk must not wait for the next chunk's chain (its operands would live across
+    // that chunk's logits).
+    let segment = match h.loss_chunks {
+        Some(_) => crate::passes::schedule::segments(h, &order),
+        None => BTreeMap::new(),
+    };
     for c in clones {
         let pos: BTreeMap<NodeId, usize> = order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
         let shape = &h.ty(c).shape;
@@ -618,6 +625,7 @@ fn products_after_hosts(h: &Graph) -> Graph {
                 && node.recomputed.is_none()
                 && node.block == pn.block
                 && node.micro_batch == pn.micro_batch
+                && segment.get(&order[i]) == segment.get(&p)
                 && !fed.contains(&order[i])
         };
         let Some(mut end) = (at + 1..=last).find(|&i| chain_node(i, &mut fed)) else {
