@@ -1292,9 +1292,10 @@ fn display(p: &Path) -> String {
 }
 
 /// The loss-head chunks of a build (`--loss-chunks`): as asked, else chosen by the front
-/// end (`None`) in f32 steps, else whole. Under `--amp` the head's 16-bit casts are made
-/// once a chunk and fusion keeps an f32 copy of each chunk's logit gradients, so chunks
-/// raised gpt's arena (1.95 -> 1.99 GiB at V = 8192, 2.70 -> 2.93 GiB at V = 50304).
+/// end (`None`) in f32 steps, else whole. Under `--amp` each chunk's logit gradient is
+/// cast twice (as `[B, T, V]` and as `[B·T, V]`), so its f32 value and both casts live at
+/// once: gpt's arena does not drop (1.95 GiB either way at V = 8192, 2.70 -> 2.69 GiB at
+/// V = 50304).
 pub fn loss_chunks(asked: Option<u32>, amp: crate::passes::amp::Amp) -> Option<usize> {
     asked
         .map(|k| k as usize)
