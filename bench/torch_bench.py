@@ -473,7 +473,17 @@ def main():
     ap.add_argument("--micro-batches", type=int, default=1, metavar="K",
                     help="gradient accumulation: each step as K slices of the batch "
                          "(tcc's --micro-batches K)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a size of every case that has it, as tcc's --set "
+                         "(repeatable: --set V=50304)")
     args = ap.parse_args()
+    for kv in args.set:
+        name, _, value = kv.partition("=")
+        if not value.isdigit() or not any(name in s[args.small] for s in SIZES.values()):
+            ap.error(f"--set {kv}: expected NAME=INTEGER with NAME a size of some case")
+        for s in SIZES.values():
+            if name in s[args.small]:
+                s[args.small][name] = int(value)
     if args.micro_batches < 1:
         ap.error("--micro-batches must be >= 1")
     cases = [c for c in args.cases.split(",") if c]
@@ -499,7 +509,7 @@ def main():
                   matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
                   cudnn_tf32=torch.backends.cudnn.allow_tf32,
                   warmup=args.warmup, steps=args.steps, small=args.small, seed=args.seed,
-                  cudnn_benchmark=torch.backends.cudnn.benchmark)
+                  cudnn_benchmark=torch.backends.cudnn.benchmark, sets=args.set)
     print(f"# torch_bench: {json.dumps(config)}", flush=True)
     runs, ref = [], {}
     for case in cases:
