@@ -133,3 +133,52 @@ fn a_chunks_weight_gradient_runs_in_its_chunk_under_mixed_precision() {
         "logits (f) and weight gradients (w) of the chunks in order"
     );
 }
+
+#[test]
+fn each_chunks_weight_gradient_kernel_runs_in_its_chunk() {
+    // The tied embedding's gradient sums its chunks' contributions in the epilogues of the
+    // products that make them, each in its own chunk: one chunk's logit gradient is dead
+    // before the next chunk's logits are made. gpt at its own size (fused, not run): with
+    // the sum reading its earlier terms first, the first chunk's product joined the second
+    // chunk's sum.
+    for target in [tcc::artifact::Target::Cpu, tcc::artifact::Target::Cuda] {
+        let compile = CompileOptions { target, ..cpu() };
+        let mut sources = tcc::front::Sources::new("gpt.tdsl", GPT.as_bytes());
+        let opts = tcc::front::Options::default();
+        let mut lowered = tcc::front::micro_batch::compile_step(&mut sources, &opts, 1, None)
+            .unwrap_or_else(|_| panic!("gpt lowers"));
+        let g = lowered.graphs.remove(0);
+        let popts = tcc::pipeline::Options {
+            compile,
+            verify: true,
+            ..Default::default()
+        };
+        let Ok((tcc::pipeline::Product::Kernels(k), _)) =
+            tcc::pipeline::lowered(g, Default::default(), "fuse", &popts, &mut |_, _| {})
+        else {
+            panic!("{target:?}: gpt fuses");
+        };
+        let mut seen = String::new();
+        for kernel in &k.fused.kernels {
+            let Some(&root) = kernel.nodes.last() else {
+                continue;
+            };
+            let has_matmul = kernel
+                .nodes
+                .iter()
+                .any(|&n| k.graph.node(n).op == tcc::ir::Op::MatMul);
+            if !has_matmul {
+                continue;
+            }
+            match k.graph.ty(root).dims() {
+                [2, 512, 8192] => seen.push('f'),
+                [768, 8192] => seen.push('w'),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            seen, "fwfwfwfw",
+            "{target:?}: logits (f) and weight gradients (w)"
+        );
+    }
+}

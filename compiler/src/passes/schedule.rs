@@ -509,10 +509,15 @@ fn sums_in_turn(g: &mut Graph) -> Vec<NodeId> {
         let (span, at) = (g.node(r).span, key(&level, &pos, r).1);
         let mut rest = terms.into_iter();
         let Some(mut acc) = rest.next() else { continue };
+        // A chunked loss head's sum reads the new term first: fusion then adds the sum so
+        // far in the epilogue of the product that makes the term, in the term's chunk
+        // (read second, the term's product joined the earlier sum's kernel, and an earlier
+        // chunk's logit gradient lived through the next chunk).
+        let chunked = g.loss_chunks.is_some() && g.micro_batches.is_none();
         for t in rest {
             let Ok(id) = g.add(
                 Op::Binary(crate::ir::BinaryOp::Add),
-                vec![acc, t],
+                if chunked { vec![t, acc] } else { vec![acc, t] },
                 span,
                 None,
             ) else {
