@@ -66,6 +66,8 @@ pub struct Parallel {
     pub ranks: usize,
     pub zero: bool,
     pub micro_batches: usize,
+    /// `--loss-chunks K` (`None`: chosen; see [`loss_chunks`]).
+    pub loss_chunks: Option<u32>,
 }
 
 impl Default for Parallel {
@@ -74,6 +76,7 @@ impl Default for Parallel {
             ranks: 1,
             zero: false,
             micro_batches: 1,
+            loss_chunks: None,
         }
     }
 }
@@ -906,6 +909,7 @@ pub fn run(cli: Cli) -> ExitCode {
                     ranks: gpus.unwrap_or(1) as usize,
                     zero: zero == 1,
                     micro_batches: program.micro_batches as usize,
+                    loss_chunks: program.loss_chunks,
                 },
             ) {
                 Ok(_) => ExitCode::SUCCESS,

@@ -167,7 +167,7 @@ pub fn step_graph(
         &mut sources,
         &opts,
         parallel.micro_batches,
-        super::loss_chunks(None, amp),
+        super::loss_chunks(parallel.loss_chunks, amp),
     )
     .map_err(|d| tcc_grammar::diag::render_all(&d, &sources.map))?;
     if lowered.graphs.is_empty() {
