@@ -1486,9 +1486,21 @@ pub fn micro_vs_whole(
     if micro.micro_batches != Some(k) {
         return Err(format!("the step was not split: {:?}", micro.micro_batches));
     }
-    let inputs = tcc::eager::random_inputs(&whole, 3);
-    let a = steps_compiled(&whole, &inputs, steps, 7, device, &compile)?;
-    let b = steps_compiled(&micro, &inputs, steps, 7, device, &compile)?;
+    steps_side_by_side(&whole, &micro, steps, device, &compile)
+}
+
+/// `whole` and `other` (the same step, split) run `steps` steps on `device` from the same
+/// params (seed 7) and inputs (seed 3), compared.
+fn steps_side_by_side(
+    whole: &tcc::ir::Graph,
+    other: &tcc::ir::Graph,
+    steps: usize,
+    device: tcc_runtime::Device,
+    compile: &tcc::artifact::CompileOptions,
+) -> Result<MicroVsWhole, String> {
+    let inputs = tcc::eager::random_inputs(whole, 3);
+    let a = steps_compiled(whole, &inputs, steps, 7, device, compile)?;
+    let b = steps_compiled(other, &inputs, steps, 7, device, compile)?;
     let params = params_rel_err(&b.persistent, &a.persistent).ok_or("params differ in name")?;
     let mut outputs = 0.0f64;
     for (name, t) in &a.outputs {
@@ -1514,20 +1526,7 @@ pub fn chunks_vs_whole(
     let compile = device_options(device, true);
     let whole = split_step(src, sets, 1, Some(1), &compile)?;
     let chunked = split_step(src, sets, 1, None, &compile)?;
-    let inputs = tcc::eager::random_inputs(&whole, 3);
-    let a = steps_compiled(&whole, &inputs, steps, 7, device, &compile)?;
-    let b = steps_compiled(&chunked, &inputs, steps, 7, device, &compile)?;
-    let params = params_rel_err(&b.persistent, &a.persistent).ok_or("params differ in name")?;
-    let mut outputs = 0.0f64;
-    for (name, t) in &a.outputs {
-        let u = b.outputs.get(name).ok_or(format!("no output `{name}`"))?;
-        outputs = outputs.max(rel_err(u, t));
-    }
-    let r = MicroVsWhole {
-        params,
-        outputs,
-        arenas: (a.arena_bytes, b.arena_bytes),
-    };
+    let r = steps_side_by_side(&whole, &chunked, steps, device, &compile)?;
     Ok((r, chunked.loss_chunks))
 }
 

@@ -17,6 +17,17 @@ const SMALL: &[(&str, &str)] = &[
     ("V", "2048"),
 ];
 
+/// A letter for each matmul of `g`, in its order, that `mark` names by its result's dims
+/// and whether it is of the backward pass.
+fn products_in_order(g: &tcc::ir::Graph, mark: impl Fn(&[usize], bool) -> Option<char>) -> String {
+    g.topo_order()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|&n| g.node(n).op == tcc::ir::Op::MatMul)
+        .filter_map(|n| mark(g.node(n).ty.dims(), g.node(n).backward))
+        .collect()
+}
+
 fn cpu() -> CompileOptions {
     device_options(tcc_runtime::Device::Cpu, true)
 }
@@ -48,21 +59,12 @@ fn each_chunks_backward_runs_before_the_next_chunks_logits() {
     let g = split_step(GPT, SMALL, 1, None, &cpu()).unwrap_or_else(|e| panic!("{e}"));
     // In the scheduled order, the chunks' logits (`[1, 256, 2048]`) alternate with the
     // products that take their gradient back to the hidden states.
-    let order = g.topo_order().unwrap_or_default();
-    let mut seen = Vec::new();
-    for n in order {
-        let node = g.node(n);
-        if node.op != tcc::ir::Op::MatMul {
-            continue;
-        }
-        // A chunk's logits, and the gradient of a chunk's hidden states.
-        match (node.ty.dims(), node.backward) {
-            ([1, 256, 2048], false) => seen.push('f'),
-            ([1, 256, 64], true) => seen.push('b'),
-            _ => {}
-        }
-    }
-    let seen: String = seen.into_iter().collect();
+    // A chunk's logits, and the gradient of a chunk's hidden states.
+    let seen = products_in_order(&g, |dims, backward| match (dims, backward) {
+        ([1, 256, 2048], false) => Some('f'),
+        ([1, 256, 64], true) => Some('b'),
+        _ => None,
+    });
     assert_eq!(
         seen, "fbfbfbfb",
         "forward (f) and backward (b) head products in order"
@@ -114,20 +116,12 @@ fn a_chunks_weight_gradient_runs_in_its_chunk_under_mixed_precision() {
     };
     let g = split_step_through(GPT, SMALL, 1, Some(4), &compile, "remat")
         .unwrap_or_else(|e| panic!("{e}"));
-    let order = g.topo_order().unwrap_or_default();
-    let mut seen = String::new();
-    for n in order {
-        let node = g.node(n);
-        if node.op != tcc::ir::Op::MatMul {
-            continue;
-        }
-        // A chunk's logits, and the tied embedding's gradient from a chunk.
-        match (node.ty.dims(), node.backward) {
-            ([1, 256, 2048], false) => seen.push('f'),
-            ([64, 2048], true) => seen.push('w'),
-            _ => {}
-        }
-    }
+    // A chunk's logits, and the tied embedding's gradient from a chunk.
+    let seen = products_in_order(&g, |dims, backward| match (dims, backward) {
+        ([1, 256, 2048], false) => Some('f'),
+        ([64, 2048], true) => Some('w'),
+        _ => None,
+    });
     assert_eq!(
         seen, "fwfwfwfw",
         "logits (f) and weight gradients (w) of the chunks in order"

@@ -56,13 +56,8 @@ pub fn compile_micro_batched(
     }
     let full = whole.graphs.remove(0);
     let (name, input, span) = batch_const(sources, &full)?;
-    let batch = full
-        .inputs
-        .iter()
-        .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if *n == input))
-        .and_then(|&i| full.ty(i).dims().first().copied())
-        .unwrap_or(0);
-    if batch == 0 || batch % k != 0 {
+    let batch = batch_size(&full, &input);
+    if batch == 0 || !batch.is_multiple_of(k) {
         return Err(vec![Diagnostic::error(
             "E0541",
             format!("`--micro-batches {k}` does not divide the batch `{name}` = {batch}"),
@@ -194,18 +189,13 @@ fn chunked_head(
         return refuse("the loss is computed from no matmul");
     };
     let (name, input, _) = batch_const(sources, full)?;
-    let batch = full
-        .inputs
-        .iter()
-        .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if *n == input))
-        .and_then(|&i| full.ty(i).dims().first().copied())
-        .unwrap_or(0);
+    let batch = batch_size(full, &input);
     let dims = full.ty(head).dims();
     let rows = dims[..dims.len().saturating_sub(1)]
         .iter()
         .product::<usize>();
     let k = match want {
-        Some(k) if batch % k == 0 => k,
+        Some(k) if batch.is_multiple_of(k) => k,
         Some(k) => {
             return Err(vec![Diagnostic::error(
                 "E0541",
@@ -214,7 +204,7 @@ fn chunked_head(
         }
         None => match (2..=MAX_CHUNKS)
             .rev()
-            .find(|&k| batch % k == 0 && rows / k >= MIN_CHUNK_ROWS)
+            .find(|&k| batch.is_multiple_of(k) && rows / k >= MIN_CHUNK_ROWS)
         {
             Some(k) => k,
             None => return Ok(None),
@@ -265,6 +255,15 @@ fn chunked_head(
     let mut g = split_region(full, &part, k, &name, &order, &carries, Some(&region))?;
     g.loss_chunks = Some(k);
     Ok(Some(g))
+}
+
+/// The first axis of the input named `input` (0 where there is none).
+fn batch_size(full: &Graph, input: &str) -> usize {
+    full.inputs
+        .iter()
+        .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if n == input))
+        .and_then(|&i| full.ty(i).dims().first().copied())
+        .unwrap_or(0)
 }
 
 fn internal(msg: &str) -> Diagnostic {
