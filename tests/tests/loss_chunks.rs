@@ -176,3 +176,32 @@ fn each_chunks_weight_gradient_kernel_runs_in_its_chunk() {
         );
     }
 }
+
+#[test]
+fn fit_grows_the_batch_with_asked_for_chunks() {
+    // `tcc fit --grow B --loss-chunks 4` tries batches 4 does not divide (the search
+    // starts at 1): those keep the head whole instead of failing the search.
+    let file = tcc_tests::root().join("examples/gpt.tdsl");
+    let sets: Vec<(String, String)> = SMALL
+        .iter()
+        .filter(|(n, _)| *n != "B")
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect();
+    let b = tcc::cli::fit::run(
+        &file,
+        &sets,
+        &None,
+        24 << 20,
+        "B",
+        64,
+        tcc::cli::remat_cmd::RematMode::None,
+        200,
+        Default::default(),
+        tcc::cli::Parallel {
+            loss_chunks: Some(4),
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(b >= 4, "the largest batch that fits 24 MiB: {b}");
+}

@@ -84,6 +84,9 @@ pub fn compile_line(p: &Product, report: &Report) -> Option<String> {
         graph
             .micro_batches
             .map(|k| format!(" in {k} micro-batches"))
+            .or(graph
+                .loss_chunks
+                .map(|k| format!(" (loss head in {k} chunks)")))
             .unwrap_or_default(),
         chain
             .map(|c| format!(" (longest dependency chain {c})"))

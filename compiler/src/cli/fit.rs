@@ -72,6 +72,19 @@ fn try_value(
     let mut sets = sets.to_vec();
     sets.retain(|(n, _)| n != name);
     sets.push((name.to_string(), value.to_string()));
+    // Asked-for loss chunks apply to the batches they divide (the others keep the head
+    // whole), as micro-batch counts do.
+    let parallel = match parallel.loss_chunks {
+        Some(k)
+            if k > 1 && batch_grows(bytes, model, name) && !value.is_multiple_of(u64::from(k)) =>
+        {
+            super::Parallel {
+                loss_chunks: Some(1),
+                ..parallel
+            }
+        }
+        _ => parallel,
+    };
     let g = step_graph(
         file,
         bytes,
@@ -113,6 +126,12 @@ fn try_value(
     }
 }
 
+/// Whether `name` is the constant that sizes the program's batch.
+fn batch_grows(bytes: &[u8], model: &Option<String>, name: &str) -> bool {
+    crate::front::micro_batch::batch_name(&String::from_utf8_lossy(bytes), model.as_deref())
+        .is_some_and(|b| b == name)
+}
+
 /// Runs the search and prints each try and the answer (also returned).
 #[allow(clippy::too_many_arguments)]
 pub fn run(
@@ -133,9 +152,7 @@ pub fn run(
     let mut last_fit: Option<(u64, String)> = None;
     let mut smallest: std::collections::BTreeMap<u64, u64> = std::collections::BTreeMap::new();
     let most = parallel.micro_batches.max(1);
-    let grows_batch =
-        crate::front::micro_batch::batch_name(&String::from_utf8_lossy(&bytes), model.as_deref())
-            .is_some_and(|b| b == name);
+    let grows_batch = batch_grows(&bytes, model, name);
     if most > 1 {
         // Whether the program splits at all (batch norm does not), once, before the search.
         let v = if grows_batch { most as u64 } else { 0 };

@@ -140,11 +140,12 @@ pub struct ProgramArgs {
     #[arg(long = "micro-batches", value_name = "K", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub micro_batches: u32,
-    /// Compute a `train` step's loss head (its largest matmul, say a vocabulary's logits,
-    /// with the softmax and loss over them) in K slices of the batch, each one's gradient
-    /// made right after its loss terms, so only a slice of the logits is live at a time.
-    /// By default tcc chooses (up to 4 slices, where the head is at least 4 times the
-    /// hidden states); 1 keeps the head whole.
+    /// Compute a `train` step's loss head (its largest product of a weight, say a
+    /// vocabulary's logits, with the softmax and loss over them) in K slices of the batch,
+    /// each one's gradient made right after its loss terms, so only a slice of the logits
+    /// is live at a time. By default tcc chooses in f32 steps: up to 4 slices of at least
+    /// 256 rows, where the head is at least 4 times its other operand and 1 MiB, and has no
+    /// dropout; under `--amp` the head stays whole. 1 keeps the head whole.
     #[arg(long = "loss-chunks", value_name = "K",
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub loss_chunks: Option<u32>,

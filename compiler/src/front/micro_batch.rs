@@ -29,6 +29,9 @@
 //! step with dropout differs from the whole batch's in its draws, not in distribution.
 //! Each slice's nodes are marked with its number ([`crate::ir::Node::micro_batch`]); the
 //! schedule runs the slices in order (`passes/schedule.rs`).
+//!
+//! [`compile_step`] splits the same way a region of a whole-batch step alone: its loss head
+//! (see there), with the rest of the step on the whole batch.
 
 use super::{compile, ModelSelection, Options, Sources};
 use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, Scalar, TrainSpec};
@@ -108,9 +111,10 @@ const MIN_HEAD_BYTES: usize = 1 << 20;
 /// program with its loss head computed in chunks (`loss_chunks`: `None` chooses, `Some(1)`
 /// keeps the head whole, `Some(k)` asks for `k` chunks).
 ///
-/// The loss head is the largest matmul of a `train` step whose result carries the batch
-/// and grows it (a language model's logits, `[B, T, V]` from `[B, T, D]`), with every
-/// per-sample value computed from it down to the loss (softmax, cross-entropy). It is
+/// The loss head is the largest product of a weight (a param, through views) that the loss
+/// of a `train` step depends on, where its result carries the batch and grows it (a
+/// language model's logits, `[B, T, V]` from `[B, T, D]`), with every per-sample value
+/// computed from it down to the loss (softmax, cross-entropy). It is
 /// split as `--micro-batches` splits a whole step, but alone: the rest of the step runs
 /// on the whole batch, each chunk reads its slice of the head's operand, and its
 /// gradients are made as soon as the chunk's loss terms are (the schedule runs each
@@ -180,22 +184,45 @@ fn chunked_head(
             feeds.extend(full.node(n).inputs.iter().copied());
         }
     }
+    // A product of a weight (a param, seen through views): attention's scores are not a
+    // head.
+    let weighs = |n: NodeId| {
+        full.node(n)
+            .inputs
+            .iter()
+            .any(|&i| matches!(full.node(full.view_root(i)).op, Op::Param { .. }))
+    };
     let head = order
         .iter()
         .copied()
-        .filter(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n))
+        .filter(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n) && weighs(n))
         .max_by_key(|&n| (full.ty(n).size_bytes(), std::cmp::Reverse(n)));
     let Some(head) = head else {
-        return refuse("the loss is computed from no matmul");
+        return refuse("the loss is computed from no product with a weight");
     };
-    let (name, input, _) = batch_const(sources, full)?;
+    if want.is_none() {
+        // Before lowering the program again: the head against its other operand.
+        let operand = full
+            .node(head)
+            .inputs
+            .iter()
+            .filter(|&&i| !matches!(full.node(full.view_root(i)).op, Op::Param { .. }))
+            .map(|&i| full.ty(i).size_bytes())
+            .max()
+            .unwrap_or(0);
+        let bytes = full.ty(head).size_bytes();
+        if bytes < MIN_HEAD_BYTES || bytes < MIN_GROWTH * operand {
+            return Ok(None);
+        }
+    }
+    let (name, input, _) = batch_const(sources, full).map_err(as_loss_chunks)?;
     let batch = batch_size(full, &input);
     let dims = full.ty(head).dims();
     let rows = dims[..dims.len().saturating_sub(1)]
         .iter()
         .product::<usize>();
     let k = match want {
-        Some(k) if batch.is_multiple_of(k) => k,
+        Some(k) if k > 0 && batch > 0 && batch.is_multiple_of(k) => k,
         Some(k) => {
             return Err(vec![Diagnostic::error(
                 "E0541",
@@ -218,23 +245,9 @@ fn chunked_head(
     let Some(part) = compile(sources, &slice_opts)?.graphs.pop() else {
         return Err(vec![internal("the sliced model did not lower")]);
     };
-    let (order, carries) = carriers(full, &part, k, &name)?;
+    let (order, carries) = carriers(full, &part, k, &name).map_err(as_loss_chunks)?;
     if !carries.contains_key(&head) {
-        return refuse("its largest matmul does not carry the batch");
-    }
-    if want.is_none() {
-        let operand = full
-            .node(head)
-            .inputs
-            .iter()
-            .filter(|i| carries.contains_key(i))
-            .map(|&i| full.ty(i).size_bytes())
-            .max()
-            .unwrap_or(0);
-        let bytes = full.ty(head).size_bytes();
-        if bytes < MIN_HEAD_BYTES || bytes < MIN_GROWTH * operand {
-            return Ok(None);
-        }
+        return refuse("its largest product with a weight does not carry the batch");
     }
     // The head and every per-sample value computed from it.
     let mut region: BTreeSet<NodeId> = BTreeSet::from([head]);
@@ -252,7 +265,8 @@ fn chunked_head(
     {
         return refuse("it draws random numbers (dropout), which would be drawn per chunk");
     }
-    let mut g = split_region(full, &part, k, &name, &order, &carries, Some(&region))?;
+    let mut g = split_region(full, &part, k, &name, &order, &carries, Some(&region))
+        .map_err(as_loss_chunks)?;
     g.loss_chunks = Some(k);
     Ok(Some(g))
 }
@@ -264,6 +278,18 @@ fn batch_size(full: &Graph, input: &str) -> usize {
         .find(|&&i| matches!(&full.node(i).op, Op::Input { name: n, .. } if n == input))
         .and_then(|&i| full.ty(i).dims().first().copied())
         .unwrap_or(0)
+}
+
+/// The diagnostics of the split that micro-batching shares, worded for `--loss-chunks`.
+fn as_loss_chunks(ds: Vec<Diagnostic>) -> Vec<Diagnostic> {
+    let reword = |t: &str| t.replace("`--micro-batches`", "`--loss-chunks`");
+    ds.into_iter()
+        .map(|mut d| {
+            d.message = reword(&d.message);
+            d.notes = d.notes.iter().map(|n| reword(n)).collect();
+            d
+        })
+        .collect()
 }
 
 fn internal(msg: &str) -> Diagnostic {

@@ -181,9 +181,9 @@ fn peak_kernel_nodes(g: &Graph, f: &Fused, lv: &Liveness) -> Vec<NodeId> {
 /// Re-fuses `first` so that its peak is no higher than `unfused`'s (the same graph with one
 /// op per kernel), and lower where that is cheap:
 /// - each round gives buffers to the nodes whose fusion lengthens lifetimes at the peak
-///   ([`lengthening`]); kept when the peak drops, and, once the peak is at or below the
-///   unfused one, only while the added kernels cost at most [`TIME_SHARE`] of the step's
-///   estimated time;
+///   ([`lengthening`]), or where that is refused to the gradient sums among them alone;
+///   kept when the peak drops, and, once the peak is at or below the unfused one, only
+///   while the added kernels cost at most [`TIME_SHARE`] of the step's estimated time;
 /// - while the peak is above the unfused one and that does not lower it, the kernel at the
 ///   peak is split into one kernel an op;
 /// - if the peak is still above after [`ROUNDS`] rounds, the unfused kernels are the plan.
@@ -218,13 +218,18 @@ pub(super) fn limit_peak(
                 Way::Split => peak_kernel_nodes(g, &best, &best_lv),
                 Way::Lengthening => lengthening(g, &best, &best_lv),
                 Way::Sums => {
-                    let mut l = lengthening(g, &best, &best_lv);
+                    let all = lengthening(g, &best, &best_lv);
+                    let mut l = all.clone();
                     l.retain(|&n| {
                         let node = g.node(n);
                         node.backward
                             && node.op == crate::ir::Op::Binary(crate::ir::BinaryOp::Add)
                             && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
                     });
+                    // The same set as the round before: refused already.
+                    if l.len() == all.len() {
+                        continue;
+                    }
                     l
                 }
             };

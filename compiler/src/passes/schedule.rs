@@ -10,7 +10,9 @@
 //! into its param) runs only after every other reader of that param, and then as soon as
 //! its gradient is ready ([`updates_when_ready`]) where that does not raise max-live. A
 //! micro-batched step (`--micro-batches K`) runs its micro-batches one after another, and
-//! adds each micro-batch's gradient contributions as they are made.
+//! adds each micro-batch's gradient contributions as they are made; a step whose loss head
+//! is computed in chunks (`--loss-chunks`) runs each chunk's forward and backward together
+//! ([`chunk_segments`]).
 //! Cost: O(nodes × operands × log nodes), plus the re-ranking of a ready node each time a root
 //! it reads comes down to its last reads.
 
@@ -348,10 +350,15 @@ pub(crate) fn chunk_segments(g: &Graph, order: &[NodeId]) -> BTreeMap<NodeId, u3
             }
         }
     }
+    let values: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
     let mut seg: BTreeMap<NodeId, u32> = BTreeMap::new();
     for &n in order.iter().rev() {
         let s = if chunked.contains(&n) {
             level.get(&n).copied().unwrap_or(0)
+        } else if values.contains(&n) {
+            // An update computed from no chunk still runs after every reader of its
+            // target, the chunks' included.
+            last
         } else {
             users
                 .get(&n)
@@ -545,6 +552,10 @@ fn sums_in_turn(g: &mut Graph) -> Vec<NodeId> {
 /// still runs after them, and earlier than before, so before its readers.
 fn right_after_operands(g: &Graph, order: &mut Vec<NodeId>, nodes: &[NodeId]) {
     for &n in nodes {
+        // An update's new value stays after its target's other readers.
+        if g.updates.iter().any(|&(_, v)| v == n) {
+            continue;
+        }
         let Some(at) = order.iter().position(|&m| m == n) else {
             continue;
         };
