@@ -3,7 +3,7 @@
 //! forward, the same results as the whole head and a smaller arena.
 
 use tcc::artifact::CompileOptions;
-use tcc_tests::{chunks_vs_whole, device_options, split_step, split_step_through};
+use tcc_tests::{chunks_vs_whole, device_options, run_stages, split_step, split_step_through};
 
 const GPT: &str = include_str!("../../examples/gpt.tdsl");
 
@@ -137,19 +137,9 @@ fn each_chunks_weight_gradient_kernel_runs_in_its_chunk() {
     // chunk's sum.
     for target in [tcc::artifact::Target::Cpu, tcc::artifact::Target::Cuda] {
         let compile = CompileOptions { target, ..cpu() };
-        let mut sources = tcc::front::Sources::new("gpt.tdsl", GPT.as_bytes());
-        let opts = tcc::front::Options::default();
-        let mut lowered = tcc::front::micro_batch::compile_step(&mut sources, &opts, 1, None)
-            .unwrap_or_else(|_| panic!("gpt lowers"));
-        let g = lowered.graphs.remove(0);
-        let popts = tcc::pipeline::Options {
-            compile,
-            verify: true,
-            ..Default::default()
-        };
-        let Ok((tcc::pipeline::Product::Kernels(k), _)) =
-            tcc::pipeline::lowered(g, Default::default(), "fuse", &popts, &mut |_, _| {})
-        else {
+        let g = split_step_through(GPT, &[], 1, None, &compile, "amp")
+            .unwrap_or_else(|e| panic!("{target:?}: {e}"));
+        let Ok(tcc::pipeline::Product::Kernels(k)) = run_stages(&g, "fuse", "fuse", compile) else {
             panic!("{target:?}: gpt fuses");
         };
         let mut seen = String::new();

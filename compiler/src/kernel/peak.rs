@@ -220,12 +220,7 @@ pub(super) fn limit_peak(
                 Way::Sums => {
                     let all = lengthening(g, &best, &best_lv);
                     let mut l = all.clone();
-                    l.retain(|&n| {
-                        let node = g.node(n);
-                        node.backward
-                            && node.op == crate::ir::Op::Binary(crate::ir::BinaryOp::Add)
-                            && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
-                    });
+                    l.retain(|&n| crate::passes::schedule::gradient_sum(g, n));
                     // The same set as the round before: refused already.
                     if l.len() == all.len() {
                         continue;

@@ -474,12 +474,7 @@ fn sums_in_turn(g: &mut Graph) -> Vec<NodeId> {
     let mut kept = g.read_by_caller();
     kept.extend(g.grads.iter().map(|&(_, d)| d));
     kept.extend(g.updates.iter().map(|&(_, v)| v));
-    let is_sum = |g: &Graph, n: NodeId| {
-        let node = g.node(n);
-        node.backward
-            && node.op == Op::Binary(crate::ir::BinaryOp::Add)
-            && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
-    };
+    let is_sum = gradient_sum;
     let interior = |g: &Graph, n: NodeId| {
         let users = g.users(n);
         is_sum(g, n) && users.len() == 1 && is_sum(g, users[0]) && !kept.contains(&n)
@@ -546,6 +541,15 @@ fn sums_in_turn(g: &mut Graph) -> Vec<NodeId> {
     }
     made.retain(|&n| g.get(n).is_some());
     made
+}
+
+/// Whether `n` adds two gradient contributions: a backward `add` of operands of its own
+/// type (what [`sums_in_turn`] reorders and `kernel::peak` gives buffers).
+pub(crate) fn gradient_sum(g: &Graph, n: NodeId) -> bool {
+    let node = g.node(n);
+    node.backward
+        && node.op == Op::Binary(crate::ir::BinaryOp::Add)
+        && node.inputs.iter().all(|&i| g.ty(i) == &node.ty)
 }
 
 /// Moves each of `nodes` (in turn) in `order` to just after the last of its operands: it
