@@ -9,8 +9,10 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 8] = *b"TCCMODEL";
 /// The format version this crate writes and the newest it reads. Version 4 added
 /// [`CheckKind::FiniteUpdates`], which a version-3 reader would take for an index check;
-/// version 5 checksums with XXH3-64 instead of FNV-1a 64 ([`checksum`]).
-pub const FORMAT_VERSION: u32 = 5;
+/// version 5 checksums with XXH3-64 instead of FNV-1a 64 ([`checksum`]); version 6 CPU
+/// code calls the GEMM helper (`sgemm`, slot 11 of the helper table), which a version-5
+/// reader's table does not have.
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format version this crate reads: version 3 added the code section's bounds
 /// line ([`bounds_line`]), without which the manifest's numbers cannot be checked against
 /// the code.

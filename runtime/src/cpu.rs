@@ -2,8 +2,11 @@
 //!
 //! The kernel ABI is in `ARTIFACT.md`: every kernel is `(i64 arena, i64 lo, i64 hi, i64
 //! helpers)` in the host's default calling convention, and `helpers` points at a table of
-//! [`CPU_HELPERS`]`.len()` host function pointers in the order of [`CPU_HELPERS`].
+//! [`CPU_HELPERS`]`.len()` host function pointers in the order of [`CPU_HELPERS`], then
+//! [`GEMM_CONTEXT_SLOT`]. Each thread of a session has its own table, whose context slot
+//! addresses that thread's GEMM scratch (`gemm.rs`).
 
+use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -15,12 +18,12 @@ use cranelift_jit::{JITBuilder, JITModule};
 use cranelift_module::{default_libcall_names, FuncId, Linkage, Module, ModuleError};
 
 use crate::artifact::KernelEntry;
-use crate::Error;
+use crate::{gemm, Error};
 
 /// Names of the helper table's slots, in slot order (the table in `ARTIFACT.md`). The
 /// compiler looks a helper's slot up by name here; the kernel loads the function pointer
 /// from `helpers + 8 * slot`.
-pub const CPU_HELPERS: [&str; 11] = [
+pub const CPU_HELPERS: [&str; 13] = [
     "expf",
     "logf",
     "tanhf",
@@ -32,7 +35,27 @@ pub const CPU_HELPERS: [&str; 11] = [
     "f32_to_f16",
     "bf16_to_f32",
     "f32_to_bf16",
+    "sgemm",
+    "sgemm_gathered",
 ];
+
+/// The most rows and columns of a block `sgemm` computes; the row stride, in floats, of
+/// the result whose address it returns (`ARTIFACT.md`).
+pub use crate::gemm::{BLOCK_M as SGEMM_BLOCK_M, BLOCK_N as SGEMM_BLOCK_N};
+
+/// The slot after the functions: the address of the calling thread's GEMM context, which
+/// `sgemm` and `sgemm_gathered` read from the table the kernel passes them.
+pub const GEMM_CONTEXT_SLOT: usize = CPU_HELPERS.len();
+/// The slots after it: the addresses of the calling thread's gather buffers, A's
+/// ([`GATHER_A_FLOATS`] floats) and B's ([`GATHER_B_FLOATS`]), where a kernel packs the
+/// operands of an implicit GEMM (a convolution's windows) for `sgemm_gathered`.
+pub const GATHER_A_SLOT: usize = GEMM_CONTEXT_SLOT + 1;
+pub const GATHER_B_SLOT: usize = GEMM_CONTEXT_SLOT + 2;
+pub use crate::gemm::{GATHER_A_FLOATS, GATHER_B_FLOATS};
+
+/// Slots of one thread's table.
+const TABLE_SLOTS: usize = CPU_HELPERS.len() + 3;
+type Table = [u64; TABLE_SLOTS];
 
 /// The slot of helper `name` in the table, if there is one.
 pub fn helper_slot(name: &str) -> Option<usize> {
@@ -73,12 +96,117 @@ extern "C" fn h_f32_to_bf16(x: f32) -> i32 {
     i32::from(half::bf16::from_f32(x).to_bits())
 }
 
-/// The helper table, built at run time (function addresses cannot be taken in a constant).
-fn helper_table() -> [u64; CPU_HELPERS.len()] {
+/// One thread's GEMM state: the arena of the current step (set before every launch), the
+/// host's tile, the scratch the blocks are computed into, and the first call refused.
+struct GemmContext {
+    arena: *const u8,
+    arena_bytes: usize,
+    tile: gemm::Tile,
+    scratch: gemm::Scratch,
+    /// The gather buffers, reached only through the pointers below (kernels write them
+    /// through the same addresses, from the table).
+    gathered: gemm::Gathered,
+    refused: Option<gemm::Refused>,
+}
+
+/// `sgemm(table, m, n, k, a_off, a_rs, a_cs, b_off, b_rs, b_cs) -> i64`: the `m × n` block
+/// `A · B` (`ARTIFACT.md`), computed into the calling thread's scratch; returns its address
+/// (row stride `gemm::BLOCK_N` floats). Offsets are bytes from the arena base, strides are
+/// elements.
+#[allow(clippy::too_many_arguments)]
+extern "C" fn h_sgemm(
+    table: *const u64,
+    m: i64,
+    n: i64,
+    k: i64,
+    a_off: i64,
+    a_rs: i64,
+    a_cs: i64,
+    b_off: i64,
+    b_rs: i64,
+    b_cs: i64,
+) -> *mut f32 {
+    // SAFETY: kernels pass the table the executor gave them (`launch`, `Job::work`): this
+    // thread's, whose context slot holds the address of this thread's `GemmContext`, which
+    // lives (boxed) as long as the table and which no other thread touches during a launch.
+    let ctx = unsafe { &mut *((*table.add(GEMM_CONTEXT_SLOT)) as *mut GemmContext) };
+    // SAFETY: `arena` and `arena_bytes` are the session's arena, set before this launch
+    // (`CpuExecutor::set_arena`); a kernel reads its GEMM operands, which no kernel writes
+    // while it runs (the compiler's contract in ARTIFACT.md).
+    let arena = unsafe { gemm::Arena::new(ctx.arena, ctx.arena_bytes) };
+    let a = gemm::Operand {
+        off: a_off,
+        rs: a_rs,
+        cs: a_cs,
+    };
+    let b = gemm::Operand {
+        off: b_off,
+        rs: b_rs,
+        cs: b_cs,
+    };
+    if let Err(r) = gemm::block(ctx.tile, &mut ctx.scratch, arena, (m, n, k), a, b) {
+        ctx.refused.get_or_insert(r);
+    }
+    ctx.scratch.c_ptr()
+}
+
+/// `sgemm_gathered(table, m, n, k, a_off, a_rs, a_cs, b_off, b_rs, b_cs, accumulate) ->
+/// i64`: as `sgemm`, but A is read from the calling thread's gather buffer A and B from its
+/// gather buffer B (offsets are bytes from each buffer's start), and with `accumulate`
+/// nonzero the block is added to the result of the thread's last call instead of replacing
+/// it (a `k` longer than the buffers hold, in slices).
+#[allow(clippy::too_many_arguments)]
+extern "C" fn h_sgemm_gathered(
+    table: *const u64,
+    m: i64,
+    n: i64,
+    k: i64,
+    a_off: i64,
+    a_rs: i64,
+    a_cs: i64,
+    b_off: i64,
+    b_rs: i64,
+    b_cs: i64,
+    accumulate: i64,
+) -> *mut f32 {
+    // SAFETY: as in `h_sgemm`.
+    let ctx = unsafe { &mut *((*table.add(GEMM_CONTEXT_SLOT)) as *mut GemmContext) };
+    let (ga, gb) = ctx.gathered.views();
+    let a = gemm::Operand {
+        off: a_off,
+        rs: a_rs,
+        cs: a_cs,
+    };
+    let b = gemm::Operand {
+        off: b_off,
+        rs: b_rs,
+        cs: b_cs,
+    };
+    let r = gemm::block_from(
+        ctx.tile,
+        &mut ctx.scratch,
+        (ga, gb),
+        (m, n, k),
+        a,
+        b,
+        accumulate != 0,
+    );
+    if let Err(r) = r {
+        ctx.refused.get_or_insert(r);
+    }
+    ctx.scratch.c_ptr()
+}
+
+/// Thread `t`'s helper table, built at run time (function addresses cannot be taken in a
+/// constant), its context slot addressing `ctx`.
+fn helper_table(ctx: &mut GemmContext) -> Table {
     type F1 = extern "C" fn(f32) -> f32;
     type F2 = extern "C" fn(f32, f32) -> f32;
     type FromBits = extern "C" fn(i32) -> f32;
     type ToBits = extern "C" fn(f32) -> i32;
+    type Gemm = extern "C" fn(*const u64, i64, i64, i64, i64, i64, i64, i64, i64, i64) -> *mut f32;
+    type Gathered =
+        extern "C" fn(*const u64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64) -> *mut f32;
     [
         h_expf as F1 as usize as u64,
         h_logf as F1 as usize as u64,
@@ -91,6 +219,11 @@ fn helper_table() -> [u64; CPU_HELPERS.len()] {
         h_f32_to_f16 as ToBits as usize as u64,
         h_bf16_to_f32 as FromBits as usize as u64,
         h_f32_to_bf16 as ToBits as usize as u64,
+        h_sgemm as Gemm as usize as u64,
+        h_sgemm_gathered as Gathered as usize as u64,
+        std::ptr::from_mut(ctx) as usize as u64,
+        ctx.gathered.a_ptr() as usize as u64,
+        ctx.gathered.b_ptr() as usize as u64,
     ]
 }
 
@@ -108,14 +241,48 @@ struct Launch {
     collective: Option<crate::artifact::Collective>,
 }
 
-/// The compiled code of one session plus its helper table and (optional) worker pool.
+/// The compiled code of one session plus its helper tables and (optional) worker pool.
 pub(crate) struct CpuExecutor {
     /// Dropped (joined) before the code is freed: see `Drop`.
     pool: Option<Pool>,
-    /// Boxed so its address is stable while worker threads read it.
-    helpers: Box<[u64; CPU_HELPERS.len()]>,
+    /// One table per thread (the caller's first, then each worker's), boxed so their
+    /// addresses are stable while worker threads read them.
+    tables: Box<[Table]>,
+    /// Each thread's GEMM context, addressed by its table. Reached only through
+    /// `UnsafeCell::get`: by that thread's kernels during a launch, by the executor
+    /// between launches.
+    contexts: Box<[UnsafeCell<GemmContext>]>,
     launches: Vec<Launch>,
     module: Option<JITModule>,
+}
+
+// SAFETY: the contexts' raw pointers address the session's arena and their own boxes;
+// the executor is used from one thread at a time (`&mut self` for every launch), and its
+// workers touch their context only inside a launch the owning thread waits for.
+unsafe impl Send for CpuExecutor {}
+
+/// `threads` GEMM contexts and the tables that address them.
+fn thread_state(threads: usize) -> (Box<[Table]>, Box<[UnsafeCell<GemmContext>]>) {
+    let tile = gemm::Tile::detect();
+    let contexts: Box<[UnsafeCell<GemmContext>]> = (0..threads.max(1))
+        .map(|_| {
+            UnsafeCell::new(GemmContext {
+                arena: std::ptr::null(),
+                arena_bytes: 0,
+                tile,
+                scratch: gemm::Scratch::new(),
+                gathered: gemm::Gathered::new(),
+                refused: None,
+            })
+        })
+        .collect();
+    // SAFETY: nothing else holds a reference into the contexts yet; the tables keep raw
+    // pointers only.
+    let tables = contexts
+        .iter()
+        .map(|c| helper_table(unsafe { &mut *c.get() }))
+        .collect();
+    (tables, contexts)
 }
 
 impl Drop for CpuExecutor {
@@ -254,12 +421,41 @@ impl CpuExecutor {
                 collective: k.collective.clone(),
             });
         }
+        let (tables, contexts) = thread_state(1);
         Ok(CpuExecutor {
             pool: None,
-            helpers: Box::new(helper_table()),
+            tables,
+            contexts,
             launches,
             module: Some(module),
         })
+    }
+
+    /// Points every thread's GEMM context at the arena of the next launches, and clears
+    /// their refusals. Called by every entry that launches kernels.
+    fn set_arena(&mut self, arena: *mut u8, arena_bytes: usize) {
+        for c in self.contexts.iter_mut() {
+            let c = c.get_mut();
+            c.arena = arena.cast_const();
+            c.arena_bytes = arena_bytes;
+            c.refused = None;
+        }
+    }
+
+    /// The first GEMM call the last launches refused, as an error.
+    fn refusals(&mut self) -> Result<(), Error> {
+        match self
+            .contexts
+            .iter_mut()
+            .find_map(|c| c.get_mut().refused.take())
+        {
+            Some(r) => Err(Error::HelperRefused {
+                m: r.m,
+                n: r.n,
+                k: r.k,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Number of threads a parallel kernel runs on (the caller's included).
@@ -276,14 +472,18 @@ impl CpuExecutor {
         if threads > 1 {
             self.pool = Some(Pool::new(threads - 1)?);
         }
+        (self.tables, self.contexts) = thread_state(threads);
         Ok(())
     }
 
-    /// Launches every kernel in order. Allocates nothing.
-    pub(crate) fn run(&mut self, arena: *mut u8) {
+    /// Launches every kernel in order on the arena of `arena_bytes` bytes at `arena`.
+    /// Allocates nothing.
+    pub(crate) fn run(&mut self, arena: *mut u8, arena_bytes: usize) -> Result<(), Error> {
+        self.set_arena(arena, arena_bytes);
         for l in &self.launches {
             self.launch(l, arena);
         }
+        self.refusals()
     }
 
     /// Launches every kernel in order as one rank of a data-parallel step: after a kernel
@@ -296,6 +496,7 @@ impl CpuExecutor {
         arena: &mut [u8],
         combine: &mut dyn FnMut(&crate::artifact::Collective, &mut [u8]) -> crate::Result<()>,
     ) -> crate::Result<()> {
+        self.set_arena(arena.as_mut_ptr(), arena.len());
         for l in &self.launches {
             match &l.collective {
                 None => self.launch(l, arena.as_mut_ptr()),
@@ -310,19 +511,25 @@ impl CpuExecutor {
                 }
             }
         }
-        Ok(())
+        self.refusals()
     }
 
     /// Wall time of each kernel of one step, launched in order (a profiling aid: it runs
     /// the step, so params of a training step are updated).
-    pub(crate) fn profile(&mut self, arena: *mut u8) -> Vec<(String, f32)> {
+    pub(crate) fn profile(
+        &mut self,
+        arena: *mut u8,
+        arena_bytes: usize,
+    ) -> Result<Vec<(String, f32)>, Error> {
+        self.set_arena(arena, arena_bytes);
         let mut out = Vec::with_capacity(self.launches.len());
         for l in &self.launches {
             let t = std::time::Instant::now();
             self.launch(l, arena);
             out.push((l.name.clone(), t.elapsed().as_secs_f32() * 1e3));
         }
-        out
+        self.refusals()?;
+        Ok(out)
     }
 
     fn launch(&self, l: &Launch, arena: *mut u8) {
@@ -330,7 +537,7 @@ impl CpuExecutor {
             Some(pool) if l.parallel && l.extent > 1 => pool.launch(Job {
                 f: l.f,
                 arena: SendPtr(arena),
-                helpers: SendPtr(self.helpers.as_ptr().cast_mut().cast::<u8>()),
+                tables: SendPtr(self.tables.as_ptr().cast_mut().cast::<u8>()),
                 extent: l.extent,
                 chunk: l.extent.div_ceil(pool.workers.len() as u64 + 1),
             }),
@@ -339,9 +546,9 @@ impl CpuExecutor {
                 // `compile`), still alive (the module is freed only on drop); `arena` is
                 // the session's arena base, aligned and `arena_bytes` long, and the kernel
                 // only touches that arena (the compiler's contract in ARTIFACT.md);
-                // `helpers` points at the live helper table; the extent fits an i64
-                // (checked by `artifact::validate`).
-                unsafe { (l.f)(arena, 0, l.extent as i64, self.helpers.as_ptr()) }
+                // the table is the calling thread's (the first), live; the extent fits an
+                // i64 (checked by `artifact::validate`).
+                unsafe { (l.f)(arena, 0, l.extent as i64, self.tables[0].as_ptr()) }
             }
         }
     }
@@ -351,7 +558,7 @@ impl CpuExecutor {
 #[derive(Clone, Copy)]
 struct SendPtr(*mut u8);
 // SAFETY: the pointer is only dereferenced (by kernels) while the launching thread waits in
-// `Pool::launch`, during which the arena and the helper table outlive every use, and the
+// `Pool::launch`, during which the arena and the helper tables outlive every use, and the
 // kernels of a `parallel` launch touch disjoint bytes for disjoint `[lo, hi)` ranges (the
 // compiler's contract in ARTIFACT.md).
 unsafe impl Send for SendPtr {}
@@ -360,14 +567,24 @@ unsafe impl Send for SendPtr {}
 struct Job {
     f: KernelFn,
     arena: SendPtr,
-    helpers: SendPtr,
+    /// The threads' tables (`CpuExecutor::tables`): thread `t` passes the `t`-th.
+    tables: SendPtr,
     extent: u64,
     chunk: u64,
 }
 
 impl Job {
-    /// Takes chunks of `[0, extent)` from `next` until none are left.
-    fn work(&self, next: &AtomicU64) {
+    /// Takes chunks of `[0, extent)` from `next` until none are left, as thread `t` (0:
+    /// the launching thread, `w + 1`: worker `w`).
+    fn work(&self, next: &AtomicU64, t: usize) {
+        // The pool has `tables.len() - 1` workers (`set_threads` builds both), so `t` is in
+        // range: this is the `t`-th table's address.
+        let table = self
+            .tables
+            .0
+            .cast_const()
+            .cast::<u64>()
+            .wrapping_add(t * TABLE_SLOTS);
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(lo) = i.checked_mul(self.chunk).filter(|&lo| lo < self.extent) else {
@@ -376,15 +593,9 @@ impl Job {
             let hi = lo.saturating_add(self.chunk).min(self.extent);
             // SAFETY: as for the serial launch in `CpuExecutor::run`; in addition the
             // kernel is `parallel`, so this thread's `[lo, hi)` touches bytes no other
-            // thread's chunk touches, and `lo < hi <= extent <= i64::MAX`.
-            unsafe {
-                (self.f)(
-                    self.arena.0,
-                    lo as i64,
-                    hi as i64,
-                    self.helpers.0.cast_const().cast::<u64>(),
-                )
-            }
+            // thread's chunk touches, `lo < hi <= extent <= i64::MAX`, and `table` is this
+            // thread's own (no other thread uses its GEMM context).
+            unsafe { (self.f)(self.arena.0, lo as i64, hi as i64, table) }
         }
     }
 }
@@ -450,7 +661,7 @@ impl Pool {
             let shared = Arc::clone(&pool.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("tcc-worker-{i}"))
-                .spawn(move || worker(&shared))
+                .spawn(move || worker(&shared, i + 1))
                 .map_err(Error::Threads)?; // `pool` drops here and joins those started
             pool.workers.push(handle);
         }
@@ -475,7 +686,7 @@ impl Pool {
             sh.generation.fetch_add(1, Ordering::Release);
         }
         sh.start.notify_all();
-        job.work(&sh.next);
+        job.work(&sh.next, 0);
         // Wait for every worker to finish its chunks (their arena writes happen-before the
         // Acquire load that sees `active == 0`).
         for _ in 0..SPIN {
@@ -503,7 +714,7 @@ impl Drop for Pool {
     }
 }
 
-fn worker(sh: &Shared) {
+fn worker(sh: &Shared, t: usize) {
     // Start-up allocations of this thread are done by now; `std::thread::current()`
     // initialises the handle other code might ask for first inside a launch.
     let _ = std::thread::current();
@@ -527,7 +738,7 @@ fn worker(sh: &Shared) {
             st.job
         };
         if let Some(job) = job {
-            job.work(&sh.next);
+            job.work(&sh.next, t);
         }
         if sh.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             // Take the lock so the launcher is either before its check (and sees 0) or

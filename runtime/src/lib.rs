@@ -75,6 +75,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod fsutil;
+mod gemm;
 pub mod init;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -296,6 +297,14 @@ pub enum Error {
     #[error("safetensors: {0}")]
     Safetensors(String),
     /// Starting a worker thread failed.
+    /// A kernel's call of the GEMM helper named operands outside the arena or a block
+    /// larger than the helper computes: the code is not what tcc compiles.
+    #[error(
+        "a kernel called the GEMM helper with a {m}×{n}×{k} block that the helper refused \
+         (operands outside the arena, or a block larger than it computes): the artifact's \
+         code is corrupt; rebuild it"
+    )]
+    HelperRefused { m: i64, n: i64, k: i64 },
     #[error("could not start a worker thread: {0}")]
     Threads(std::io::Error),
     /// The CUDA driver is missing, has no such device, or a CUDA call failed (`context`
@@ -845,6 +854,10 @@ impl Arena<'_> {
         }
     }
 
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
     fn bytes(&self) -> &[u8] {
         match self {
             // SAFETY: `ptr` came from `alloc_zeroed(layout)` (so it is valid, initialised
@@ -1157,7 +1170,7 @@ impl<'a> Session<'a> {
     pub fn profile_kernels(&mut self) -> Result<Vec<(String, f32)>> {
         let base = self.arena.base();
         match &mut self.exec {
-            Executor::Cpu(c) => Ok(c.profile(base)),
+            Executor::Cpu(c) => c.profile(base, self.arena.len()),
             #[cfg(feature = "cuda")]
             Executor::Cuda(c) => c.profile(),
         }
@@ -1315,7 +1328,7 @@ impl<'a> Session<'a> {
         check_alone(&self.model)?;
         let base = self.arena.base();
         match &mut self.exec {
-            Executor::Cpu(c) => c.run(base),
+            Executor::Cpu(c) => c.run(base, self.arena.len())?,
             #[cfg(feature = "cuda")]
             Executor::Cuda(c) => c.run()?,
         }

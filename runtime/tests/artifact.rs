@@ -121,17 +121,21 @@ fn short_file_or_bad_magic_is_not_an_artifact() {
 #[test]
 fn newer_version_names_both_versions() {
     let mut bytes = tiny_artifact();
-    bytes[8..12].copy_from_slice(&6u32.to_le_bytes());
+    bytes[8..12].copy_from_slice(&7u32.to_le_bytes());
     let err = Model::from_bytes(bytes).unwrap_err();
     assert!(matches!(
         err,
         Error::NewerVersion {
-            found: 6,
-            supported: 5
+            found: 7,
+            supported: 6
         }
     ));
     let msg = err.to_string();
-    assert!(msg.contains('6') && msg.contains('5'), "{msg}");
+    assert!(msg.contains('7') && msg.contains('6'), "{msg}");
+    // Version 5 (XXH3 checksums, no GEMM helper) still loads: the same bytes stamped 5.
+    let v5 = restamp(&tiny_artifact(), 5);
+    let m = Model::from_bytes(v5).unwrap();
+    assert_eq!(m.manifest().format_version, 5);
     // Versions 3 (before the finite check's kind) and 4 (FNV-1a checksums) still load: the
     // same bytes stamped 3 or 4, with FNV-1a checksums under their old keys.
     for v in [3u32, 4] {
@@ -822,6 +826,22 @@ fn in_step_checks_name_a_scalar_output_and_fail_the_step() {
     }
     s.set_param("w", &[0.0, 2.0, 3.0, 4.0]).unwrap();
     s.run().unwrap();
+}
+
+/// `bytes` (written by this crate) stamped with format `v` (same checksums: 5 or later),
+/// in the header and the manifest.
+fn restamp(bytes: &[u8], v: u32) -> Vec<u8> {
+    let mut bytes = bytes.to_vec();
+    bytes[8..12].copy_from_slice(&v.to_le_bytes());
+    let len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let text = String::from_utf8(bytes[24..24 + len].to_vec()).unwrap();
+    let new = format!("\"format_version\":{}", artifact::FORMAT_VERSION);
+    assert!(text.contains(&new));
+    let text = text.replacen(&new, &format!("\"format_version\":{v}"), 1);
+    assert_eq!(text.len(), len);
+    bytes[24..24 + len].copy_from_slice(text.as_bytes());
+    bytes[12..16].copy_from_slice(&artifact::manifest_check(v, text.as_bytes()).to_le_bytes());
+    bytes
 }
 
 /// `bytes` (written by this crate) as format `v` (3 or 4) would have written them: the

@@ -32,9 +32,14 @@ fn helper_names_are_the_table_order() {
             "f16_to_f32",
             "f32_to_f16",
             "bf16_to_f32",
-            "f32_to_bf16"
+            "f32_to_bf16",
+            "sgemm",
+            "sgemm_gathered"
         ]
     );
+    assert_eq!(tcc_runtime::cpu::GEMM_CONTEXT_SLOT, 13);
+    assert_eq!(tcc_runtime::cpu::GATHER_A_SLOT, 14);
+    assert_eq!(tcc_runtime::cpu::GATHER_B_SLOT, 15);
     assert_eq!(tcc_runtime::cpu::helper_slot("powf"), Some(6));
     assert_eq!(tcc_runtime::cpu::helper_slot("nope"), None);
 }
@@ -681,4 +686,46 @@ fn index_inputs_are_checked_at_set_input() {
         artifact::validate(&bad),
         Err(Error::BadManifest(msg)) if msg.contains("index bound")
     ));
+}
+
+/// A kernel's product through the GEMM helper, on 1 and 3 threads (each computes its own
+/// rows into its own scratch); a call naming an operand outside the arena fails the step
+/// with `HelperRefused`, and the session runs again once the calls are good.
+#[test]
+fn the_gemm_helper_computes_blocks_and_refuses_calls_outside_the_arena() {
+    let (m, n, k) = (7, 5, 300);
+    let x: Vec<f32> = (0..m * k).map(|i| ((i % 11) as f32 - 5.0) * 0.25).collect();
+    let want = gemm_expected(m, n, k, &x);
+    let model = Model::from_bytes(gemm_artifact(m, n, k, None)).unwrap();
+    for threads in [1, 3] {
+        let mut s = Session::new(&model, Device::Cpu).unwrap();
+        s.set_threads(threads).unwrap();
+        s.set_input("x", &x).unwrap();
+        s.run().unwrap();
+        let y: Vec<f32> = s.output("y").unwrap();
+        for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                "{threads} threads, y[{i}]: {g} vs {w}"
+            );
+        }
+    }
+    // B's last element one float past the arena.
+    let arena = model.arena_bytes() as i64;
+    let past = arena - 4 * ((k * n) as i64 - 1);
+    let bad = Model::from_bytes(gemm_artifact(m, n, k, Some(past))).unwrap();
+    let mut s = Session::new(&bad, Device::Cpu).unwrap();
+    s.set_threads(1).unwrap();
+    s.set_input("x", &x).unwrap();
+    let err = s.run().unwrap_err();
+    assert!(
+        matches!(err, Error::HelperRefused { m: 7, n: 5, k: 300 }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("corrupt"), "{err}");
+    // One float earlier it is inside (reading other bytes of the arena, which is allowed).
+    let edge = Model::from_bytes(gemm_artifact(m, n, k, Some(past - 4))).unwrap();
+    let mut s = Session::new(&edge, Device::Cpu).unwrap();
+    s.set_input("x", &x).unwrap();
+    s.run().unwrap();
 }

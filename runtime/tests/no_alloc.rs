@@ -49,6 +49,30 @@ fn run_allocates_nothing() {
     });
     assert_eq!(n, 0, "run() on 4 threads allocated {n} times");
 
+    // Kernels calling the GEMM helper: its packing buffers and result blocks were
+    // allocated with the session, one set per thread.
+    let (m, n, k) = (300, 70, 600);
+    let model = Model::from_bytes(common::gemm_artifact(m, n, k, None)).unwrap();
+    let mut s = Session::new(&model, Device::Cpu).unwrap();
+    s.set_threads(3).unwrap();
+    s.set_input("x", &vec![0.25f32; m * k]).unwrap();
+    s.run().unwrap(); // warm up
+    let n_alloc = allocations_during(|| {
+        for _ in 0..5 {
+            s.run().unwrap();
+        }
+    });
+    assert_eq!(
+        n_alloc, 0,
+        "run() calling the GEMM helper allocated {n_alloc} times"
+    );
+    let want = common::gemm_expected(m, n, k, &vec![0.25f32; m * k]);
+    let y = s.output::<f32>("y").unwrap();
+    assert!(y
+        .iter()
+        .zip(&want)
+        .all(|(g, w)| (g - w).abs() <= 1e-3 * w.abs().max(1.0)));
+
     // With a caller-provided arena.
     let model = Model::from_bytes(common::tiny_artifact()).unwrap();
     let mut buf = vec![0u8; 256 + 64];

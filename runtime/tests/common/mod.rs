@@ -209,6 +209,93 @@ pub fn build(manifest: &Manifest, code: &str, persistent: &[u8]) -> Vec<u8> {
     )
 }
 
+/// `y = x · w` through the GEMM helper (slot 11): `x` is `[m, k]`, `w` (the param) `[k,
+/// n]`, both row-major; kernel `k0` runs over rows, `parallel`, one helper call for its
+/// rows `[lo, hi)`, then copies the block into `y`. `b_off` replaces `w`'s offset in the
+/// call (a corrupt kernel); `None` keeps it.
+pub fn gemm_artifact(m: usize, n: usize, k: usize, b_off: Option<i64>) -> Vec<u8> {
+    let pad = |elems: usize| ((elems * 4) as u64).div_ceil(ALIGN) * ALIGN;
+    let (w, x) = (0, pad(k * n));
+    let y = x + pad(m * k);
+    let mut man = tiny_manifest();
+    man.model = "gemm".into();
+    man.arena_bytes = y + pad(m * n);
+    man.inputs = vec![slot("x", DType::F32, &[m, k], x)];
+    man.outputs = vec![slot("y", DType::F32, &[m, n], y)];
+    man.persistent[0].slot = slot("w", DType::F32, &[k, n], w);
+    man.kernels = vec![kernel("k0", m as u64, true)];
+    man.plan.persistent_bytes = pad(k * n);
+    man.plan.lower_bound = man.arena_bytes;
+    man.plan.buffers.clear();
+    let b = b_off.unwrap_or(w as i64);
+    let stride = 4 * tcc_runtime::cpu::SGEMM_BLOCK_N;
+    let code = format!(
+        "function %k0(i64, i64, i64, i64) system_v {{
+    sig0 = (i64, i64, i64, i64, i64, i64, i64, i64, i64, i64) -> i64 system_v
+
+block0(v0: i64, v1: i64, v2: i64, v3: i64):
+    v4 = icmp sge v1, v2
+    brif v4, block3, block1
+
+block1:
+    v5 = isub v2, v1
+    v6 = iconst.i64 {n}
+    v7 = iconst.i64 {k}
+    v40 = iconst.i64 {row_bytes}
+    v8 = imul v1, v40
+    v41 = iconst.i64 {x}
+    v9 = iadd v8, v41
+    v11 = iconst.i64 1
+    v12 = iconst.i64 {b}
+    v15 = load.i64 notrap aligned v3+88
+    v16 = call_indirect sig0, v15(v3, v5, v6, v7, v9, v7, v11, v12, v6, v11)
+    v42 = imul v5, v6
+    v17 = iconst.i64 0
+    jump block2(v17)
+
+block2(v18: i64):
+    v19 = udiv v18, v6
+    v20 = urem v18, v6
+    v43 = iconst.i64 {stride}
+    v21 = imul v19, v43
+    v44 = iconst.i64 2
+    v22 = ishl v20, v44
+    v23 = iadd v21, v22
+    v24 = iadd v16, v23
+    v25 = load.f32 notrap aligned v24
+    v26 = iadd v19, v1
+    v45 = iconst.i64 {out_row}
+    v27 = imul v26, v45
+    v28 = iadd v27, v22
+    v29 = iadd v0, v28
+    store notrap aligned v25, v29+{y}
+    v30 = iadd v18, v11
+    v32 = icmp slt v30, v42
+    brif v32, block2(v30), block3
+
+block3:
+    return
+}}
+",
+        row_bytes = 4 * k,
+        out_row = 4 * n,
+    );
+    let wv: Vec<f32> = (0..k * n)
+        .map(|i| ((i * 3 % 7) as f32 - 3.0) * 0.5)
+        .collect();
+    build(&man, &code, &persistent_init(&wv, pad(k * n) as usize))
+}
+
+/// What `gemm_artifact`'s `y` holds for input `x`.
+pub fn gemm_expected(m: usize, n: usize, k: usize, x: &[f32]) -> Vec<f32> {
+    let wv: Vec<f32> = (0..k * n)
+        .map(|i| ((i * 3 % 7) as f32 - 3.0) * 0.5)
+        .collect();
+    (0..m * n)
+        .map(|e| (0..k).map(|p| x[e / n * k + p] * wv[p * n + e % n]).sum())
+        .collect()
+}
+
 pub fn tiny_artifact() -> Vec<u8> {
     build(
         &tiny_manifest(),

@@ -1,0 +1,740 @@
+//! The CPU kernels' f32 GEMM helper (helper slot `sgemm`, `ARTIFACT.md`): one block of a
+//! product, at most [`BLOCK_M`] × [`BLOCK_N`], computed into the calling thread's own
+//! scratch, which the kernel then reads through its fused epilogue.
+//!
+//! Cranelift lowers 128-bit vectors only, so a GEMM written in CLIF runs on `f32x4` and
+//! reaches about a quarter of what a host with AVX-512 can do. The helper is compiled into
+//! the runtime instead, with the widest vectors the host has (checked at run time): an 8 ×
+//! 32 register tile of AVX-512 fused multiply-adds, a 4 × 16 tile on AVX2 with FMA, and a
+//! portable 4 × 8 tile the compiler vectorizes for the baseline (SSE2, NEON) elsewhere. `k`
+//! runs in slices of [`KC`]: each slice's rows of B are packed into panels of the tile's
+//! width and A's rows into panels of its height, both zero-padded, in buffers allocated
+//! with the session (so a step allocates nothing), and every tile sums its slice in
+//! registers.
+//!
+//! The summation order of an element depends only on `k` and [`KC`]: the same on any
+//! number of threads and for any split of the rows into blocks.
+
+/// Rows of a block at most.
+pub const BLOCK_M: usize = 256;
+/// Columns of a block at most; also the row stride, in elements, of the result the helper
+/// returns.
+pub const BLOCK_N: usize = 512;
+/// `k` is summed in slices of this many steps, each over packed panels.
+const KC: usize = 256;
+/// The tallest and widest register tile (AVX-512's), which sizes the packing buffers.
+const MR_MAX: usize = 8;
+const NR_MAX: usize = 32;
+/// Rows of the AVX-512 tile.
+const AVX512_MR: usize = 8;
+// Every tile fits the packing buffers (`Scratch::new`), so no panel slice is out of range.
+const _: () = assert!(AVX512_MR <= MR_MAX && 4 <= MR_MAX && 32 <= NR_MAX);
+
+/// The register tile a host runs, chosen once when a session is created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tile {
+    /// 8 × 32, `zmm` registers (x86-64 with AVX-512F).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// 4 × 16, `ymm` registers (x86-64 with AVX2 and FMA).
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// 4 × 8 in plain Rust (any host).
+    Portable,
+}
+
+impl Tile {
+    /// The widest tile this host runs.
+    pub(crate) fn detect() -> Tile {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Tile::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Tile::Avx2;
+            }
+        }
+        Tile::Portable
+    }
+}
+
+/// One thread's scratch: the block's result and the packed panels of one `k` slice.
+pub(crate) struct Scratch {
+    /// `BLOCK_M` rows of `BLOCK_N`.
+    c: Box<[f32]>,
+    /// A's rows of the block, in panels of `MR` rows (rounded up) × `KC` steps.
+    pa: Box<[f32]>,
+    /// B's columns of the block, in panels of `NR` columns × `KC` steps.
+    pb: Box<[f32]>,
+}
+
+impl Scratch {
+    /// Zeroed buffers (`calloc`: pages are touched only by a session that multiplies).
+    pub(crate) fn new() -> Scratch {
+        Scratch {
+            c: vec![0.0; BLOCK_M * BLOCK_N].into_boxed_slice(),
+            pa: vec![0.0; (BLOCK_M + MR_MAX - 1) * KC].into_boxed_slice(),
+            pb: vec![0.0; (BLOCK_N + NR_MAX - 1) * KC].into_boxed_slice(),
+        }
+    }
+
+    /// The block's result, `BLOCK_M` rows of `BLOCK_N` floats.
+    pub(crate) fn c_ptr(&mut self) -> *mut f32 {
+        self.c.as_mut_ptr()
+    }
+}
+
+/// Floats of a thread's gather buffer for A: `BLOCK_M` rows of 512 steps.
+pub const GATHER_A_FLOATS: usize = BLOCK_M * 512;
+/// Floats of a thread's gather buffer for B: `BLOCK_N` columns of 512 steps.
+pub const GATHER_B_FLOATS: usize = BLOCK_N * 512;
+
+/// A thread's gather buffers: kernels pack an implicit GEMM's operands there (through the
+/// addresses in their helper table) and `block_from` reads them. Held as raw allocations
+/// so that no Rust reference to their contents exists while a kernel writes them.
+pub(crate) struct Gathered {
+    a: *mut f32,
+    b: *mut f32,
+}
+
+impl Gathered {
+    /// Zeroed buffers (`calloc`: pages are touched only by a session that gathers).
+    pub(crate) fn new() -> Gathered {
+        let a = Box::into_raw(vec![0.0f32; GATHER_A_FLOATS].into_boxed_slice());
+        let b = Box::into_raw(vec![0.0f32; GATHER_B_FLOATS].into_boxed_slice());
+        Gathered {
+            a: a.cast::<f32>(),
+            b: b.cast::<f32>(),
+        }
+    }
+
+    pub(crate) fn a_ptr(&self) -> *mut f32 {
+        self.a
+    }
+
+    pub(crate) fn b_ptr(&self) -> *mut f32 {
+        self.b
+    }
+
+    /// Both buffers as operand sources.
+    pub(crate) fn views(&self) -> (Arena, Arena) {
+        // SAFETY: each pointer addresses its live allocation of that many floats
+        // (`new`), which only the owning thread's kernels write, before the call that
+        // reads it.
+        unsafe {
+            (
+                Arena::new(self.a.cast_const().cast::<u8>(), GATHER_A_FLOATS * 4),
+                Arena::new(self.b.cast_const().cast::<u8>(), GATHER_B_FLOATS * 4),
+            )
+        }
+    }
+}
+
+impl Drop for Gathered {
+    fn drop(&mut self) {
+        // SAFETY: both pointers came from `Box::into_raw` of boxed slices of exactly these
+        // lengths (`new`) and are freed only here, once.
+        unsafe {
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.a,
+                GATHER_A_FLOATS,
+            )));
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.b,
+                GATHER_B_FLOATS,
+            )));
+        }
+    }
+}
+
+/// An operand of a block: element `(r, q)` is `arena[off + 4 * (r * rs + q * cs)]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Operand {
+    pub off: i64,
+    pub rs: i64,
+    pub cs: i64,
+}
+
+impl Operand {
+    /// The element offset of `(r, q)` from the operand's base, for `r < rows`, `q < cols`:
+    /// `None` when a stride is negative or the last element's byte end overflows or passes
+    /// `arena_bytes`, or the base is not 4-byte aligned.
+    fn check(&self, rows: usize, cols: usize, arena_bytes: usize) -> Option<()> {
+        if self.off < 0 || self.rs < 0 || self.cs < 0 || self.off % 4 != 0 {
+            return None;
+        }
+        if rows == 0 || cols == 0 {
+            return Some(());
+        }
+        let last = (rows as i64 - 1)
+            .checked_mul(self.rs)?
+            .checked_add((cols as i64 - 1).checked_mul(self.cs)?)?;
+        let end = last.checked_mul(4)?.checked_add(self.off)?.checked_add(4)?;
+        (usize::try_from(end).ok()? <= arena_bytes).then_some(())
+    }
+}
+
+/// Why a call was refused (the kernel reads zeros and the step fails after it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Refused {
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
+}
+
+/// The bytes the operands are read from: `len` readable bytes at `base`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Arena {
+    base: *const u8,
+    len: usize,
+}
+
+impl Arena {
+    /// # Safety
+    /// `len` bytes from `base` must be readable, and not written by anyone, while a
+    /// [`block`] call reads them.
+    pub(crate) unsafe fn new(base: *const u8, len: usize) -> Arena {
+        Arena { base, len }
+    }
+
+    /// The f32 at byte `i`, or 0 where `i + 4` passes the end.
+    fn f32_at(&self, i: usize) -> f32 {
+        match i.checked_add(4) {
+            // SAFETY: `i + 4 <= len`, and `len` bytes from `base` are readable (`new`).
+            Some(end) if end <= self.len => unsafe {
+                self.base.add(i).cast::<f32>().read_unaligned()
+            },
+            _ => 0.0,
+        }
+    }
+
+    /// The `N` f32s from byte `i`, if they lie in the arena.
+    fn run_at<const N: usize>(&self, i: usize) -> Option<[f32; N]> {
+        let end = i.checked_add(4 * N)?;
+        // SAFETY: `i + 4N <= len`, and `len` bytes from `base` are readable (`new`).
+        (end <= self.len).then(|| unsafe { self.base.add(i).cast::<[f32; N]>().read_unaligned() })
+    }
+}
+
+/// `C = A · B` for an `m × n` block (`m <= BLOCK_M`, `n <= BLOCK_N`) over `k` steps, into
+/// `scratch.c` (row stride `BLOCK_N`). Every element of both operands is checked to lie in
+/// the arena before any is read; a call that fails a check leaves the block zero and is
+/// refused.
+pub(crate) fn block(
+    tile: Tile,
+    scratch: &mut Scratch,
+    arena: Arena,
+    dims: (i64, i64, i64),
+    a: Operand,
+    b: Operand,
+) -> Result<(), Refused> {
+    block_from(tile, scratch, (arena, arena), dims, a, b, false)
+}
+
+/// As [`block`], with A read from `sources.0` and B from `sources.1`, and with
+/// `accumulate` the block added to what `scratch` holds (the last call's result) instead
+/// of replacing it.
+pub(crate) fn block_from(
+    tile: Tile,
+    scratch: &mut Scratch,
+    (a_src, b_src): (Arena, Arena),
+    (m, n, k): (i64, i64, i64),
+    a: Operand,
+    b: Operand,
+    accumulate: bool,
+) -> Result<(), Refused> {
+    let dims = (
+        usize::try_from(m).ok().filter(|&m| m <= BLOCK_M),
+        usize::try_from(n).ok().filter(|&n| n <= BLOCK_N),
+        usize::try_from(k).ok(),
+    );
+    let (Some(mu), Some(nu), Some(ku)) = dims else {
+        scratch.c.fill(0.0);
+        return Err(Refused { m, n, k });
+    };
+    if a.check(mu, ku, a_src.len).is_none() || b.check(ku, nu, b_src.len).is_none() {
+        scratch.c.fill(0.0);
+        return Err(Refused { m, n, k });
+    }
+    if !accumulate {
+        for row in scratch.c.chunks_exact_mut(BLOCK_N).take(mu) {
+            row[..nu].fill(0.0);
+        }
+    }
+    let view = View { a_src, b_src, a, b };
+    match tile {
+        #[cfg(target_arch = "x86_64")]
+        Tile::Avx512 => run::<AVX512_MR, 32>(&view, scratch, mu, nu, ku, &|kc, pa, pb, t| {
+            // SAFETY: `Tile::Avx512` is only chosen where `is_x86_feature_detected!`
+            // found AVX-512F (`Tile::detect`).
+            unsafe { x86::tile_avx512(kc, pa, pb, t) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        Tile::Avx2 => run::<4, 16>(&view, scratch, mu, nu, ku, &|kc, pa, pb, t| {
+            // SAFETY: `Tile::Avx2` is only chosen where `is_x86_feature_detected!` found
+            // AVX2 and FMA (`Tile::detect`).
+            unsafe { x86::tile_avx2(kc, pa, pb, t) }
+        }),
+        Tile::Portable => run::<4, 8>(&view, scratch, mu, nu, ku, &tile_portable),
+    }
+    Ok(())
+}
+
+/// The operands of a checked call, read by element.
+struct View {
+    a_src: Arena,
+    b_src: Arena,
+    a: Operand,
+    b: Operand,
+}
+
+impl View {
+    /// Element `(r, q)` of A: in its source for every `(r, q)` the callers ask for
+    /// (`Operand::check` passed for the block's extents, so nothing overflows);
+    /// `Arena::f32_at` still reads nothing outside it.
+    fn a_at(&self, r: usize, q: usize) -> f32 {
+        let o = &self.a;
+        self.a_src
+            .f32_at(o.off as usize + 4 * (r * o.rs as usize + q * o.cs as usize))
+    }
+
+    /// Element `(r, q)` of B, as `a_at`.
+    fn b_at(&self, r: usize, q: usize) -> f32 {
+        let o = &self.b;
+        self.b_src
+            .f32_at(o.off as usize + 4 * (r * o.rs as usize + q * o.cs as usize))
+    }
+}
+
+/// A register tile: `(kc, packed A panel, packed B panel, result)`.
+type TileFn<const MR: usize, const NR: usize> = dyn Fn(usize, &[f32], &[f32], &mut [[f32; NR]; MR]);
+
+/// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice.
+fn run<const MR: usize, const NR: usize>(
+    v: &View,
+    s: &mut Scratch,
+    m: usize,
+    n: usize,
+    k: usize,
+    tile_fn: &TileFn<MR, NR>,
+) {
+    let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
+    let mut p0 = 0;
+    while p0 < k {
+        let kc = KC.min(k - p0);
+        pack_a::<MR>(v, &mut s.pa, m, p0, kc);
+        pack_b::<NR>(v, &mut s.pb, n, p0, kc);
+        for jp in 0..np {
+            let pb = &s.pb[jp * NR * kc..(jp + 1) * NR * kc];
+            for ip in 0..mp {
+                let pa = &s.pa[ip * MR * kc..(ip + 1) * MR * kc];
+                let mut t = [[0.0f32; NR]; MR];
+                tile_fn(kc, pa, pb, &mut t);
+                let (i0, j0) = (ip * MR, jp * NR);
+                let cols = NR.min(n - j0);
+                for (r, tr) in t.iter().enumerate().take(MR.min(m - i0)) {
+                    let c0 = (i0 + r) * BLOCK_N + j0;
+                    for (c, x) in s.c[c0..c0 + cols].iter_mut().zip(tr) {
+                        *c += x;
+                    }
+                }
+            }
+        }
+        p0 += kc;
+    }
+}
+
+/// A's rows `[0, m)`, steps `[p0, p0 + kc)`, as panels of `MR` rows: step `q` of panel `p`
+/// holds its `MR` rows' values at `p * MR * kc + q * MR` (rows past `m` are 0).
+fn pack_a<const MR: usize>(v: &View, out: &mut [f32], m: usize, p0: usize, kc: usize) {
+    /// Steps of a row read at once where the row is contiguous.
+    const RUN: usize = 16;
+    for (p, panel) in out
+        .chunks_exact_mut(MR * kc)
+        .take(m.div_ceil(MR))
+        .enumerate()
+    {
+        if v.a.rs == 1 && (p + 1) * MR <= m {
+            // A contiguous along its rows (a transposed view: activations in a weight
+            // gradient): a step's MR rows are one run.
+            for (q, step) in panel.chunks_exact_mut(MR).enumerate() {
+                let at = v.a.off as usize + 4 * (p * MR + (p0 + q) * v.a.cs as usize);
+                match v.a_src.run_at::<MR>(at) {
+                    Some(run) => step.copy_from_slice(&run),
+                    None => {
+                        for (r, x) in step.iter_mut().enumerate() {
+                            *x = v.a_at(p * MR + r, p0 + q);
+                        }
+                    }
+                }
+            }
+            continue;
+        }
+        for r in 0..MR {
+            let i = p * MR + r;
+            let mut q = 0;
+            if i < m && v.a.cs == 1 {
+                let row = v.a.off as usize + 4 * (i * v.a.rs as usize + p0);
+                while q + RUN <= kc {
+                    let Some(run) = v.a_src.run_at::<RUN>(row + 4 * q) else {
+                        break;
+                    };
+                    for (u, x) in run.into_iter().enumerate() {
+                        panel[(q + u) * MR + r] = x;
+                    }
+                    q += RUN;
+                }
+            }
+            for q in q..kc {
+                panel[q * MR + r] = if i < m { v.a_at(i, p0 + q) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// B's columns `[0, n)`, steps `[p0, p0 + kc)`, as panels of `NR` columns: step `q` of
+/// panel `p` holds its `NR` columns' values at `p * NR * kc + q * NR` (columns past `n`
+/// are 0). Contiguous runs of B are copied as slices.
+fn pack_b<const NR: usize>(v: &View, out: &mut [f32], n: usize, p0: usize, kc: usize) {
+    if v.b.rs == 1 && v.b.cs != 1 {
+        return pack_b_k_major::<NR>(v, out, n, p0, kc);
+    }
+    for (p, panel) in out
+        .chunks_exact_mut(NR * kc)
+        .take(n.div_ceil(NR))
+        .enumerate()
+    {
+        let j0 = p * NR;
+        for (q, step) in panel.chunks_exact_mut(NR).enumerate() {
+            let full = j0 + NR <= n && v.b.cs == 1;
+            let start = v.b.off as usize + 4 * ((p0 + q) * v.b.rs as usize + j0);
+            match full.then(|| v.b_src.run_at::<NR>(start)).flatten() {
+                Some(run) => step.copy_from_slice(&run),
+                None => {
+                    for (c, x) in step.iter_mut().enumerate() {
+                        let j = j0 + c;
+                        *x = if j < n { v.b_at(p0 + q, j) } else { 0.0 };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `pack_b` for a B contiguous along `k` (a transposed view: a weight in a backward pass):
+/// each column's steps are read as runs.
+fn pack_b_k_major<const NR: usize>(v: &View, out: &mut [f32], n: usize, p0: usize, kc: usize) {
+    /// Steps of a column read at once.
+    const RUN: usize = 16;
+    for (p, panel) in out
+        .chunks_exact_mut(NR * kc)
+        .take(n.div_ceil(NR))
+        .enumerate()
+    {
+        for c in 0..NR {
+            let j = p * NR + c;
+            let mut q = 0;
+            if j < n {
+                let col = v.b.off as usize + 4 * (p0 + j * v.b.cs as usize);
+                while q + RUN <= kc {
+                    let Some(run) = v.b_src.run_at::<RUN>(col + 4 * q) else {
+                        break;
+                    };
+                    for (u, x) in run.into_iter().enumerate() {
+                        panel[(q + u) * NR + c] = x;
+                    }
+                    q += RUN;
+                }
+            }
+            for q in q..kc {
+                panel[q * NR + c] = if j < n { v.b_at(p0 + q, j) } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// The portable tile: `t[r][c] = Σ_q pa[q * MR + r] * pb[q * NR + c]`.
+fn tile_portable<const MR: usize, const NR: usize>(
+    kc: usize,
+    pa: &[f32],
+    pb: &[f32],
+    t: &mut [[f32; NR]; MR],
+) {
+    for (a, b) in pa.chunks_exact(MR).zip(pb.chunks_exact(NR)).take(kc) {
+        for (tr, &ar) in t.iter_mut().zip(a) {
+            for (x, &bc) in tr.iter_mut().zip(b) {
+                *x = ar.mul_add(bc, *x);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// The 8 × 32 tile on AVX-512: 16 `zmm` accumulators, per step two loads of B and a
+    /// broadcast of each of A's 8 values.
+    ///
+    /// # Safety
+    /// The host must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_avx512<const MR: usize>(
+        kc: usize,
+        pa: &[f32],
+        pb: &[f32],
+        t: &mut [[f32; 32]; MR],
+    ) {
+        let mut c = [[_mm512_setzero_ps(); 2]; MR];
+        for (a, b) in pa.chunks_exact(MR).zip(pb.chunks_exact(32)).take(kc) {
+            // SAFETY: `b` holds 32 floats (`chunks_exact(32)`), so both 16-float loads
+            // are in bounds; `loadu` needs no alignment.
+            let (b0, b1) = unsafe {
+                (
+                    _mm512_loadu_ps(b.as_ptr()),
+                    _mm512_loadu_ps(b.as_ptr().add(16)),
+                )
+            };
+            for (cr, &ar) in c.iter_mut().zip(a) {
+                let av = _mm512_set1_ps(ar);
+                cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
+                cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
+            }
+        }
+        for (tr, cr) in t.iter_mut().zip(&c) {
+            // SAFETY: a row of `t` holds 32 floats, so both 16-float stores are in bounds.
+            unsafe {
+                _mm512_storeu_ps(tr.as_mut_ptr(), cr[0]);
+                _mm512_storeu_ps(tr.as_mut_ptr().add(16), cr[1]);
+            }
+        }
+    }
+
+    /// The 4 × 16 tile on AVX2 with FMA: 8 `ymm` accumulators.
+    ///
+    /// # Safety
+    /// The host must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2(kc: usize, pa: &[f32], pb: &[f32], t: &mut [[f32; 16]; 4]) {
+        let mut c = [[_mm256_setzero_ps(); 2]; 4];
+        for (a, b) in pa.chunks_exact(4).zip(pb.chunks_exact(16)).take(kc) {
+            // SAFETY: `b` holds 16 floats, so both 8-float loads are in bounds.
+            let (b0, b1) = unsafe {
+                (
+                    _mm256_loadu_ps(b.as_ptr()),
+                    _mm256_loadu_ps(b.as_ptr().add(8)),
+                )
+            };
+            for (cr, &ar) in c.iter_mut().zip(a) {
+                let av = _mm256_set1_ps(ar);
+                cr[0] = _mm256_fmadd_ps(av, b0, cr[0]);
+                cr[1] = _mm256_fmadd_ps(av, b1, cr[1]);
+            }
+        }
+        for (tr, cr) in t.iter_mut().zip(&c) {
+            // SAFETY: a row of `t` holds 16 floats, so both 8-float stores are in bounds.
+            unsafe {
+                _mm256_storeu_ps(tr.as_mut_ptr(), cr[0]);
+                _mm256_storeu_ps(tr.as_mut_ptr().add(8), cr[1]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(xs: &[f32]) -> Vec<u8> {
+        xs.iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    /// Every tile this host runs agrees with a plain triple loop, on ragged shapes, strided
+    /// (transposed) operands and a `k` longer than one slice.
+    #[test]
+    fn blocks_match_a_plain_product_on_every_tile() {
+        let mut tiles = vec![Tile::Portable, Tile::detect()];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            tiles.push(Tile::Avx2);
+        }
+        tiles.dedup();
+        for &(m, n, k, a_t, b_t) in &[
+            (1usize, 1usize, 1usize, false, false),
+            (5, 7, 3, false, false),
+            (128, 256, 300, false, false),
+            (17, 33, 513, true, false),
+            (9, 40, 64, false, true),
+            (3, 2, 0, false, false),
+        ] {
+            let av: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+                .collect();
+            let bv: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+                .collect();
+            let mut arena = vec![0u8; 8];
+            arena.extend(bytes(&av));
+            let b_off = arena.len() as i64;
+            arena.extend(bytes(&bv));
+            // A transposed: stored k × m, read with rs = 1, cs = m.
+            let a = if a_t {
+                let mut t = vec![0.0; m * k];
+                for i in 0..m {
+                    for q in 0..k {
+                        t[q * m + i] = av[i * k + q];
+                    }
+                }
+                arena[8..8 + 4 * m * k].copy_from_slice(&bytes(&t));
+                Operand {
+                    off: 8,
+                    rs: 1,
+                    cs: m as i64,
+                }
+            } else {
+                Operand {
+                    off: 8,
+                    rs: k as i64,
+                    cs: 1,
+                }
+            };
+            let b = if b_t {
+                let mut t = vec![0.0; k * n];
+                for q in 0..k {
+                    for j in 0..n {
+                        t[j * k + q] = bv[q * n + j];
+                    }
+                }
+                let s = b_off as usize;
+                arena[s..s + 4 * k * n].copy_from_slice(&bytes(&t));
+                Operand {
+                    off: b_off,
+                    rs: 1,
+                    cs: k as i64,
+                }
+            } else {
+                Operand {
+                    off: b_off,
+                    rs: n as i64,
+                    cs: 1,
+                }
+            };
+            for &tile in &tiles {
+                let mut s = Scratch::new();
+                s.c.fill(f32::NAN);
+                // SAFETY: `arena` is a live vector no one writes during the call.
+                let view = unsafe { Arena::new(arena.as_ptr(), arena.len()) };
+                block(tile, &mut s, view, (m as i64, n as i64, k as i64), a, b).unwrap();
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f32 = (0..k).map(|q| av[i * k + q] * bv[q * n + j]).sum();
+                        let got = s.c[i * BLOCK_N + j];
+                        assert!(
+                            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                            "{tile:?} {m}x{n}x{k} ({i}, {j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reading A and B from separate sources (a thread's gather buffers), and adding a
+    /// second slice of `k` to the first's block.
+    #[test]
+    fn gathered_blocks_accumulate_over_slices_of_k() {
+        let (m, n, k) = (6usize, 9usize, 40usize);
+        let av: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 - 2.0).collect();
+        let bv: Vec<f32> = (0..k * n).map(|i| (i % 3) as f32 * 0.5).collect();
+        let (ab, bb) = (bytes(&av), bytes(&bv));
+        // SAFETY: both are live vectors no one writes during the calls.
+        let srcs = unsafe {
+            (
+                Arena::new(ab.as_ptr(), ab.len()),
+                Arena::new(bb.as_ptr(), bb.len()),
+            )
+        };
+        let mut s = Scratch::new();
+        // k in two slices: steps [0, 25) then [25, 40).
+        let a0 = Operand {
+            off: 0,
+            rs: k as i64,
+            cs: 1,
+        };
+        let b0 = Operand {
+            off: 0,
+            rs: n as i64,
+            cs: 1,
+        };
+        let dims = |kk: usize| (m as i64, n as i64, kk as i64);
+        block_from(Tile::detect(), &mut s, srcs, dims(25), a0, b0, false).unwrap();
+        let a1 = Operand { off: 4 * 25, ..a0 };
+        let b1 = Operand {
+            off: 4 * 25 * n as i64,
+            ..b0
+        };
+        block_from(Tile::detect(), &mut s, srcs, dims(15), a1, b1, true).unwrap();
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k).map(|q| av[i * k + q] * bv[q * n + j]).sum();
+                assert!((s.c[i * BLOCK_N + j] - want).abs() <= 1e-4 * want.abs().max(1.0));
+            }
+        }
+        // B is checked against its own source: a 40 × 40 B does not fit its 40 × 9.
+        let big_b = Operand {
+            off: 0,
+            rs: k as i64,
+            cs: 1,
+        };
+        let dims = (m as i64, k as i64, k as i64);
+        assert!(block_from(Tile::detect(), &mut s, srcs, dims, a0, big_b, false).is_err());
+    }
+
+    /// Operands outside the arena, negative strides and oversized blocks are refused
+    /// before anything is read, and the block reads as zeros.
+    #[test]
+    fn calls_outside_the_arena_are_refused() {
+        let arena = [0u8; 64];
+        let ok = Operand {
+            off: 0,
+            rs: 4,
+            cs: 1,
+        };
+        let cases = [
+            ((4, 4, 4), ok, ok, true),
+            ((4, 4, 5), ok, ok, false),
+            ((4, 4, 4), Operand { off: 4, ..ok }, ok, false),
+            ((4, 4, 4), ok, Operand { rs: -1, ..ok }, false),
+            ((4, 4, 4), Operand { off: 2, ..ok }, ok, false),
+            ((BLOCK_M as i64 + 1, 1, 0), ok, ok, false),
+            ((1, BLOCK_N as i64 + 1, 0), ok, ok, false),
+            ((-1, 1, 1), ok, ok, false),
+            ((1, 1, i64::MAX), ok, ok, false),
+            (
+                (1, 1, 2),
+                Operand {
+                    off: 0,
+                    rs: 0,
+                    cs: i64::MAX,
+                },
+                ok,
+                false,
+            ),
+        ];
+        for (dims, a, b, fine) in cases {
+            let mut s = Scratch::new();
+            s.c.fill(1.0);
+            // SAFETY: `arena` is a live vector no one writes during the call.
+            let view = unsafe { Arena::new(arena.as_ptr(), arena.len()) };
+            let r = block(Tile::detect(), &mut s, view, dims, a, b);
+            assert_eq!(r.is_ok(), fine, "{dims:?} {a:?} {b:?}");
+            if !fine {
+                assert!(s.c.iter().all(|&x| x == 0.0));
+            }
+        }
+    }
+}
