@@ -586,7 +586,9 @@ fn fuse_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageE
     let fuse_opts = fuse::FuseOptions {
         implicit_gemm: c.target == Target::Cuda,
         conv_gemm: true,
-        k_major_f32: c.target == Target::Cuda && !c.allow_tf32,
+        // The CPU's f32 products run in the runtime's GEMM helper, which packs B from any
+        // layout.
+        k_major_f32: c.target == Target::Cpu || !c.allow_tf32,
         ..c.fuse
     };
     let fused = fuse::fuse(&g, fuse_opts).map_err(BuildError::from)?;

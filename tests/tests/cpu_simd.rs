@@ -189,3 +189,41 @@ fn scalar_fallbacks_agree_with_eager() {
     let src = "model m {\n input x: f32[37, 37]\n let y = sin(x)\n output y\n}\n";
     assert!(!clif(src).contains("f32x4"), "sin has no vector form");
 }
+
+/// f32 products run in the runtime's GEMM helper (`sgemm`), in blocks of at most
+/// `SGEMM_BLOCK_M` rows and `SGEMM_BLOCK_N` columns: shapes on and around the block edges,
+/// ragged row tiles, batched and broadcast operands, transposed views of either operand
+/// (read in place, not copied) and fused epilogues agree with the eager interpreter on 1
+/// and 3 threads (whose row ranges start inside a block).
+#[test]
+fn products_through_the_gemm_helper_agree_with_eager() {
+    use tcc_runtime::cpu::{SGEMM_BLOCK_M as BM, SGEMM_BLOCK_N as BN};
+    let (m1, n1) = (BM + 5, BN + 3);
+    let cases = [
+        format!("input a: f32[{m1}, 37]\n input b: f32[37, {n1}]\n let y = a @ b"),
+        format!("input a: f32[1, 300]\n input b: f32[300, {BN}]\n let y = a @ b"),
+        format!("input a: f32[{BM}, 3]\n input b: f32[3, 1]\n let y = relu(a @ b + 1.0)"),
+        "input a: f32[3, 6, 9]\n input b: f32[3, 9, 5]\n let y = a @ b".to_string(),
+        "input a: f32[2, 7, 9]\n input b: f32[9, 11]\n let y = tanh(a @ b) * 2.0".to_string(),
+        "input a: f32[9, 7]\n input b: f32[13, 9]\n let y = transpose(a) @ transpose(b)"
+            .to_string(),
+        format!("input a: f32[40, 66]\n input b: f32[{n1}, 66]\n input c: f32[{n1}]\n let y = gelu(a @ transpose(b) + c)"),
+        "input a: f32[5, 1]\n input b: f32[1, 4]\n let y = a @ b + 1.0".to_string(),
+    ];
+    for body in &cases {
+        let src = format!("model m {{\n {body}\n output y\n}}\n");
+        agree(&src);
+        let code = clif(&src);
+        assert!(
+            code.contains("call_indirect") && code.contains("v3+88"),
+            "{src}: the product should call the GEMM helper (slot 11):\n{code}"
+        );
+        if body.contains("transpose") {
+            assert_eq!(
+                code.matches("function %").count(),
+                1,
+                "{src}: one kernel (transposed operands read in place):\n{code}"
+            );
+        }
+    }
+}

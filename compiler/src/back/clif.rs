@@ -7,8 +7,11 @@
 //! open their own loops. Where shapes allow (f32 stores and loads contiguous along the
 //! innermost axis, inline math only: see `Cg::simd_plan`), the innermost loop runs on f32x4
 //! vectors while 4 lanes fit and the scalar loop takes the last `extent % 4` iterations.
-//! Matmul kernels run a 4×8 register tile with f32x4 vectors over the rows of B (contiguous
-//! along `j`), then the fused epilogue per element; edges take a scalar path.
+//! f32 matmul kernels call the runtime's GEMM helper (`sgemm`, `runtime/ARTIFACT.md`) block
+//! by block and run the fused epilogue over each block it returns: Cranelift lowers 128-bit
+//! vectors only, and the helper runs the host's widest (AVX-512 where there is). Products
+//! of f16/bf16 operands take a dot product per element; implicit GEMMs (convolutions) a
+//! 4×8 register tile of f32x4 fused multiply-adds over packed panels.
 //!
 //! Functions go through the Cranelift verifier before they are printed, so the text the
 //! runtime receives is well-formed.
@@ -21,12 +24,11 @@ use crate::kernel::{CpuPanels, ExprId, ExprPool, Kernel, Matmul, Red, VTy, Var, 
 use cranelift_codegen::ir::condcodes::{FloatCC, IntCC};
 use cranelift_codegen::ir::types::{F32, F32X4, I32, I32X4, I64, I8};
 use cranelift_codegen::ir::{
-    AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, StackSlot, StackSlotData,
-    StackSlotKind, Type, UserFuncName, Value,
+    AbiParam, Block, Function, InstBuilder, MemFlagsData, Signature, Type, UserFuncName, Value,
 };
 use cranelift_codegen::isa::CallConv;
 use cranelift_codegen::settings;
-use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext, Variable};
+use cranelift_frontend::{FunctionBuilder, FunctionBuilderContext};
 use std::collections::{BTreeSet, HashMap};
 
 /// Slots of the helper table (runtime/ARTIFACT.md).
@@ -38,6 +40,10 @@ mod slot {
     pub const POW: usize = 6;
     pub const F16_TO_F32: usize = 7;
     pub const F32_TO_F16: usize = 8;
+    pub const SGEMM: usize = 11;
+    pub const SGEMM_GATHERED: usize = 12;
+    pub const GATHER_A: usize = 14;
+    pub const GATHER_B: usize = 15;
     // Slots 9 and 10 (bf16 <-> f32) stay in the runtime's table for artifacts built before
     // bf16 loads, stores and rounding were made inline.
 }
@@ -76,18 +82,6 @@ fn vflags() -> MemFlagsData {
 
 /// f32 lanes of the vectors of the innermost loop.
 const LANES: i64 = 4;
-
-/// The operands of a register tile (`Cg::register_tile`): A's rows `arow` bytes apart and
-/// its `k` steps `acol` bytes apart from `pa0`; B's rows of the tile's columns, contiguous,
-/// `bstep` bytes apart from `pb0`; `kcount` steps.
-struct TileSrc {
-    pa0: Value,
-    arow: i64,
-    acol: i64,
-    pb0: Value,
-    bstep: i64,
-    kcount: Value,
-}
 
 /// How a Loop kernel's innermost domain loop runs on f32x4 vectors (see `Cg::simd_plan`).
 struct SimdPlan {
@@ -1340,141 +1334,121 @@ impl<'a, 'b> Cg<'a, 'b> {
                 "implicit-GEMM operands without a packing plan (`Gathers::prepare`)",
             ));
         }
+        if mm.a.dtype == DType::F32 && mm.b.dtype == DType::F32 {
+            return self.helper_matmul(mm);
+        }
+        // f16/bf16 operands (mixed precision): a dot product per element, converted on
+        // load.
         const MR: i64 = 4;
-        const NR: i64 = 8;
-        // Column tiles per panel (at most): the row tiles of this thread sweep one panel of
-        // B at a time, so that it stays in cache.
-        const PT_MAX: i64 = 8;
-        // Bytes of the stack copy of a panel of B.
-        const PACK_BYTES: i64 = 32 * 1024;
-        // f16/bf16 operands take the scalar loops (converted on load).
-        let f32_operands = mm.a.dtype == DType::F32 && mm.b.dtype == DType::F32;
+        let m = mm.m as i64;
+        let mtiles = (m + MR - 1) / MR;
+        let nb = mm.batch.len();
+        let xl = self.open_loop(self.lo, self.hi);
+        let (i0, abase, bbase) = self.mm_tile(mm, xl.iv, mtiles, MR)?;
+        let tile_end = self.b.ins().iadd_imm_s(i0, MR);
+        let mconst = self.iconst(m);
+        let iend = self.b.ins().smin(tile_end, mconst);
+        let jstart = self.iconst(0);
+        self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
+        self.close_loop(xl);
+        Ok(())
+    }
+
+    /// An f32 product through the runtime's `sgemm` helper (`runtime/ARTIFACT.md`): this
+    /// call's row tiles of 4 (`[lo, hi)`) go in blocks of at most `SGEMM_BLOCK_M` rows of
+    /// one batch index, aligned to multiples of it, and each block's columns in blocks of
+    /// `SGEMM_BLOCK_N`; the helper computes a block into its thread's scratch and the
+    /// epilogue reads it element by element. A block starts at the first tile of the call
+    /// or of an aligned group, so every thread's range gives the same blocks, and so the
+    /// same sums, as one thread would.
+    fn helper_matmul(&mut self, mm: &Matmul) -> Res<()> {
+        use tcc_runtime::cpu::{SGEMM_BLOCK_M, SGEMM_BLOCK_N};
+        const MR: i64 = 4;
+        let bm = SGEMM_BLOCK_M as i64 / MR;
+        let bn = SGEMM_BLOCK_N as i64;
         let (m, n, kk) = (mm.m as i64, mm.n as i64, mm.k as i64);
         let mtiles = (m + MR - 1) / MR;
         let nb = mm.batch.len();
-        let n8 = n - n % NR;
-        let vector = f32_operands && n8 > 0 && mm.b.cs == 1;
-
-        // Pass 1: full row tiles, vector columns [0, n8), panel by panel. When B is the
-        // same for every batch index and a panel of it fits `PACK_BYTES`, the panel is first
-        // copied to the stack, column tile by column tile, each `k` rows of `NR` contiguous
-        // floats: B's rows are often 4 KiB apart, which maps them all to a few cache sets.
-        if vector {
-            let slot = self.b.create_sized_stack_slot(StackSlotData::new(
-                StackSlotKind::ExplicitSlot,
-                (MR * NR * 4) as u32,
-                4,
-            ));
-            let ntiles = n8 / NR;
-            let tile_bytes = kk * NR * 4;
-            let shared_b = mm.b.batch_strides.iter().all(|&s| s == 0);
-            let pack = shared_b && kk > 0 && tile_bytes <= PACK_BYTES;
-            let pt = if pack {
-                (PACK_BYTES / tile_bytes).min(PT_MAX)
-            } else {
-                PT_MAX
-            };
-            let pslot = pack.then(|| {
-                self.b.create_sized_stack_slot(StackSlotData::new(
-                    StackSlotKind::ExplicitSlot,
-                    (pt * tile_bytes) as u32,
-                    4,
-                ))
-            });
-            let npan = (ntiles + pt - 1) / pt;
-            let z = self.iconst(0);
-            let pend = self.iconst(npan);
-            let pl = self.open_loop(z, pend);
-            let jt_lo = self.b.ins().imul_imm_s(pl.iv, pt);
-            let jt_hi = self.b.ins().iadd_imm_s(jt_lo, pt);
-            let ntc = self.iconst(ntiles);
-            let lt = self.b.ins().icmp(IntCC::SignedLessThan, jt_hi, ntc);
-            let jt_hi = self.b.ins().select(lt, jt_hi, ntc);
-            if let Some(ps) = pslot {
-                let bb = self.operand_base(&mm.b, &[])?;
-                let pk = self.b.ins().stack_addr(I64, ps, 0);
-                let jl = self.open_loop(jt_lo, jt_hi);
-                let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
-                let bi = self.b.ins().iadd(bb, j0);
-                let src0 = self.elem_addr(mm.b.buf, bi, 4)?;
-                let rel = self.b.ins().isub(jl.iv, jt_lo);
-                let doff = self.b.ins().imul_imm_s(rel, tile_bytes);
-                let dst0 = self.b.ins().iadd(pk, doff);
-                let z = self.iconst(0);
-                let kend = self.iconst(kk);
-                let kl = self.open_loop(z, kend);
-                let soff = self.b.ins().imul_imm_s(kl.iv, mm.b.rs * 4);
-                let src = self.b.ins().iadd(src0, soff);
-                let doff = self.b.ins().imul_imm_s(kl.iv, NR * 4);
-                let dst = self.b.ins().iadd(dst0, doff);
-                for c in 0..(NR / LANES) {
-                    let o = (c * LANES * 4) as i32;
-                    let v = self.b.ins().load(F32X4, vflags(), src, o);
-                    self.b.ins().store(vflags(), v, dst, o);
-                }
-                self.close_loop(kl);
-                self.close_loop(jl);
-            }
-            let xl = self.open_loop(self.lo, self.hi);
-            let (i0, abase, bbase) = self.mm_tile(mm, xl.iv, mtiles, MR)?;
-            let full_rows = self.b.ins().iadd_imm_s(i0, MR);
-            let mconst = self.iconst(m);
-            let is_full = self
-                .b
-                .ins()
-                .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
-            let full_blk = self.b.create_block();
-            let cont = self.b.create_block();
-            self.b.ins().brif(is_full, full_blk, &[], cont, &[]);
-            self.b.switch_to_block(full_blk);
-            let jl = self.open_loop(jt_lo, jt_hi);
-            let j0 = self.b.ins().imul_imm_s(jl.iv, NR);
-            let (pb0, bstep) = match pslot {
-                Some(ps) => {
-                    let pk = self.b.ins().stack_addr(I64, ps, 0);
-                    let rel = self.b.ins().isub(jl.iv, jt_lo);
-                    let off = self.b.ins().imul_imm_s(rel, tile_bytes);
-                    (self.b.ins().iadd(pk, off), NR * 4)
-                }
-                None => {
-                    let bi = self.b.ins().iadd(bbase, j0);
-                    (self.elem_addr(mm.b.buf, bi, 4)?, mm.b.rs * 4)
-                }
-            };
-            self.vector_tile(mm, slot, abase, pb0, bstep, i0, j0, nb, MR, NR)?;
-            self.close_loop(jl);
-            self.b.ins().jump(cont, &[]);
-            self.b.switch_to_block(cont);
-            self.close_loop(xl);
-            self.close_loop(pl);
-        }
-
-        // Pass 2: the scalar right edge of full row tiles, and partial row tiles.
+        let a_at = self
+            .offsets
+            .get(mm.a.buf)
+            .ok_or(ClifError::NoOffset(mm.a.buf.index()))? as i64;
+        let b_at = self
+            .offsets
+            .get(mm.b.buf)
+            .ok_or(ClifError::NoOffset(mm.b.buf.index()))? as i64;
         let xl = self.open_loop(self.lo, self.hi);
-        let (i0, abase, bbase) = self.mm_tile(mm, xl.iv, mtiles, MR)?;
-        let full_rows = self.b.ins().iadd_imm_s(i0, MR);
-        let mconst = self.iconst(m);
-        let is_full = self
-            .b
-            .ins()
-            .icmp(IntCC::SignedLessThanOrEqual, full_rows, mconst);
-        let full_blk = self.b.create_block();
-        let part_blk = self.b.create_block();
-        let join = self.b.create_block();
-        self.b.ins().brif(is_full, full_blk, &[], part_blk, &[]);
-        self.b.switch_to_block(full_blk);
-        if !vector || n8 < n {
-            let jstart = self.iconst(if vector { n8 } else { 0 });
-            let iend = self.b.ins().iadd_imm_s(i0, MR);
-            self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
-        }
-        self.b.ins().jump(join, &[]);
-        self.b.switch_to_block(part_blk);
-        let jstart = self.iconst(0);
-        let iend = self.iconst(m);
-        self.scalar_block(mm, abase, bbase, i0, iend, jstart, nb)?;
-        self.b.ins().jump(join, &[]);
-        self.b.switch_to_block(join);
+        let x = xl.iv;
+        let it = self.b.ins().srem_imm_s(x, mtiles.max(1));
+        let in_group = self.b.ins().srem_imm_s(it, bm);
+        let first = self.b.ins().icmp(IntCC::Equal, x, self.lo);
+        let aligned = self.b.ins().icmp_imm_s(IntCC::Equal, in_group, 0);
+        let start = self.b.ins().bor(first, aligned);
+        let work = self.b.create_block();
+        let cont = self.b.create_block();
+        self.b.ins().brif(start, work, &[], cont, &[]);
+        self.b.switch_to_block(work);
+        // Tiles of this block: to the end of the call, of the batch index or of the group.
+        let to_hi = self.b.ins().isub(self.hi, x);
+        let mt = self.iconst(mtiles);
+        let to_batch = self.b.ins().isub(mt, it);
+        let bmc = self.iconst(bm);
+        let to_group = self.b.ins().isub(bmc, in_group);
+        let cnt = self.b.ins().smin(to_hi, to_batch);
+        let cnt = self.b.ins().smin(cnt, to_group);
+        let (i0, abase, bbase) = self.mm_tile(mm, x, mtiles, MR)?;
+        let rows = self.b.ins().imul_imm_s(cnt, MR);
+        let mc = self.iconst(m);
+        let left = self.b.ins().isub(mc, i0);
+        let mh = self.b.ins().smin(rows, left);
+        let arow = self.b.ins().imul_imm_s(i0, mm.a.rs);
+        let ai = self.b.ins().iadd(abase, arow);
+        let a_bytes = self.b.ins().imul_imm_s(ai, 4);
+        let a_off = self.b.ins().iadd_imm_s(a_bytes, a_at);
+        let z = self.iconst(0);
+        let ncb = self.iconst((n + bn - 1) / bn);
+        let jl = self.open_loop(z, ncb);
+        let j0 = self.b.ins().imul_imm_s(jl.iv, bn);
+        let nc = self.iconst(n);
+        let left = self.b.ins().isub(nc, j0);
+        let bnc = self.iconst(bn);
+        let nh = self.b.ins().smin(bnc, left);
+        let bcol = self.b.ins().imul_imm_s(j0, mm.b.cs);
+        let bi = self.b.ins().iadd(bbase, bcol);
+        let b_bytes = self.b.ins().imul_imm_s(bi, 4);
+        let b_off = self.b.ins().iadd_imm_s(b_bytes, b_at);
+        let kc = self.iconst(kk);
+        let strides = [mm.a.rs, mm.a.cs, mm.b.rs, mm.b.cs].map(|s| self.iconst(s));
+        let args = [
+            self.helpers,
+            mh,
+            nh,
+            kc,
+            a_off,
+            strides[0],
+            strides[1],
+            b_off,
+            strides[2],
+            strides[3],
+        ];
+        let c = self.helper(slot::SGEMM, &args, &[I64; 10], I64);
+        let z = self.iconst(0);
+        let rl = self.open_loop(z, mh);
+        let i = self.b.ins().iadd(i0, rl.iv);
+        let crow = self.b.ins().imul_imm_s(rl.iv, bn * 4);
+        let crow = self.b.ins().iadd(c, crow);
+        let z = self.iconst(0);
+        let ql = self.open_loop(z, nh);
+        let j = self.b.ins().iadd(j0, ql.iv);
+        let cq = self.b.ins().imul_imm_s(ql.iv, 4);
+        let ca = self.b.ins().iadd(crow, cq);
+        let acc = self.b.ins().load(F32, flags(), ca, 0);
+        self.epilogue(nb, i, j, acc)?;
+        self.close_loop(ql);
+        self.close_loop(rl);
+        self.close_loop(jl);
+        self.b.ins().jump(cont, &[]);
+        self.b.switch_to_block(cont);
         self.close_loop(xl);
         Ok(())
     }
@@ -1505,115 +1479,6 @@ impl<'a, 'b> Cg<'a, 'b> {
         let abase = self.operand_base(&mm.a, &bidx)?;
         let bbase = self.operand_base(&mm.b, &bidx)?;
         Ok((i0, abase, bbase))
-    }
-
-    /// One `mr` x `nr` register tile at rows `i0..`, columns `j0..` over the whole k
-    /// range (pointer increments; B's row `k` of the tile at `pb0 + k * bstep` bytes), then
-    /// the epilogue per element.
-    #[allow(clippy::too_many_arguments)]
-    fn vector_tile(
-        &mut self,
-        mm: &Matmul,
-        slot: StackSlot,
-        abase: Value,
-        pb0: Value,
-        bstep: i64,
-        i0: Value,
-        j0: Value,
-        nb: usize,
-        mr: i64,
-        nr: i64,
-    ) -> Res<()> {
-        let arow = self.b.ins().imul_imm_s(i0, mm.a.rs);
-        let ai = self.b.ins().iadd(abase, arow);
-        let pa0 = self.elem_addr(mm.a.buf, ai, 4)?;
-        let kcount = self.iconst(mm.k as i64);
-        let src = TileSrc {
-            pa0,
-            arow: mm.a.rs * 4,
-            acol: mm.a.cs * 4,
-            pb0,
-            bstep,
-            kcount,
-        };
-        self.register_tile(slot, &src, mr, nr);
-        // Epilogue over the tile.
-        let z3 = self.iconst(0);
-        let tend = self.iconst(mr * nr);
-        let tl = self.open_loop(z3, tend);
-        let r = self.b.ins().sdiv_imm_s(tl.iv, nr);
-        let c = self.b.ins().srem_imm_s(tl.iv, nr);
-        let i = self.b.ins().iadd(i0, r);
-        let j = self.b.ins().iadd(j0, c);
-        let saddr = self.b.ins().stack_addr(I64, slot, 0);
-        let off = self.b.ins().imul_imm_s(tl.iv, 4);
-        let sa = self.b.ins().iadd(saddr, off);
-        let accv = self.b.ins().load(F32, flags(), sa, 0);
-        self.epilogue(nb, i, j, accv)?;
-        self.close_loop(tl);
-        Ok(())
-    }
-
-    /// The `mr` x `nr` products of `src` summed over its `kcount` steps in `f32x4`
-    /// accumulators (one fused multiply-add per vector and step: `vfmadd` where the host
-    /// has FMA), stored row-major into `slot`.
-    fn register_tile(&mut self, slot: StackSlot, src: &TileSrc, mr: i64, nr: i64) {
-        let nv = nr / LANES;
-        let zero = self.b.ins().f32const(0.0);
-        let zv = self.b.ins().splat(F32X4, zero);
-        let accs: Vec<Variable> = (0..(mr * nv))
-            .map(|_| {
-                let v = self.b.declare_var(F32X4);
-                self.b.def_var(v, zv);
-                v
-            })
-            .collect();
-        let pa = self.b.declare_var(I64);
-        let pb = self.b.declare_var(I64);
-        self.b.def_var(pa, src.pa0);
-        self.b.def_var(pb, src.pb0);
-        let fits = (mr - 1)
-            .checked_mul(src.arow)
-            .is_some_and(|v| i32::try_from(v).is_ok() && i32::try_from(-v).is_ok());
-        let z = self.iconst(0);
-        let kl = self.open_loop(z, src.kcount);
-        let pbv = self.b.use_var(pb);
-        let pav = self.b.use_var(pa);
-        let bvs: Vec<Value> = (0..nv)
-            .map(|c| {
-                self.b
-                    .ins()
-                    .load(F32X4, vflags(), pbv, (c * LANES * 4) as i32)
-            })
-            .collect();
-        for r in 0..mr {
-            let a = if fits {
-                self.b.ins().load(F32, flags(), pav, (r * src.arow) as i32)
-            } else {
-                let p = self.b.ins().iadd_imm_s(pav, r * src.arow);
-                self.b.ins().load(F32, flags(), p, 0)
-            };
-            let av = self.b.ins().splat(F32X4, a);
-            for (c, &bv) in bvs.iter().enumerate() {
-                let var = accs[(r * nv) as usize + c];
-                let old = self.b.use_var(var);
-                let s = self.b.ins().fma(av, bv, old);
-                self.b.def_var(var, s);
-            }
-        }
-        let pbn = self.b.ins().iadd_imm_s(pbv, src.bstep);
-        let pan = self.b.ins().iadd_imm_s(pav, src.acol);
-        self.b.def_var(pb, pbn);
-        self.b.def_var(pa, pan);
-        self.close_loop(kl);
-        for r in 0..mr {
-            for c in 0..nv {
-                let v = self.b.use_var(accs[(r * nv + c) as usize]);
-                self.b
-                    .ins()
-                    .stack_store(I64, v, slot, ((r * nr + c * LANES) * 4) as i32);
-            }
-        }
     }
 
     fn elem_addr(&mut self, buf: NodeId, idx: Value, size: i64) -> Res<Value> {
@@ -1821,28 +1686,54 @@ fn coef_of(pool: &ExprPool, e: ExprId, v: Var) -> Option<i64> {
 
 impl Cg<'_, '_> {
     /// An implicit GEMM (a convolution or one of its gradients, `kernel::Gather` operands)
-    /// as packed panels: for each split of `k` and each panel of column tiles, the panel of
-    /// B is gathered once into the stack, then for every row tile of this thread A's rows
-    /// are gathered (a run of `k`'s innermost axis at a time, on vectors where the run is
-    /// contiguous) and each column tile is a register tile of fused multiply-adds over
-    /// the packed copies, stored through the epilogue.
+    /// through the runtime's `sgemm_gathered` helper. This call's rows (row tiles of 4) or
+    /// columns (panels of column tiles of 8, `CpuPanels::by_panels`) go in blocks; for each
+    /// split of `k`, each block's operands are gathered, a chunk of `k` at a time (whole
+    /// runs, up to 512 steps), into the thread's gather buffers (A's rows and B's columns,
+    /// each contiguous along `k`, on vectors where a run is), the helper adds each chunk's
+    /// product to the block, and the epilogue stores the block. Chunks start at fixed steps
+    /// of each split, so every element sums in the same order on any number of threads.
     fn gather_matmul(&mut self, mm: &Matmul, g: &Gathers) -> Res<()> {
+        use tcc_runtime::cpu::{GATHER_A_FLOATS, GATHER_B_FLOATS, SGEMM_BLOCK_M, SGEMM_BLOCK_N};
+        const GK: i64 = 512;
         let p = mm
             .cpu_panels()
             .ok_or_else(|| self.unsupported("an implicit GEMM without gathered operands"))?;
         let (mr, nr) = (CpuPanels::MR, CpuPanels::NR);
         let (m, n, run) = (mm.m as i64, mm.n as i64, p.run);
-        let slot = |cg: &mut Self, bytes: i64| {
-            cg.b.create_sized_stack_slot(StackSlotData::new(
-                StackSlotKind::ExplicitSlot,
-                bytes.max(4) as u32,
-                4,
-            ))
+        let chunk_runs = (GK / run).max(1);
+        let chunk_k = chunk_runs * run;
+        // Rows and columns of a block: the gather buffers hold them at `chunk_k` steps
+        // each, packed 4 at a time.
+        let mb = (GATHER_A_FLOATS as i64 / chunk_k).min(SGEMM_BLOCK_M as i64) / mr * mr;
+        let nb = (GATHER_B_FLOATS as i64 / chunk_k).min(SGEMM_BLOCK_N as i64) / mr * mr;
+        if mb < mr || nb < mr {
+            return Err(self.unsupported("a run of `k` longer than the gather buffers hold"));
+        }
+        let bn = SGEMM_BLOCK_N as i64;
+        let (r_lo, r_hi, c_lo, c_hi) = if p.by_panels {
+            let c0 = self.b.ins().imul_imm_s(self.lo, p.pt * nr);
+            let c1 = self.b.ins().imul_imm_s(self.hi, p.pt * nr);
+            let nc = self.iconst(n);
+            let c1 = self.b.ins().smin(c1, nc);
+            (self.iconst(0), self.iconst(m), c0, c1)
+        } else {
+            let r0 = self.b.ins().imul_imm_s(self.lo, mr);
+            let r1 = self.b.ins().imul_imm_s(self.hi, mr);
+            let mc = self.iconst(m);
+            let r1 = self.b.ins().smin(r1, mc);
+            (r0, r1, self.iconst(0), self.iconst(n))
         };
-        let a_rows = if p.by_panels { p.mtiles * mr } else { mr };
-        let acc_slot = slot(self, mr * nr * 4);
-        let a_slot = slot(self, a_rows * p.ks_max * 4);
-        let b_slot = slot(self, p.pt * p.ks_max * nr * 4);
+        let blocks = |cg: &mut Self, lo: Value, hi: Value, size: i64| {
+            let len = cg.b.ins().isub(hi, lo);
+            let len = cg.b.ins().iadd_imm_s(len, size - 1);
+            cg.b.ins().sdiv_imm_s(len, size)
+        };
+        let nrb = blocks(self, r_lo, r_hi, mb);
+        let ncb = blocks(self, c_lo, c_hi, nb);
+        let c_var = self.b.declare_var(I64);
+        let z = self.iconst(0);
+        self.b.def_var(c_var, z);
 
         let z = self.iconst(0);
         let send = self.iconst(p.splits);
@@ -1851,68 +1742,105 @@ impl Cg<'_, '_> {
         let t1 = self.b.ins().iadd_imm_s(t0, p.per_split);
         let rc = self.iconst(p.runs);
         let t1 = self.b.ins().smin(t1, rc);
-        let nt = self.b.ins().isub(t1, t0);
+        let nonempty = self.b.ins().icmp(IntCC::SignedLessThan, t0, t1);
+        let split_blk = self.b.create_block();
+        let split_end = self.b.create_block();
+        self.b.ins().brif(nonempty, split_blk, &[], split_end, &[]);
+        self.b.switch_to_block(split_blk);
+        let span = self.b.ins().isub(t1, t0);
+        let span = self.b.ins().iadd_imm_s(span, chunk_runs - 1);
+        let nchunks = self.b.ins().sdiv_imm_s(span, chunk_runs);
+
+        let z = self.iconst(0);
+        let rl = self.open_loop(z, nrb);
+        let i0 = self.b.ins().imul_imm_s(rl.iv, mb);
+        let i0 = self.b.ins().iadd(r_lo, i0);
+        let left = self.b.ins().isub(r_hi, i0);
+        let mbc = self.iconst(mb);
+        let mh = self.b.ins().smin(mbc, left);
+        let z = self.iconst(0);
+        let cl = self.open_loop(z, ncb);
+        let j0 = self.b.ins().imul_imm_s(cl.iv, nb);
+        let j0 = self.b.ins().iadd(c_lo, j0);
+        let left = self.b.ins().isub(c_hi, j0);
+        let nbc = self.iconst(nb);
+        let nh = self.b.ins().smin(nbc, left);
+
+        let z = self.iconst(0);
+        let kl = self.open_loop(z, nchunks);
+        let ta = self.b.ins().imul_imm_s(kl.iv, chunk_runs);
+        let ta = self.b.ins().iadd(t0, ta);
+        let tb = self.b.ins().iadd_imm_s(ta, chunk_runs);
+        let tb = self.b.ins().smin(tb, t1);
+        let nt = self.b.ins().isub(tb, ta);
         let nk = self.b.ins().imul_imm_s(nt, run);
-        let a_bytes = mr * p.ks_max * 4;
-        let a0 = self.b.ins().stack_addr(I64, a_slot, 0);
-        if p.by_panels {
-            // All of A's row tiles, once per split.
+        for (op, slot_no, first, count, extent) in [
+            (&g.a, slot::GATHER_A, i0, mh, m),
+            (&g.b, slot::GATHER_B, j0, nh, n),
+        ] {
+            let buf = self
+                .b
+                .ins()
+                .load(I64, flags(), self.helpers, (slot_no * 8) as i32);
+            let groups = self.b.ins().iadd_imm_s(count, mr - 1);
+            let groups = self.b.ins().sdiv_imm_s(groups, mr);
             let z = self.iconst(0);
-            let mt = self.iconst(p.mtiles);
-            let rl = self.open_loop(z, mt);
-            let i0 = self.b.ins().imul_imm_s(rl.iv, mr);
-            let off = self.b.ins().imul_imm_s(rl.iv, a_bytes);
-            let base = self.b.ins().iadd(a0, off);
-            self.pack_a(&g.a, base, i0, [t0, t1], p.ks_max, run, m, mr)?;
-            self.close_loop(rl);
+            let gl = self.open_loop(z, groups);
+            let off = self.b.ins().imul_imm_s(gl.iv, mr * chunk_k * 4);
+            let dst = self.b.ins().iadd(buf, off);
+            let side0 = self.b.ins().imul_imm_s(gl.iv, mr);
+            let side0 = self.b.ins().iadd(first, side0);
+            self.pack_a(op, dst, side0, [ta, tb], chunk_k, run, extent, mr)?;
+            self.close_loop(gl);
         }
+        let later = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, kl.iv, 0);
+        let accumulate = self.b.ins().uextend(I64, later);
+        let zero = self.iconst(0);
+        let one = self.iconst(1);
+        let ck = self.iconst(chunk_k);
+        let args = [
+            self.helpers,
+            mh,
+            nh,
+            nk,
+            zero,
+            ck,
+            one,
+            zero,
+            one,
+            ck,
+            accumulate,
+        ];
+        let c = self.helper(slot::SGEMM_GATHERED, &args, &[I64; 11], I64);
+        self.b.def_var(c_var, c);
+        self.close_loop(kl);
 
-        let (plo, phi) = if p.by_panels {
-            (self.lo, self.hi)
-        } else {
-            (self.iconst(0), self.iconst(p.npan))
-        };
-        let pl = self.open_loop(plo, phi);
-        let jt_lo = self.b.ins().imul_imm_s(pl.iv, p.pt);
-        let jt_hi = self.b.ins().iadd_imm_s(jt_lo, p.pt);
-        let ntc = self.iconst(p.ntiles);
-        let jt_hi = self.b.ins().smin(jt_hi, ntc);
-        self.pack_b(&g.b, b_slot, [jt_lo, jt_hi], [t0, t1], nk, run, n, nr)?;
-
-        let (xlo, xhi) = if p.by_panels {
-            (self.iconst(0), self.iconst(p.mtiles))
-        } else {
-            (self.lo, self.hi)
-        };
-        let xl = self.open_loop(xlo, xhi);
-        let i0 = self.b.ins().imul_imm_s(xl.iv, mr);
-        let pa0 = if p.by_panels {
-            let off = self.b.ins().imul_imm_s(xl.iv, a_bytes);
-            self.b.ins().iadd(a0, off)
-        } else {
-            self.pack_a(&g.a, a0, i0, [t0, t1], p.ks_max, run, m, mr)?;
-            a0
-        };
-        let jl = self.open_loop(jt_lo, jt_hi);
-        let rel = self.b.ins().isub(jl.iv, jt_lo);
-        let tile = self.b.ins().imul(rel, nk);
-        let off = self.b.ins().imul_imm_s(tile, nr * 4);
-        let pb = self.b.ins().stack_addr(I64, b_slot, 0);
-        let pb0 = self.b.ins().iadd(pb, off);
-        let src = TileSrc {
-            pa0,
-            arow: p.ks_max * 4,
-            acol: 4,
-            pb0,
-            bstep: nr * 4,
-            kcount: nk,
-        };
-        self.register_tile(acc_slot, &src, mr, nr);
-        let j0 = self.b.ins().imul_imm_s(jl.iv, nr);
-        self.bounded_epilogue(mm, acc_slot, i0, j0, mr, nr)?;
-        self.close_loop(jl);
-        self.close_loop(xl);
-        self.close_loop(pl);
+        let c = self.b.use_var(c_var);
+        let z = self.iconst(0);
+        let el = self.open_loop(z, mh);
+        let i = self.b.ins().iadd(i0, el.iv);
+        self.bind_flat(i, &mm.rows, 0);
+        let crow = self.b.ins().imul_imm_s(el.iv, bn * 4);
+        let crow = self.b.ins().iadd(c, crow);
+        let z = self.iconst(0);
+        let ql = self.open_loop(z, nh);
+        let j = self.b.ins().iadd(j0, ql.iv);
+        self.bind_flat(j, &mm.cols, mm.rows.len());
+        let cq = self.b.ins().imul_imm_s(ql.iv, 4);
+        let ca = self.b.ins().iadd(crow, cq);
+        let acc = self.b.ins().load(F32, flags(), ca, 0);
+        self.acc = Some(acc);
+        self.journal.push(Vec::new());
+        let res = self.stores();
+        self.drop_scope();
+        self.acc = None;
+        res?;
+        self.close_loop(ql);
+        self.close_loop(el);
+        self.close_loop(cl);
+        self.close_loop(rl);
+        self.b.ins().jump(split_end, &[]);
+        self.b.switch_to_block(split_end);
         self.close_loop(sl);
         Ok(())
     }
@@ -1925,58 +1853,6 @@ impl Cg<'_, '_> {
                 self.emit(*e)?;
             }
         }
-        Ok(())
-    }
-
-    /// B's columns of tiles `[jt_lo, jt_hi)` (the last one clamped to column `n - 1`) and
-    /// runs `[t0, t1)`: tile by tile, `k` rows of `nr` floats.
-    #[allow(clippy::too_many_arguments)]
-    fn pack_b(
-        &mut self,
-        op: &PackedOperand,
-        slot: StackSlot,
-        [jt_lo, jt_hi]: [Value; 2],
-        [t0, t1]: [Value; 2],
-        nk: Value,
-        run: i64,
-        n: i64,
-        nr: i64,
-    ) -> Res<()> {
-        let jl = self.open_loop(jt_lo, jt_hi);
-        let z = self.iconst(0);
-        let nrc = self.iconst(nr);
-        let cl = self.open_loop(z, nrc);
-        let j0 = self.b.ins().imul_imm_s(jl.iv, nr);
-        let j = self.b.ins().iadd(j0, cl.iv);
-        let last = self.iconst(n - 1);
-        let col = self.b.ins().smin(j, last);
-        self.vars.insert(op.side, col);
-        self.emit_level(op, op.side, &[op.side])?;
-        let rel = self.b.ins().isub(jl.iv, jt_lo);
-        let tile = self.b.ins().imul(rel, nk);
-        let tile = self.b.ins().imul_imm_s(tile, nr * 4);
-        let lane = self.b.ins().imul_imm_s(cl.iv, 4);
-        let base = self.b.ins().stack_addr(I64, slot, 0);
-        let base = self.b.ins().iadd(base, tile);
-        let base = self.b.ins().iadd(base, lane);
-        let tl = self.open_loop(t0, t1);
-        self.vars.insert(op.t, tl.iv);
-        self.emit_level(op, op.t, &[op.side, op.t])?;
-        let rel_t = self.b.ins().isub(tl.iv, t0);
-        let row = self.b.ins().imul_imm_s(rel_t, run * nr * 4);
-        let rbase = self.b.ins().iadd(base, row);
-        let z = self.iconst(0);
-        let rend = self.iconst(run);
-        let ul = self.open_loop(z, rend);
-        self.vars.insert(op.u, ul.iv);
-        let v = self.emit(op.value)?;
-        let off = self.b.ins().imul_imm_s(ul.iv, nr * 4);
-        let addr = self.b.ins().iadd(rbase, off);
-        self.b.ins().store(flags(), v, addr, 0);
-        self.close_loop(ul);
-        self.close_loop(tl);
-        self.close_loop(cl);
-        self.close_loop(jl);
         Ok(())
     }
 
@@ -2076,61 +1952,6 @@ impl Cg<'_, '_> {
         }
         invariants.sort_unstable();
         Some(invariants)
-    }
-
-    /// The epilogue of an implicit GEMM's tile at rows `i0..`, columns `j0..`, for the
-    /// elements inside `m` x `n`: each row and column index unflattened over the
-    /// kernel's row and column axes (`Matmul::rows`, `Matmul::cols`).
-    fn bounded_epilogue(
-        &mut self,
-        mm: &Matmul,
-        slot: StackSlot,
-        i0: Value,
-        j0: Value,
-        mr: i64,
-        nr: i64,
-    ) -> Res<()> {
-        let z = self.iconst(0);
-        let mrc = self.iconst(mr);
-        let rl = self.open_loop(z, mrc);
-        let i = self.b.ins().iadd(i0, rl.iv);
-        let mc = self.iconst(mm.m as i64);
-        let inside = self.b.ins().icmp(IntCC::SignedLessThan, i, mc);
-        let row_blk = self.b.create_block();
-        let row_end = self.b.create_block();
-        self.b.ins().brif(inside, row_blk, &[], row_end, &[]);
-        self.b.switch_to_block(row_blk);
-        self.bind_flat(i, &mm.rows, 0);
-        let z = self.iconst(0);
-        let nrc = self.iconst(nr);
-        let cl = self.open_loop(z, nrc);
-        let j = self.b.ins().iadd(j0, cl.iv);
-        let nc = self.iconst(mm.n as i64);
-        let inside = self.b.ins().icmp(IntCC::SignedLessThan, j, nc);
-        let col_blk = self.b.create_block();
-        let col_end = self.b.create_block();
-        self.b.ins().brif(inside, col_blk, &[], col_end, &[]);
-        self.b.switch_to_block(col_blk);
-        self.bind_flat(j, &mm.cols, mm.rows.len());
-        let r = self.b.ins().imul_imm_s(rl.iv, nr);
-        let e = self.b.ins().iadd(r, cl.iv);
-        let off = self.b.ins().imul_imm_s(e, 4);
-        let sa = self.b.ins().stack_addr(I64, slot, 0);
-        let sa = self.b.ins().iadd(sa, off);
-        let acc = self.b.ins().load(F32, flags(), sa, 0);
-        self.acc = Some(acc);
-        self.journal.push(Vec::new());
-        let res = self.stores();
-        self.drop_scope();
-        self.acc = None;
-        res?;
-        self.b.ins().jump(col_end, &[]);
-        self.b.switch_to_block(col_end);
-        self.close_loop(cl);
-        self.b.ins().jump(row_end, &[]);
-        self.b.switch_to_block(row_end);
-        self.close_loop(rl);
-        Ok(())
     }
 
     /// Binds domain variables `first..` to the row-major coordinates of `flat` over `dims`.

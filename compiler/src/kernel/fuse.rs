@@ -83,7 +83,8 @@ pub struct FuseOptions {
     pub conv_gemm: bool,
     /// Let f32 matmuls read a B contiguous along `k` (a transposed view: a weight in a
     /// backward pass, attention's `k^T`) in place instead of copying it; set by
-    /// the pipeline's `fuse` stage for CUDA without TF32, whose FFMA tiles load such a B along `k`.
+    /// the pipeline's `fuse` stage for CUDA without TF32, whose FFMA tiles load such a B
+    /// along `k`, and for the CPU, whose GEMM helper packs B from any layout.
     pub k_major_f32: bool,
 }
 

@@ -79,16 +79,17 @@ const SPLIT_K_TILES: usize = crate::target::TARGET.sms;
 /// The least `k` each split of a weight gradient sums.
 const SPLIT_K_MIN_DEPTH: usize = 1024;
 
-/// Bytes of the CPU's packed panel of an implicit GEMM's B (the back end's `PACK_B`): `k`
-/// rows (of one split) times the columns of the panel, on the stack of the thread.
+/// Bytes of a panel of a CPU implicit GEMM's B, `k` rows (of one split) times the panel's
+/// columns: the budget that sizes the panels threads take and the splits of `k`
+/// ([`crate::kernel::CpuPanels`]; the back end gathers blocks into the runtime's buffers,
+/// a chunk of `k` at a time).
 pub const CPU_PACK_B_BYTES: usize = 128 * 1024;
-/// The greatest `k` a CPU implicit GEMM packs at once (its A rows and at least one column
-/// tile of B must fit their stack buffers); a weight gradient splits its `k` below it.
+/// The greatest `k` of one split of a CPU implicit GEMM (at least one column tile of B
+/// within the panel budget); a weight gradient splits its `k` below it.
 pub const CPU_MAX_K: usize = CPU_PACK_B_BYTES / (8 * 4);
 /// The greatest window (`k`) of a CPU convolution or input gradient run as an implicit GEMM:
 /// twice [`CPU_MAX_K`], so that 3×3 windows over 512 channels (ResNet's last stage, VGG) take
-/// it. Its packed column tile of B (up to 256 KiB) then fills the panel alone; the packed
-/// copies stay under 400 KiB of the thread's stack.
+/// it.
 pub const CPU_MAX_WINDOW_K: usize = 2 * CPU_MAX_K;
 
 /// How many slices of `k` a convolution's weight gradient is split into when lowered as an
@@ -1264,12 +1265,12 @@ impl<'a> Builder<'a> {
         let batch = dims[..r - 2].to_vec();
         let a = self.operand(node.inputs[0], &batch, m, k)?;
         let b = self.operand(node.inputs[1], &batch, k, nn)?;
-        // The tiled loop reads rows of B as vectors: a B that is not contiguous along its
+        // The tiled loops read rows of B as vectors: a B that is not contiguous along its
         // columns (a transposed view) is copied once, contiguously. Except on CUDA for an
         // f16/bf16 B contiguous along `k` and large enough for Hopper's wgmma tiles, which
         // read it as it lies (K-major), and for an f32 B contiguous along `k` without TF32,
         // which every FFMA path loads along `k` (gpt: 84 copies of weights and of attention's
-        // `k^T` a step fewer).
+        // `k^T` a step fewer), or on the CPU, whose GEMM helper packs B from any layout.
         let k_major_half = self.d.implicit_gemm
             && matches!(b.dtype, DType::F16 | DType::BF16)
             && a.dtype == b.dtype

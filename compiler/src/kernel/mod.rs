@@ -956,10 +956,11 @@ impl std::fmt::Display for Skip {
     }
 }
 
-/// How the CPU back end tiles an implicit GEMM (both operands gathered): `k` in `splits`
-/// slices of `per_split` runs of `run` (at most `ks_max` values), the output in `mtiles`
-/// row tiles of 4 and `ntiles` column tiles of 8, the columns in `npan` panels of `pt`
-/// tiles, each panel of B packed once on the stack (`lower::CPU_PACK_B_BYTES`).
+/// How the CPU back end shares an implicit GEMM (both operands gathered) out: `k` in
+/// `splits` slices of `per_split` runs of `run` (at most `ks_max` values), the output in
+/// `mtiles` row tiles of 4 and `ntiles` column tiles of 8, the columns in `npan` panels of
+/// `pt` tiles (sized by `lower::CPU_PACK_B_BYTES`); a call's rows or panels go to the
+/// runtime's GEMM helper in blocks (`back::clif`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CpuPanels {
     pub run: i64,
