@@ -1561,6 +1561,20 @@ impl<'a, 'b> Cg<'a, 'b> {
     }
 }
 
+/// A range of a call's rows or columns, `[lo, hi)`, in blocks of `size`
+/// (`Cg::gather_matmul`).
+struct Span {
+    lo: Value,
+    hi: Value,
+    size: i64,
+}
+
+/// How an implicit GEMM's `k` is gathered: runs of `run` steps, `chunk_k` steps a chunk.
+struct GatherShape {
+    run: i64,
+    chunk_k: i64,
+}
+
 /// One gathered operand of an implicit GEMM as the packing loops read it: `value` over
 /// `side` (A's row or B's column) and `k = t * run + u` (`t` the run, `u` the position in
 /// it), with the free variables of every node it reaches (pool order).
@@ -1691,8 +1705,10 @@ impl Cg<'_, '_> {
     /// split of `k`, each block's operands are gathered, a chunk of `k` at a time (whole
     /// runs, up to 512 steps), into the thread's gather buffers (A's rows and B's columns,
     /// each contiguous along `k`, on vectors where a run is), the helper adds each chunk's
-    /// product to the block, and the epilogue stores the block. Chunks start at fixed steps
-    /// of each split, so every element sums in the same order on any number of threads.
+    /// product to the block, and the epilogue stores the block. Where a split is one chunk
+    /// (a convolution's window, mostly), a column block's B is gathered once for all the
+    /// row blocks. Chunks start at fixed steps of each split, so every element sums in the
+    /// same order on any number of threads.
     fn gather_matmul(&mut self, mm: &Matmul, g: &Gathers) -> Res<()> {
         use tcc_runtime::cpu::{GATHER_A_FLOATS, GATHER_B_FLOATS, SGEMM_BLOCK_M, SGEMM_BLOCK_N};
         const GK: i64 = 512;
@@ -1703,6 +1719,7 @@ impl Cg<'_, '_> {
         let (m, n, run) = (mm.m as i64, mm.n as i64, p.run);
         let chunk_runs = (GK / run).max(1);
         let chunk_k = chunk_runs * run;
+        let single = p.per_split <= chunk_runs;
         // Rows and columns of a block: the gather buffers hold them at `chunk_k` steps
         // each, packed 4 at a time.
         let mb = (GATHER_A_FLOATS as i64 / chunk_k).min(SGEMM_BLOCK_M as i64) / mr * mr;
@@ -1710,7 +1727,6 @@ impl Cg<'_, '_> {
         if mb < mr || nb < mr {
             return Err(self.unsupported("a run of `k` longer than the gather buffers hold"));
         }
-        let bn = SGEMM_BLOCK_N as i64;
         let (r_lo, r_hi, c_lo, c_hi) = if p.by_panels {
             let c0 = self.b.ins().imul_imm_s(self.lo, p.pt * nr);
             let c1 = self.b.ins().imul_imm_s(self.hi, p.pt * nr);
@@ -1724,16 +1740,17 @@ impl Cg<'_, '_> {
             let r1 = self.b.ins().smin(r1, mc);
             (r0, r1, self.iconst(0), self.iconst(n))
         };
-        let blocks = |cg: &mut Self, lo: Value, hi: Value, size: i64| {
-            let len = cg.b.ins().isub(hi, lo);
-            let len = cg.b.ins().iadd_imm_s(len, size - 1);
-            cg.b.ins().sdiv_imm_s(len, size)
+        let rows = Span {
+            lo: r_lo,
+            hi: r_hi,
+            size: mb,
         };
-        let nrb = blocks(self, r_lo, r_hi, mb);
-        let ncb = blocks(self, c_lo, c_hi, nb);
-        let c_var = self.b.declare_var(I64);
-        let z = self.iconst(0);
-        self.b.def_var(c_var, z);
+        let cols = Span {
+            lo: c_lo,
+            hi: c_hi,
+            size: nb,
+        };
+        let shape = GatherShape { run, chunk_k };
 
         let z = self.iconst(0);
         let send = self.iconst(p.splits);
@@ -1747,57 +1764,120 @@ impl Cg<'_, '_> {
         let split_end = self.b.create_block();
         self.b.ins().brif(nonempty, split_blk, &[], split_end, &[]);
         self.b.switch_to_block(split_blk);
-        let span = self.b.ins().isub(t1, t0);
-        let span = self.b.ins().iadd_imm_s(span, chunk_runs - 1);
-        let nchunks = self.b.ins().sdiv_imm_s(span, chunk_runs);
-
-        let z = self.iconst(0);
-        let rl = self.open_loop(z, nrb);
-        let i0 = self.b.ins().imul_imm_s(rl.iv, mb);
-        let i0 = self.b.ins().iadd(r_lo, i0);
-        let left = self.b.ins().isub(r_hi, i0);
-        let mbc = self.iconst(mb);
-        let mh = self.b.ins().smin(mbc, left);
-        let z = self.iconst(0);
-        let cl = self.open_loop(z, ncb);
-        let j0 = self.b.ins().imul_imm_s(cl.iv, nb);
-        let j0 = self.b.ins().iadd(c_lo, j0);
-        let left = self.b.ins().isub(c_hi, j0);
-        let nbc = self.iconst(nb);
-        let nh = self.b.ins().smin(nbc, left);
-
-        let z = self.iconst(0);
-        let kl = self.open_loop(z, nchunks);
-        let ta = self.b.ins().imul_imm_s(kl.iv, chunk_runs);
-        let ta = self.b.ins().iadd(t0, ta);
-        let tb = self.b.ins().iadd_imm_s(ta, chunk_runs);
-        let tb = self.b.ins().smin(tb, t1);
-        let nt = self.b.ins().isub(tb, ta);
-        let nk = self.b.ins().imul_imm_s(nt, run);
-        for (op, slot_no, first, count, extent) in [
-            (&g.a, slot::GATHER_A, i0, mh, m),
-            (&g.b, slot::GATHER_B, j0, nh, n),
-        ] {
-            let buf = self
-                .b
-                .ins()
-                .load(I64, flags(), self.helpers, (slot_no * 8) as i32);
-            let groups = self.b.ins().iadd_imm_s(count, mr - 1);
-            let groups = self.b.ins().sdiv_imm_s(groups, mr);
+        if single {
+            let (cl, j0, nh) = self.open_block(&cols);
+            self.gather_block(&g.b, slot::GATHER_B, j0, nh, n, [t0, t1], &shape)?;
+            let (rl, i0, mh) = self.open_block(&rows);
+            self.gather_block(&g.a, slot::GATHER_A, i0, mh, m, [t0, t1], &shape)?;
+            let zero = self.iconst(0);
+            let c = self.gathered_product([mh, nh], [t0, t1], zero, &shape);
+            self.block_epilogue(mm, c, [i0, mh], [j0, nh])?;
+            self.close_loop(rl);
+            self.close_loop(cl);
+        } else {
+            let span = self.b.ins().isub(t1, t0);
+            let span = self.b.ins().iadd_imm_s(span, chunk_runs - 1);
+            let nchunks = self.b.ins().sdiv_imm_s(span, chunk_runs);
+            let c_var = self.b.declare_var(I64);
             let z = self.iconst(0);
-            let gl = self.open_loop(z, groups);
-            let off = self.b.ins().imul_imm_s(gl.iv, mr * chunk_k * 4);
-            let dst = self.b.ins().iadd(buf, off);
-            let side0 = self.b.ins().imul_imm_s(gl.iv, mr);
-            let side0 = self.b.ins().iadd(first, side0);
-            self.pack_a(op, dst, side0, [ta, tb], chunk_k, run, extent, mr)?;
-            self.close_loop(gl);
+            self.b.def_var(c_var, z);
+            let (rl, i0, mh) = self.open_block(&rows);
+            let (cl, j0, nh) = self.open_block(&cols);
+            let z = self.iconst(0);
+            let kl = self.open_loop(z, nchunks);
+            let ta = self.b.ins().imul_imm_s(kl.iv, chunk_runs);
+            let ta = self.b.ins().iadd(t0, ta);
+            let tb = self.b.ins().iadd_imm_s(ta, chunk_runs);
+            let tb = self.b.ins().smin(tb, t1);
+            self.gather_block(&g.a, slot::GATHER_A, i0, mh, m, [ta, tb], &shape)?;
+            self.gather_block(&g.b, slot::GATHER_B, j0, nh, n, [ta, tb], &shape)?;
+            let later = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, kl.iv, 0);
+            let accumulate = self.b.ins().uextend(I64, later);
+            let c = self.gathered_product([mh, nh], [ta, tb], accumulate, &shape);
+            self.b.def_var(c_var, c);
+            self.close_loop(kl);
+            let c = self.b.use_var(c_var);
+            self.block_epilogue(mm, c, [i0, mh], [j0, nh])?;
+            self.close_loop(cl);
+            self.close_loop(rl);
         }
-        let later = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, kl.iv, 0);
-        let accumulate = self.b.ins().uextend(I64, later);
+        self.b.ins().jump(split_end, &[]);
+        self.b.switch_to_block(split_end);
+        self.close_loop(sl);
+        Ok(())
+    }
+
+    /// Opens the loop over the blocks of `span`; returns it with the block's first index
+    /// and length.
+    fn open_block(&mut self, span: &Span) -> (LoopCtx, Value, Value) {
+        let len = self.b.ins().isub(span.hi, span.lo);
+        let len = self.b.ins().iadd_imm_s(len, span.size - 1);
+        let count = self.b.ins().sdiv_imm_s(len, span.size);
+        let z = self.iconst(0);
+        let l = self.open_loop(z, count);
+        let first = self.b.ins().imul_imm_s(l.iv, span.size);
+        let first = self.b.ins().iadd(span.lo, first);
+        let left = self.b.ins().isub(span.hi, first);
+        let size = self.iconst(span.size);
+        let len = self.b.ins().smin(size, left);
+        (l, first, len)
+    }
+
+    /// Gathers `count` rows of A (or columns of B) from `first` (clamped to `extent - 1`)
+    /// over runs `[ta, tb)` into the gather buffer of table slot `slot_no`, each
+    /// `chunk_k` floats apart, 4 at a time.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_block(
+        &mut self,
+        op: &PackedOperand,
+        slot_no: usize,
+        first: Value,
+        count: Value,
+        extent: i64,
+        [ta, tb]: [Value; 2],
+        shape: &GatherShape,
+    ) -> Res<()> {
+        let mr = CpuPanels::MR;
+        let buf = self
+            .b
+            .ins()
+            .load(I64, flags(), self.helpers, (slot_no * 8) as i32);
+        let groups = self.b.ins().iadd_imm_s(count, mr - 1);
+        let groups = self.b.ins().sdiv_imm_s(groups, mr);
+        let z = self.iconst(0);
+        let gl = self.open_loop(z, groups);
+        let off = self.b.ins().imul_imm_s(gl.iv, mr * shape.chunk_k * 4);
+        let dst = self.b.ins().iadd(buf, off);
+        let side0 = self.b.ins().imul_imm_s(gl.iv, mr);
+        let side0 = self.b.ins().iadd(first, side0);
+        self.pack_a(
+            op,
+            dst,
+            side0,
+            [ta, tb],
+            shape.chunk_k,
+            shape.run,
+            extent,
+            mr,
+        )?;
+        self.close_loop(gl);
+        Ok(())
+    }
+
+    /// `sgemm_gathered` on the gathered `mh` × `nh` block over runs `[ta, tb)`; returns the
+    /// address of its result.
+    fn gathered_product(
+        &mut self,
+        [mh, nh]: [Value; 2],
+        [ta, tb]: [Value; 2],
+        accumulate: Value,
+        shape: &GatherShape,
+    ) -> Value {
+        let nt = self.b.ins().isub(tb, ta);
+        let nk = self.b.ins().imul_imm_s(nt, shape.run);
         let zero = self.iconst(0);
         let one = self.iconst(1);
-        let ck = self.iconst(chunk_k);
+        let ck = self.iconst(shape.chunk_k);
         let args = [
             self.helpers,
             mh,
@@ -1811,11 +1891,20 @@ impl Cg<'_, '_> {
             ck,
             accumulate,
         ];
-        let c = self.helper(slot::SGEMM_GATHERED, &args, &[I64; 11], I64);
-        self.b.def_var(c_var, c);
-        self.close_loop(kl);
+        self.helper(slot::SGEMM_GATHERED, &args, &[I64; 11], I64)
+    }
 
-        let c = self.b.use_var(c_var);
+    /// The epilogue over the block at `c` (rows `BLOCK_N` floats apart) of `mh` rows from
+    /// `i0` and `nh` columns from `j0`, each index unflattened over the kernel's rows and
+    /// columns.
+    fn block_epilogue(
+        &mut self,
+        mm: &Matmul,
+        c: Value,
+        [i0, mh]: [Value; 2],
+        [j0, nh]: [Value; 2],
+    ) -> Res<()> {
+        let bn = tcc_runtime::cpu::SGEMM_BLOCK_N as i64;
         let z = self.iconst(0);
         let el = self.open_loop(z, mh);
         let i = self.b.ins().iadd(i0, el.iv);
@@ -1837,11 +1926,6 @@ impl Cg<'_, '_> {
         res?;
         self.close_loop(ql);
         self.close_loop(el);
-        self.close_loop(cl);
-        self.close_loop(rl);
-        self.b.ins().jump(split_end, &[]);
-        self.b.switch_to_block(split_end);
-        self.close_loop(sl);
         Ok(())
     }
 
