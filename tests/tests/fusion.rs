@@ -349,10 +349,10 @@ fn shifted_logits_are_recomputed_from_stored_row_maxima() {
     tcc_tests::assert_cpu_like_eager(&g, 3, 1e-5, "cross-entropy");
 }
 
-/// On the CPU, convolutions and both their gradients are implicit GEMMs (packed panels and
-/// a register tile, `back::clif`'s `gather_matmul`), in either layout, a channels-first
-/// output included, and a weight gradient whose pixels overflow the packed panel is split
-/// along them; every step agrees with the interpreter.
+/// On the CPU, convolutions and both their gradients are implicit GEMMs (blocks gathered
+/// for the runtime's `sgemm_gathered`, `back::clif`'s `gather_matmul`), in either layout, a
+/// channels-first output included, and a weight gradient whose pixels overflow the panel
+/// budget is split along them; every step agrees with the interpreter.
 #[test]
 fn cpu_convolutions_are_implicit_gemms() {
     let src = "const N = 2\nconst C = 8\nconst S = 24\n\

@@ -10,8 +10,9 @@
 //! f32 matmul kernels call the runtime's GEMM helper (`sgemm`, `runtime/ARTIFACT.md`) block
 //! by block and run the fused epilogue over each block it returns: Cranelift lowers 128-bit
 //! vectors only, and the helper runs the host's widest (AVX-512 where there is). Products
-//! of f16/bf16 operands take a dot product per element; implicit GEMMs (convolutions) a
-//! 4×8 register tile of f32x4 fused multiply-adds over packed panels.
+//! of f16/bf16 operands take a dot product per element. Implicit GEMMs (convolutions)
+//! gather each block's operands into the thread's gather buffers, on f32x4 vectors where a
+//! run is contiguous, and call `sgemm_gathered` (`Cg::gather_matmul`).
 //!
 //! Functions go through the Cranelift verifier before they are printed, so the text the
 //! runtime receives is well-formed.
