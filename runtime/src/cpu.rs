@@ -109,6 +109,35 @@ struct GemmContext {
     refused: Option<gemm::Refused>,
 }
 
+/// The GEMM context of the table a kernel passed to a GEMM helper.
+///
+/// # Safety
+/// `table` must be a table the executor gave the calling thread (`launch`, `Job::work`):
+/// its context slot holds the address of that thread's `GemmContext`, which lives (boxed)
+/// as long as the table and which no other thread touches during a launch.
+unsafe fn context<'a>(table: *const u64) -> &'a mut GemmContext {
+    // SAFETY: the caller's contract.
+    unsafe { &mut *((*table.add(GEMM_CONTEXT_SLOT)) as *mut GemmContext) }
+}
+
+/// One block through `gemm::block` into `ctx`'s scratch, A and B each `[offset,
+/// row stride, column stride]` in `sources`; a refused call is kept for
+/// `CpuExecutor::refusals`. Returns the block's address.
+fn product(
+    ctx: &mut GemmContext,
+    sources: (gemm::Arena, gemm::Arena),
+    dims: (i64, i64, i64),
+    [a, b]: [[i64; 3]; 2],
+    accumulate: bool,
+) -> *mut f32 {
+    let operand = |[off, rs, cs]: [i64; 3]| gemm::Operand { off, rs, cs };
+    let (a, b) = (operand(a), operand(b));
+    if let Err(r) = gemm::block(ctx.tile, &mut ctx.scratch, sources, dims, a, b, accumulate) {
+        ctx.refused.get_or_insert(r);
+    }
+    ctx.scratch.c_ptr()
+}
+
 /// `sgemm(table, m, n, k, a_off, a_rs, a_cs, b_off, b_rs, b_cs) -> i64`: the `m × n` block
 /// `A · B` (`ARTIFACT.md`), computed into the calling thread's scratch; returns its address
 /// (row stride `gemm::BLOCK_N` floats). Offsets are bytes from the arena base, strides are
@@ -126,28 +155,15 @@ extern "C" fn h_sgemm(
     b_rs: i64,
     b_cs: i64,
 ) -> *mut f32 {
-    // SAFETY: kernels pass the table the executor gave them (`launch`, `Job::work`): this
-    // thread's, whose context slot holds the address of this thread's `GemmContext`, which
-    // lives (boxed) as long as the table and which no other thread touches during a launch.
-    let ctx = unsafe { &mut *((*table.add(GEMM_CONTEXT_SLOT)) as *mut GemmContext) };
+    // SAFETY: kernels pass the table they were given (the compiler's contract in
+    // ARTIFACT.md), which is `context`'s.
+    let ctx = unsafe { context(table) };
     // SAFETY: `arena` and `arena_bytes` are the session's arena, set before this launch
     // (`CpuExecutor::set_arena`); a kernel reads its GEMM operands, which no kernel writes
     // while it runs (the compiler's contract in ARTIFACT.md).
     let arena = unsafe { gemm::Arena::new(ctx.arena, ctx.arena_bytes) };
-    let a = gemm::Operand {
-        off: a_off,
-        rs: a_rs,
-        cs: a_cs,
-    };
-    let b = gemm::Operand {
-        off: b_off,
-        rs: b_rs,
-        cs: b_cs,
-    };
-    if let Err(r) = gemm::block(ctx.tile, &mut ctx.scratch, arena, (m, n, k), a, b) {
-        ctx.refused.get_or_insert(r);
-    }
-    ctx.scratch.c_ptr()
+    let ops = [[a_off, a_rs, a_cs], [b_off, b_rs, b_cs]];
+    product(ctx, (arena, arena), (m, n, k), ops, false)
 }
 
 /// `sgemm_gathered(table, m, n, k, a_off, a_rs, a_cs, b_off, b_rs, b_cs, accumulate) ->
@@ -170,31 +186,10 @@ extern "C" fn h_sgemm_gathered(
     accumulate: i64,
 ) -> *mut f32 {
     // SAFETY: as in `h_sgemm`.
-    let ctx = unsafe { &mut *((*table.add(GEMM_CONTEXT_SLOT)) as *mut GemmContext) };
-    let (ga, gb) = ctx.gathered.views();
-    let a = gemm::Operand {
-        off: a_off,
-        rs: a_rs,
-        cs: a_cs,
-    };
-    let b = gemm::Operand {
-        off: b_off,
-        rs: b_rs,
-        cs: b_cs,
-    };
-    let r = gemm::block_from(
-        ctx.tile,
-        &mut ctx.scratch,
-        (ga, gb),
-        (m, n, k),
-        a,
-        b,
-        accumulate != 0,
-    );
-    if let Err(r) = r {
-        ctx.refused.get_or_insert(r);
-    }
-    ctx.scratch.c_ptr()
+    let ctx = unsafe { context(table) };
+    let sources = ctx.gathered.views();
+    let ops = [[a_off, a_rs, a_cs], [b_off, b_rs, b_cs]];
+    product(ctx, sources, (m, n, k), ops, accumulate != 0)
 }
 
 /// Thread `t`'s helper table, built at run time (function addresses cannot be taken in a

@@ -93,7 +93,7 @@ pub const GATHER_A_FLOATS: usize = BLOCK_M * 512;
 pub const GATHER_B_FLOATS: usize = BLOCK_N * 512;
 
 /// A thread's gather buffers: kernels pack an implicit GEMM's operands there (through the
-/// addresses in their helper table) and `block_from` reads them. Held as raw allocations
+/// addresses in their helper table) and `block` reads them. Held as raw allocations
 /// so that no Rust reference to their contents exists while a kernel writes them.
 pub(crate) struct Gathered {
     a: *mut f32,
@@ -220,24 +220,12 @@ impl Arena {
 }
 
 /// `C = A · B` for an `m × n` block (`m <= BLOCK_M`, `n <= BLOCK_N`) over `k` steps, into
-/// `scratch.c` (row stride `BLOCK_N`). Every element of both operands is checked to lie in
-/// the arena before any is read; a call that fails a check leaves the block zero and is
+/// `scratch.c` (row stride `BLOCK_N`), A read from `sources.0` and B from `sources.1`;
+/// with `accumulate`, the block is added to what `scratch` holds (the last call's result)
+/// instead of replacing it. Every element of both operands is checked to lie in its
+/// source before any is read; a call that fails a check leaves the block zero and is
 /// refused.
 pub(crate) fn block(
-    tile: Tile,
-    scratch: &mut Scratch,
-    arena: Arena,
-    dims: (i64, i64, i64),
-    a: Operand,
-    b: Operand,
-) -> Result<(), Refused> {
-    block_from(tile, scratch, (arena, arena), dims, a, b, false)
-}
-
-/// As [`block`], with A read from `sources.0` and B from `sources.1`, and with
-/// `accumulate` the block added to what `scratch` holds (the last call's result) instead
-/// of replacing it.
-pub(crate) fn block_from(
     tile: Tile,
     scratch: &mut Scratch,
     (a_src, b_src): (Arena, Arena),
@@ -628,7 +616,16 @@ mod tests {
                 s.c.fill(f32::NAN);
                 // SAFETY: `arena` is a live vector no one writes during the call.
                 let view = unsafe { Arena::new(arena.as_ptr(), arena.len()) };
-                block(tile, &mut s, view, (m as i64, n as i64, k as i64), a, b).unwrap();
+                block(
+                    tile,
+                    &mut s,
+                    (view, view),
+                    (m as i64, n as i64, k as i64),
+                    a,
+                    b,
+                    false,
+                )
+                .unwrap();
                 for i in 0..m {
                     for j in 0..n {
                         let want: f32 = (0..k).map(|q| av[i * k + q] * bv[q * n + j]).sum();
@@ -671,13 +668,13 @@ mod tests {
             cs: 1,
         };
         let dims = |kk: usize| (m as i64, n as i64, kk as i64);
-        block_from(Tile::detect(), &mut s, srcs, dims(25), a0, b0, false).unwrap();
+        block(Tile::detect(), &mut s, srcs, dims(25), a0, b0, false).unwrap();
         let a1 = Operand { off: 4 * 25, ..a0 };
         let b1 = Operand {
             off: 4 * 25 * n as i64,
             ..b0
         };
-        block_from(Tile::detect(), &mut s, srcs, dims(15), a1, b1, true).unwrap();
+        block(Tile::detect(), &mut s, srcs, dims(15), a1, b1, true).unwrap();
         for i in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|q| av[i * k + q] * bv[q * n + j]).sum();
@@ -691,7 +688,7 @@ mod tests {
             cs: 1,
         };
         let dims = (m as i64, k as i64, k as i64);
-        assert!(block_from(Tile::detect(), &mut s, srcs, dims, a0, big_b, false).is_err());
+        assert!(block(Tile::detect(), &mut s, srcs, dims, a0, big_b, false).is_err());
     }
 
     /// Operands outside the arena, negative strides and oversized blocks are refused
@@ -730,7 +727,7 @@ mod tests {
             s.c.fill(1.0);
             // SAFETY: `arena` is a live vector no one writes during the call.
             let view = unsafe { Arena::new(arena.as_ptr(), arena.len()) };
-            let r = block(Tile::detect(), &mut s, view, dims, a, b);
+            let r = block(Tile::detect(), &mut s, (view, view), dims, a, b, false);
             assert_eq!(r.is_ok(), fine, "{dims:?} {a:?} {b:?}");
             if !fine {
                 assert!(s.c.iter().all(|&x| x == 0.0));
