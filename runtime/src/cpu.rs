@@ -6,7 +6,6 @@
 //! [`GEMM_CONTEXT_SLOT`]. Each thread of a session has its own table, whose context slot
 //! addresses that thread's GEMM scratch (`gemm.rs`).
 
-use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -192,9 +191,9 @@ extern "C" fn h_sgemm_gathered(
     product(ctx, sources, (m, n, k), ops, accumulate != 0)
 }
 
-/// Thread `t`'s helper table, built at run time (function addresses cannot be taken in a
-/// constant), its context slot addressing `ctx`.
-fn helper_table(ctx: &mut GemmContext) -> Table {
+/// A thread's helper table, built at run time (function addresses cannot be taken in a
+/// constant), its context slot addressing `ctx` (a live allocation of `thread_state`).
+fn helper_table(ctx: *mut GemmContext) -> Table {
     type F1 = extern "C" fn(f32) -> f32;
     type F2 = extern "C" fn(f32, f32) -> f32;
     type FromBits = extern "C" fn(i32) -> f32;
@@ -216,9 +215,11 @@ fn helper_table(ctx: &mut GemmContext) -> Table {
         h_f32_to_bf16 as ToBits as usize as u64,
         h_sgemm as Gemm as usize as u64,
         h_sgemm_gathered as Gathered as usize as u64,
-        std::ptr::from_mut(ctx) as usize as u64,
-        ctx.gathered.a_ptr() as usize as u64,
-        ctx.gathered.b_ptr() as usize as u64,
+        ctx as usize as u64,
+        // SAFETY: `ctx` is live and nothing else reaches it yet (`thread_state`); the
+        // buffers' addresses are read, not borrowed.
+        unsafe { (*ctx).gathered.a_ptr() } as usize as u64,
+        unsafe { (*ctx).gathered.b_ptr() } as usize as u64,
     ]
 }
 
@@ -243,40 +244,68 @@ pub(crate) struct CpuExecutor {
     /// One table per thread (the caller's first, then each worker's), boxed so their
     /// addresses are stable while worker threads read them.
     tables: Box<[Table]>,
-    /// Each thread's GEMM context, addressed by its table. Reached only through
-    /// `UnsafeCell::get`: by that thread's kernels during a launch, by the executor
-    /// between launches.
-    contexts: Box<[UnsafeCell<GemmContext>]>,
+    /// Each thread's GEMM context, addressed by its table.
+    contexts: Contexts,
     launches: Vec<Launch>,
     module: Option<JITModule>,
 }
 
-// SAFETY: the contexts' raw pointers address the session's arena and their own boxes;
-// the executor is used from one thread at a time (`&mut self` for every launch), and its
-// workers touch their context only inside a launch the owning thread waits for.
+// SAFETY: the contexts' raw pointers address the session's arena and their own
+// allocations; the executor is used from one thread at a time (`&mut self` for every
+// launch), and its workers touch their context only inside a launch the owning thread
+// waits for.
 unsafe impl Send for CpuExecutor {}
 
+/// The threads' GEMM contexts, each its own allocation reached only through the raw
+/// pointer kept here and copied into its thread's table: no Rust reference to a context
+/// outlives the call that makes it, so moving the executor or reaching a context from the
+/// executor does not invalidate the tables' copies.
+struct Contexts(Vec<*mut GemmContext>);
+
+impl Contexts {
+    /// Runs `f` on every context.
+    fn each<R>(&mut self, mut f: impl FnMut(&mut GemmContext) -> Option<R>) -> Option<R> {
+        let mut first = None;
+        for &c in &self.0 {
+            // SAFETY: `c` came from `Box::into_raw` (`thread_state`) and is freed only in
+            // `drop`; `&mut self` means no launch runs (launches borrow the executor), so
+            // no kernel or helper holds the context now.
+            let r = f(unsafe { &mut *c });
+            first = first.or(r);
+        }
+        first
+    }
+}
+
+impl Drop for Contexts {
+    fn drop(&mut self) {
+        for &c in &self.0 {
+            // SAFETY: `c` came from `Box::into_raw` and is freed only here, once; the
+            // executor drops its pool (joining the workers) before its contexts, and
+            // `set_threads` replaces the contexts only after the old pool is gone.
+            drop(unsafe { Box::from_raw(c) });
+        }
+    }
+}
+
 /// `threads` GEMM contexts and the tables that address them.
-fn thread_state(threads: usize) -> (Box<[Table]>, Box<[UnsafeCell<GemmContext>]>) {
+fn thread_state(threads: usize) -> (Box<[Table]>, Contexts) {
     let tile = gemm::Tile::detect();
-    let contexts: Box<[UnsafeCell<GemmContext>]> = (0..threads.max(1))
-        .map(|_| {
-            UnsafeCell::new(GemmContext {
-                arena: std::ptr::null(),
-                arena_bytes: 0,
-                tile,
-                scratch: gemm::Scratch::new(),
-                gathered: gemm::Gathered::new(),
-                refused: None,
+    let contexts = Contexts(
+        (0..threads.max(1))
+            .map(|_| {
+                Box::into_raw(Box::new(GemmContext {
+                    arena: std::ptr::null(),
+                    arena_bytes: 0,
+                    tile,
+                    scratch: gemm::Scratch::new(),
+                    gathered: gemm::Gathered::new(),
+                    refused: None,
+                }))
             })
-        })
-        .collect();
-    // SAFETY: nothing else holds a reference into the contexts yet; the tables keep raw
-    // pointers only.
-    let tables = contexts
-        .iter()
-        .map(|c| helper_table(unsafe { &mut *c.get() }))
-        .collect();
+            .collect(),
+    );
+    let tables = contexts.0.iter().map(|&c| helper_table(c)).collect();
     (tables, contexts)
 }
 
@@ -429,21 +458,17 @@ impl CpuExecutor {
     /// Points every thread's GEMM context at the arena of the next launches, and clears
     /// their refusals. Called by every entry that launches kernels.
     fn set_arena(&mut self, arena: *mut u8, arena_bytes: usize) {
-        for c in self.contexts.iter_mut() {
-            let c = c.get_mut();
+        self.contexts.each(|c| {
             c.arena = arena.cast_const();
             c.arena_bytes = arena_bytes;
             c.refused = None;
-        }
+            None::<()>
+        });
     }
 
     /// The first GEMM call the last launches refused, as an error.
     fn refusals(&mut self) -> Result<(), Error> {
-        match self
-            .contexts
-            .iter_mut()
-            .find_map(|c| c.get_mut().refused.take())
-        {
+        match self.contexts.each(|c| c.refused.take()) {
             Some(r) => Err(Error::HelperRefused {
                 m: r.m,
                 n: r.n,

@@ -6,7 +6,8 @@
 //! reaches about a quarter of what a host with AVX-512 can do. The helper is compiled into
 //! the runtime instead, with the widest vectors the host has (checked at run time): an 8 ×
 //! 32 register tile of AVX-512 fused multiply-adds, a 4 × 16 tile on AVX2 with FMA, and a
-//! portable 4 × 8 tile the compiler vectorizes for the baseline (SSE2, NEON) elsewhere. `k`
+//! portable 4 × 8 tile of multiplies and adds, which the compiler vectorizes for the
+//! baseline (SSE2, NEON), elsewhere. `k`
 //! runs in slices of [`KC`]: each slice's rows of B are packed into panels of the tile's
 //! width and A's rows into panels of its height, both zero-padded, in buffers allocated
 //! with the session (so a step allocates nothing), and every tile sums its slice in
@@ -454,7 +455,7 @@ fn tile_portable<const MR: usize, const NR: usize>(
     for (a, b) in pa.chunks_exact(MR).zip(pb.chunks_exact(NR)).take(kc) {
         for (tr, &ar) in t.iter_mut().zip(a) {
             for (x, &bc) in tr.iter_mut().zip(b) {
-                *x = ar.mul_add(bc, *x);
+                *x += ar * bc;
             }
         }
     }

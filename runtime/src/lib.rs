@@ -296,7 +296,6 @@ pub enum Error {
     /// A params file is not valid safetensors or holds an unsupported dtype.
     #[error("safetensors: {0}")]
     Safetensors(String),
-    /// Starting a worker thread failed.
     /// A kernel's call of the GEMM helper named operands outside the arena or a block
     /// larger than the helper computes: the code is not what tcc compiles.
     #[error(
@@ -305,6 +304,7 @@ pub enum Error {
          code is corrupt; rebuild it"
     )]
     HelperRefused { m: i64, n: i64, k: i64 },
+    /// Starting a worker thread failed.
     #[error("could not start a worker thread: {0}")]
     Threads(std::io::Error),
     /// The CUDA driver is missing, has no such device, or a CUDA call failed (`context`

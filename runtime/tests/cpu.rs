@@ -723,9 +723,20 @@ fn the_gemm_helper_computes_blocks_and_refuses_calls_outside_the_arena() {
         "{err}"
     );
     assert!(err.to_string().contains("corrupt"), "{err}");
+    // On 3 threads every call is refused, the workers' included (rows in chunks of 3).
+    s.set_threads(3).unwrap();
+    s.set_input("x", &x).unwrap();
+    let err = s.run().unwrap_err();
+    assert!(
+        matches!(err, Error::HelperRefused { n: 5, k: 300, .. }),
+        "{err}"
+    );
     // One float earlier it is inside (reading other bytes of the arena, which is allowed).
+    // One thread: this B overlaps `y`, which another thread's copy would write while it
+    // is read.
     let edge = Model::from_bytes(gemm_artifact(m, n, k, Some(past - 4))).unwrap();
     let mut s = Session::new(&edge, Device::Cpu).unwrap();
+    s.set_threads(1).unwrap();
     s.set_input("x", &x).unwrap();
     s.run().unwrap();
 }

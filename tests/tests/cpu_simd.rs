@@ -227,6 +227,15 @@ fn products_through_the_gemm_helper_agree_with_eager() {
     for body in &cases {
         let src = format!("model m {{\n {body}\n output y\n}}\n");
         agree(&src);
+        // The same sums on any number of threads, bit for bit.
+        let g = compile_pipeline(&src, &Options::default()).unwrap();
+        let inputs = tcc::eager::random_inputs(&g, 7);
+        let (one, three) = (cpu_threads(&g, &inputs, 1), cpu_threads(&g, &inputs, 3));
+        assert_eq!(
+            one["y"].to_le_bytes(),
+            three["y"].to_le_bytes(),
+            "{src}: 1 and 3 threads differ"
+        );
         let code = clif(&src);
         assert!(
             code.contains("call_indirect") && code.contains("v3+88"),
@@ -288,4 +297,22 @@ fn convolutions_through_the_gathered_helper_train_like_eager() {
             );
         }
     }
+}
+
+/// A convolution whose channel runs are longer than a chunk of 512 steps (blocks of fewer
+/// rows, one run a chunk) and whose output channels pass one block of 512 columns.
+#[test]
+fn wide_convolutions_through_the_gathered_helper_agree_with_eager() {
+    let src = "model m {
+ input x: f32[1, 520, 5, 5]
+ param w: f32[516, 520, 3, 3] = normal(0.0, 0.02)
+ let y = conv2d(x, w, padding: 1)
+ output y
+}
+";
+    agree(src);
+    assert!(
+        clif(src).contains("v3+96"),
+        "no call of sgemm_gathered (slot 12)"
+    );
 }

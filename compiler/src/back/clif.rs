@@ -45,6 +45,24 @@ mod slot {
     pub const SGEMM_GATHERED: usize = 12;
     pub const GATHER_A: usize = 14;
     pub const GATHER_B: usize = 15;
+    // The runtime's table order (`tcc_runtime::cpu::CPU_HELPERS` and the slots after it).
+    const _: () = {
+        use tcc_runtime::cpu as rt;
+        assert!(rt::GATHER_A_SLOT == GATHER_A && rt::GATHER_B_SLOT == GATHER_B);
+        assert!(rt::GEMM_CONTEXT_SLOT == SGEMM_GATHERED + 1);
+        assert!(rt::CPU_HELPERS.len() == SGEMM_GATHERED + 1);
+        assert!(matches!(rt::CPU_HELPERS[SGEMM].as_bytes(), b"sgemm"));
+        assert!(matches!(
+            rt::CPU_HELPERS[SGEMM_GATHERED].as_bytes(),
+            b"sgemm_gathered"
+        ));
+        assert!(matches!(rt::CPU_HELPERS[LOG].as_bytes(), b"logf"));
+        assert!(matches!(rt::CPU_HELPERS[POW].as_bytes(), b"powf"));
+        assert!(matches!(
+            rt::CPU_HELPERS[F16_TO_F32].as_bytes(),
+            b"f16_to_f32"
+        ));
+    };
     // Slots 9 and 10 (bf16 <-> f32) stay in the runtime's table for artifacts built before
     // bf16 loads, stores and rounding were made inline.
 }
@@ -1335,11 +1353,12 @@ impl<'a, 'b> Cg<'a, 'b> {
                 "implicit-GEMM operands without a packing plan (`Gathers::prepare`)",
             ));
         }
-        if mm.a.dtype == DType::F32 && mm.b.dtype == DType::F32 {
+        let strides = [mm.a.rs, mm.a.cs, mm.b.rs, mm.b.cs];
+        if mm.a.dtype == DType::F32 && mm.b.dtype == DType::F32 && strides.iter().all(|&s| s >= 0) {
             return self.helper_matmul(mm);
         }
-        // f16/bf16 operands (mixed precision): a dot product per element, converted on
-        // load.
+        // f16/bf16 operands (mixed precision), or a stride the helper refuses (none that
+        // lowering makes today): a dot product per element, converted on load.
         const MR: i64 = 4;
         let m = mm.m as i64;
         let mtiles = (m + MR - 1) / MR;
@@ -1360,8 +1379,8 @@ impl<'a, 'b> Cg<'a, 'b> {
     /// one batch index, aligned to multiples of it, and each block's columns in blocks of
     /// `SGEMM_BLOCK_N`; the helper computes a block into its thread's scratch and the
     /// epilogue reads it element by element. A block starts at the first tile of the call
-    /// or of an aligned group, so every thread's range gives the same blocks, and so the
-    /// same sums, as one thread would.
+    /// or of an aligned group. An element's sum depends only on `k` (the helper's slices
+    /// of it), not on the blocks, so any number of threads gives the same results.
     fn helper_matmul(&mut self, mm: &Matmul) -> Res<()> {
         use tcc_runtime::cpu::{SGEMM_BLOCK_M, SGEMM_BLOCK_N};
         const MR: i64 = 4;

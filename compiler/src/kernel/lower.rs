@@ -96,9 +96,9 @@ pub const CPU_MAX_WINDOW_K: usize = 2 * CPU_MAX_K;
 /// implicit GEMM (1: not split). Its `k` is every output pixel of the batch (131072 for the
 /// stem of a ResNet on CIFAR at batch 128) while its output is small (64 × 27). On CUDA,
 /// unsplit, a handful of blocks would run the whole sum; on the CPU (`cuda` false) each
-/// split must fit the packed copies: all of A's rows where threads take panels of B's
-/// columns, else all of B's columns (where a split of one output row still does). The
-/// split slices add into a zeroed buffer.
+/// split keeps within the panel budget (`CPU_PACK_B_BYTES`): all of A's rows where threads
+/// take panels of B's columns, else all of B's columns (where a split of one output row
+/// still does). The split slices add into a zeroed buffer.
 pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
     let node = g.node(n);
     let Op::Conv2dGradWeight { groups: 1, .. } = node.op else {

@@ -972,10 +972,10 @@ pub struct CpuPanels {
     pub ntiles: i64,
     pub pt: i64,
     pub npan: i64,
-    /// Threads take panels (A is packed whole once per split of a call, B panel by panel)
-    /// instead of row tiles (B's panels packed once per call, A tile by tile). A call
-    /// packs the operand it does not split in full, so the split is along the larger side:
-    /// a weight gradient (`m` = output channels, `n` = the window) splits its panels.
+    /// Threads take panels of columns (each call gathers all of A's rows) instead of row
+    /// tiles (each call gathers all of B's columns). A call gathers the operand it does
+    /// not split in full, so the split is along the larger side: a weight gradient (`m` =
+    /// output channels, `n` = the window) splits its panels.
     pub by_panels: bool,
 }
 
