@@ -1,17 +1,17 @@
-//! The CPU kernels' f32 GEMM helper (helper slot `sgemm`, `ARTIFACT.md`): one block of a
-//! product, at most [`BLOCK_M`] × [`BLOCK_N`], computed into the calling thread's own
-//! scratch, which the kernel then reads through its fused epilogue.
+//! The CPU kernels' f32 GEMM helpers (helper slots `sgemm` and `sgemm_gathered`,
+//! `ARTIFACT.md`): one block of a product, at most [`BLOCK_M`] × [`BLOCK_N`], computed into
+//! the calling thread's own scratch, which the kernel then reads through its fused
+//! epilogue.
 //!
 //! Cranelift lowers 128-bit vectors only, so a GEMM written in CLIF runs on `f32x4` and
 //! reaches about a quarter of what a host with AVX-512 can do. The helper is compiled into
 //! the runtime instead, with the widest vectors the host has (checked at run time): an 8 ×
-//! 32 register tile of AVX-512 fused multiply-adds, a 4 × 16 tile on AVX2 with FMA, and a
-//! portable 4 × 8 tile of multiplies and adds, which the compiler vectorizes for the
-//! baseline (SSE2, NEON), elsewhere. `k`
-//! runs in slices of [`KC`]: each slice's rows of B are packed into panels of the tile's
-//! width and A's rows into panels of its height, both zero-padded, in buffers allocated
-//! with the session (so a step allocates nothing), and every tile sums its slice in
-//! registers.
+//! 32 register tile of AVX-512 fused multiply-adds, a 4 × 16 tile on AVX2 with FMA, and
+//! elsewhere a portable 4 × 8 tile of multiplies and adds, which the compiler vectorizes
+//! for the baseline (SSE2, NEON). `k` runs in slices of [`KC`]: each slice's rows of B are
+//! packed into panels of the tile's width and A's rows into panels of its height, both
+//! zero-padded, in buffers allocated with the session (so a step allocates nothing), and
+//! every tile sums its slice in registers.
 //!
 //! The summation order of an element depends only on `k` and [`KC`]: the same on any
 //! number of threads and for any split of the rows into blocks.
