@@ -253,7 +253,10 @@ pub(crate) fn block(
             row[..nu].fill(0.0);
         }
     }
-    let view = View { a_src, b_src, a, b };
+    let view = (
+        Sides::new(a_src, &a, a.rs, a.cs),
+        Sides::new(b_src, &b, b.cs, b.rs),
+    );
     match tile {
         #[cfg(target_arch = "x86_64")]
         Tile::Avx512 => run::<AVX512_MR, 32>(&view, scratch, mu, nu, ku, &|kc, pa, pb, t| {
@@ -272,29 +275,35 @@ pub(crate) fn block(
     Ok(())
 }
 
-/// The operands of a checked call, read by element.
-struct View {
-    a_src: Arena,
-    b_src: Arena,
-    a: Operand,
-    b: Operand,
+/// A checked operand as the packing reads it: element `(s, q)` at byte `off + 4 (s ·
+/// side + q · step)` of `src`, `s` its side (A's row, B's column) and `q` its step along
+/// `k`.
+struct Sides {
+    src: Arena,
+    off: usize,
+    side: usize,
+    step: usize,
 }
 
-impl View {
-    /// Element `(r, q)` of A: in its source for every `(r, q)` the callers ask for
-    /// (`Operand::check` passed for the block's extents, so nothing overflows);
-    /// `Arena::f32_at` still reads nothing outside it.
-    fn a_at(&self, r: usize, q: usize) -> f32 {
-        let o = &self.a;
-        self.a_src
-            .f32_at(o.off as usize + 4 * (r * o.rs as usize + q * o.cs as usize))
+impl Sides {
+    /// `o`, checked (`Operand::check`: no negative offset or stride, every element in
+    /// `src`), with its side along `side` and its steps along `step` (A: rows and
+    /// columns; B: columns and rows).
+    fn new(src: Arena, o: &Operand, side: i64, step: i64) -> Sides {
+        Sides {
+            src,
+            off: o.off as usize,
+            side: side as usize,
+            step: step as usize,
+        }
     }
 
-    /// Element `(r, q)` of B, as `a_at`.
-    fn b_at(&self, r: usize, q: usize) -> f32 {
-        let o = &self.b;
-        self.b_src
-            .f32_at(o.off as usize + 4 * (r * o.rs as usize + q * o.cs as usize))
+    /// Element `(s, q)`: in `src` for every `(s, q)` the packing asks for (the check
+    /// passed for the block's extents, so nothing overflows); `Arena::f32_at` still reads
+    /// nothing outside it.
+    fn at(&self, s: usize, q: usize) -> f32 {
+        self.src
+            .f32_at(self.off + 4 * (s * self.side + q * self.step))
     }
 }
 
@@ -303,7 +312,7 @@ type TileFn<const MR: usize, const NR: usize> = dyn Fn(usize, &[f32], &[f32], &m
 
 /// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice.
 fn run<const MR: usize, const NR: usize>(
-    v: &View,
+    (a, b): &(Sides, Sides),
     s: &mut Scratch,
     m: usize,
     n: usize,
@@ -314,8 +323,8 @@ fn run<const MR: usize, const NR: usize>(
     let mut p0 = 0;
     while p0 < k {
         let kc = KC.min(k - p0);
-        pack_a::<MR>(v, &mut s.pa, m, p0, kc);
-        pack_b::<NR>(v, &mut s.pb, n, p0, kc);
+        pack::<MR>(a, &mut s.pa, m, p0, kc);
+        pack::<NR>(b, &mut s.pb, n, p0, kc);
         for jp in 0..np {
             let pb = &s.pb[jp * NR * kc..(jp + 1) * NR * kc];
             for ip in 0..mp {
@@ -336,110 +345,50 @@ fn run<const MR: usize, const NR: usize>(
     }
 }
 
-/// A's rows `[0, m)`, steps `[p0, p0 + kc)`, as panels of `MR` rows: step `q` of panel `p`
-/// holds its `MR` rows' values at `p * MR * kc + q * MR` (rows past `m` are 0).
-fn pack_a<const MR: usize>(v: &View, out: &mut [f32], m: usize, p0: usize, kc: usize) {
-    /// Steps of a row read at once where the row is contiguous.
+/// An operand's sides `[0, extent)` (A's rows, B's columns), steps `[p0, p0 + kc)`, as
+/// panels of `W` sides: step `q` of panel `p` holds its `W` sides' values at `p * W * kc +
+/// q * W` (sides past `extent` are 0). A step of a panel whose sides are contiguous is one
+/// run (B's row, or A's column in a transposed view); otherwise a side contiguous along
+/// `k` (A's row, or B's column in a transposed weight) is read in runs of 16 steps.
+fn pack<const W: usize>(o: &Sides, out: &mut [f32], extent: usize, p0: usize, kc: usize) {
+    /// Steps of a side read at once where the side is contiguous along `k`.
     const RUN: usize = 16;
     for (p, panel) in out
-        .chunks_exact_mut(MR * kc)
-        .take(m.div_ceil(MR))
+        .chunks_exact_mut(W * kc)
+        .take(extent.div_ceil(W))
         .enumerate()
     {
-        if v.a.rs == 1 && (p + 1) * MR <= m {
-            // A contiguous along its rows (a transposed view: activations in a weight
-            // gradient): a step's MR rows are one run.
-            for (q, step) in panel.chunks_exact_mut(MR).enumerate() {
-                let at = v.a.off as usize + 4 * (p * MR + (p0 + q) * v.a.cs as usize);
-                match v.a_src.run_at::<MR>(at) {
+        let s0 = p * W;
+        if o.side == 1 && s0 + W <= extent {
+            for (q, step) in panel.chunks_exact_mut(W).enumerate() {
+                match o.src.run_at::<W>(o.off + 4 * (s0 + (p0 + q) * o.step)) {
                     Some(run) => step.copy_from_slice(&run),
                     None => {
-                        for (r, x) in step.iter_mut().enumerate() {
-                            *x = v.a_at(p * MR + r, p0 + q);
+                        for (c, x) in step.iter_mut().enumerate() {
+                            *x = o.at(s0 + c, p0 + q);
                         }
                     }
                 }
             }
             continue;
         }
-        for r in 0..MR {
-            let i = p * MR + r;
+        for c in 0..W {
+            let s = s0 + c;
             let mut q = 0;
-            if i < m && v.a.cs == 1 {
-                let row = v.a.off as usize + 4 * (i * v.a.rs as usize + p0);
+            if s < extent && o.step == 1 {
+                let base = o.off + 4 * (s * o.side + p0);
                 while q + RUN <= kc {
-                    let Some(run) = v.a_src.run_at::<RUN>(row + 4 * q) else {
+                    let Some(run) = o.src.run_at::<RUN>(base + 4 * q) else {
                         break;
                     };
                     for (u, x) in run.into_iter().enumerate() {
-                        panel[(q + u) * MR + r] = x;
+                        panel[(q + u) * W + c] = x;
                     }
                     q += RUN;
                 }
             }
             for q in q..kc {
-                panel[q * MR + r] = if i < m { v.a_at(i, p0 + q) } else { 0.0 };
-            }
-        }
-    }
-}
-
-/// B's columns `[0, n)`, steps `[p0, p0 + kc)`, as panels of `NR` columns: step `q` of
-/// panel `p` holds its `NR` columns' values at `p * NR * kc + q * NR` (columns past `n`
-/// are 0). Contiguous runs of B are copied as slices.
-fn pack_b<const NR: usize>(v: &View, out: &mut [f32], n: usize, p0: usize, kc: usize) {
-    if v.b.rs == 1 && v.b.cs != 1 {
-        return pack_b_k_major::<NR>(v, out, n, p0, kc);
-    }
-    for (p, panel) in out
-        .chunks_exact_mut(NR * kc)
-        .take(n.div_ceil(NR))
-        .enumerate()
-    {
-        let j0 = p * NR;
-        for (q, step) in panel.chunks_exact_mut(NR).enumerate() {
-            let full = j0 + NR <= n && v.b.cs == 1;
-            let start = v.b.off as usize + 4 * ((p0 + q) * v.b.rs as usize + j0);
-            match full.then(|| v.b_src.run_at::<NR>(start)).flatten() {
-                Some(run) => step.copy_from_slice(&run),
-                None => {
-                    for (c, x) in step.iter_mut().enumerate() {
-                        let j = j0 + c;
-                        *x = if j < n { v.b_at(p0 + q, j) } else { 0.0 };
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `pack_b` for a B contiguous along `k` (a transposed view: a weight in a backward pass):
-/// each column's steps are read as runs.
-fn pack_b_k_major<const NR: usize>(v: &View, out: &mut [f32], n: usize, p0: usize, kc: usize) {
-    /// Steps of a column read at once.
-    const RUN: usize = 16;
-    for (p, panel) in out
-        .chunks_exact_mut(NR * kc)
-        .take(n.div_ceil(NR))
-        .enumerate()
-    {
-        for c in 0..NR {
-            let j = p * NR + c;
-            let mut q = 0;
-            if j < n {
-                let col = v.b.off as usize + 4 * (p0 + j * v.b.cs as usize);
-                while q + RUN <= kc {
-                    let Some(run) = v.b_src.run_at::<RUN>(col + 4 * q) else {
-                        break;
-                    };
-                    for (u, x) in run.into_iter().enumerate() {
-                        panel[(q + u) * NR + c] = x;
-                    }
-                    q += RUN;
-                }
-            }
-            for q in q..kc {
-                panel[q * NR + c] = if j < n { v.b_at(p0 + q, j) } else { 0.0 };
+                panel[q * W + c] = if s < extent { o.at(s, p0 + q) } else { 0.0 };
             }
         }
     }

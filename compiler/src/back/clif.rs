@@ -1388,7 +1388,6 @@ impl<'a, 'b> Cg<'a, 'b> {
         let bn = SGEMM_BLOCK_N as i64;
         let (m, n, kk) = (mm.m as i64, mm.n as i64, mm.k as i64);
         let mtiles = (m + MR - 1) / MR;
-        let nb = mm.batch.len();
         let a_at = self
             .offsets
             .get(mm.a.buf)
@@ -1452,20 +1451,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             strides[3],
         ];
         let c = self.helper(slot::SGEMM, &args, &[I64; 10], I64);
-        let z = self.iconst(0);
-        let rl = self.open_loop(z, mh);
-        let i = self.b.ins().iadd(i0, rl.iv);
-        let crow = self.b.ins().imul_imm_s(rl.iv, bn * 4);
-        let crow = self.b.ins().iadd(c, crow);
-        let z = self.iconst(0);
-        let ql = self.open_loop(z, nh);
-        let j = self.b.ins().iadd(j0, ql.iv);
-        let cq = self.b.ins().imul_imm_s(ql.iv, 4);
-        let ca = self.b.ins().iadd(crow, cq);
-        let acc = self.b.ins().load(F32, flags(), ca, 0);
-        self.epilogue(nb, i, j, acc)?;
-        self.close_loop(ql);
-        self.close_loop(rl);
+        self.block_epilogue(mm, c, [i0, mh], [j0, nh])?;
         self.close_loop(jl);
         self.b.ins().jump(cont, &[]);
         self.b.switch_to_block(cont);
@@ -1916,7 +1902,7 @@ impl Cg<'_, '_> {
 
     /// The epilogue over the block at `c` (rows `BLOCK_N` floats apart) of `mh` rows from
     /// `i0` and `nh` columns from `j0`, each index unflattened over the kernel's rows and
-    /// columns.
+    /// columns (the domain variables after the batch's, bound by the caller).
     fn block_epilogue(
         &mut self,
         mm: &Matmul,
@@ -1927,14 +1913,15 @@ impl Cg<'_, '_> {
         let bn = tcc_runtime::cpu::SGEMM_BLOCK_N as i64;
         let z = self.iconst(0);
         let el = self.open_loop(z, mh);
+        let nb = mm.batch.len();
         let i = self.b.ins().iadd(i0, el.iv);
-        self.bind_flat(i, &mm.rows, 0);
+        self.bind_flat(i, &mm.rows, nb);
         let crow = self.b.ins().imul_imm_s(el.iv, bn * 4);
         let crow = self.b.ins().iadd(c, crow);
         let z = self.iconst(0);
         let ql = self.open_loop(z, nh);
         let j = self.b.ins().iadd(j0, ql.iv);
-        self.bind_flat(j, &mm.cols, mm.rows.len());
+        self.bind_flat(j, &mm.cols, nb + mm.rows.len());
         let cq = self.b.ins().imul_imm_s(ql.iv, 4);
         let ca = self.b.ins().iadd(crow, cq);
         let acc = self.b.ins().load(F32, flags(), ca, 0);
