@@ -17,8 +17,9 @@
 //! Functions go through the Cranelift verifier before they are printed, so the text the
 //! runtime receives is well-formed.
 
+use super::divconst::DivBy;
 use crate::ir::{BinaryOp, DType, NodeId, UnaryOp};
-use crate::kernel::lower::{free_vars, reachable};
+use crate::kernel::lower::{children, free_vars, reachable};
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
 use crate::kernel::{CpuPanels, ExprId, ExprPool, Kernel, Matmul, Red, VTy, Var, E};
@@ -359,6 +360,47 @@ impl<'a, 'b> Cg<'a, 'b> {
 
     fn iconst(&mut self, v: i64) -> Value {
         self.b.ins().iconst(I64, v)
+    }
+
+    /// i64 `x / d` rounding toward zero, as `sdiv`, for a constant `d`: a multiply and
+    /// shifts where `d` is positive ([`DivBy`]), since the runtime's JIT does not rewrite a
+    /// constant division (`runtime/src/cpu.rs`).
+    fn div_const(&mut self, x: Value, d: i64) -> Value {
+        match DivBy::of(d) {
+            DivBy::One => x,
+            DivBy::Pow2(k) => {
+                let sign = self.b.ins().sshr_imm_u(x, 63);
+                let bias = self.b.ins().ushr_imm_u(sign, 64 - k as i64);
+                let t = self.b.ins().iadd(x, bias);
+                self.b.ins().sshr_imm_u(t, k as i64)
+            }
+            DivBy::Magic { m, add, s } => {
+                let mc = self.iconst(m);
+                let mut q = self.b.ins().smulhi(x, mc);
+                if add {
+                    q = self.b.ins().iadd(q, x);
+                }
+                if s > 0 {
+                    q = self.b.ins().sshr_imm_u(q, s as i64);
+                }
+                let neg = self.b.ins().ushr_imm_u(q, 63);
+                self.b.ins().iadd(q, neg)
+            }
+            DivBy::Plain => self.b.ins().sdiv_imm_s(x, d),
+        }
+    }
+
+    /// i64 `x % d` with the sign of `x`, as `srem`, for a constant `d` (see
+    /// [`Cg::div_const`]).
+    fn rem_const(&mut self, x: Value, d: i64) -> Value {
+        match DivBy::of(d) {
+            DivBy::Plain => return self.b.ins().srem_imm_s(x, d),
+            DivBy::One => return self.iconst(0),
+            _ => {}
+        }
+        let q = self.div_const(x, d);
+        let qd = self.b.ins().imul_imm_s(q, d);
+        self.b.ins().isub(x, qd)
     }
 
     /// Emits every live node computed in the loop of `v` (or the entry block).
@@ -735,6 +777,19 @@ impl<'a, 'b> Cg<'a, 'b> {
             E::Un(op, a) => {
                 let x = self.emit(a)?;
                 self.unary(op, self.k.pool.ty(a), x)?
+            }
+            E::Bin(op @ (BinaryOp::Div | BinaryOp::Rem), a, b)
+                if self.k.pool.ty(a) == VTy::I64 && matches!(self.k.pool.get(b), E::Int(_)) =>
+            {
+                let x = self.emit(a)?;
+                let E::Int(d) = *self.k.pool.get(b) else {
+                    return Err(self.unsupported("a constant divisor"));
+                };
+                if op == BinaryOp::Div {
+                    self.div_const(x, d)
+                } else {
+                    self.rem_const(x, d)
+                }
             }
             E::Bin(op, a, b) => {
                 let x = self.emit(a)?;
@@ -1398,8 +1453,8 @@ impl<'a, 'b> Cg<'a, 'b> {
             .ok_or(ClifError::NoOffset(mm.b.buf.index()))? as i64;
         let xl = self.open_loop(self.lo, self.hi);
         let x = xl.iv;
-        let it = self.b.ins().srem_imm_s(x, mtiles.max(1));
-        let in_group = self.b.ins().srem_imm_s(it, bm);
+        let it = self.rem_const(x, mtiles.max(1));
+        let in_group = self.rem_const(it, bm);
         let first = self.b.ins().icmp(IntCC::Equal, x, self.lo);
         let aligned = self.b.ins().icmp_imm_s(IntCC::Equal, in_group, 0);
         let start = self.b.ins().bor(first, aligned);
@@ -1469,15 +1524,15 @@ impl<'a, 'b> Cg<'a, 'b> {
         mr: i64,
     ) -> Res<(Value, Value, Value)> {
         let nb = mm.batch.len();
-        let bflat = self.b.ins().sdiv_imm_s(x, mtiles.max(1));
-        let it = self.b.ins().srem_imm_s(x, mtiles.max(1));
+        let bflat = self.div_const(x, mtiles.max(1));
+        let it = self.rem_const(x, mtiles.max(1));
         let i0 = self.b.ins().imul_imm_s(it, mr);
         let mut bidx = vec![bflat; nb];
         let mut rest = bflat;
         for d in (0..nb).rev() {
             let e = mm.batch[d] as i64;
-            bidx[d] = self.b.ins().srem_imm_s(rest, e.max(1));
-            rest = self.b.ins().sdiv_imm_s(rest, e.max(1));
+            bidx[d] = self.rem_const(rest, e.max(1));
+            rest = self.div_const(rest, e.max(1));
         }
         for (d, &v) in bidx.iter().enumerate() {
             self.vars.insert(d as Var, v);
@@ -1783,7 +1838,7 @@ impl Cg<'_, '_> {
         } else {
             let span = self.b.ins().isub(t1, t0);
             let span = self.b.ins().iadd_imm_s(span, chunk_runs - 1);
-            let nchunks = self.b.ins().sdiv_imm_s(span, chunk_runs);
+            let nchunks = self.div_const(span, chunk_runs);
             let c_var = self.b.declare_var(I64);
             let z = self.iconst(0);
             self.b.def_var(c_var, z);
@@ -1818,7 +1873,7 @@ impl Cg<'_, '_> {
     fn open_block(&mut self, span: &Span) -> (LoopCtx, Value, Value) {
         let len = self.b.ins().isub(span.hi, span.lo);
         let len = self.b.ins().iadd_imm_s(len, span.size - 1);
-        let count = self.b.ins().sdiv_imm_s(len, span.size);
+        let count = self.div_const(len, span.size);
         let z = self.iconst(0);
         let l = self.open_loop(z, count);
         let first = self.b.ins().imul_imm_s(l.iv, span.size);
@@ -1849,7 +1904,7 @@ impl Cg<'_, '_> {
             .ins()
             .load(I64, flags(), self.helpers, (slot_no * 8) as i32);
         let groups = self.b.ins().iadd_imm_s(count, mr - 1);
-        let groups = self.b.ins().sdiv_imm_s(groups, mr);
+        let groups = self.div_const(groups, mr);
         let z = self.iconst(0);
         let gl = self.open_loop(z, groups);
         let off = self.b.ins().imul_imm_s(gl.iv, mr * shape.chunk_k * 4);
@@ -1911,6 +1966,11 @@ impl Cg<'_, '_> {
         [j0, nh]: [Value; 2],
     ) -> Res<()> {
         let bn = tcc_runtime::cpu::SGEMM_BLOCK_N as i64;
+        let plan = self.epilogue_plan(mm);
+        let acc_nodes: Vec<ExprId> = (0..self.k.pool.nodes.len() as u32)
+            .map(ExprId)
+            .filter(|&e| matches!(self.k.pool.get(e), E::Acc))
+            .collect();
         let z = self.iconst(0);
         let el = self.open_loop(z, mh);
         let nb = mm.batch.len();
@@ -1918,8 +1978,39 @@ impl Cg<'_, '_> {
         self.bind_flat(i, &mm.rows, nb);
         let crow = self.b.ins().imul_imm_s(el.iv, bn * 4);
         let crow = self.b.ins().iadd(c, crow);
-        let z = self.iconst(0);
-        let ql = self.open_loop(z, nh);
+        let mut start = self.iconst(0);
+        if let Some(p) = &plan {
+            let j1 = self.b.ins().iadd(j0, nh);
+            let acc_nodes = &acc_nodes;
+            let next = self.vector_run(p.inner, &p.invariants, j0, j1, &mut |cg, j| {
+                let q = cg.b.ins().isub(j, j0);
+                let q = cg.b.ins().imul_imm_s(q, 4);
+                let at = cg.b.ins().iadd(crow, q);
+                let acc = cg.b.ins().load(F32X4, vflags(), at, 0);
+                for &e in acc_nodes {
+                    cg.vcache.insert(e, acc);
+                }
+                // Every value before any store, as the scalar loop does.
+                let mut vals = Vec::with_capacity(cg.k.stores.len());
+                for s in &cg.k.stores {
+                    vals.push(cg.vemit(s.value)?);
+                }
+                for (s, v) in cg.k.stores.iter().zip(vals) {
+                    let idx = cg.emit(s.index)?;
+                    let addr = cg.address(s.buf, s.dtype, idx)?;
+                    let v = if s.accumulate {
+                        let old = cg.b.ins().load(F32X4, vflags(), addr, 0);
+                        cg.b.ins().fadd(old, v)
+                    } else {
+                        v
+                    };
+                    cg.b.ins().store(vflags(), v, addr, 0);
+                }
+                Ok(())
+            })?;
+            start = self.b.ins().isub(next, j0);
+        }
+        let ql = self.open_loop(start, nh);
         let j = self.b.ins().iadd(j0, ql.iv);
         self.bind_flat(j, &mm.cols, nb + mm.rows.len());
         let cq = self.b.ins().imul_imm_s(ql.iv, 4);
@@ -1934,6 +2025,76 @@ impl Cg<'_, '_> {
         self.close_loop(ql);
         self.close_loop(el);
         Ok(())
+    }
+
+    /// Whether a product's epilogue can run on f32x4 vectors along its columns (one column
+    /// axis, the domain's last variable), and what it then splats: as [`Cg::simd_plan`]
+    /// asks of a Loop kernel, with the block's result (`E::Acc`) one more vector load, and
+    /// accumulating f32 stores (split-K) allowed.
+    fn epilogue_plan(&self, mm: &Matmul) -> Option<SimdPlan> {
+        let k = self.k;
+        let pool = &k.pool;
+        if mm.cols.len() != 1 || k.stores.is_empty() {
+            return None;
+        }
+        let inner = (mm.batch.len() + mm.rows.len()) as Var;
+        let free = free_vars(pool);
+        // Nodes that read the block's result: per element, like the column variable.
+        let mut on_acc = vec![false; pool.nodes.len()];
+        for (i, e) in pool.nodes.iter().enumerate() {
+            on_acc[i] = matches!(e, E::Acc)
+                || children(e)
+                    .iter()
+                    .any(|c| on_acc.get(c.0 as usize).copied().unwrap_or(false));
+        }
+        let mut stores = Vec::new();
+        for s in &k.stores {
+            if s.dtype != DType::F32 || pool.ty(s.value) != VTy::F32 {
+                return None;
+            }
+            let a = pool.affine(s.index)?;
+            if a.coef(inner) != 1 {
+                return None;
+            }
+            stores.push((self.offsets.get(s.buf)?, a));
+        }
+        let mut seen = vec![false; pool.nodes.len()];
+        let mut invariants = Vec::new();
+        let mut stack: Vec<ExprId> = k.stores.iter().map(|s| s.value).collect();
+        while let Some(e) = stack.pop() {
+            let i = e.0 as usize;
+            if std::mem::replace(seen.get_mut(i)?, true) {
+                continue;
+            }
+            let ty = pool.ty(e);
+            if !free.get(i)?.contains(&inner) && !*on_acc.get(i)? {
+                if ty != VTy::F32 && ty != VTy::Bool {
+                    return None;
+                }
+                invariants.push(e);
+                continue;
+            }
+            match pool.get(e) {
+                E::Acc => {}
+                E::Load {
+                    buf,
+                    dtype: DType::F32,
+                    index,
+                } => {
+                    let a = pool.affine(*index)?;
+                    if !matches!(a.coef(inner), 0 | 1) {
+                        return None;
+                    }
+                    let off = self.offsets.get(*buf)?;
+                    if stores.iter().any(|(so, sa)| *so == off && *sa != a) {
+                        return None;
+                    }
+                }
+                _ => stack.extend(vector_operands(pool, e)?),
+            }
+        }
+        invariants.sort_unstable();
+        Some(SimdPlan { inner, invariants })
     }
 
     /// Emits the nodes of `op` that read `v` and whose variables are all bound now (the
@@ -2054,9 +2215,9 @@ impl Cg<'_, '_> {
                 self.vars.insert(v, rest);
             } else {
                 let d = d.max(1) as i64;
-                let c = self.b.ins().srem_imm_s(rest, d);
+                let c = self.rem_const(rest, d);
                 self.vars.insert(v, c);
-                rest = self.b.ins().sdiv_imm_s(rest, d);
+                rest = self.div_const(rest, d);
             }
         }
     }

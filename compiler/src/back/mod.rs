@@ -6,5 +6,6 @@
 //!   which a `cuda` artifact carries beside it when `ptxas` is there at build time.
 
 pub mod clif;
+pub mod divconst;
 pub mod ptx;
 pub mod sass;
