@@ -341,7 +341,13 @@ impl CpuExecutor {
         }
         let mut flags = settings::builder();
         for (name, value) in [
-            ("opt_level", "speed"),
+            // Not `speed`: Cranelift's e-graph pass places pure values at their uses and
+            // sank the index arithmetic of a convolution's gather (divisions included)
+            // from the loops over rows and taps into the innermost vector loop, which
+            // made the cnn step 1.6× slower (issue 28). The CLIF generator already shares
+            // values, keeps invariants outside loops and turns constant divisions into
+            // multiplies (`tcc::back::divconst`), so the pass has little left to gain.
+            ("opt_level", "none"),
             // As `JITBuilder::with_flags` does: the JIT needs absolute, long-range
             // relocations.
             ("use_colocated_libcalls", "false"),
@@ -365,6 +371,7 @@ impl CpuExecutor {
         let mut kernel_sig = Signature::new(call_conv);
         kernel_sig.params = vec![AbiParam::new(types::I64); 4];
         let mut ids: HashMap<String, FuncId> = HashMap::new();
+        let mut sizes: Vec<(String, FuncId, u32)> = Vec::new();
         for mut func in funcs {
             let name = match &func.name {
                 UserFuncName::Testcase(t) => String::from_utf8_lossy(t.raw()).into_owned(),
@@ -405,11 +412,16 @@ impl CpuExecutor {
                 };
                 return Err(compile_error(&name, message));
             }
+            let size = ctx.compiled_code().map_or(0, |c| c.code_info().total_size);
+            sizes.push((name.clone(), id, size));
             ids.insert(name, id);
         }
         module
             .finalize_definitions()
             .map_err(|e| compile_error("(code section)", e.to_string()))?;
+        if std::env::var_os("TCC_PERF_MAP").is_some() {
+            write_perf_map(&module, &sizes);
+        }
 
         let mut launches = Vec::with_capacity(kernels.len());
         for k in kernels {
@@ -766,6 +778,26 @@ fn worker(sh: &Shared, t: usize) {
             drop(sh.lock());
             sh.done.notify_one();
         }
+    }
+}
+
+/// With `TCC_PERF_MAP` set: names each compiled kernel for `perf report` in
+/// `/tmp/perf-<pid>.map` (the file `perf` reads for code it cannot see otherwise), so a
+/// profile of a step attributes its samples to kernels. A failure to write is ignored:
+/// the map only helps a profiler.
+fn write_perf_map(module: &JITModule, kernels: &[(String, FuncId, u32)]) {
+    use std::io::Write;
+    let path = std::env::temp_dir().join(format!("perf-{}.map", std::process::id()));
+    let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    else {
+        return;
+    };
+    for (name, id, size) in kernels {
+        let at = module.get_finalized_function(*id) as usize;
+        let _ = writeln!(f, "{at:x} {size:x} tcc_kernel_{name}");
     }
 }
 

@@ -257,22 +257,59 @@ pub(crate) fn block(
         Sides::new(a_src, &a, a.rs, a.cs),
         Sides::new(b_src, &b, b.cs, b.rs),
     );
+    let dims = (mu, nu, ku);
     match tile {
         #[cfg(target_arch = "x86_64")]
-        Tile::Avx512 => run::<AVX512_MR, 32>(&view, scratch, mu, nu, ku, &|kc, pa, pb, t| {
-            // SAFETY: `Tile::Avx512` is only chosen where `is_x86_feature_detected!`
-            // found AVX-512F (`Tile::detect`).
-            unsafe { x86::tile_avx512(kc, pa, pb, t) }
-        }),
+        Tile::Avx512 => run::<AVX512_MR, 32>(
+            &view,
+            scratch,
+            dims,
+            &|kc, pa, pb, t| {
+                // SAFETY: `Tile::Avx512` is only chosen where `is_x86_feature_detected!`
+                // found AVX-512F (`Tile::detect`).
+                unsafe { x86::tile_avx512(kc, pa, pb, t) }
+            },
+            Some(&|rows, pb, t| {
+                // SAFETY: as above for AVX-512F; each row of `rows` is readable for
+                // `rows.steps()` floats (`Rows::new`).
+                unsafe { x86::tile_avx512_rows(rows, pb, t) }
+            }),
+        ),
         #[cfg(target_arch = "x86_64")]
-        Tile::Avx2 => run::<4, 16>(&view, scratch, mu, nu, ku, &|kc, pa, pb, t| {
-            // SAFETY: `Tile::Avx2` is only chosen where `is_x86_feature_detected!` found
-            // AVX2 and FMA (`Tile::detect`).
-            unsafe { x86::tile_avx2(kc, pa, pb, t) }
-        }),
-        Tile::Portable => run::<4, 8>(&view, scratch, mu, nu, ku, &tile_portable),
+        Tile::Avx2 => run::<4, 16>(
+            &view,
+            scratch,
+            dims,
+            &|kc, pa, pb, t| {
+                // SAFETY: `Tile::Avx2` is only chosen where `is_x86_feature_detected!`
+                // found AVX2 and FMA (`Tile::detect`).
+                unsafe { x86::tile_avx2(kc, pa, pb, t) }
+            },
+            None,
+        ),
+        Tile::Portable => run::<4, 8>(&view, scratch, dims, &tile_portable, None),
     }
     Ok(())
+}
+
+/// A's rows of one register tile read where they lie (A contiguous along `k`), instead of
+/// from a packed panel: `MR` row addresses, each readable for `steps` floats.
+pub(crate) struct Rows<const MR: usize> {
+    at: [*const f32; MR],
+    steps: usize,
+}
+
+impl<const MR: usize> Rows<MR> {
+    /// # Safety
+    /// Each of `at` must be readable for `steps` f32s (unaligned), none written while the
+    /// tile reads them.
+    unsafe fn new(at: [*const f32; MR], steps: usize) -> Rows<MR> {
+        Rows { at, steps }
+    }
+
+    fn steps(&self) -> usize {
+        self.steps
+    }
 }
 
 /// A checked operand as the packing reads it: element `(s, q)` at byte `off + 4 (s ·
@@ -298,6 +335,14 @@ impl Sides {
         }
     }
 
+    /// The address of element `(s, q)`; readable where `(s, q)` lies in the extents that
+    /// `Operand::check` passed (computed with wrapping arithmetic, so any address is
+    /// defined).
+    fn ptr(&self, s: usize, q: usize) -> *const f32 {
+        let i = self.off + 4 * (s * self.side + q * self.step);
+        self.src.base.wrapping_add(i).cast::<f32>()
+    }
+
     /// Element `(s, q)`: in `src` for every `(s, q)` the packing asks for (the check
     /// passed for the block's extents, so nothing overflows); `Arena::f32_at` still reads
     /// nothing outside it.
@@ -307,30 +352,57 @@ impl Sides {
     }
 }
 
+/// A is read in place (when contiguous along `k`) where a block has at most this many
+/// panels of B: then each of A's values is read by that many tiles, so packing it would
+/// cost a pass over A for little reuse. With more, the packed panel's contiguous reads win
+/// (A's rows of a large product lie a power-of-two stride apart and collide in the cache).
+const ROWS_IN_PLACE_PANELS: usize = 2;
+
 /// A register tile: `(kc, packed A panel, packed B panel, result)`.
 type TileFn<const MR: usize, const NR: usize> = dyn Fn(usize, &[f32], &[f32], &mut [[f32; NR]; MR]);
+/// A register tile reading A's rows in place: `(A's rows, packed B panel, result)`.
+type RowsFn<const MR: usize, const NR: usize> = dyn Fn(&Rows<MR>, &[f32], &mut [[f32; NR]; MR]);
 
-/// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice.
+/// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice; where A is
+/// contiguous along `k` and the tile has a form that reads A in place (`rows_fn`), A is not
+/// packed.
 fn run<const MR: usize, const NR: usize>(
     (a, b): &(Sides, Sides),
     s: &mut Scratch,
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     tile_fn: &TileFn<MR, NR>,
+    rows_fn: Option<&RowsFn<MR, NR>>,
 ) {
     let (mp, np) = (m.div_ceil(MR), n.div_ceil(NR));
+    let in_place = rows_fn.filter(|_| a.step == 1 && m > 0 && np <= ROWS_IN_PLACE_PANELS);
     let mut p0 = 0;
     while p0 < k {
         let kc = KC.min(k - p0);
-        pack::<MR>(a, &mut s.pa, m, p0, kc);
+        if in_place.is_none() {
+            pack::<MR>(a, &mut s.pa, m, p0, kc);
+        }
         pack::<NR>(b, &mut s.pb, n, p0, kc);
         for jp in 0..np {
             let pb = &s.pb[jp * NR * kc..(jp + 1) * NR * kc];
             for ip in 0..mp {
-                let pa = &s.pa[ip * MR * kc..(ip + 1) * MR * kc];
                 let mut t = [[0.0f32; NR]; MR];
-                tile_fn(kc, pa, pb, &mut t);
+                match in_place {
+                    Some(rows_fn) => {
+                        // Rows past `m` repeat the last row; their sums are not stored.
+                        let at = std::array::from_fn(|r| a.ptr((ip * MR + r).min(m - 1), p0));
+                        // SAFETY: `block` checked every element `(s, q)` of A, `s < m`,
+                        // `q < k`, to lie in its source (`Operand::check`), and A's steps
+                        // are contiguous (`a.step == 1`), so each row is readable from step
+                        // `p0` for `kc <= k - p0` floats; sources are not written during a
+                        // call (`Arena::new`).
+                        let rows = unsafe { Rows::new(at, kc) };
+                        rows_fn(&rows, pb, &mut t);
+                    }
+                    None => {
+                        let pa = &s.pa[ip * MR * kc..(ip + 1) * MR * kc];
+                        tile_fn(kc, pa, pb, &mut t);
+                    }
+                }
                 let (i0, j0) = (ip * MR, jp * NR);
                 let cols = NR.min(n - j0);
                 for (r, tr) in t.iter().enumerate().take(MR.min(m - i0)) {
@@ -451,6 +523,43 @@ mod x86 {
         }
     }
 
+    /// The 8 × 32 tile on AVX-512 with A's rows read in place: per step, two loads of B
+    /// and a broadcast from each row.
+    ///
+    /// # Safety
+    /// The host must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_avx512_rows<const MR: usize>(
+        rows: &super::Rows<MR>,
+        pb: &[f32],
+        t: &mut [[f32; 32]; MR],
+    ) {
+        let mut c = [[_mm512_setzero_ps(); 2]; MR];
+        for (q, b) in pb.chunks_exact(32).take(rows.steps()).enumerate() {
+            // SAFETY: `b` holds 32 floats (`chunks_exact(32)`).
+            let (b0, b1) = unsafe {
+                (
+                    _mm512_loadu_ps(b.as_ptr()),
+                    _mm512_loadu_ps(b.as_ptr().add(16)),
+                )
+            };
+            for (cr, &row) in c.iter_mut().zip(&rows.at) {
+                // SAFETY: `q < rows.steps()` (`take`), and each row is readable for that
+                // many floats (`Rows::new`).
+                let av = _mm512_set1_ps(unsafe { row.add(q).read_unaligned() });
+                cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
+                cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
+            }
+        }
+        for (tr, cr) in t.iter_mut().zip(&c) {
+            // SAFETY: a row of `t` holds 32 floats, so both 16-float stores are in bounds.
+            unsafe {
+                _mm512_storeu_ps(tr.as_mut_ptr(), cr[0]);
+                _mm512_storeu_ps(tr.as_mut_ptr().add(16), cr[1]);
+            }
+        }
+    }
+
     /// The 4 × 16 tile on AVX2 with FMA: 8 `ymm` accumulators.
     ///
     /// # Safety
@@ -507,6 +616,7 @@ mod tests {
             (128, 256, 300, false, false),
             (17, 33, 513, true, false),
             (9, 40, 64, false, true),
+            (40, 64, 700, false, false),
             (3, 2, 0, false, false),
         ] {
             let av: Vec<f32> = (0..m * k)
@@ -587,6 +697,68 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A's rows read in place give the packed panels' sums, bit for bit (so the choice,
+    /// made per block from its width alone, never changes a result).
+    #[test]
+    fn rows_read_in_place_sum_as_packed_panels_do() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // m = 13: the last panel's rows past m repeat row 12; k = 600: three slices.
+            let (m, n, k) = (13usize, 40usize, 600usize);
+            let av: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 7.0)
+                .collect();
+            let bv: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 5 % 11) as f32 - 5.0) / 3.0)
+                .collect();
+            let mut arena = bytes(&av);
+            arena.extend(bytes(&bv));
+            // SAFETY: `arena` is a live vector no one writes during the calls.
+            let src = unsafe { Arena::new(arena.as_ptr(), arena.len()) };
+            let a = Operand {
+                off: 0,
+                rs: k as i64,
+                cs: 1,
+            };
+            let b = Operand {
+                off: 4 * (m * k) as i64,
+                rs: n as i64,
+                cs: 1,
+            };
+            let view = (
+                Sides::new(src, &a, a.rs, a.cs),
+                Sides::new(src, &b, b.cs, b.rs),
+            );
+            let packed = |kc: usize, pa: &[f32], pb: &[f32], t: &mut [[f32; 32]; 8]| {
+                // SAFETY: this host has AVX-512F (checked above).
+                unsafe { x86::tile_avx512(kc, pa, pb, t) }
+            };
+            let rows = |r: &Rows<8>, pb: &[f32], t: &mut [[f32; 32]; 8]| {
+                // SAFETY: as above; `Rows` rows are readable (`run` made them).
+                unsafe { x86::tile_avx512_rows(r, pb, t) }
+            };
+            let mut out = Vec::new();
+            for in_place in [false, true] {
+                let mut s = Scratch::new();
+                let rows_fn: Option<&RowsFn<8, 32>> = if in_place { Some(&rows) } else { None };
+                run::<8, 32>(&view, &mut s, (m, n, k), &packed, rows_fn);
+                out.push(
+                    s.c[..BLOCK_N * m]
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert_eq!(out[0], out[1]);
+            let want: f32 = (0..k).map(|q| av[12 * k + q] * bv[q * n + 39]).sum();
+            let got = f32::from_bits(out[1][12 * BLOCK_N + 39]);
+            assert!(
+                (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+                "{got} vs {want}"
+            );
         }
     }
 
