@@ -32,8 +32,28 @@ fn cpu_threads_steps(
     threads: usize,
     steps: usize,
 ) -> BTreeMap<String, tcc::eager::Tensor> {
-    use tcc::artifact::{self, Target};
-    let c = artifact::compile(g, &Default::default()).unwrap();
+    cpu_layout_steps(g, inputs, threads, steps, false).0
+}
+
+/// Outputs of a step and params after it, by name.
+type StepValues = (
+    BTreeMap<String, tcc::eager::Tensor>,
+    BTreeMap<String, Vec<f64>>,
+);
+
+/// [`cpu_threads_steps`] with convolution chains' intermediates channels-last (the CLI's
+/// default) or not; also the params after the last step.
+fn cpu_layout_steps(
+    g: &tcc::ir::Graph,
+    inputs: &BTreeMap<String, tcc::eager::Tensor>,
+    threads: usize,
+    steps: usize,
+    channels_last: bool,
+) -> StepValues {
+    use tcc::artifact::{self, CompileOptions, Target};
+    let mut opts = CompileOptions::default();
+    opts.fuse.channels_last = channels_last;
+    let c = artifact::compile(g, &opts).unwrap();
     let img = artifact::persistent_image(&c, 0, &Default::default()).unwrap();
     let bytes = artifact::write_artifact(&c, Target::Cpu, &img);
     let model = tcc_runtime::Model::from_bytes(bytes).unwrap();
@@ -46,14 +66,24 @@ fn cpu_threads_steps(
         }
         s.run().unwrap();
     }
-    g.outputs
+    let outputs = g
+        .outputs
         .iter()
         .map(|(name, n)| {
             let b = s.output_bytes(name).unwrap();
             let t = tcc::eager::Tensor::from_le_bytes(g.ty(*n).clone(), b).unwrap();
             (name.clone(), t)
         })
-        .collect()
+        .collect();
+    let mut params = BTreeMap::new();
+    for &p in &g.params {
+        if let tcc::ir::Op::Param { name, .. } = &g.node(p).op {
+            let b = s.param_bytes(name).unwrap();
+            let t = tcc::eager::Tensor::from_le_bytes(g.ty(p).clone(), b).unwrap();
+            params.insert(name.clone(), t.to_f64());
+        }
+    }
+    (outputs, params)
 }
 
 /// `src` compiled for the CPU agrees with the eager interpreter (1 and 3 threads).
@@ -255,7 +285,8 @@ fn products_through_the_gemm_helper_agree_with_eager() {
 /// one chunk of `k` (B gathered once per column block) and weight gradients whose `k` (the
 /// batch's pixels) spans several chunks, over ragged channel counts, strides and padding.
 /// The loss of a second training step (which reads the first step's updates) agrees with
-/// the eager interpreter on 1 and 3 threads, whose ranges start inside blocks.
+/// the eager interpreter on 1 and 3 threads, whose ranges start inside blocks, in both
+/// layouts.
 #[test]
 fn convolutions_through_the_gathered_helper_train_like_eager() {
     for (c, s, stride, pad) in [
@@ -288,12 +319,12 @@ fn convolutions_through_the_gathered_helper_train_like_eager() {
         );
         let inputs = tcc::eager::random_inputs(&g, 7);
         let want = eager_steps(&g, &inputs, 2, 0).unwrap();
-        for threads in [1, 3] {
-            let got = cpu_threads_steps(&g, &inputs, threads, 2);
+        for (threads, channels_last) in [(1, false), (3, false), (1, true), (3, true)] {
+            let got = cpu_layout_steps(&g, &inputs, threads, 2, channels_last).0;
             let e = rel_err(&got["loss"], &want.outputs["loss"]);
             assert!(
                 e <= 1e-4,
-                "{src} ({threads} threads): loss differs by {e:e}"
+                "{src} ({threads} threads, channels-last {channels_last}): loss differs by {e:e}"
             );
         }
     }
@@ -315,4 +346,54 @@ fn wide_convolutions_through_the_gathered_helper_agree_with_eager() {
         clif(src).contains("v3+96"),
         "no call of sgemm_gathered (slot 12)"
     );
+}
+
+/// Weight gradients whose operands are gathered k-major (each pixel's channels contiguous,
+/// copied on vectors: the output gradient's channels and a window's channels) make the
+/// eager interpreter's SGD update: channel counts that are and are not multiples of 4, and
+/// thread ranges that start inside a run of channels (1 and 3 threads), in both layouts
+/// (channels-last, the CLI's default, is the one whose columns are runs of channels).
+#[test]
+fn weight_gradients_gathered_across_channels_update_like_eager() {
+    for (c, o, s) in [(4usize, 8usize, 9usize), (6, 5, 11), (3, 13, 7)] {
+        // The stacked weight's gradient has its channels innermost (`[3, 3, o]` columns):
+        // runs of `o` values per window tap.
+        let src = format!(
+            "model m {{
+ input x: f32[2, {c}, {s}, {s}]
+ input labels: i32[2]
+ param w1: f32[{o}, {c}, 3, 3] = normal(0.0, 0.3)
+ param w2: f32[2, {o}, {o}, 3, 3] = normal(0.0, 0.2)
+ param wo: f32[{o}, 3] = normal(0.0, 0.3)
+ let h = tanh(conv2d(x, w1, padding: 1))
+ let h2 = tanh(conv2d(h, w2[0], padding: 1))
+ let h3 = conv2d(h2, w2[1], padding: 1)
+ let loss = cross_entropy(mean(h3, axis: [2, 3]) @ wo, labels)
+ output loss
+ train sgd(lr: 1.0) minimize loss
+}}
+"
+        );
+        let g =
+            compile_pipeline(&src, &Options::default()).unwrap_or_else(|e| panic!("{src}:\n{e}"));
+        let inputs = tcc::eager::random_inputs(&g, 3);
+        let p0 = eager_steps(&g, &inputs, 0, 0).unwrap().persistent;
+        let p1 = eager_steps(&g, &inputs, 1, 0).unwrap().persistent;
+        for (threads, channels_last) in [(1, true), (3, true), (1, false)] {
+            let got = cpu_layout_steps(&g, &inputs, threads, 1, channels_last).1;
+            for name in ["w1", "w2"] {
+                let (a, b) = (p0[name].to_f64(), p1[name].to_f64());
+                let want: Vec<f64> = b.iter().zip(&a).map(|(x, y)| x - y).collect();
+                let upd: Vec<f64> = got[name].iter().zip(&a).map(|(x, y)| x - y).collect();
+                let num: f64 = upd.iter().zip(&want).map(|(x, y)| (x - y).abs()).sum();
+                let den: f64 = want.iter().map(|y| y.abs()).sum();
+                assert!(
+                    den > 0.0 && num <= 1e-4 * den,
+                    "{src} ({threads} threads, channels-last {channels_last}): the update of \
+                     `{name}` differs by {:e}",
+                    num / den
+                );
+            }
+        }
+    }
 }

@@ -1634,6 +1634,10 @@ struct Span {
 struct GatherShape {
     run: i64,
     chunk_k: i64,
+    /// Where A (B) is gathered k-major (`Across`): the rows (columns) of a block, which is
+    /// then the stride of its steps.
+    a_cap: Option<i64>,
+    b_cap: Option<i64>,
 }
 
 /// One gathered operand of an implicit GEMM as the packing loops read it: `value` over
@@ -1644,6 +1648,21 @@ struct PackedOperand {
     side: Var,
     t: Var,
     u: Var,
+    nodes: Vec<(ExprId, BTreeSet<Var>)>,
+    /// The same value with the side split as well, for gathering it step by step (where
+    /// it is contiguous along its side, not along `k`); `None` for an operand whose value
+    /// is contiguous along `k` (`kernel::Gather::k_fast`).
+    across: Option<Across>,
+}
+
+/// An operand's value over `k = t * run + u` and its side `s = so * inner + si` (`si` the
+/// position along the side's innermost axis, of extent `inner`): gathered k-major, each
+/// step's sides contiguous, on vectors along `si` (`Cg::gather_across`).
+struct Across {
+    value: ExprId,
+    so: Var,
+    si: Var,
+    inner: i64,
     nodes: Vec<(ExprId, BTreeSet<Var>)>,
 }
 
@@ -1684,6 +1703,25 @@ impl Gathers {
         let with = pool.iadd(tv, uv);
         let va = pool.substitute_index(ga.value, ga.col, with, &extf);
         let vb = pool.substitute_index(gb.value, gb.row, with, &extf);
+        // The side split at its innermost axis, for operands not contiguous along `k`.
+        let mut split = |value: ExprId, side: Var, extent: usize, dims: &[usize], fast: bool| {
+            let inner = *dims.last()?;
+            if fast || inner < LANES as usize || !extent.is_multiple_of(inner) {
+                return None;
+            }
+            let (so, si) = (pool.fresh_var(), pool.fresh_var());
+            let mut ext2 = ext.clone();
+            ext2.insert(so, extent / inner);
+            ext2.insert(si, inner);
+            let sov = pool.var(so);
+            let sov = pool.imul_c(sov, inner as i64);
+            let siv = pool.var(si);
+            let with = pool.iadd(sov, siv);
+            let value = pool.substitute_index(value, side, with, &|v| ext2.get(&v).copied());
+            Some((value, so, si, inner as i64))
+        };
+        let sa = split(va, ga.row, mm.m, &mm.rows, ga.k_fast);
+        let sb = split(vb, gb.col, mm.n, &mm.cols, gb.k_fast);
         let free = free_vars(pool);
         let nodes = |root: ExprId| {
             reachable(pool, &[root])
@@ -1691,12 +1729,22 @@ impl Gathers {
                 .map(|e| (e, free[e.0 as usize].clone()))
                 .collect::<Vec<_>>()
         };
+        let across = |split: Option<(ExprId, Var, Var, i64)>| {
+            split.map(|(value, so, si, inner)| Across {
+                value,
+                so,
+                si,
+                inner,
+                nodes: nodes(value),
+            })
+        };
         let a = PackedOperand {
             value: va,
             side: ga.row,
             t,
             u,
             nodes: nodes(va),
+            across: across(sa),
         };
         let b = PackedOperand {
             value: vb,
@@ -1704,6 +1752,7 @@ impl Gathers {
             t,
             u,
             nodes: nodes(vb),
+            across: across(sb),
         };
         Ok((k2, Gathers { a, b }))
     }
@@ -1765,7 +1814,9 @@ impl Cg<'_, '_> {
     /// columns (panels of column tiles of 8, `CpuPanels::by_panels`) go in blocks; for each
     /// split of `k`, each block's operands are gathered, a chunk of `k` at a time (whole
     /// runs, up to 512 steps), into the thread's gather buffers (A's rows and B's columns,
-    /// each contiguous along `k`, on vectors where a run is), the helper adds each chunk's
+    /// each contiguous along `k`, on vectors where a run is; or, for an operand contiguous
+    /// along its side, such as a weight gradient's output gradient and windows in
+    /// channels-last, k-major on vectors along the side), the helper adds each chunk's
     /// product to the block, and the epilogue stores the block. Where a split is one chunk
     /// (a convolution's window, mostly), a column block's B is gathered once for all the
     /// row blocks. Chunks start at fixed steps of each split, so every element sums in the
@@ -1811,7 +1862,15 @@ impl Cg<'_, '_> {
             hi: c_hi,
             size: nb,
         };
-        let shape = GatherShape { run, chunk_k };
+        let a_across = self.across_plan(&g.a);
+        let b_across = self.across_plan(&g.b);
+        let shape = GatherShape {
+            run,
+            chunk_k,
+            a_cap: a_across.as_ref().map(|_| mb),
+            b_cap: b_across.as_ref().map(|_| nb),
+        };
+        let (a_across, b_across) = (a_across.as_deref(), b_across.as_deref());
 
         let z = self.iconst(0);
         let send = self.iconst(p.splits);
@@ -1827,9 +1886,9 @@ impl Cg<'_, '_> {
         self.b.switch_to_block(split_blk);
         if single {
             let (cl, j0, nh) = self.open_block(&cols);
-            self.gather_block(&g.b, slot::GATHER_B, j0, nh, n, [t0, t1], &shape)?;
+            self.gather_block(&g.b, b_across, slot::GATHER_B, j0, nh, n, [t0, t1], &shape)?;
             let (rl, i0, mh) = self.open_block(&rows);
-            self.gather_block(&g.a, slot::GATHER_A, i0, mh, m, [t0, t1], &shape)?;
+            self.gather_block(&g.a, a_across, slot::GATHER_A, i0, mh, m, [t0, t1], &shape)?;
             let zero = self.iconst(0);
             let c = self.gathered_product([mh, nh], [t0, t1], zero, &shape);
             self.block_epilogue(mm, c, [i0, mh], [j0, nh])?;
@@ -1850,8 +1909,8 @@ impl Cg<'_, '_> {
             let ta = self.b.ins().iadd(t0, ta);
             let tb = self.b.ins().iadd_imm_s(ta, chunk_runs);
             let tb = self.b.ins().smin(tb, t1);
-            self.gather_block(&g.a, slot::GATHER_A, i0, mh, m, [ta, tb], &shape)?;
-            self.gather_block(&g.b, slot::GATHER_B, j0, nh, n, [ta, tb], &shape)?;
+            self.gather_block(&g.a, a_across, slot::GATHER_A, i0, mh, m, [ta, tb], &shape)?;
+            self.gather_block(&g.b, b_across, slot::GATHER_B, j0, nh, n, [ta, tb], &shape)?;
             let later = self.b.ins().icmp_imm_s(IntCC::SignedGreaterThan, kl.iv, 0);
             let accumulate = self.b.ins().uextend(I64, later);
             let c = self.gathered_product([mh, nh], [ta, tb], accumulate, &shape);
@@ -1884,13 +1943,22 @@ impl Cg<'_, '_> {
         (l, first, len)
     }
 
-    /// Gathers `count` rows of A (or columns of B) from `first` (clamped to `extent - 1`)
-    /// over runs `[ta, tb)` into the gather buffer of table slot `slot_no`, each
-    /// `chunk_k` floats apart, 4 at a time.
+    /// The values an operand's k-major gather splats (`Cg::vector_invariants` along its
+    /// side's innermost axis), when it has one (`Across`) and that axis is a vector.
+    fn across_plan(&self, op: &PackedOperand) -> Option<Vec<ExprId>> {
+        let ac = op.across.as_ref()?;
+        self.vector_invariants(ac.value, ac.si)
+    }
+
+    /// Gathers `count` rows of A (or columns of B) from `first` over runs `[ta, tb)` into
+    /// the gather buffer of table slot `slot_no`: k-major on vectors along the side where
+    /// `across` gives the splats (`Cg::gather_across`), otherwise each side `chunk_k`
+    /// floats apart (clamped to `extent - 1`), 4 at a time.
     #[allow(clippy::too_many_arguments)]
     fn gather_block(
         &mut self,
         op: &PackedOperand,
+        across: Option<&[ExprId]>,
         slot_no: usize,
         first: Value,
         count: Value,
@@ -1903,6 +1971,14 @@ impl Cg<'_, '_> {
             .b
             .ins()
             .load(I64, flags(), self.helpers, (slot_no * 8) as i32);
+        let cap = if slot_no == slot::GATHER_A {
+            shape.a_cap
+        } else {
+            shape.b_cap
+        };
+        if let (Some(inv), Some(ac), Some(cap)) = (across, &op.across, cap) {
+            return self.gather_across(op, ac, inv, buf, [first, count], [ta, tb], shape.run, cap);
+        }
         let groups = self.b.ins().iadd_imm_s(count, mr - 1);
         let groups = self.div_const(groups, mr);
         let z = self.iconst(0);
@@ -1925,6 +2001,85 @@ impl Cg<'_, '_> {
         Ok(())
     }
 
+    /// Gathers sides `[first, first + count)` of `op` over runs `[ta, tb)` k-major into
+    /// `buf`: step `q` (from `ta`'s first) of side `s` at float `q * cap + s - first`. For
+    /// each step the sides go in segments within one index of the side's outer axes (`so`),
+    /// each on f32x4 vectors along its innermost axis (`si`, splatting `inv`) while 4 lanes
+    /// fit, the rest one by one.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_across(
+        &mut self,
+        op: &PackedOperand,
+        ac: &Across,
+        inv: &[ExprId],
+        buf: Value,
+        [first, count]: [Value; 2],
+        [ta, tb]: [Value; 2],
+        run: i64,
+        cap: i64,
+    ) -> Res<()> {
+        let end = self.b.ins().iadd(first, count);
+        let tl = self.open_loop(ta, tb);
+        self.vars.insert(op.t, tl.iv);
+        self.emit_level(&ac.nodes, op.t, &[op.t])?;
+        let z = self.iconst(0);
+        let rc = self.iconst(run);
+        let ul = self.open_loop(z, rc);
+        self.vars.insert(op.u, ul.iv);
+        self.emit_level(&ac.nodes, op.u, &[op.t, op.u])?;
+        let rel = self.b.ins().isub(tl.iv, ta);
+        let q = self.b.ins().imul_imm_s(rel, run);
+        let q = self.b.ins().iadd(q, ul.iv);
+        let row = self.b.ins().imul_imm_s(q, cap);
+        let row = self.b.ins().isub(row, first);
+        let row = self.b.ins().imul_imm_s(row, 4);
+        let base = self.b.ins().iadd(buf, row);
+        // The segments: `s` from `first`, each to the end of its `so` or of the block.
+        let header = self.b.create_block();
+        let body = self.b.create_block();
+        let exit = self.b.create_block();
+        self.b.append_block_param(header, I64);
+        self.b.ins().jump(header, &[first.into()]);
+        self.b.switch_to_block(header);
+        let sv = self.b.block_params(header)[0];
+        let more = self.b.ins().icmp(IntCC::SignedLessThan, sv, end);
+        self.b.ins().brif(more, body, &[], exit, &[]);
+        self.b.switch_to_block(body);
+        self.journal.push(Vec::new());
+        let so = self.div_const(sv, ac.inner);
+        let si0 = self.rem_const(sv, ac.inner);
+        let left = self.b.ins().isub(end, sv);
+        let inner = self.iconst(ac.inner);
+        let room = self.b.ins().isub(inner, si0);
+        let seg = self.b.ins().smin(left, room);
+        let si1 = self.b.ins().iadd(si0, seg);
+        self.vars.insert(ac.so, so);
+        self.emit_level(&ac.nodes, ac.so, &[op.t, op.u, ac.so])?;
+        let so_off = self.b.ins().imul_imm_s(so, ac.inner * 4);
+        let sbase = self.b.ins().iadd(base, so_off);
+        let start = self.vector_run(ac.si, inv, si0, si1, &mut |cg, iv| {
+            let v = cg.vemit(ac.value)?;
+            let off = cg.b.ins().imul_imm_s(iv, 4);
+            let addr = cg.b.ins().iadd(sbase, off);
+            cg.b.ins().store(vflags(), v, addr, 0);
+            Ok(())
+        })?;
+        let sl = self.open_loop(start, si1);
+        self.vars.insert(ac.si, sl.iv);
+        let v = self.emit(ac.value)?;
+        let off = self.b.ins().imul_imm_s(sl.iv, 4);
+        let addr = self.b.ins().iadd(sbase, off);
+        self.b.ins().store(flags(), v, addr, 0);
+        self.close_loop(sl);
+        let next = self.b.ins().iadd(sv, seg);
+        self.drop_scope();
+        self.b.ins().jump(header, &[next.into()]);
+        self.b.switch_to_block(exit);
+        self.close_loop(ul);
+        self.close_loop(tl);
+        Ok(())
+    }
+
     /// `sgemm_gathered` on the gathered `mh` × `nh` block over runs `[ta, tb)`; returns the
     /// address of its result.
     fn gathered_product(
@@ -1937,19 +2092,27 @@ impl Cg<'_, '_> {
         let nt = self.b.ins().isub(tb, ta);
         let nk = self.b.ins().imul_imm_s(nt, shape.run);
         let zero = self.iconst(0);
-        let one = self.iconst(1);
-        let ck = self.iconst(shape.chunk_k);
+        // Side-major: each side's steps contiguous; k-major: each step's sides.
+        let (a_rs, a_cs) = match shape.a_cap {
+            Some(cap) => (1, cap),
+            None => (shape.chunk_k, 1),
+        };
+        let (b_rs, b_cs) = match shape.b_cap {
+            Some(cap) => (cap, 1),
+            None => (1, shape.chunk_k),
+        };
+        let [a_rs, a_cs, b_rs, b_cs] = [a_rs, a_cs, b_rs, b_cs].map(|x| self.iconst(x));
         let args = [
             self.helpers,
             mh,
             nh,
             nk,
             zero,
-            ck,
-            one,
+            a_rs,
+            a_cs,
             zero,
-            one,
-            ck,
+            b_rs,
+            b_cs,
             accumulate,
         ];
         self.helper(slot::SGEMM_GATHERED, &args, &[I64; 11], I64)
@@ -2097,10 +2260,11 @@ impl Cg<'_, '_> {
         Some(SimdPlan { inner, invariants })
     }
 
-    /// Emits the nodes of `op` that read `v` and whose variables are all bound now (the
-    /// packing loops bind the side, then `t`, then `u`).
-    fn emit_level(&mut self, op: &PackedOperand, v: Var, bound: &[Var]) -> Res<()> {
-        for (e, fv) in &op.nodes {
+    /// Emits the `nodes` (an operand's value and what it reads) that read `v` and whose
+    /// variables are all bound now (the packing loops bind the side, then `t`, then `u`; the
+    /// k-major ones `t`, `u`, then the side's outer index).
+    fn emit_level(&mut self, nodes: &[(ExprId, BTreeSet<Var>)], v: Var, bound: &[Var]) -> Res<()> {
+        for (e, fv) in nodes {
             if fv.contains(&v) && fv.iter().all(|w| bound.contains(w)) {
                 self.emit(*e)?;
             }
@@ -2135,12 +2299,12 @@ impl Cg<'_, '_> {
         let last = self.iconst(m - 1);
         let row = self.b.ins().smin(i, last);
         self.vars.insert(op.side, row);
-        self.emit_level(op, op.side, &[op.side])?;
+        self.emit_level(&op.nodes, op.side, &[op.side])?;
         let roff = self.b.ins().imul_imm_s(rl.iv, ks_max * 4);
         let base = self.b.ins().iadd(dst, roff);
         let tl = self.open_loop(t0, t1);
         self.vars.insert(op.t, tl.iv);
-        self.emit_level(op, op.t, &[op.side, op.t])?;
+        self.emit_level(&op.nodes, op.t, &[op.side, op.t])?;
         let rel_t = self.b.ins().isub(tl.iv, t0);
         let toff = self.b.ins().imul_imm_s(rel_t, run * 4);
         let rbase = self.b.ins().iadd(base, toff);
