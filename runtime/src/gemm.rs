@@ -212,6 +212,27 @@ impl Arena {
         }
     }
 
+    /// Copies `out.len()` f32s from byte `i` into `out`; false (nothing copied) unless
+    /// they all lie in the arena.
+    fn read_into(&self, i: usize, out: &mut [f32]) -> bool {
+        let end = out.len().checked_mul(4).and_then(|b| i.checked_add(b));
+        if end.is_none_or(|e| e > self.len) {
+            return false;
+        }
+        // SAFETY: `i + 4 * out.len() <= len`, and `len` bytes from `base` are readable and
+        // not written during the call (`new`); `out` is a distinct, writable Rust slice
+        // (the thread's scratch), so the ranges do not overlap. A byte copy needs no
+        // alignment.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.base.add(i),
+                out.as_mut_ptr().cast::<u8>(),
+                4 * out.len(),
+            );
+        }
+        true
+    }
+
     /// The `N` f32s from byte `i`, if they lie in the arena.
     fn run_at<const N: usize>(&self, i: usize) -> Option<[f32; N]> {
         let end = i.checked_add(4 * N)?;
@@ -431,16 +452,25 @@ fn pack<const W: usize>(o: &Sides, out: &mut [f32], extent: usize, p0: usize, kc
         .enumerate()
     {
         let s0 = p * W;
-        if o.side == 1 && s0 + W <= extent {
+        if o.side == 1 {
+            // The last panel may have fewer sides: copy those, zero the rest.
+            let w = (extent - s0).min(W);
             for (q, step) in panel.chunks_exact_mut(W).enumerate() {
-                match o.src.run_at::<W>(o.off + 4 * (s0 + (p0 + q) * o.step)) {
-                    Some(run) => step.copy_from_slice(&run),
-                    None => {
-                        for (c, x) in step.iter_mut().enumerate() {
-                            *x = o.at(s0 + c, p0 + q);
-                        }
+                let at = o.off + 4 * (s0 + (p0 + q) * o.step);
+                let (have, pad) = step.split_at_mut(w);
+                if w == W {
+                    if let Some(run) = o.src.run_at::<W>(at) {
+                        have.copy_from_slice(&run);
+                        continue;
                     }
+                } else if o.src.read_into(at, have) {
+                    pad.fill(0.0);
+                    continue;
                 }
+                for (c, x) in have.iter_mut().enumerate() {
+                    *x = o.at(s0 + c, p0 + q);
+                }
+                pad.fill(0.0);
             }
             continue;
         }
