@@ -544,7 +544,14 @@ mod x86 {
                 cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
             }
         }
-        for (tr, cr) in t.iter_mut().zip(&c) {
+        store_avx512(&c, t);
+    }
+
+    /// The accumulators of an AVX-512 tile into `t`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store_avx512<const MR: usize>(c: &[[__m512; 2]; MR], t: &mut [[f32; 32]; MR]) {
+        for (tr, cr) in t.iter_mut().zip(c) {
             // SAFETY: a row of `t` holds 32 floats, so both 16-float stores are in bounds.
             unsafe {
                 _mm512_storeu_ps(tr.as_mut_ptr(), cr[0]);
@@ -581,13 +588,7 @@ mod x86 {
                 cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
             }
         }
-        for (tr, cr) in t.iter_mut().zip(&c) {
-            // SAFETY: a row of `t` holds 32 floats, so both 16-float stores are in bounds.
-            unsafe {
-                _mm512_storeu_ps(tr.as_mut_ptr(), cr[0]);
-                _mm512_storeu_ps(tr.as_mut_ptr().add(16), cr[1]);
-            }
-        }
+        store_avx512(&c, t);
     }
 
     /// The 4 × 16 tile on AVX2 with FMA: 8 `ymm` accumulators.

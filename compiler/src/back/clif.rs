@@ -475,16 +475,36 @@ impl<'a, 'b> Cg<'a, 'b> {
             }
             stores.push((self.offsets.get(s.buf)?, a));
         }
+        let site = &self.site;
+        let invariants =
+            self.vector_values(inner, &stores, &|i| Some(*site.get(i)? == Some(inner)))?;
+        Some(SimdPlan { inner, invariants })
+    }
+
+    /// Walks the stores' values of a vector loop over `inner` (`stores`: their buffers'
+    /// offsets and affine indices); `per_lane(i)` says whether node `i` is computed per
+    /// iteration. `None` unless every per-iteration node has a vector form: f32 loads at
+    /// a coefficient of 0 or 1 in `inner` (one that reads bytes a store writes, at that
+    /// store's index), the block's result (`E::Acc`), or an op of `vector_operands`.
+    /// Otherwise the f32 and bool values computed outside the loop that it reads, splat
+    /// once before it (ascending ids: deterministic).
+    fn vector_values(
+        &self,
+        inner: Var,
+        stores: &[(u64, crate::kernel::Affine)],
+        per_lane: &dyn Fn(usize) -> Option<bool>,
+    ) -> Option<Vec<ExprId>> {
+        let pool = &self.k.pool;
         let mut seen = vec![false; pool.nodes.len()];
         let mut invariants = Vec::new();
-        let mut stack: Vec<ExprId> = k.stores.iter().map(|s| s.value).collect();
+        let mut stack: Vec<ExprId> = self.k.stores.iter().map(|s| s.value).collect();
         while let Some(e) = stack.pop() {
             let i = e.0 as usize;
             if std::mem::replace(seen.get_mut(i)?, true) {
                 continue;
             }
             let ty = pool.ty(e);
-            if *self.site.get(i)? != Some(inner) {
+            if !per_lane(i)? {
                 if ty != VTy::F32 && ty != VTy::Bool {
                     return None;
                 }
@@ -492,6 +512,7 @@ impl<'a, 'b> Cg<'a, 'b> {
                 continue;
             }
             match pool.get(e) {
+                E::Acc => {}
                 E::Load {
                     buf,
                     dtype: DType::F32,
@@ -510,7 +531,7 @@ impl<'a, 'b> Cg<'a, 'b> {
             }
         }
         invariants.sort_unstable();
-        Some(SimdPlan { inner, invariants })
+        Some(invariants)
     }
 
     /// The vector loop of a Loop kernel over `[start, end)`: every store of the kernel on
@@ -2221,42 +2242,8 @@ impl Cg<'_, '_> {
             }
             stores.push((self.offsets.get(s.buf)?, a));
         }
-        let mut seen = vec![false; pool.nodes.len()];
-        let mut invariants = Vec::new();
-        let mut stack: Vec<ExprId> = k.stores.iter().map(|s| s.value).collect();
-        while let Some(e) = stack.pop() {
-            let i = e.0 as usize;
-            if std::mem::replace(seen.get_mut(i)?, true) {
-                continue;
-            }
-            let ty = pool.ty(e);
-            if !free.get(i)?.contains(&inner) && !*on_acc.get(i)? {
-                if ty != VTy::F32 && ty != VTy::Bool {
-                    return None;
-                }
-                invariants.push(e);
-                continue;
-            }
-            match pool.get(e) {
-                E::Acc => {}
-                E::Load {
-                    buf,
-                    dtype: DType::F32,
-                    index,
-                } => {
-                    let a = pool.affine(*index)?;
-                    if !matches!(a.coef(inner), 0 | 1) {
-                        return None;
-                    }
-                    let off = self.offsets.get(*buf)?;
-                    if stores.iter().any(|(so, sa)| *so == off && *sa != a) {
-                        return None;
-                    }
-                }
-                _ => stack.extend(vector_operands(pool, e)?),
-            }
-        }
-        invariants.sort_unstable();
+        let per_lane = |i: usize| Some(free.get(i)?.contains(&inner) || *on_acc.get(i)?);
+        let invariants = self.vector_values(inner, &stores, &per_lane)?;
         Some(SimdPlan { inner, invariants })
     }
 
