@@ -269,7 +269,8 @@ pub(crate) fn block(
         scratch.c.fill(0.0);
         return Err(Refused { m, n, k });
     }
-    if !accumulate {
+    // The first slice of `k` sets the block (`run`); with no slice, it is zero.
+    if !accumulate && ku == 0 {
         for row in scratch.c.chunks_exact_mut(BLOCK_N).take(mu) {
             row[..nu].fill(0.0);
         }
@@ -278,7 +279,7 @@ pub(crate) fn block(
         Sides::new(a_src, &a, a.rs, a.cs),
         Sides::new(b_src, &b, b.cs, b.rs),
     );
-    let dims = (mu, nu, ku);
+    let dims = (mu, nu, ku, accumulate);
     match tile {
         #[cfg(target_arch = "x86_64")]
         Tile::Avx512 => run::<AVX512_MR, 32>(
@@ -384,13 +385,14 @@ type TileFn<const MR: usize, const NR: usize> = dyn Fn(usize, &[f32], &[f32], &m
 /// A register tile reading A's rows in place: `(A's rows, packed B panel, result)`.
 type RowsFn<const MR: usize, const NR: usize> = dyn Fn(&Rows<MR>, &[f32], &mut [[f32; NR]; MR]);
 
-/// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice; where A is
+/// The product through tile `tile_fn` of `MR × NR`, `k` slice by slice, the first slice
+/// setting the block unless `accumulate` (then every slice adds to it); where A is
 /// contiguous along `k` and the tile has a form that reads A in place (`rows_fn`), A is not
 /// packed.
 fn run<const MR: usize, const NR: usize>(
     (a, b): &(Sides, Sides),
     s: &mut Scratch,
-    (m, n, k): (usize, usize, usize),
+    (m, n, k, accumulate): (usize, usize, usize, bool),
     tile_fn: &TileFn<MR, NR>,
     rows_fn: Option<&RowsFn<MR, NR>>,
 ) {
@@ -428,8 +430,13 @@ fn run<const MR: usize, const NR: usize>(
                 let cols = NR.min(n - j0);
                 for (r, tr) in t.iter().enumerate().take(MR.min(m - i0)) {
                     let c0 = (i0 + r) * BLOCK_N + j0;
-                    for (c, x) in s.c[c0..c0 + cols].iter_mut().zip(tr) {
-                        *c += x;
+                    let row = &mut s.c[c0..c0 + cols];
+                    if p0 == 0 && !accumulate {
+                        row.copy_from_slice(&tr[..cols]);
+                    } else {
+                        for (c, x) in row.iter_mut().zip(tr) {
+                            *c += x;
+                        }
                     }
                 }
             }
@@ -775,7 +782,7 @@ mod tests {
             for in_place in [false, true] {
                 let mut s = Scratch::new();
                 let rows_fn: Option<&RowsFn<8, 32>> = if in_place { Some(&rows) } else { None };
-                run::<8, 32>(&view, &mut s, (m, n, k), &packed, rows_fn);
+                run::<8, 32>(&view, &mut s, (m, n, k, false), &packed, rows_fn);
                 out.push(
                     s.c[..BLOCK_N * m]
                         .iter()
