@@ -787,7 +787,8 @@ fn worker(sh: &Shared, t: usize) {
 /// the map only helps a profiler.
 fn write_perf_map(module: &JITModule, kernels: &[(String, FuncId, u32)]) {
     use std::io::Write;
-    let path = std::env::temp_dir().join(format!("perf-{}.map", std::process::id()));
+    // `perf` looks in `/tmp` whatever `TMPDIR` says.
+    let path = format!("/tmp/perf-{}.map", std::process::id());
     let Ok(mut f) = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

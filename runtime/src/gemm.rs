@@ -11,7 +11,9 @@
 //! for the baseline (SSE2, NEON). `k` runs in slices of [`KC`]: each slice's rows of B are
 //! packed into panels of the tile's width and A's rows into panels of its height, both
 //! zero-padded, in buffers allocated with the session (so a step allocates nothing), and
-//! every tile sums its slice in registers.
+//! every tile sums its slice in registers. Where A's rows are contiguous along `k` and a
+//! block is at most [`ROWS_IN_PLACE_PANELS`] tiles wide, the AVX-512 tile reads them in
+//! place instead of from a packed panel (same sums, bit for bit).
 //!
 //! The summation order of an element depends only on `k` and [`KC`]: the same on any
 //! number of threads and for any split of the rows into blocks.
@@ -21,7 +23,8 @@ pub const BLOCK_M: usize = 256;
 /// Columns of a block at most; also the row stride, in elements, of the result the helper
 /// returns.
 pub const BLOCK_N: usize = 512;
-/// `k` is summed in slices of this many steps, each over packed panels.
+/// `k` is summed in slices of this many steps, each over packed panels (A's rows in place
+/// for narrow blocks, `run`).
 const KC: usize = 256;
 /// The tallest and widest register tile (AVX-512's), which sizes the packing buffers.
 const MR_MAX: usize = 8;
@@ -358,8 +361,8 @@ impl Sides {
     }
 
     /// The address of element `(s, q)`; readable where `(s, q)` lies in the extents that
-    /// `Operand::check` passed (computed with wrapping arithmetic, so any address is
-    /// defined).
+    /// `Operand::check` passed, for which the offset cannot overflow (the check bounds
+    /// it); only the final pointer step wraps, so forming it is always defined.
     fn ptr(&self, s: usize, q: usize) -> *const f32 {
         let i = self.off + 4 * (s * self.side + q * self.step);
         self.src.base.wrapping_add(i).cast::<f32>()

@@ -812,6 +812,16 @@ impl<'a, 'b> Cg<'a, 'b> {
                     self.rem_const(x, d)
                 }
             }
+            E::Bin(op @ (BinaryOp::Div | BinaryOp::Rem), a, b)
+                if self.k.pool.ty(a) == VTy::I32
+                    && matches!(self.k.pool.get(b), E::I32(d) if *d > 0) =>
+            {
+                let x = self.emit(a)?;
+                let E::I32(d) = *self.k.pool.get(b) else {
+                    return Err(self.unsupported("a constant divisor"));
+                };
+                self.floor_divmod_const(op, x, d as i64)
+            }
             E::Bin(op, a, b) => {
                 let x = self.emit(a)?;
                 let y = self.emit(b)?;
@@ -1368,6 +1378,27 @@ impl<'a, 'b> Cg<'a, 'b> {
         })
     }
 
+    /// i32 `/` and `%` rounding toward negative infinity by a constant `d > 0`, as
+    /// [`Cg::floor_divmod`] computes them, with the truncating quotient a multiply
+    /// ([`Cg::div_const`]) instead of two divisions.
+    fn floor_divmod_const(&mut self, op: BinaryOp, x: Value, d: i64) -> Value {
+        let x64 = self.b.ins().sextend(I64, x);
+        let q = self.div_const(x64, d);
+        let qd = self.b.ins().imul_imm_s(q, d);
+        let r = self.b.ins().isub(x64, qd);
+        // With d > 0, a negative remainder moves the quotient down one and the remainder
+        // up by d.
+        let neg = self.b.ins().icmp_imm_s(IntCC::SignedLessThan, r, 0);
+        let res = if op == BinaryOp::Div {
+            let qm = self.b.ins().iadd_imm_s(q, -1);
+            self.b.ins().select(neg, qm, q)
+        } else {
+            let rp = self.b.ins().iadd_imm_s(r, d);
+            self.b.ins().select(neg, rp, r)
+        };
+        self.b.ins().ireduce(I32, res)
+    }
+
     /// i32 `/` and `%` rounding toward negative infinity; a zero divisor gives 0 (and
     /// `i32::MIN / -1` wraps), so the kernel never traps.
     fn floor_divmod(&mut self, op: BinaryOp, x: Value, y: Value) -> Value {
@@ -1854,7 +1885,8 @@ impl Cg<'_, '_> {
         let chunk_k = chunk_runs * run;
         let single = p.per_split <= chunk_runs;
         // Rows and columns of a block: the gather buffers hold them at `chunk_k` steps
-        // each, packed 4 at a time.
+        // each (side-major, packed 4 at a time), or `chunk_k` steps of them (k-major): at
+        // most the buffer's floats either way.
         let mb = (GATHER_A_FLOATS as i64 / chunk_k).min(SGEMM_BLOCK_M as i64) / mr * mr;
         let nb = (GATHER_B_FLOATS as i64 / chunk_k).min(SGEMM_BLOCK_N as i64) / mr * mr;
         if mb < mr || nb < mr {
@@ -2202,7 +2234,13 @@ impl Cg<'_, '_> {
         let acc = self.b.ins().load(F32, flags(), ca, 0);
         self.acc = Some(acc);
         self.journal.push(Vec::new());
-        let res = self.stores();
+        // Every value before any store, as the vector loop above does.
+        let res = self
+            .k
+            .stores
+            .iter()
+            .try_for_each(|s| self.emit(s.value).map(|_| ()))
+            .and_then(|()| self.stores());
         self.drop_scope();
         self.acc = None;
         res?;

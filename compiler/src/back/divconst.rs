@@ -42,7 +42,9 @@ impl DivBy {
         }
     }
 
-    /// `n / d` computed as the emitted code does (for tests and constant folding).
+    /// `n / d` computed as the emitted code does (its tests' model). `Plain` stands for
+    /// an `sdiv`, which traps where this gives 0 (`d == 0`, `i64::MIN / -1`); the CPU back
+    /// end emits it only for divisors that are never 0 or -1 in index arithmetic.
     pub fn apply(self, n: i64, d: i64) -> i64 {
         match self {
             DivBy::One => n,
