@@ -258,6 +258,37 @@ fn run_compiles_for_the_cpu_and_trains() {
     assert!(stderr(&o).contains("kernels"), "{}", stderr(&o));
 }
 
+/// `TCC_PERF_MAP=1` names every JIT kernel in perf's map file for the process, at its
+/// address, so `perf report` can attribute samples to kernels.
+#[test]
+fn perf_map_names_the_jit_kernels() {
+    let child = Command::new(env!("CARGO_BIN_EXE_tcc"))
+        .args(["run", "examples/tiny.tdsl", "--steps", "1", "-q"])
+        .current_dir(root())
+        .env("TCC_PERF_MAP", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tcc runs");
+    let map = PathBuf::from(format!("/tmp/perf-{}.map", child.id()));
+    let o = child.wait_with_output().expect("tcc runs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&map).unwrap_or_default();
+    let _ = std::fs::remove_file(&map);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines.iter().any(|l| l.ends_with(" tcc_kernel_k0")),
+        "{text}"
+    );
+    for l in lines {
+        let f: Vec<&str> = l.split(' ').collect();
+        assert_eq!(f.len(), 3, "{l}");
+        let at = u64::from_str_radix(f[0], 16).unwrap_or(0);
+        let size = u64::from_str_radix(f[1], 16).unwrap_or(0);
+        assert!(at > 0 && size > 0, "{l}");
+    }
+}
+
 #[test]
 fn build_artifact_then_run_it_and_reject_a_corrupt_one() {
     let d = tmpdir("artifact");
