@@ -238,9 +238,8 @@ impl Arena {
 
     /// The `N` f32s from byte `i`, if they lie in the arena.
     fn run_at<const N: usize>(&self, i: usize) -> Option<[f32; N]> {
-        let end = i.checked_add(4 * N)?;
-        // SAFETY: `i + 4N <= len`, and `len` bytes from `base` are readable (`new`).
-        (end <= self.len).then(|| unsafe { self.base.add(i).cast::<[f32; N]>().read_unaligned() })
+        let mut out = [0.0; N];
+        self.read_into(i, &mut out).then_some(out)
     }
 }
 

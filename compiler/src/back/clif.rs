@@ -336,6 +336,11 @@ impl<'a, 'b> Cg<'a, 'b> {
 
     fn close_loop(&mut self, l: LoopCtx) {
         let next = self.b.ins().iadd_imm_s(l.iv, 1);
+        self.close_loop_at(l, next);
+    }
+
+    /// Closes loop `l`, its next iteration at `next` (a step other than 1).
+    fn close_loop_at(&mut self, l: LoopCtx, next: Value) {
         self.b.ins().jump(l.header, &[next.into()]);
         self.b.switch_to_block(l.exit);
         self.drop_scope();
@@ -2088,17 +2093,8 @@ impl Cg<'_, '_> {
         let row = self.b.ins().imul_imm_s(row, 4);
         let base = self.b.ins().iadd(buf, row);
         // The segments: `s` from `first`, each to the end of its `so` or of the block.
-        let header = self.b.create_block();
-        let body = self.b.create_block();
-        let exit = self.b.create_block();
-        self.b.append_block_param(header, I64);
-        self.b.ins().jump(header, &[first.into()]);
-        self.b.switch_to_block(header);
-        let sv = self.b.block_params(header)[0];
-        let more = self.b.ins().icmp(IntCC::SignedLessThan, sv, end);
-        self.b.ins().brif(more, body, &[], exit, &[]);
-        self.b.switch_to_block(body);
-        self.journal.push(Vec::new());
+        let segs = self.open_loop(first, end);
+        let sv = segs.iv;
         let so = self.div_const(sv, ac.inner);
         let si0 = self.rem_const(sv, ac.inner);
         let left = self.b.ins().isub(end, sv);
@@ -2125,9 +2121,7 @@ impl Cg<'_, '_> {
         self.b.ins().store(flags(), v, addr, 0);
         self.close_loop(sl);
         let next = self.b.ins().iadd(sv, seg);
-        self.drop_scope();
-        self.b.ins().jump(header, &[next.into()]);
-        self.b.switch_to_block(exit);
+        self.close_loop_at(segs, next);
         self.close_loop(ul);
         self.close_loop(tl);
         Ok(())
