@@ -767,6 +767,25 @@ pub fn half_cases() -> Vec<(String, String, f64)> {
     v
 }
 
+/// Convolutions in channels-last large enough for the CUDA back end's large-tile SGEMM to
+/// run them as implicit GEMMs (gathered operands): a 3×3 one with padding and a ReLU, a
+/// 1×1 one, and the input gradients of a stride-2 3×3 convolution (with the ReLU's
+/// gradient in its epilogue) and of the 1×1 one. 20736 rows of 128, 40 and 48 columns
+/// (not whole tiles), `k` of 216 to 432 (not whole stages of 8 for the 1×1's 40).
+pub const IMPLICIT_GEMM_CONVS: &str = "model m {
+    input x: f32[4, 24, 72, 72]
+    param w1: f32[40, 24, 3, 3] = normal(0.0, 0.05)
+    param w2: f32[48, 40, 3, 3] = normal(0.0, 0.05)
+    param w3: f32[40, 40, 1, 1] = normal(0.0, 0.1)
+    let h = relu(conv2d(x, w1, padding: 1))
+    let y = conv2d(h, w2, stride: 2, padding: 1)
+    let z = conv2d(h, w3)
+    let loss = mean(y * y) + mean(z * z)
+    output loss
+    train sgd(lr: 0.1) minimize loss
+}
+";
+
 /// Programs that exercise the CUDA back end's special paths, with the bound on their
 /// relative error against the interpreter: vectorized pointwise kernels (vector loads of
 /// f32, i32 and halves, scalar broadcasts, and shapes that fall back to the scalar path),

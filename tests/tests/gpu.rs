@@ -12,7 +12,7 @@ use tcc_runtime::Device;
 use tcc_tests::{
     builtin_program, compile_pipeline, device_steps, device_steps_with, eager_steps,
     gpu_path_cases, half_cases, integer_program, options_from_args, params_rel_err, rel_err, root,
-    tdsl_files, BUILTIN_CASES, INTEGER_CASES,
+    tdsl_files, BUILTIN_CASES, IMPLICIT_GEMM_CONVS, INTEGER_CASES,
 };
 
 /// Whether a GPU is usable; panics if one is required and missing.
@@ -183,6 +183,23 @@ fn gpu_vector_and_matmul_paths_agree_with_eager() {
     for (what, src, tol) in gpu_path_cases() {
         agree(&src, &Options::default(), &what, 1, tol);
     }
+}
+
+/// Convolutions that the large-tile SGEMM runs as implicit GEMMs (gathered operands,
+/// element by element, clamped and masked at the edges): padding, a 1×1 window and the
+/// input gradient of a stride-2 convolution, in channels-last, over two SGD steps.
+#[test]
+fn gpu_implicit_gemm_convolutions_train_like_eager() {
+    if !gpu() {
+        return;
+    }
+    agree(
+        IMPLICIT_GEMM_CONVS,
+        &Options::default(),
+        "implicit-GEMM convolutions",
+        2,
+        1e-4,
+    );
 }
 
 /// f32 matmuls on TF32 tensor cores (`allow_tf32`): operands keep 10 mantissa bits, so the

@@ -9,7 +9,7 @@ use tcc::kernel::fuse::FuseOptions;
 use tcc_tests::{
     assemble_ptx, builtin_program, compile_pipeline, gpu_path_cases, integer_program,
     options_from_args, ptxas, root, tdsl_files, tensor_core_attention, BUILTIN_CASES,
-    INTEGER_CASES,
+    IMPLICIT_GEMM_CONVS, INTEGER_CASES,
 };
 
 fn programs() -> Vec<(String, String, Options)> {
@@ -48,6 +48,11 @@ fn programs() -> Vec<(String, String, Options)> {
     for (what, src, _) in gpu_path_cases() {
         v.push((what, src, Options::default()));
     }
+    v.push((
+        "implicit-GEMM convolutions".to_string(),
+        IMPLICIT_GEMM_CONVS.to_string(),
+        Options::default(),
+    ));
     for d in ["f16", "bf16"] {
         v.push((
             format!("{d} tensor-core attention"),
@@ -486,6 +491,42 @@ fn ptx_paths_are_chosen_where_they_apply() {
         .iter()
         .any(|k| k.matmul.as_ref().is_some_and(|m| m.split_k > 1)));
     assert!(c.code.contains("red.global.add.f32"));
+    // Larger ones (and their input gradients) take the large-tile SGEMM, which gathers
+    // their operands element by element; the split-K weight gradients keep the 64×64 tile.
+    let c = compile(
+        &compile_pipeline(IMPLICIT_GEMM_CONVS, &Options::default()).unwrap(),
+        &CompileOptions {
+            target: Target::Cuda,
+            fuse: FuseOptions {
+                fuse: true,
+                channels_last: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut paths = Vec::new();
+    for kernel in c.code.split("\n// ").skip(1) {
+        let what = kernel.lines().next().unwrap_or_default();
+        if what.contains("conv2d") && !what.starts_with("zero fill") {
+            paths.push((what, kernel.contains(".b8 mm_s[")));
+        }
+    }
+    let sgemm: Vec<&str> = paths.iter().filter(|p| p.1).map(|p| p.0).collect();
+    assert_eq!(sgemm.len(), 4, "{paths:?}");
+    assert_eq!(
+        sgemm
+            .iter()
+            .filter(|w| w.contains("conv2d_grad_input"))
+            .count(),
+        2,
+        "{paths:?}"
+    );
+    assert!(
+        sgemm.iter().all(|w| !w.contains("grad_weight")),
+        "{paths:?}"
+    );
     // bf16 and f16 matmuls run on tensor cores; f32 only with allow_tf32.
     for d in ["bf16", "f16"] {
         let p = ptx(

@@ -47,7 +47,10 @@ pub(super) struct SgGrid {
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
 pub(super) fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
-    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !mm.is_plain() {
+    // Plain matmuls, and implicit GEMMs (gathered operands: convolutions) that sum all of
+    // `k` in one block.
+    let implicit = (mm.a.gather.is_some() || mm.b.gather.is_some()) && mm.split_k == 1;
+    if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !(mm.is_plain() || implicit) {
         return None;
     }
     // A side of at most 64 takes a 64-wide tile: a 128-wide one would idle half its
@@ -188,18 +191,29 @@ pub(super) fn emit_sgemm(
     // A moves along k where it is contiguous along k (or along neither), else along its
     // rows; B along its columns where contiguous along them (or along neither), else
     // along k (a transposed view, read in place rather than copied).
-    let a_k = !(mm.a.cs != 1 && mm.a.rs == 1);
-    let a_vec = if a_k {
-        mm.a.cs == 1 && kd % 4 == 0 && mm.a.rs % 4 == 0
-    } else {
-        m % 4 == 0 && mm.a.cs % 4 == 0
-    } && aligned4(&mm.a, aoff);
-    let b_k = mm.b.cs != 1 && mm.b.rs == 1;
-    let b_vec = if b_k {
-        kd % 4 == 0 && mm.b.cs % 4 == 0
-    } else {
-        mm.b.cs == 1 && n % 4 == 0 && mm.b.rs % 4 == 0
-    } && aligned4(&mm.b, boff);
+    // A gathered operand moves the way its memory is contiguous, one element at a time.
+    let a_k = match &mm.a.gather {
+        Some(g) => g.k_fast,
+        None => !(mm.a.cs != 1 && mm.a.rs == 1),
+    };
+    let a_vec = mm.a.gather.is_none()
+        && if a_k {
+            mm.a.cs == 1 && kd % 4 == 0 && mm.a.rs % 4 == 0
+        } else {
+            m % 4 == 0 && mm.a.cs % 4 == 0
+        }
+        && aligned4(&mm.a, aoff);
+    let b_k = match &mm.b.gather {
+        Some(g) => g.k_fast,
+        None => mm.b.cs != 1 && mm.b.rs == 1,
+    };
+    let b_vec = mm.b.gather.is_none()
+        && if b_k {
+            kd % 4 == 0 && mm.b.cs % 4 == 0
+        } else {
+            mm.b.cs == 1 && n % 4 == 0 && mm.b.rs % 4 == 0
+        }
+        && aligned4(&mm.b, boff);
     let a = SgSlot::new(
         &mut px,
         &t,
@@ -214,8 +228,10 @@ pub(super) fn emit_sgemm(
             buf: &abuf,
             shared: 0,
             stage_bytes: stage_bytes(a_vec, mm.a.cs),
+            gather: mm.a.gather.as_ref(),
+            a_side: true,
         },
-    );
+    )?;
     let b = SgSlot::new(
         &mut px,
         &t,
@@ -230,8 +246,10 @@ pub(super) fn emit_sgemm(
             buf: &bbuf,
             shared: tile,
             stage_bytes: stage_bytes(b_vec, mm.b.rs),
+            gather: mm.b.gather.as_ref(),
+            a_side: false,
         },
-    );
+    )?;
     let ra: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
     let rb: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();
     // Loads stage `k0` (i64 register) into ra/rb, slice by slice, zeros out of range;
@@ -263,10 +281,11 @@ pub(super) fn emit_sgemm(
                 if slot.staged() {
                     slot.load_stage(px, &stage, s, regs);
                 } else {
-                    slot.load(px, &ks, kd, regs);
+                    slot.load(px, &ks, kd, regs)?;
                 }
             }
         }
+        Ok::<(), super::PtxError>(())
     };
     // Stores ra and rb to the stage at `st` (`[k][m]` and `[k][n]` in shared memory).
     let store_regs = |px: &mut Px, st: &str| {
@@ -302,7 +321,7 @@ pub(super) fn emit_sgemm(
                 px.line(format!("@{empty} bra.uni {done};"));
                 let k0 = px.fresh("rd");
                 px.line(format!("mul.wide.u32 {k0}, {kb}, {bk};"));
-                load_regs(&mut px, &k0, kb, None);
+                load_regs(&mut px, &k0, kb, None)?;
                 let st = px.fresh("r");
                 px.line(format!("and.b32 {st}, {kb}, 1;"));
                 px.line(format!("mad.lo.u32 {st}, {st}, {}, {sbase};", 2 * tile));
@@ -316,7 +335,7 @@ pub(super) fn emit_sgemm(
                 let (zero, first) = (px.fresh("rd"), px.fresh("r"));
                 px.line(format!("mov.s64 {zero}, 0;"));
                 px.line(format!("mov.u32 {first}, 0;"));
-                load_regs(&mut px, &zero, &first, None);
+                load_regs(&mut px, &zero, &first, None)?;
                 store_regs(&mut px, &sbase);
                 px.line("bar.sync 0;");
                 let kt = px.fresh("r");
@@ -337,7 +356,7 @@ pub(super) fn emit_sgemm(
         // the range's last stage again, all into the idle buffer.
         let k0 = px.fresh("rd");
         px.line(format!("mul.wide.u32 {k0}, {ktn}, {bk};"));
-        load_regs(&mut px, &k0, &ktn, Some(&last));
+        load_regs(&mut px, &k0, &ktn, Some(&last))?;
         let cur = px.fresh("r");
         px.line(format!("and.b32 {cur}, {kt}, 1;"));
         px.line(format!("mul.lo.u32 {cur}, {cur}, {};", 2 * tile));

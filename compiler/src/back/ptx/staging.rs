@@ -1,8 +1,11 @@
 //! Operand staging: how the matmuls move their A and B tiles from global to shared memory
 //! (16-byte `cp.async` chunks, element loads with zero fill, and the SGEMM's register slots).
 
-use super::px::Px;
+use super::px::{f32_lit, Px};
 use super::sgemm::{SG_BK, SG_STRIDE};
+use super::Res;
+use crate::kernel::{ExprId, Gather, Var};
+use std::collections::HashMap;
 
 /// One 16-byte `cp.async` from element `idx` of the buffer at `buf` to shared byte `dst`,
 /// or 16 zero bytes when `p` is false (the source address then stays at `buf`).
@@ -126,6 +129,22 @@ pub(super) struct SgSide<'a> {
     /// inside `k` (`k` a multiple of the stage depth), so a stage needs no range check along
     /// `k` and no zeros: `None` otherwise, or where the step does not fit a u32.
     pub(super) stage_bytes: Option<u64>,
+    /// A gathered operand (an implicit GEMM's): its elements come from the gather's
+    /// expression, element by element, rather than from `base` and the strides.
+    pub(super) gather: Option<&'a Gather>,
+    /// The side is A (the gather's row is the tile's row), not B.
+    pub(super) a_side: bool,
+}
+
+/// A gathered slot's state: the gather, its side, the nodes that depend only on `k` (its
+/// variable and the nodes), and for each row or column the slot reads (k-major: one, else
+/// 4), that index clamped into range and the gather's nodes that depend on it alone,
+/// computed once before the `k` loop.
+struct SgGather {
+    g: Gather,
+    a_side: bool,
+    k_nodes: (Var, Vec<ExprId>),
+    outers: Vec<(String, HashMap<ExprId, String>)>,
 }
 
 /// The 4 elements of one operand a thread of the SGEMM moves per stage: rows or columns
@@ -148,10 +167,11 @@ pub(super) struct SgSlot {
     /// Bytes between stages and the byte address of the slot's elements at stage 0, where
     /// every stage lies inside `k` (see [`SgSide::stage_bytes`]).
     staged: Option<(u64, String)>,
+    gather: Option<SgGather>,
 }
 
 impl SgSlot {
-    pub(super) fn new(px: &mut Px, t: &str, s: SgSide) -> SgSlot {
+    pub(super) fn new(px: &mut Px, t: &str, s: SgSide) -> Res<SgSlot> {
         let (x0, x1) = (px.fresh("r"), px.fresh("r"));
         let (outer, kq) = if s.k_major {
             px.line(format!("shr.u32 {x0}, {t}, 1;"));
@@ -206,7 +226,30 @@ impl SgSlot {
             px.line(format!("mad.lo.s64 {ptr}, {ptr}, 4, {};", s.buf));
             (bytes, ptr)
         });
-        SgSlot {
+        let gather = match s.gather {
+            Some(gt) => {
+                let (var, nodes) = px.fixed_nodes(Some(gt), s.a_side);
+                let mut outers = Vec::new();
+                for e in 0..if s.k_major { 1 } else { 4 } {
+                    let at = px.fresh("rd");
+                    px.line(format!("add.s64 {at}, {g}, {e};"));
+                    px.line(format!(
+                        "min.s64 {at}, {at}, {};",
+                        s.extent.saturating_sub(1)
+                    ));
+                    let cache = px.gather_fixed_part(&nodes, var, &at)?;
+                    outers.push((at, cache));
+                }
+                Some(SgGather {
+                    g: gt.clone(),
+                    a_side: s.a_side,
+                    k_nodes: px.fixed_nodes(Some(gt), !s.a_side),
+                    outers,
+                })
+            }
+            None => None,
+        };
+        Ok(SgSlot {
             k_major: s.k_major,
             vector: s.vector,
             extent: s.extent,
@@ -219,7 +262,8 @@ impl SgSlot {
             base,
             st,
             staged,
-        }
+            gather,
+        })
     }
 
     /// Whether [`Self::load_stage`] applies (no range checks along `k`, no zeros).
@@ -244,7 +288,10 @@ impl SgSlot {
 
     /// Loads the stage starting at `k0` (i64 register) into `regs` (left as they are,
     /// zeros, out of range).
-    pub(super) fn load(&self, px: &mut Px, k0: &str, kd: usize, regs: &[String]) {
+    pub(super) fn load(&self, px: &mut Px, k0: &str, kd: usize, regs: &[String]) -> Res<()> {
+        if let Some(gs) = &self.gather {
+            return self.load_gathered(px, gs, k0, kd, regs);
+        }
         let (buf, ok) = (&self.buf, &self.ok);
         let kg = px.fresh("rd");
         px.line(format!("add.s64 {kg}, {k0}, {};", self.kq));
@@ -272,7 +319,7 @@ impl SgSlot {
                 "@{p} ld.global.v4.f32 {{{}}}, [{addr}];",
                 regs.join(", ")
             ));
-            return;
+            return Ok(());
         }
         let step = if self.k_major {
             self.k_stride
@@ -296,6 +343,67 @@ impl SgSlot {
             px.line(format!("mad.lo.s64 {addr}, {addr}, 4, {buf};"));
             px.line(format!("@{p} ld.global.f32 {r}, [{addr}];"));
         }
+        Ok(())
+    }
+
+    /// [`Self::load`] of a gathered slot: each element is the gather's value at its row
+    /// and column, both clamped into range (every load in bounds), and 0 out of range.
+    /// Across rows or columns, what depends on the slot's one `k` alone (a window's tap
+    /// and channel) is computed once for the 4 elements.
+    fn load_gathered(
+        &self,
+        px: &mut Px,
+        gs: &SgGather,
+        k0: &str,
+        kd: usize,
+        regs: &[String],
+    ) -> Res<()> {
+        let kg = px.fresh("rd");
+        px.line(format!("add.s64 {kg}, {k0}, {};", self.kq));
+        let last_k = kd.saturating_sub(1);
+        // Across rows or columns: the slot's one `k`, clamped, its range test and the
+        // gather's nodes that depend on it alone.
+        let across = if self.k_major {
+            None
+        } else {
+            let (kc, pk) = (px.fresh("rd"), px.fresh("p"));
+            px.line(format!("setp.lt.s64 {pk}, {kg}, {kd};"));
+            px.line(format!("min.s64 {kc}, {kg}, {last_k};"));
+            let (var, nodes) = &gs.k_nodes;
+            let c = px.gather_fixed_part(nodes, *var, &kc)?;
+            Some((kc, pk, c))
+        };
+        for (e, r) in regs.iter().enumerate() {
+            let p = px.fresh("p");
+            let (outer, kv, cache) = match &across {
+                None => {
+                    let ke = px.fresh("rd");
+                    px.line(format!("add.s64 {ke}, {kg}, {e};"));
+                    px.line(format!("setp.lt.and.s64 {p}, {ke}, {kd}, {};", self.ok));
+                    px.line(format!("min.s64 {ke}, {ke}, {last_k};"));
+                    let (at, cache) = &gs.outers[0];
+                    (at, ke, cache.clone())
+                }
+                Some((kc, pk, kcache)) => {
+                    let at = px.fresh("rd");
+                    px.line(format!("add.s64 {at}, {}, {e};", self.outer));
+                    px.line(format!("setp.lt.and.s64 {p}, {at}, {}, {pk};", self.extent));
+                    let (at, cache) = &gs.outers[e];
+                    let mut cache = cache.clone();
+                    for (id, reg) in kcache {
+                        cache.entry(*id).or_insert_with(|| reg.clone());
+                    }
+                    (at, kc.clone(), cache)
+                }
+            };
+            let v = if gs.a_side {
+                px.gather(&gs.g, outer, &kv, &cache)?
+            } else {
+                px.gather(&gs.g, &kv, outer, &cache)?
+            };
+            px.line(format!("selp.f32 {r}, {v}, {}, {p};", f32_lit(0.0)));
+        }
+        Ok(())
     }
 
     /// Stores `regs` to the stage at shared address `stage`, `at` bytes in (the slice).
