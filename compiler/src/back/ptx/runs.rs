@@ -1,8 +1,9 @@
 //! Runs of a gathered operand: where `run` consecutive elements along one of its variables
-//! (starting at a multiple of `run`) are `run` consecutive elements of one 16-bit buffer,
-//! all read or all zero. An implicit GEMM stages such a run as one 16-byte `cp.async`
-//! (a convolution's window over channels-last activations: one tap, eight channels),
-//! computing the gather's index and padding test once per run instead of once per element.
+//! (starting at a multiple of `run`) are `run` consecutive elements of one 16-bit or f32
+//! buffer, all read or all zero. An implicit GEMM stages such a run as one 16-byte
+//! `cp.async` or load (a convolution's window over channels-last activations: one tap,
+//! eight bf16 or four f32 channels), computing the gather's index and padding test once
+//! per run instead of once per element.
 //!
 //! The proof is structural, over the gather's expression: every node is either
 //! independent of the run's offset `e` (`0 <= e < run`), or `base + step·e` with a
@@ -40,7 +41,7 @@ const FREE: Form = Form {
 
 /// The run of `run` elements (along `var`, which spans `[0, extent)`) of a gather's
 /// `value`, when `extent` is a multiple of `run` (a run is all in range or all out),
-/// `value` is a 16-bit load, or a select between such a load and 0 whose condition does
+/// `value` is a 16-bit or f32 load, or a select between such a load and 0 whose condition does
 /// not vary along the run, and the load's index is its run's first index plus `e`, that
 /// first index a multiple of `run`.
 pub(super) fn run_of(
@@ -61,7 +62,7 @@ pub(super) fn run_of(
     let E::Load { buf, dtype, index } = *pool.get(load) else {
         return None;
     };
-    if !matches!(dtype, DType::F16 | DType::BF16) {
+    if !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
         return None;
     }
     let forms = forms(pool, ranges, value, var, run);
@@ -332,7 +333,7 @@ mod tests {
     /// Indices and guards that are not one aligned run of consecutive elements: a run
     /// backwards (a varying right operand of `-`, a negative factor), a clamp that bites
     /// inside the range, a guard that varies along the run, a start that is not a multiple
-    /// of the run, an f32 load.
+    /// of the run, an i32 load; an f32 load is one (the SGEMM's runs of four).
     #[test]
     fn what_is_not_a_run_is_refused() {
         let mut k = kernel();
@@ -353,26 +354,35 @@ mod tests {
             load(p, shifted, None),
             load(p, kk, Some(early)),
         ];
-        let in_f32 = p.add(
-            E::Load {
-                buf: NodeId(petgraph::stable_graph::NodeIndex::new(3)),
-                dtype: DType::F32,
-                index: kk,
-            },
-            VTy::F32,
-        );
+        let in_dtype = |p: &mut ExprPool, dtype| {
+            p.add(
+                E::Load {
+                    buf: NodeId(petgraph::stable_graph::NodeIndex::new(3)),
+                    dtype,
+                    index: kk,
+                },
+                if dtype == DType::F32 {
+                    VTy::F32
+                } else {
+                    VTy::I32
+                },
+            )
+        };
+        let (in_i32, in_f32) = (in_dtype(p, DType::I32), in_dtype(p, DType::F32));
         // The same load of `kk` itself, with a guard that holds along whole runs, is one.
         let per_run = p.add(E::Bin(BinaryOp::Div, kk, c8), VTy::I64);
         let ok_guard = p.add(E::Bin(BinaryOp::Lt, per_run, c5), VTy::Bool);
         let fine = load(p, kk, Some(ok_guard));
         let ranges = super::super::expr::index_ranges(&k);
-        for (i, v) in cases.into_iter().chain([in_f32]).enumerate() {
+        for (i, v) in cases.into_iter().chain([in_i32]).enumerate() {
             assert!(
                 run_of(&k.pool, &ranges, v, (1, 576), 8).is_none(),
                 "case {i}"
             );
         }
         assert!(run_of(&k.pool, &ranges, fine, (1, 576), 8).is_some());
+        let f32_run = run_of(&k.pool, &ranges, in_f32, (1, 576), 4);
+        assert_eq!(f32_run.map(|r| r.dtype), Some(DType::F32));
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! staged 8 deep through two buffers, stream-K where whole tiles would fill their waves badly.
 
 use super::epilogue::{epilogue, epilogue_coords, epilogue_vectors, EPILOGUE_PREFETCH_REGS};
+use super::expr::index_ranges;
 use super::px::{f32_lit, Px};
+use super::runs::run_of;
 use super::staging::{SgSide, SgSlot};
 use super::stream_k;
 use super::tile::{block_prologue, ffma_tile, thread_xy, tile_origin, FfmaTile, TileOrigin};
@@ -10,7 +12,7 @@ use super::{LaunchShape, Res, BLOCK, SMS};
 use crate::ir::DType;
 use crate::kernel::offsets::Offsets;
 use crate::kernel::sites::sites;
-use crate::kernel::{Kernel, Matmul, MmAxis};
+use crate::kernel::{Gather, Kernel, Matmul, MmAxis};
 
 /// Large-tile FFMA SGEMM: rows and columns of the block tile (one of them is 64 where the
 /// matmul's `m` or `n` is at most 64, as in attention's `[T, T] @ [T, 64]`).
@@ -214,6 +216,17 @@ pub(super) fn emit_sgemm(
             mm.b.cs == 1 && n % 4 == 0 && mm.b.rs % 4 == 0
         }
         && aligned4(&mm.b, boff);
+    // A gathered side whose slot's 4 elements are one run of f32 (a channels-last window's
+    // 4 channels of one tap) loads them as one vector.
+    let ranges = index_ranges(k);
+    let run = |g: Option<&Gather>, k_major: bool, a_side: bool, extent: usize| {
+        let g = g?;
+        let var = if k_major == a_side { g.col } else { g.row };
+        let along = if k_major { kd } else { extent };
+        run_of(&k.pool, &ranges, g.value, (var, along), 4).filter(|r| {
+            r.dtype == DType::F32 && offsets.get(r.buf).is_some_and(|o| o % 16 == 0)
+        })
+    };
     let a = SgSlot::new(
         &mut px,
         &t,
@@ -230,6 +243,7 @@ pub(super) fn emit_sgemm(
             stage_bytes: stage_bytes(a_vec, mm.a.cs),
             gather: mm.a.gather.as_ref(),
             a_side: true,
+            run: run(mm.a.gather.as_ref(), a_k, true, m),
         },
     )?;
     let b = SgSlot::new(
@@ -248,6 +262,7 @@ pub(super) fn emit_sgemm(
             stage_bytes: stage_bytes(b_vec, mm.b.rs),
             gather: mm.b.gather.as_ref(),
             a_side: false,
+            run: run(mm.b.gather.as_ref(), b_k, false, n),
         },
     )?;
     let ra: Vec<String> = (0..4 * sub).map(|_| px.fresh("f")).collect();

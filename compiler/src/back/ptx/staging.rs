@@ -2,7 +2,9 @@
 //! (16-byte `cp.async` chunks, element loads with zero fill, and the SGEMM's register slots).
 
 use super::px::{f32_lit, Px};
+use super::runs::Run;
 use super::sgemm::{SG_BK, SG_STRIDE};
+use super::tile::operand_buffer;
 use super::Res;
 use crate::kernel::{ExprId, Gather, Var};
 use std::collections::HashMap;
@@ -134,6 +136,9 @@ pub(super) struct SgSide<'a> {
     pub(super) gather: Option<&'a Gather>,
     /// The side is A (the gather's row is the tile's row), not B.
     pub(super) a_side: bool,
+    /// The gather reads runs of 4 f32 along the slot's 4 elements ([`super::runs`]), in a
+    /// 16-byte aligned buffer: one vector load each.
+    pub(super) run: Option<Run>,
 }
 
 /// A gathered slot's state: the gather, its side, the nodes that depend only on `k` (its
@@ -145,6 +150,8 @@ struct SgGather {
     a_side: bool,
     k_nodes: (Var, Vec<ExprId>),
     outers: Vec<(String, HashMap<ExprId, String>)>,
+    /// The run and its buffer's byte address.
+    run: Option<(Run, String)>,
 }
 
 /// The 4 elements of one operand a thread of the SGEMM moves per stage: rows or columns
@@ -230,21 +237,33 @@ impl SgSlot {
             Some(gt) => {
                 let (var, nodes) = px.fixed_nodes(Some(gt), s.a_side);
                 let mut outers = Vec::new();
-                for e in 0..if s.k_major { 1 } else { 4 } {
+                // Element by element, each row or column; a run across them, its first
+                // (clamped to the last run).
+                let (count, last) = match (s.run.is_some(), s.k_major) {
+                    (false, false) => (4, 1),
+                    (true, false) => (1, 4),
+                    (_, true) => (1, 1),
+                };
+                for e in 0..count {
                     let at = px.fresh("rd");
                     px.line(format!("add.s64 {at}, {g}, {e};"));
                     px.line(format!(
                         "min.s64 {at}, {at}, {};",
-                        s.extent.saturating_sub(1)
+                        s.extent.saturating_sub(last)
                     ));
                     let cache = px.gather_fixed_part(&nodes, var, &at)?;
                     outers.push((at, cache));
                 }
+                let run = match s.run {
+                    Some(r) => Some((r, operand_buffer(px, r.buf)?.0)),
+                    None => None,
+                };
                 Some(SgGather {
                     g: gt.clone(),
                     a_side: s.a_side,
                     k_nodes: px.fixed_nodes(Some(gt), !s.a_side),
                     outers,
+                    run,
                 })
             }
             None => None,
@@ -360,6 +379,9 @@ impl SgSlot {
     ) -> Res<()> {
         let kg = px.fresh("rd");
         px.line(format!("add.s64 {kg}, {k0}, {};", self.kq));
+        if let Some((run, buf)) = &gs.run {
+            return self.load_run(px, gs, (run, buf), &kg, kd, regs);
+        }
         let last_k = kd.saturating_sub(1);
         // Across rows or columns: the slot's one `k`, clamped, its range test and the
         // gather's nodes that depend on it alone.
@@ -403,6 +425,51 @@ impl SgSlot {
             };
             px.line(format!("selp.f32 {r}, {v}, {}, {p};", f32_lit(0.0)));
         }
+        Ok(())
+    }
+
+    /// [`Self::load_gathered`] of a slot whose 4 elements are one run: its index and
+    /// padding test once, one vector load (`regs` hold zeros where it is skipped). Along
+    /// `k` the slot's first `k` (from `kg`, a multiple of 4; `k` is whole runs) is clamped
+    /// to the last run; across rows or columns, the slot's first one was ([`Self::new`]).
+    fn load_run(
+        &self,
+        px: &mut Px,
+        gs: &SgGather,
+        (run, buf): (&Run, &str),
+        kg: &str,
+        kd: usize,
+        regs: &[String],
+    ) -> Res<()> {
+        let (kc, p) = (px.fresh("rd"), px.fresh("p"));
+        px.line(format!("setp.lt.and.s64 {p}, {kg}, {kd}, {};", self.ok));
+        let last = if self.k_major { 4 } else { 1 };
+        px.line(format!("min.s64 {kc}, {kg}, {};", kd.saturating_sub(last)));
+        let (at, cache) = &gs.outers[0];
+        let mut cache = cache.clone();
+        if !self.k_major {
+            let (var, nodes) = &gs.k_nodes;
+            for (id, reg) in px.gather_fixed_part(nodes, *var, &kc)? {
+                cache.entry(id).or_insert(reg);
+            }
+        }
+        let coords = if gs.a_side {
+            (at.as_str(), kc.as_str())
+        } else {
+            (kc.as_str(), at.as_str())
+        };
+        let mut roots = vec![run.index];
+        roots.extend(run.guard);
+        let vals = px.gather_nodes(&gs.g, &roots, coords, &cache)?;
+        if let Some(guard) = vals.get(1) {
+            px.line(format!("and.pred {p}, {p}, {guard};"));
+        }
+        let addr = px.fresh("rd");
+        px.line(format!("mad.lo.s64 {addr}, {}, 4, {buf};", vals[0]));
+        px.line(format!(
+            "@{p} ld.global.v4.f32 {{{}}}, [{addr}];",
+            regs.join(", ")
+        ));
         Ok(())
     }
 
