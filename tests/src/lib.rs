@@ -768,19 +768,22 @@ pub fn half_cases() -> Vec<(String, String, f64)> {
 }
 
 /// Convolutions in channels-last large enough for the CUDA back end's large-tile SGEMM to
-/// run them as implicit GEMMs (gathered operands): a 3×3 one with padding and a ReLU, a
-/// 1×1 one, and the input gradients of a stride-2 3×3 convolution (with the ReLU's
-/// gradient in its epilogue) and of the 1×1 one. 20736 rows of 128, 40 and 48 columns
-/// (not whole tiles), `k` of 216 to 432 (not whole stages of 8 for the 1×1's 40).
+/// run them as implicit GEMMs (gathered operands): 3×3 ones with padding (one with a ReLU),
+/// a 1×1 one, the input gradients of a stride-1, a stride-2 and the 1×1 convolution (with
+/// the ReLU's gradient in their epilogue), and one weight gradient split along `k` (48 ×
+/// 576 from 28672 pixels). 28672 rows of 40 to 64 columns (not whole tiles); the stride-2
+/// convolution itself and the other weight gradients are too small for it.
 pub const IMPLICIT_GEMM_CONVS: &str = "model m {
-    input x: f32[4, 24, 72, 72]
-    param w1: f32[40, 24, 3, 3] = normal(0.0, 0.05)
-    param w2: f32[48, 40, 3, 3] = normal(0.0, 0.05)
-    param w3: f32[40, 40, 1, 1] = normal(0.0, 0.1)
+    input x: f32[7, 16, 64, 64]
+    param w1: f32[64, 16, 3, 3] = normal(0.0, 0.05)
+    param w2: f32[48, 64, 3, 3] = normal(0.0, 0.05)
+    param w3: f32[40, 64, 3, 3] = normal(0.0, 0.05)
+    param w4: f32[40, 64, 1, 1] = normal(0.0, 0.1)
     let h = relu(conv2d(x, w1, padding: 1))
-    let y = conv2d(h, w2, stride: 2, padding: 1)
-    let z = conv2d(h, w3)
-    let loss = mean(y * y) + mean(z * z)
+    let y = conv2d(h, w2, padding: 1)
+    let z = conv2d(h, w3, stride: 2, padding: 1)
+    let u = conv2d(h, w4)
+    let loss = mean(y * y) + mean(z * z) + mean(u * u)
     output loss
     train sgd(lr: 0.1) minimize loss
 }

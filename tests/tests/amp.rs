@@ -316,11 +316,12 @@ fn mixed_precision_ptx_assembles() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A weight gradient of widened 16-bit operands is split along `k` by the tensor cores'
-/// 128×128 tiles, not the FFMA path's 64×64: the cnn's stage-3 gradients (256 × 2304 from
-/// 8192 pixels) are 144 FFMA tiles (no split) but 36 tensor-core tiles (8 splits).
+/// A weight gradient is split along `k` by 128×128 tiles, those of the tensor cores for
+/// widened 16-bit operands and of the FFMA SGEMM for f32 ones: the cnn's stage-3 gradients
+/// (256 × 2304 from 8192 pixels) are 36 tiles, 8 splits (144 of the old 64×64 FFMA tiles
+/// split nothing).
 #[test]
-fn tensor_core_weight_gradients_split_by_their_own_tiles() {
+fn weight_gradients_split_by_128_tiles() {
     let src = std::fs::read_to_string(root().join("examples/cnn.tdsl")).unwrap();
     for a in [Amp::default()].into_iter().chain(policies()) {
         let g = step(&src, "", a);
@@ -336,8 +337,7 @@ fn tensor_core_weight_gradients_split_by_their_own_tiles() {
             })
             .map(|n| tcc::kernel::lower::conv_split_k(&g, n, true))
             .collect();
-        let want = if a.dtype.is_some() { 8 } else { 1 };
-        assert_eq!(splits, [want; 3], "--amp {}", a.name());
+        assert_eq!(splits, [8; 3], "--amp {}", a.name());
     }
 }
 

@@ -132,10 +132,9 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
         return runs.div_ceil(per_split).clamp(1, 4096);
     }
     // Operands widened from 16 bits (mixed precision's weight gradients) run on the
-    // tensor cores' 128×128 tiles, f32 ones on the 64×64 FFMA tiles: stage 3 of the cnn
-    // (256 × 2304) is 144 FFMA tiles but only 36 tensor-core tiles.
-    let widened = node.inputs.iter().all(|&i| widening(g, i));
-    let tile = if widened { 128 } else { 64 };
+    // tensor cores' 128×128 tiles, f32 ones on the FFMA SGEMM's 128×128 (or 64×128)
+    // tiles: stage 3 of the cnn (256 × 2304) is 36 tiles.
+    let tile = 128;
     let tiles = m.div_ceil(tile) * ncols.div_ceil(tile);
     // Thin outputs take the per-element path, which does not split.
     if tiles >= SPLIT_K_TILES || k < 2 * SPLIT_K_MIN_DEPTH || m < 16 || ncols < 16 {

@@ -49,9 +49,10 @@ pub(super) struct SgGrid {
 
 /// The grid of the large-tile SGEMM (exact f32), or `None` where the 64×64 one is used.
 pub(super) fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
-    // Plain matmuls, and implicit GEMMs (gathered operands: convolutions) that sum all of
-    // `k` in one block.
-    let implicit = (mm.a.gather.is_some() || mm.b.gather.is_some()) && mm.split_k == 1;
+    // Plain matmuls, and implicit GEMMs (gathered operands: convolutions), also split
+    // along `k` (weight gradients: [`split_stages`]) where they skip no terms.
+    let implicit =
+        (mm.a.gather.is_some() || mm.b.gather.is_some()) && (mm.split_k <= 1 || mm.skip.is_empty());
     if mm.a.dtype != DType::F32 || mm.b.dtype != DType::F32 || !(mm.is_plain() || implicit) {
         return None;
     }
@@ -69,7 +70,7 @@ pub(super) fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
     let batch: usize = mm.batch.iter().product();
     let (gx, gy) = (mm.n.div_ceil(bn), mm.m.div_ceil(bm));
     // Stream-K for 128×128 tiles that fill their waves badly (and skip no terms).
-    if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() {
+    if (bm, bn) == (SG_BM, SG_BN) && mm.skip.is_empty() && mm.split_k <= 1 {
         let tiles = gx.saturating_mul(gy).saturating_mul(batch);
         if let Some(ctas) = stream_k::choose(tiles, mm.k.div_ceil(SG_BK)) {
             return Some(SgGrid {
@@ -79,7 +80,8 @@ pub(super) fn sgemm_grid(mm: &Matmul) -> Option<SgGrid> {
             });
         }
     }
-    let gz = batch;
+    // Split-K: the blocks of one output tile are consecutive along z.
+    let gz = batch.saturating_mul(mm.split_k.max(1));
     if batch == 0 || gz > 65535 || gy > 65535 || gx > i32::MAX as usize {
         return None;
     }
@@ -138,7 +140,7 @@ pub(super) fn emit_sgemm(
 
     let nk = kd.div_ceil(bk);
     let (tile_of, seg) = match stream_k {
-        None => (ffma_tile(&mut px, mm, (bm, bn), 1, true)?, None),
+        None => (ffma_tile(&mut px, mm, (bm, bn), mm.split_k, true)?, None),
         Some(ctas) => {
             let (c, _, _, t) = block_prologue(&mut px);
             let (tx, ty) = thread_xy(&mut px, &t);
@@ -171,7 +173,7 @@ pub(super) fn emit_sgemm(
                 row0,
                 col0,
             },
-        split: _,
+        split,
     } = tile_of;
     // Rows and columns of the thread's register tile: groups of 4, 64 apart.
     let (tr, tc) = (bm / 16, bn / 16);
@@ -223,9 +225,8 @@ pub(super) fn emit_sgemm(
         let g = g?;
         let var = if k_major == a_side { g.col } else { g.row };
         let along = if k_major { kd } else { extent };
-        run_of(&k.pool, &ranges, g.value, (var, along), 4).filter(|r| {
-            r.dtype == DType::F32 && offsets.get(r.buf).is_some_and(|o| o % 16 == 0)
-        })
+        run_of(&k.pool, &ranges, g.value, (var, along), 4)
+            .filter(|r| r.dtype == DType::F32 && offsets.get(r.buf).is_some_and(|o| o % 16 == 0))
     };
     let a = SgSlot::new(
         &mut px,
@@ -323,9 +324,10 @@ pub(super) fn emit_sgemm(
 
     // The stages this tile sums: all of them, those its skips leave, or its stream-K
     // segment.
-    let range = match &seg {
-        Some(s) => Some((s.kb.clone(), s.ke.clone())),
-        None => stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk),
+    let range = match (&seg, &split) {
+        (Some(s), _) => Some((s.kb.clone(), s.ke.clone())),
+        (None, Some(s)) => Some(split_stages(&mut px, s, nk, mm.split_k)),
+        (None, None) => stage_range(&mut px, mm, &row0, &col0, (bm, bn), bk),
     };
     let done = range.as_ref().map(|_| px.label("sg_done"));
     if nk > 0 {
@@ -465,6 +467,21 @@ pub(super) fn emit_sgemm(
             scratch_bytes: stream_k.map_or(0, stream_k::scratch_bytes),
         },
     ))
+}
+
+/// Split-K's stages `[kb, ke)` (u32 registers) for split `s` (u64 register) of `splits`
+/// over `nk` stages: consecutive runs of `ceil(nk / splits)` stages, the last ones shorter
+/// or empty. Each block adds its partial sum into the zeroed output (the kernel's store
+/// accumulates: `red.global.add`).
+fn split_stages(px: &mut Px, s: &str, nk: usize, splits: usize) -> (String, String) {
+    let per = nk.div_ceil(splits.max(1));
+    let (kb, ke) = (px.fresh("r"), px.fresh("r"));
+    px.line(format!("cvt.u32.u64 {kb}, {s};"));
+    px.line(format!("mul.lo.u32 {kb}, {kb}, {per};"));
+    px.line(format!("add.u32 {ke}, {kb}, {per};"));
+    px.line(format!("min.u32 {ke}, {ke}, {nk};"));
+    px.line(format!("min.u32 {kb}, {kb}, {ke};"));
+    (kb, ke)
 }
 
 /// The `bk`-deep stages `[kb, ke)` (u32 registers) that the `bm`×`bn` tile at `row0`,
