@@ -464,19 +464,20 @@ fn ptx_paths_are_chosen_where_they_apply() {
         &Options::default(),
     )
     .unwrap();
-    let c = compile(
-        &g,
-        &CompileOptions {
-            target: Target::Cuda,
-            fuse: FuseOptions {
-                fuse: true,
-                channels_last: true,
-                ..Default::default()
-            },
+    let channels_last = |g: &tcc::ir::Graph| {
+        let fuse = FuseOptions {
+            fuse: true,
+            channels_last: true,
             ..Default::default()
-        },
-    )
-    .unwrap();
+        };
+        let opts = CompileOptions {
+            target: Target::Cuda,
+            fuse,
+            ..Default::default()
+        };
+        compile(g, &opts).unwrap()
+    };
+    let c = channels_last(&g);
     let gathers = c
         .fused
         .kernels
@@ -493,19 +494,7 @@ fn ptx_paths_are_chosen_where_they_apply() {
     assert!(c.code.contains("red.global.add.f32"));
     // Larger ones (their input gradients, and a weight gradient split along `k`) take the
     // large-tile SGEMM, which gathers their operands; smaller ones keep the 64×64 tile.
-    let c = compile(
-        &compile_pipeline(IMPLICIT_GEMM_CONVS, &Options::default()).unwrap(),
-        &CompileOptions {
-            target: Target::Cuda,
-            fuse: FuseOptions {
-                fuse: true,
-                channels_last: true,
-                ..Default::default()
-            },
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let c = channels_last(&compile_pipeline(IMPLICIT_GEMM_CONVS, &Options::default()).unwrap());
     let mut paths = Vec::new();
     for kernel in c.code.split("\n// ").skip(1) {
         let what = kernel.lines().next().unwrap_or_default();

@@ -41,12 +41,15 @@
 //!   whose rows and columns span several domain axes) whose gathers read f16/bf16 runs of
 //!   8 elements ([`runs`]: a tap's channels in channels-last activations) run on the
 //!   `mma.sync` tiles, each run one 16-byte `cp.async` whose index and padding test the
-//!   gather gives at the run's first element; the others take the 64×64 FFMA tiles or the
+//!   gather gives at the run's first element; f32 ones take the FFMA SGEMM where it has
+//!   132 blocks (its slots load runs of 4 f32 as one float4 where the gather reads such
+//!   runs, [`runs`], else element by element), else the 64×64 FFMA tiles or the
 //!   per-element loop: each tile slot evaluates its gather at a clamped row and `k` (what
-//!   depends on the row alone is computed once, before the `k` loop) and stores 0 out of
-//!   range. With `split_k`, blocks along `z` each sum one slice of `k` and add it into
-//!   the zeroed output with `red.global.add` (the sum's order, hence its last bits, may
-//!   change from run to run, as with the scatter kernels).
+//!   depends on the row alone is computed once, before the `k` loop; across rows, what
+//!   depends on the slot's `k` alone once for its elements) and stores 0 out of range.
+//!   With `split_k`, blocks along `z` each sum one slice of `k` (the SGEMM: a run of whole
+//!   stages) and add it into the zeroed output with `red.global.add` (the sum's order,
+//!   hence its last bits, may change from run to run, as with the scatter kernels).
 //!
 //! Math: `exp` is `ex2.approx` of `x·log2 e`; `log` is `lg2.approx`; `tanh` is computed
 //! from `exp` (a polynomial near 0) because `tanh.approx` is only good to about 1e-3;
@@ -63,7 +66,7 @@
 //! | `pointwise.rs` | pointwise and reduction kernels, scalar path |
 //! | `vector.rs` | pointwise kernels, vector path (`ld/st.global.v4`) |
 //! | `per_element.rs` | the per-element matmul (one output element per thread) |
-//! | `tiled.rs` | the 64×64 FFMA matmul (implicit GEMMs, split-K) |
+//! | `tiled.rs` | the 64×64 FFMA matmul (small implicit GEMMs, split-K) |
 //! | `sgemm.rs` | the 128×128 FFMA SGEMM |
 //! | `stream_k.rs` | stream-K for the SGEMM: segments, flags and partial tiles |
 //! | `mma.rs` | the `mma.sync` tensor-core matmul, plain or implicit (gathered runs) |

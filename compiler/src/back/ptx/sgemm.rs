@@ -1,5 +1,7 @@
 //! The large-tile FFMA SGEMM: 128×128 tiles (or 128×64, 64×128) with 8×8 per thread, `k`
 //! staged 8 deep through two buffers, stream-K where whole tiles would fill their waves badly.
+//! Plain matmuls, and f32 implicit GEMMs (convolutions: gathered operands, [`SgSlot`]'s
+//! gathered slots; weight gradients split along `k`, [`split_stages`]).
 
 use super::epilogue::{epilogue, epilogue_coords, epilogue_vectors, EPILOGUE_PREFETCH_REGS};
 use super::expr::index_ranges;
