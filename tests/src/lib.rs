@@ -768,22 +768,26 @@ pub fn half_cases() -> Vec<(String, String, f64)> {
 }
 
 /// Convolutions in channels-last large enough for the CUDA back end's large-tile SGEMM to
-/// run them as implicit GEMMs (gathered operands): 3×3 ones with padding (one with a ReLU),
-/// a 1×1 one, the input gradients of a stride-1, a stride-2 and the 1×1 convolution (with
-/// the ReLU's gradient in their epilogue), and one weight gradient split along `k` (48 ×
-/// 576 from 28672 pixels). 28672 rows of 40 to 64 columns (not whole tiles); the stride-2
-/// convolution itself and the other weight gradients are too small for it.
+/// run them as implicit GEMMs (gathered operands): 3×3 ones with padding (one with a ReLU,
+/// one of 128 channels on stream-K's 128×128 tiles), a 1×1 one, the input gradients of
+/// stride-1, stride-2 and 1×1 convolutions (with the ReLU's gradient in their epilogue),
+/// and two weight gradients split along `k` (48 and 128 × 576 from 28672 pixels), most
+/// reading runs of 4 channels as float4s. 28672 rows of 40 to 128 columns (not all whole
+/// tiles); the stride-2 convolution itself and the other weight gradients are too small
+/// for the SGEMM.
 pub const IMPLICIT_GEMM_CONVS: &str = "model m {
     input x: f32[7, 16, 64, 64]
     param w1: f32[64, 16, 3, 3] = normal(0.0, 0.05)
     param w2: f32[48, 64, 3, 3] = normal(0.0, 0.05)
     param w3: f32[40, 64, 3, 3] = normal(0.0, 0.05)
     param w4: f32[40, 64, 1, 1] = normal(0.0, 0.1)
+    param w5: f32[128, 64, 3, 3] = normal(0.0, 0.03)
     let h = relu(conv2d(x, w1, padding: 1))
     let y = conv2d(h, w2, padding: 1)
     let z = conv2d(h, w3, stride: 2, padding: 1)
     let u = conv2d(h, w4)
-    let loss = mean(y * y) + mean(z * z) + mean(u * u)
+    let v = conv2d(h, w5, padding: 1)
+    let loss = mean(y * y) + mean(z * z) + mean(u * u) + mean(v * v)
     output loss
     train sgd(lr: 0.1) minimize loss
 }

@@ -187,8 +187,9 @@ fn gpu_vector_and_matmul_paths_agree_with_eager() {
 
 /// Convolutions that the large-tile SGEMM runs as implicit GEMMs (gathered operands,
 /// element by element or as runs of 4 channels, clamped and masked at the edges): padding,
-/// a 1×1 window, the input gradient of a stride-2 convolution and a split-K weight
-/// gradient, in channels-last, over two SGD steps (the split's zeroed sum is redone).
+/// a 1×1 window, the input gradient of a stride-2 convolution, split-K weight gradients
+/// and a stream-K convolution, in channels-last, over two SGD steps (the splits' zeroed
+/// sums are redone).
 /// Against the CPU back end (itself tested against eager): eager takes minutes for these
 /// sizes.
 #[test]

@@ -495,22 +495,34 @@ fn ptx_paths_are_chosen_where_they_apply() {
     // Larger ones (their input gradients, and a weight gradient split along `k`) take the
     // large-tile SGEMM, which gathers their operands; smaller ones keep the 64×64 tile.
     let c = channels_last(&compile_pipeline(IMPLICIT_GEMM_CONVS, &Options::default()).unwrap());
+    // (what, on the SGEMM, stream-K, float4 runs)
     let mut paths = Vec::new();
     for kernel in c.code.split("\n// ").skip(1) {
         let what = kernel.lines().next().unwrap_or_default();
         if what.contains("conv2d") && !what.starts_with("zero fill") {
-            paths.push((what, kernel.contains(".b8 mm_s[")));
+            let runs = kernel
+                .lines()
+                .any(|l| l.trim_start().starts_with('@') && l.contains("ld.global.v4.f32"));
+            paths.push((
+                what,
+                kernel.contains(".b8 mm_s["),
+                kernel.contains("sk_seg"),
+                runs,
+            ));
         }
     }
     let sgemm: Vec<&str> = paths.iter().filter(|p| p.1).map(|p| p.0).collect();
     let count = |what: &str| sgemm.iter().filter(|w| w.contains(what)).count();
-    assert_eq!(sgemm.len(), 7, "{paths:?}");
-    assert_eq!(count("conv2d_grad_input"), 3, "{paths:?}");
-    assert_eq!(count("conv2d_grad_weight"), 1, "{paths:?}");
-    assert_eq!(paths.len(), 11, "{paths:?}");
+    assert_eq!(paths.len(), 14, "{paths:?}");
+    assert_eq!(sgemm.len(), 10, "{paths:?}");
+    assert_eq!(count("conv2d_grad_input"), 4, "{paths:?}");
+    assert_eq!(count("conv2d_grad_weight"), 2, "{paths:?}");
+    assert_eq!(paths.iter().filter(|p| p.1 && p.2).count(), 1, "{paths:?}");
+    assert_eq!(paths.iter().filter(|p| p.1 && p.3).count(), 9, "{paths:?}");
     let split = c.fused.kernels.iter().filter_map(|k| k.matmul.as_ref());
-    assert!(
-        split.clone().any(|m| m.split_k > 1 && m.n == 576),
+    assert_eq!(
+        split.filter(|m| m.split_k > 1 && m.n == 576).count(),
+        3,
         "{paths:?}"
     );
     // bf16 and f16 matmuls run on tensor cores; f32 only with allow_tf32.

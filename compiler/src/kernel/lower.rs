@@ -132,8 +132,9 @@ pub fn conv_split_k(g: &Graph, n: NodeId, cuda: bool) -> usize {
         return runs.div_ceil(per_split).clamp(1, 4096);
     }
     // Operands widened from 16 bits (mixed precision's weight gradients) run on the
-    // tensor cores' 128×128 tiles, f32 ones on the FFMA SGEMM's 128×128 (or 64×128)
-    // tiles: stage 3 of the cnn (256 × 2304) is 36 tiles.
+    // tensor cores' 128×128 tiles, f32 ones on the FFMA SGEMM's 128×128 (or 128×64,
+    // 64×128) tiles: stage 3 of the cnn (256 × 2304) is 36 tiles. Outputs the SGEMM
+    // refuses (fewer than 65536 elements) run on 64×64 tiles with these (more) splits.
     let tile = 128;
     let tiles = m.div_ceil(tile) * ncols.div_ceil(tile);
     // Thin outputs take the per-element path, which does not split.

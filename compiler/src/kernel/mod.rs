@@ -1051,8 +1051,8 @@ impl Matmul {
     }
 
     /// Both operands strided and the domain `batch ++ [m, n]`: what every matmul path
-    /// handles (gathers and split rows or columns only the tiled FFMA path and the
-    /// per-element one).
+    /// handles (gathers and split rows or columns only the FFMA SGEMM, the tiled FFMA
+    /// path, the tensor cores' implicit GEMM for 16-bit runs, and the per-element one).
     pub fn is_plain(&self) -> bool {
         self.a.gather.is_none()
             && self.b.gather.is_none()

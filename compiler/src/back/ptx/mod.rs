@@ -41,9 +41,10 @@
 //!   whose rows and columns span several domain axes) whose gathers read f16/bf16 runs of
 //!   8 elements ([`runs`]: a tap's channels in channels-last activations) run on the
 //!   `mma.sync` tiles, each run one 16-byte `cp.async` whose index and padding test the
-//!   gather gives at the run's first element; f32 ones take the FFMA SGEMM where it has
-//!   132 blocks (its slots load runs of 4 f32 as one float4 where the gather reads such
-//!   runs, [`runs`], else element by element), else the 64×64 FFMA tiles or the
+//!   gather gives at the run's first element; the others (f32, and 16-bit ones without
+//!   such runs, widened by their gathers) take the FFMA SGEMM where it has 132 blocks or
+//!   runs stream-K (its slots load runs of 4 f32 as one float4 where the gather reads
+//!   such runs, [`runs`], else element by element), else the 64×64 FFMA tiles or the
 //!   per-element loop: each tile slot evaluates its gather at a clamped row and `k` (what
 //!   depends on the row alone is computed once, before the `k` loop; across rows, what
 //!   depends on the slot's `k` alone once for its elements) and stores 0 out of range.

@@ -132,7 +132,8 @@ pub(super) struct SgSide<'a> {
     /// `k` and no zeros: `None` otherwise, or where the step does not fit a u32.
     pub(super) stage_bytes: Option<u64>,
     /// A gathered operand (an implicit GEMM's): its elements come from the gather's
-    /// expression, element by element, rather than from `base` and the strides.
+    /// expression (element by element, or a run at a time: `run`), rather than from
+    /// `base` and the strides.
     pub(super) gather: Option<&'a Gather>,
     /// The side is A (the gather's row is the tile's row), not B.
     pub(super) a_side: bool,
@@ -142,8 +143,9 @@ pub(super) struct SgSide<'a> {
 }
 
 /// A gathered slot's state: the gather, its side, the nodes that depend only on `k` (its
-/// variable and the nodes), and for each row or column the slot reads (k-major: one, else
-/// 4), that index clamped into range and the gather's nodes that depend on it alone,
+/// variable and the nodes), and for each row or column the slot reads element by element
+/// (k-major or a run across them: one, else 4), that index clamped into range (a run's, to
+/// the last run) and the gather's nodes that depend on it alone,
 /// computed once before the `k` loop.
 struct SgGather {
     g: Gather,
