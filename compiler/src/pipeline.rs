@@ -562,7 +562,15 @@ fn remat_stage(p: Product, o: &Options, report: &mut Report) -> Result<Product, 
 fn attention_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, StageError> {
     let g = graph_of(p, "attention")?;
     if o.compile.target == Target::Cuda && o.compile.fuse.fuse {
-        Ok(Product::Graph(crate::passes::attention::fuse_attention(&g)))
+        let h = crate::passes::attention::fuse_attention(&g);
+        // The fused backward runs on tensor cores only: 16-bit operands.
+        if o.compile.amp.dtype.is_some() {
+            Ok(Product::Graph(
+                crate::passes::attention::fuse_attention_backward(&h),
+            ))
+        } else {
+            Ok(Product::Graph(h))
+        }
     } else {
         Ok(Product::Graph(g))
     }

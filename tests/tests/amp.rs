@@ -477,8 +477,7 @@ fn no_reduction_is_fused_into_a_matmul_epilogue_under_amp() {
 }
 
 /// A computed value a tensor-core matmul reads transposed on its left is cast to 16 bits as
-/// it lies and read through the swap: attention's probabilities and score gradient (by the
-/// value and key gradients), every weight gradient's activations, and the logits' gradient
+/// it lies and read through the swap: every weight gradient's activations, and the logits' gradient
 /// (by the output weight's gradient, sharing the cast the input gradient reads). Only
 /// params (weights, made once a step) keep transposed copies there: a transposing cast
 /// reads across rows (0.21 ms a layer for gpt's `pᵀ` on an H100).
@@ -523,10 +522,12 @@ fn transposed_16_bit_operands_are_cast_before_their_swap() {
                 _ => {}
             }
         }
-        // Value and key gradients, the output weight's (from the logits' gradient) and the
-        // weight gradients whose activations are f32: the two layer norms' outputs (the
-        // gelu's and the attention's are 16-bit already, read swapped with no cast).
-        assert_eq!(read_swapped, 5, "--amp {}", a.name());
+        // The output weight's gradient (from the logits' gradient) and the weight
+        // gradients whose activations are f32: the two layer norms' outputs (the gelu's
+        // and the attention's are 16-bit already, read swapped with no cast). The value
+        // and key gradients are the flash-attention gradient kernel's, which reads `q`
+        // and `dout` as they lie.
+        assert_eq!(read_swapped, 3, "--amp {}", a.name());
     }
 }
 
@@ -534,7 +535,7 @@ fn transposed_16_bit_operands_are_cast_before_their_swap() {
 /// widens them as it loads them: no kernel makes their f32 copies (36 kernels of gpt's
 /// step under `--amp bf16`, 0.2 ms on an H100). Its output is 16-bit (read so by the
 /// output projection and its weight gradient, with no cast kernel), its row statistics
-/// f32.
+/// f32. Its gradient is two flash-attention kernels a layer.
 #[test]
 fn fused_attention_reads_its_16_bit_operands() {
     for a in policies() {
@@ -543,7 +544,28 @@ fn fused_attention_reads_its_16_bit_operands() {
             a,
         );
         let mut fused = 0;
+        let mut grads = 0;
         for kernel in &k.fused.kernels {
+            // The backward pass: flash-attention gradient kernels (`dq`, then `dk` and
+            // `dv`) reading the 16-bit operands and output gradient, and the f32 row
+            // statistics; no kernel stores the `[B, H, T, T]` probabilities or score
+            // gradients.
+            for s in &kernel.stores {
+                let probabilities = k.graph.ty(s.buf).dims() == [2, 2, 64, 64]
+                    && !matches!(k.graph.node(s.buf).op, Op::AttentionGrad { .. });
+                assert!(!probabilities, "{}", kernel.describe);
+            }
+            if let Some(gr) = kernel.attention.as_ref().and_then(|at| at.grad.as_ref()) {
+                let at = kernel.attention.as_ref().unwrap();
+                let ops = [Some(&at.q), Some(&at.k), at.v.as_ref(), Some(&gr.dout)];
+                for o in ops.into_iter().flatten().chain(at.o.as_ref()) {
+                    assert_eq!(o.dtype, a.dtype.unwrap(), "{}", kernel.describe);
+                }
+                assert_eq!([gr.lse.dtype, gr.delta.dtype], [DType::F32; 2]);
+                assert_eq!(at.lse, None);
+                grads += 1;
+                continue;
+            }
             if let Some(at) = &kernel.attention {
                 let ops = [Some(&at.q), Some(&at.k), at.v.as_ref()];
                 for o in ops.into_iter().flatten().chain(at.o.as_ref()) {
@@ -571,6 +593,7 @@ fn fused_attention_reads_its_16_bit_operands() {
             assert!(!(only_casts && for_attention), "{}", kernel.describe);
         }
         assert_eq!(fused, 2, "--amp {}: one attention kernel a layer", a.name());
+        assert_eq!(grads, 4, "--amp {}: two gradient kernels a layer", a.name());
     }
 }
 

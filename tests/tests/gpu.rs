@@ -330,6 +330,38 @@ fn gpu_attention_gradients_agree_under_mixed_precision() {
     }
 }
 
+/// The flash-attention gradient kernels (`back::ptx::attention_grad`) on ragged tiles: 70
+/// queries against 90 keys (causal: the diagonal shifted by 20) and 90 against 70 (not
+/// causal), head dimensions 16, 32, 64 and 128 with value widths other than the head's;
+/// `dq`, `dk` and `dv` against the interpreted mixed-precision step.
+#[test]
+fn gpu_flash_attention_gradients_agree_on_ragged_tiles() {
+    if !gpu() {
+        return;
+    }
+    for ((t, s), causal) in [((70, 90), true), ((70, 90), false), ((90, 70), false)] {
+        for (d, e) in [(64, 32), (128, 128), (16, 16), (32, 64)] {
+            let src = format!(
+                "model m {{
+                    input q: f32[2, 3, {t}, {d}]
+                    input k: f32[2, 3, {s}, {d}]
+                    input v: f32[2, 3, {s}, {e}]
+                    input w: f32[2, 3, {t}, {e}]
+                    let loss = sum(attention(q, k, v, causal: {causal}) * w)
+                    let dq = grad(loss, q)
+                    let dk = grad(loss, k)
+                    let dv = grad(loss, v)
+                    output dq
+                    output dk
+                    output dv
+                }}"
+            );
+            let what = format!("attention gradients T={t} S={s} d={d} e={e} causal={causal}");
+            tcc_tests::amp::agree(&src, "", 1, 1.0, &what, Device::Cuda(0));
+        }
+    }
+}
+
 /// The tensor-core attention kernel (`back::ptx::attention_mma`, 16-bit queries, keys and
 /// values): ragged tiles (70 queries against 90 keys; causal, the diagonal shifted by 20),
 /// head dimensions 16, 32, 64 and 128, value widths other than the head's; more queries

@@ -913,7 +913,8 @@ fn sass_artifacts_hold_every_kernel_whatever_the_threads() {
 }
 
 /// Under `--amp`, gpt's attention reads its 16-bit projections on tensor cores: each
-/// layer's attention kernel is the `mma.sync` one, rounding `p` to 16 bits in pairs.
+/// layer's attention kernel is the `mma.sync` one, rounding `p` to 16 bits in pairs, and
+/// so are its two gradient kernels.
 #[test]
 fn mixed_precision_attention_runs_on_tensor_cores() {
     let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
@@ -936,6 +937,29 @@ fn mixed_precision_attention_runs_on_tensor_cores() {
             2,
             "--amp {dtype}: one attention kernel a layer"
         );
+        // The backward pass: `dq`, and `dk` with `dv`, on tensor cores too.
+        let grads: Vec<&str> = c
+            .code
+            .split("\n// ")
+            .filter(|k| {
+                k.lines().next().is_some_and(|l| {
+                    l.contains("attention_grad_q %") || l.contains("attention_grad_kv %")
+                })
+            })
+            .collect();
+        assert_eq!(
+            grads.len(),
+            4,
+            "--amp {dtype}: two gradient kernels a layer"
+        );
+        for k in grads {
+            assert!(k.contains(&format!("cvt.rn.{dtype}x2.f32")), "{k}");
+            assert!(k.contains("ldmatrix.sync.aligned.m8n8.x4.trans"), "{k}");
+            assert!(
+                k.contains(&format!("m16n8k16.row.col.f32.{dtype}.{dtype}.f32")),
+                "{k}"
+            );
+        }
         for k in attention {
             assert!(k.contains(&format!("cvt.rn.{dtype}x2.f32")), "{k}");
             assert!(

@@ -198,6 +198,7 @@ pub fn vjp(
         | Op::EmbeddingGrad { .. }
         | Op::Attention { .. }
         | Op::AttentionLse { .. }
+        | Op::AttentionGrad { .. }
         | Op::AllReduce
         | Op::ReduceScatter { .. }
         | Op::AllGather { .. }

@@ -300,6 +300,10 @@ pub fn eval(op: &Op, ty: &TensorType, ins: &[&Tensor], p: Precision) -> Res {
             let out = attention(ins[0], ins[1], None, *causal, *scale)?;
             Ok(store_f(ty, out, p))
         }
+        Op::AttentionGrad { causal, scale, kv } => {
+            let out = attention_grad(ins, *causal, *scale, *kv)?;
+            Ok(store_f(ty, out, p))
+        }
         Op::Conv2d {
             stride,
             padding,
@@ -663,6 +667,71 @@ fn attention(
                 o.iter_mut().zip(vj).for_each(|(o, &y)| *o += pj * y);
             }
             out.extend(o);
+        }
+    }
+    Ok(out)
+}
+
+/// [`Op::AttentionGrad`]: `dq`, or `dk` and `dv` side by side, from the probabilities
+/// rebuilt with the forward's row statistics.
+fn attention_grad(
+    ins: &[&Tensor],
+    causal: bool,
+    scale: f32,
+    kv: bool,
+) -> Result<Vec<f64>, EagerError> {
+    let [q, k, v, dout, lse, delta] = ins else {
+        return Err(internal("attention_grad takes six operands"));
+    };
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    let r = qd.len();
+    if r < 2 || kd.len() != r || vd.len() != r {
+        return Err(internal("attention_grad operands of the wrong rank"));
+    }
+    let (t, s, d, e) = (qd[r - 2], kd[r - 2], qd[r - 1], vd[r - 1]);
+    let batch: usize = qd[..r - 2].iter().product();
+    let (qv, kvals, vv) = (floats(q)?, floats(k)?, floats(v)?);
+    let (dov, lv, dl) = (floats(dout)?, floats(lse)?, floats(delta)?);
+    let need = |x: &[f64], n: usize| {
+        if x.len() == n {
+            Ok(())
+        } else {
+            Err(internal("attention_grad operands of the wrong size"))
+        }
+    };
+    need(qv, batch * t * d)?;
+    need(kvals, batch * s * d)?;
+    need(vv, batch * s * e)?;
+    need(dov, batch * t * e)?;
+    need(lv, batch * t)?;
+    need(dl, batch * t)?;
+    let scale = f64::from(scale);
+    let keep = |i: usize, j: usize| !causal || j + t <= i + s;
+    let width = if kv { d + e } else { d };
+    let rows = if kv { s } else { t };
+    let mut out = vec![0.0f64; batch * rows * width];
+    for b in 0..batch {
+        for i in 0..t {
+            let qi = &qv[(b * t + i) * d..(b * t + i + 1) * d];
+            let doi = &dov[(b * t + i) * e..(b * t + i + 1) * e];
+            let (l, dlt) = (lv[b * t + i], dl[b * t + i]);
+            for j in (0..s).filter(|&j| keep(i, j)) {
+                let kj = &kvals[(b * s + j) * d..(b * s + j + 1) * d];
+                let vj = &vv[(b * s + j) * e..(b * s + j + 1) * e];
+                let sc = qi.iter().zip(kj).map(|(x, y)| x * y).sum::<f64>() * scale;
+                let pj = (sc - l).exp();
+                let dp: f64 = doi.iter().zip(vj).map(|(x, y)| x * y).sum();
+                let ds = pj * (dp - dlt) * scale;
+                if kv {
+                    let row = &mut out[(b * s + j) * width..(b * s + j + 1) * width];
+                    let (dk, dv) = row.split_at_mut(d);
+                    dk.iter_mut().zip(qi).for_each(|(o, x)| *o += ds * x);
+                    dv.iter_mut().zip(doi).for_each(|(o, x)| *o += pj * x);
+                } else {
+                    let row = &mut out[(b * t + i) * d..(b * t + i + 1) * d];
+                    row.iter_mut().zip(kj).for_each(|(o, x)| *o += ds * x);
+                }
+            }
         }
     }
     Ok(out)

@@ -470,7 +470,9 @@ impl Op {
                 ..
             }
             | Op::EmbeddingGrad { .. } => OpClass::Scatter,
-            Op::Attention { .. } | Op::AttentionLse { .. } => OpClass::Attention,
+            Op::Attention { .. } | Op::AttentionLse { .. } | Op::AttentionGrad { .. } => {
+                OpClass::Attention
+            }
             Op::Grad => OpClass::Symbolic,
             Op::AllReduce | Op::ReduceScatter { .. } | Op::AllGather { .. } | Op::Shard { .. } => {
                 OpClass::Collective

@@ -300,6 +300,19 @@ pub enum Op {
         causal: bool,
         scale: f32,
     },
+    /// The gradient of [`Op::Attention`] (flash attention's backward pass): operands
+    /// `[q, k, v, dout [.., T, E], lse [.., T, 1], delta [.., T, 1]]`, with `lse` the
+    /// forward's row statistics and `delta = rowsum(dout ∘ o)`, both f32. It rebuilds the
+    /// probabilities `p = exp(mask(q kᵀ · scale) - lse)` block by block and never stores
+    /// them: `ds = p (dout vᵀ - delta)`. With `kv: false` the result is `dq = scale · ds k`
+    /// `[.., T, D]`; with `kv: true` it is `[.., S, D + E]`, `dk = scale · dsᵀ q` then
+    /// `dv = pᵀ dout` along the last axis. In `q`'s dtype. Not written by programs:
+    /// `passes::attention` introduces it on CUDA under mixed precision.
+    AttentionGrad {
+        causal: bool,
+        scale: f32,
+        kv: bool,
+    },
     /// Sum of its operand over the ranks of a data-parallel step (`--gpus N`): every rank
     /// runs the same step on its own slice of the batch and gets the sum of all ranks'
     /// operands. Not written by programs: autodiff puts one on each param's gradient when
@@ -370,6 +383,8 @@ impl Op {
             Op::EmbeddingGrad { .. } => "embedding_grad".into(),
             Op::Attention { .. } => "attention".into(),
             Op::AttentionLse { .. } => "attention_lse".into(),
+            Op::AttentionGrad { kv: false, .. } => "attention_grad_q".into(),
+            Op::AttentionGrad { kv: true, .. } => "attention_grad_kv".into(),
             Op::AllReduce => "all_reduce".into(),
             Op::ReduceScatter { .. } => "reduce_scatter".into(),
             Op::AllGather { .. } => "all_gather".into(),
@@ -444,7 +459,9 @@ impl Op {
             Op::Dropout { p, seed } => format!("p={p:?} seed={seed}"),
             Op::EmbeddingGrad { vocab } => format!("vocab={vocab}"),
             Op::Tri { k, .. } => format!("k={k}"),
-            Op::Attention { causal, scale } | Op::AttentionLse { causal, scale } => {
+            Op::Attention { causal, scale }
+            | Op::AttentionLse { causal, scale }
+            | Op::AttentionGrad { causal, scale, .. } => {
                 format!("causal={causal} scale={scale:?}")
             }
             Op::ReduceScatter { ranks } | Op::Shard { ranks } => format!("ranks={ranks}"),
@@ -489,6 +506,7 @@ impl Op {
             | Op::EmbeddingGrad { .. }
             | Op::AttentionLse { .. } => 2,
             Op::Where | Op::Attention { .. } => 3,
+            Op::AttentionGrad { .. } => 6,
             Op::Concat { .. } => return None,
         })
     }
@@ -1035,6 +1053,7 @@ pub fn infer(op: &Op, ins: &[&TensorType]) -> Result<TensorType, TypeError> {
             infer_attention(q, k, Some(v))
         }
         Op::AttentionLse { .. } => infer_attention(ins[0], ins[1], None),
+        Op::AttentionGrad { kv, .. } => infer_attention_grad(ins, *kv),
         Op::AllReduce => {
             let x = ins[0];
             if !x.dtype.is_numeric() {
@@ -1124,6 +1143,32 @@ fn infer_attention(
     // The output in the operands' dtype (computed in f32), the row statistics in f32.
     let dtype = if v.is_some() { q.dtype } else { DType::F32 };
     Ok(TensorType::new(dtype, dims))
+}
+
+/// `[q, k, v, dout [.., T, E], lse [.., T, 1], delta [.., T, 1]]` → `dq [.., T, D]`, or
+/// (`kv`) `[.., S, D + E]`.
+fn infer_attention_grad(ins: &[&TensorType], kv: bool) -> Result<TensorType, TypeError> {
+    let (q, k, v, dout, lse, delta) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]);
+    let o = infer_attention(q, k, Some(v))?;
+    let mut rows = o.dims()[..o.rank() - 1].to_vec();
+    rows.push(1);
+    let stat_ok = |x: &TensorType| x.dtype == DType::F32 && x.dims() == rows;
+    if dout.dtype != q.dtype || dout.dims() != o.dims() || !stat_ok(lse) || !stat_ok(delta) {
+        return Err(TypeError::new(
+            "E0301",
+            "attention gradient operands do not match",
+            format!("output {o}, dout {dout}, lse {lse}, delta {delta}"),
+        ));
+    }
+    let r = q.rank();
+    let dims = if kv {
+        let mut d = k.dims().to_vec();
+        d[r - 1] += v.dims()[r - 1];
+        d
+    } else {
+        q.dims().to_vec()
+    };
+    Ok(TensorType::new(q.dtype, dims))
 }
 
 fn infer_matmul(a: &TensorType, b: &TensorType) -> Result<TensorType, TypeError> {

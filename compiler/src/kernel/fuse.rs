@@ -958,7 +958,10 @@ fn build(
                 Err(e) => return Err(e.into()),
             }
         }
-        if matches!(node.op, Op::Attention { .. } | Op::AttentionLse { .. }) {
+        if matches!(
+            node.op,
+            Op::Attention { .. } | Op::AttentionLse { .. } | Op::AttentionGrad { .. }
+        ) {
             match lower::attention_kernel(&d, n, lse_of.get(&n).copied(), name) {
                 Ok(k) => {
                     kernels.push(k);

@@ -96,7 +96,11 @@ pub fn permuted_products(
     let mut out = BTreeMap::new();
     for &n in materialized {
         let rank = g.ty(n).rank();
-        let product = matmul_anchor_ok(g, n) || matches!(g.node(n).op, Op::Attention { .. });
+        let product = matmul_anchor_ok(g, n)
+            || matches!(
+                g.node(n).op,
+                Op::Attention { .. } | Op::AttentionGrad { kv: false, .. }
+            );
         if !product || rank < 3 || read_by_caller.contains(&n) {
             continue;
         }

@@ -12,7 +12,8 @@
 //! by the same `guarded`/`window`/`untap` arithmetic as the direct loops (`conv_gemm`).
 
 use super::{
-    Attn, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Operand, Red, Skip, Store, VTy, Var, E,
+    Attn, AttnGrad, ExprId, ExprPool, Gather, Kernel, Matmul, MmAxis, Operand, Red, Skip, Store,
+    VTy, Var, E,
 };
 use crate::analysis::zeros::{Region, Zeros};
 use crate::ir::{BinaryOp, DType, Graph, NodeId, Op, PoolKind, ReduceOp, Scalar};
@@ -821,10 +822,12 @@ impl<'a> Builder<'a> {
                 "`{}` is a scatter kernel, not an expression",
                 node.op.name()
             ))),
-            Op::Attention { .. } | Op::AttentionLse { .. } => Err(LowerError::Internal(format!(
-                "`{}` is an attention kernel, not an expression",
-                node.op.name()
-            ))),
+            Op::Attention { .. } | Op::AttentionLse { .. } | Op::AttentionGrad { .. } => {
+                Err(LowerError::Internal(format!(
+                    "`{}` is an attention kernel, not an expression",
+                    node.op.name()
+                )))
+            }
             // Fusion gives the operand and the result buffers; the kernel copies one into
             // the other, which the ranks then reduce in place.
             Op::AllReduce => self.value(ins[0], idx),
@@ -1501,9 +1504,10 @@ pub fn attention_kernel(
 ) -> Res<Kernel> {
     let g = d.g;
     let node = g.node(n);
-    let (causal, scale, with_v) = match node.op {
-        Op::Attention { causal, scale } => (causal, scale, true),
-        Op::AttentionLse { causal, scale } => (causal, scale, false),
+    let (causal, scale, with_v, grad) = match node.op {
+        Op::Attention { causal, scale } => (causal, scale, true, None),
+        Op::AttentionLse { causal, scale } => (causal, scale, false, None),
+        Op::AttentionGrad { causal, scale, kv } => (causal, scale, true, Some(kv)),
         _ => {
             return Err(LowerError::Internal(
                 "attention kernel of another op".into(),
@@ -1527,6 +1531,34 @@ pub fn attention_kernel(
         (Some(b.operand(v, &batch, s, e)?), e)
     } else {
         (None, 0)
+    };
+    let grad = match grad {
+        Some(kv) => {
+            let (dout, lse, delta) = (node.inputs[3], node.inputs[4], node.inputs[5]);
+            let dout_o = b.operand(dout, &batch, t, e)?;
+            // The tensor-core kernel stages `q`, `k`, `v` and `dout` in 16-byte chunks:
+            // rows contiguous and 8-element aligned, or the operand gets a buffer of its
+            // own (which is).
+            for (x, o) in [(q, &qo), (k, &ko), (dout, &dout_o)]
+                .into_iter()
+                .chain(vo.as_ref().map(|o| (node.inputs[2], o)))
+            {
+                let aligned = o.cs == 1
+                    && o.rs % 8 == 0
+                    && o.base % 8 == 0
+                    && o.batch_strides.iter().all(|s| s % 8 == 0);
+                if !aligned && !d.materialized.contains(&x) {
+                    return Err(LowerError::Materialize(x));
+                }
+            }
+            Some(AttnGrad {
+                kv,
+                dout: dout_o,
+                lse: b.operand(lse, &batch, t, 1)?,
+                delta: b.operand(delta, &batch, t, 1)?,
+            })
+        }
+        None => None,
     };
     let idx = b.domain_vars();
     let acc = b.pool.add(E::Acc, VTy::F32);
@@ -1590,6 +1622,7 @@ pub fn attention_kernel(
         v: vo,
         o,
         lse: lse_out,
+        grad,
     });
     Ok(kernel)
 }

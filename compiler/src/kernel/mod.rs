@@ -1082,6 +1082,39 @@ pub struct Attn {
     pub v: Option<Operand>,
     pub o: Option<Operand>,
     pub lse: Option<Operand>,
+    /// The backward pass ([`crate::ir::Op::AttentionGrad`]): `o` is then its result.
+    pub grad: Option<AttnGrad>,
+}
+
+/// What an attention gradient kernel reads besides `q`, `k` and `v`, and which gradient it
+/// stores: `dq` (`[t, d]`), or with `kv` `dk` then `dv` along the row (`[s, d + e]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnGrad {
+    pub kv: bool,
+    /// The output's gradient, rows `t`, columns `e`.
+    pub dout: Operand,
+    /// The forward's row statistics and `rowsum(dout ∘ o)` (f32, one column each).
+    pub lse: Operand,
+    pub delta: Operand,
+}
+
+impl Attn {
+    /// The operands the kernel reads: (what, operand, rows, columns).
+    pub fn reads(&self) -> Vec<(&'static str, &Operand, usize, usize)> {
+        let mut v = vec![
+            ("attention q", &self.q, self.t, self.d),
+            ("attention k", &self.k, self.s, self.d),
+        ];
+        if let Some(x) = &self.v {
+            v.push(("attention v", x, self.s, self.e));
+        }
+        if let Some(gr) = &self.grad {
+            v.push(("attention dout", &gr.dout, self.t, self.e));
+            v.push(("attention lse", &gr.lse, self.t, 1));
+            v.push(("attention delta", &gr.delta, self.t, 1));
+        }
+        v
+    }
 }
 
 /// One fused kernel.
@@ -1145,8 +1178,7 @@ impl Kernel {
     pub fn operand_loads(&self) -> Vec<NodeId> {
         let mut v = Vec::new();
         if let Some(at) = &self.attention {
-            v.extend([&at.q, &at.k].map(|o| o.buf));
-            v.extend(at.v.as_ref().map(|o| o.buf));
+            v.extend(at.reads().into_iter().map(|(_, o, _, _)| o.buf));
         }
         if let Some(mm) = &self.matmul {
             for op in [&mm.a, &mm.b] {

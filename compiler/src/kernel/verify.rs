@@ -522,10 +522,8 @@ fn loads_of(ki: usize, k: &Kernel, facts: &PoolFacts, errs: &mut Vec<KernelError
         operands.push(("matmul operand B", &mm.b, mm.batch.clone(), mm.k, mm.n));
     }
     if let Some(at) = &k.attention {
-        operands.push(("attention q", &at.q, at.batch.clone(), at.t, at.d));
-        operands.push(("attention k", &at.k, at.batch.clone(), at.s, at.d));
-        if let Some(v) = &at.v {
-            operands.push(("attention v", v, at.batch.clone(), at.s, at.e));
+        for (what, o, rows, cols) in at.reads() {
+            operands.push((what, o, at.batch.clone(), rows, cols));
         }
     }
     for (what, op, batch, rows, cols) in operands {
@@ -1066,8 +1064,7 @@ fn loads_checked(k: &Kernel) -> Vec<NodeId> {
         operands.extend([&mm.a, &mm.b]);
     }
     if let Some(at) = &k.attention {
-        operands.extend([&at.q, &at.k]);
-        operands.extend(at.v.as_ref());
+        operands.extend(at.reads().into_iter().map(|(_, o, _, _)| o));
     }
     for op in operands {
         match &op.gather {

@@ -4,7 +4,7 @@
 //!
 //! | precision | ops | operands | result |
 //! |---|---|---|---|
-//! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient, fused attention | 16-bit (f32 accumulation) | 16-bit (attention's row statistics f32) |
+//! | [`Precision::Low`] | `matmul`, `conv2d` and its input gradient, fused attention and its gradient | 16-bit (f32 accumulation; the gradient's row statistics stay f32) | 16-bit (attention's row statistics f32) |
 //! | [`Precision::Rounded`] | `conv2d`'s weight gradient (a param's gradient, summed over the batch: split along `k`, its parts add up in f32) | rounded to 16 bits, then widened (what tensor cores multiply, f32 accumulation) | f32 |
 //! | [`Precision::Full`] | `exp log sqrt rsqrt recip sin cos pow`, every reduction (so softmax, norms and losses), `embedding`'s weight gradient | f32 | f32 |
 //! | [`Precision::Widest`] | other elementwise ops, `where`, views, `concat`, pooling, `dropout`, `embedding` | the widest float dtype among them (literals, fills and params broadcast onto the result, such as a bias, adopt it) | that dtype |
@@ -70,7 +70,8 @@ pub fn precision(op: &Op) -> Precision {
         | Op::Conv2d { .. }
         | Op::Conv2dGradInput { .. }
         | Op::Attention { .. }
-        | Op::AttentionLse { .. } => Low,
+        | Op::AttentionLse { .. }
+        | Op::AttentionGrad { .. } => Low,
         // A weight gradient is a param's gradient (kept f32) summed over the whole batch:
         // it accumulates in f32 from 16-bit operands, split over k where k is long.
         Op::Conv2dGradWeight { .. } => Rounded,
@@ -251,7 +252,10 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         let mut new_ins = Vec::with_capacity(ins.len());
         for (pos, (&old, &i)) in node.inputs.iter().zip(&ins).enumerate() {
             let dt = h.ty(i).dtype;
-            let Some(w) = want.filter(|&w| dt.is_float() && (dt != w || rounded && dt != low))
+            // An attention gradient's row statistics (`lse`, `delta`) stay f32.
+            let stats = matches!(node.op, Op::AttentionGrad { .. }) && pos >= 4;
+            let Some(w) =
+                want.filter(|&w| !stats && dt.is_float() && (dt != w || rounded && dt != low))
             else {
                 new_ins.push(i);
                 continue;

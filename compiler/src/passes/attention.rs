@@ -375,3 +375,387 @@ fn rewrite(h: &mut Graph, f: &Found, order: &[NodeId]) -> Option<Plan> {
         moved,
     })
 }
+
+/// `x` with pairs of permutes that undo each other looked through.
+fn canon(g: &Graph, mut x: NodeId) -> NodeId {
+    loop {
+        let Op::Permute { perm: outer } = &g.node(x).op else {
+            return x;
+        };
+        let inner_node = g.node(x).inputs[0];
+        let Op::Permute { perm: inner } = &g.node(inner_node).op else {
+            return x;
+        };
+        // Axis `i` of `x` is axis `inner[outer[i]]` of the inner permute's operand.
+        if outer.iter().enumerate().any(|(i, &o)| inner[o] != i) {
+            return x;
+        }
+        x = g.node(inner_node).inputs[0];
+    }
+}
+
+/// `x`'s operand when `x` swaps the last two axes of it.
+fn swapped_from(g: &Graph, x: NodeId) -> Option<NodeId> {
+    let r = g.ty(x).rank();
+    let swap: Vec<usize> = (0..r.saturating_sub(2)).chain([r - 1, r - 2]).collect();
+    match &g.node(x).op {
+        Op::Permute { perm } if r >= 2 && *perm == swap => g.node(x).inputs.first().copied(),
+        _ => None,
+    }
+}
+
+/// The binary `op` node `n` as its operands, the one for which `first` holds first.
+fn operands_with(
+    g: &Graph,
+    n: NodeId,
+    op: BinaryOp,
+    first: impl Fn(NodeId) -> bool,
+) -> Option<(NodeId, NodeId)> {
+    if g.node(n).op != Op::Binary(op) {
+        return None;
+    }
+    let (a, b) = (g.node(n).inputs[0], g.node(n).inputs[1]);
+    if first(a) {
+        Some((a, b))
+    } else if first(b) {
+        Some((b, a))
+    } else {
+        None
+    }
+}
+
+/// One attention backward pass as the rewrite above leaves it, from the rebuilt
+/// probabilities `p`:
+///
+/// ```text
+/// dv = pᵀ G;  ds = p (G vᵀ - delta);  [where(mask, ds, 0)];  dsc = ds · scale
+/// dq = dsc k;  dkᵀ = qᵀ dsc  (or dk = dscᵀ q)
+/// ```
+struct Backward {
+    q: NodeId,
+    k: NodeId,
+    v: NodeId,
+    g: NodeId,
+    lse: NodeId,
+    delta: NodeId,
+    causal: bool,
+    scale: f32,
+    dq: NodeId,
+    /// `dk`, and whether the graph computes it transposed (`[.., D, S]`).
+    dk: (NodeId, bool),
+    dv: NodeId,
+    /// The matched nodes, which the rewrite removes.
+    chain: Vec<NodeId>,
+}
+
+fn find_backward(g: &Graph, p: NodeId) -> Option<Backward> {
+    if g.node(p).op != Op::Unary(UnaryOp::Exp) {
+        return None;
+    }
+    let sub = g.node(p).inputs[0];
+    let (m, lr) = (*g.node(sub).inputs.first()?, *g.node(sub).inputs.get(1)?);
+    if g.node(sub).op != Op::Binary(BinaryOp::Sub) || !single_use(g, sub, p) {
+        return None;
+    }
+    let lse = match g.node(lr).op {
+        Op::Reshape { .. } => g.node(lr).inputs[0],
+        _ => return None,
+    };
+    let Op::AttentionLse { causal, scale } = g.node(lse).op else {
+        return None;
+    };
+    let (q, k) = (g.node(lse).inputs[0], g.node(lse).inputs[1]);
+    // The forward attention over the same `q` and `k` gives `v`.
+    let v = g.node_ids().find_map(|a| {
+        (g.node(a).op == Op::Attention { causal, scale } && g.node(a).inputs[..2] == [q, k])
+            .then(|| g.node(a).inputs[2])
+    })?;
+    let (mut scaled, mut mask) = (m, None);
+    if g.node(m).op == Op::Where {
+        mask = Some(g.node(m).inputs[0]);
+        scaled = g.node(m).inputs[1];
+        if !single_use(g, scaled, m) {
+            return None;
+        }
+    }
+    if mask.is_some() != causal || !single_use(g, m, sub) {
+        return None;
+    }
+    let (s, c) = operands_with(g, scaled, BinaryOp::Mul, |x| {
+        matches!(g.node(x).op, Op::MatMul)
+    })?;
+    // The scale as the forward op holds it (f32; the program's literal may be f64).
+    let is_scale = |c: NodeId| literal(g, c).is_some_and(|x| x as f32 == scale);
+    if !is_scale(c) || !single_use(g, s, scaled) || g.node(s).inputs[0] != q {
+        return None;
+    }
+    // The readers of `p`: `pᵀ` for `dv`, and `p (dp - delta)`.
+    let [r0, r1] = g.users(p)[..] else {
+        return None;
+    };
+    let (pt, pm) = if swapped_from(g, r0) == Some(p) {
+        (r0, r1)
+    } else {
+        (r1, r0)
+    };
+    let reads_once = |by: NodeId| g.node(by).inputs.iter().filter(|&&x| x == p).count() == 1;
+    if swapped_from(g, pt) != Some(p) || !reads_once(pm) {
+        return None;
+    }
+    let [dv] = g.users(pt)[..] else {
+        return None;
+    };
+    if !matches!(g.node(dv).op, Op::MatMul) || g.node(dv).inputs[0] != pt {
+        return None;
+    }
+    let gout = g.node(dv).inputs[1];
+    let (_, x) = operands_with(g, pm, BinaryOp::Mul, |x| x == p)?;
+    if g.node(x).op != Op::Binary(BinaryOp::Sub) || !single_use(g, x, pm) {
+        return None;
+    }
+    let (dp, delta) = (g.node(x).inputs[0], g.node(x).inputs[1]);
+    let dp_ok = matches!(g.node(dp).op, Op::MatMul)
+        && g.node(dp).inputs[0] == gout
+        && swapped_from(g, g.node(dp).inputs[1]).map(|y| canon(g, y)) == Some(canon(g, v));
+    let mut stat = g.ty(lr).clone();
+    stat.dtype = DType::F32;
+    if !dp_ok || !single_use(g, dp, x) || *g.ty(delta) != stat || *g.ty(lr) != stat {
+        return None;
+    }
+    let mut chain = vec![s, scaled, sub, p, pt, dv, dp, x, pm];
+    if mask.is_some() {
+        chain.push(m);
+    }
+    // `where(mask, ds, 0)` when causal (the probabilities are 0 there already), then the
+    // scale.
+    let mut ds = pm;
+    if let Some(mk) = mask {
+        let [w] = g.users(pm)[..] else {
+            return None;
+        };
+        let ins = &g.node(w).inputs;
+        if g.node(w).op != Op::Where || ins[0] != mk || ins[1] != pm || literal(g, ins[2])? != 0.0 {
+            return None;
+        }
+        chain.push(w);
+        ds = w;
+    }
+    let [sc] = g.users(ds)[..] else {
+        return None;
+    };
+    let (_, c2) = operands_with(g, sc, BinaryOp::Mul, |y| y == ds)?;
+    if !is_scale(c2) || !single_use(g, ds, sc) {
+        return None;
+    }
+    chain.push(sc);
+    // `dq = dsc k`, and `dkᵀ = qᵀ dsc` or `dk = dscᵀ q`.
+    let (mut dq, mut dk) = (None, None);
+    for u in g.users(sc) {
+        let ins = &g.node(u).inputs;
+        if swapped_from(g, u) == Some(sc) {
+            let [m2] = g.users(u)[..] else {
+                return None;
+            };
+            let ok = matches!(g.node(m2).op, Op::MatMul)
+                && g.node(m2).inputs[0] == u
+                && canon(g, g.node(m2).inputs[1]) == canon(g, q);
+            if !ok || dk.is_some() {
+                return None;
+            }
+            chain.extend([u, m2]);
+            dk = Some((m2, false));
+        } else if matches!(g.node(u).op, Op::MatMul) && ins[0] == sc {
+            if canon(g, ins[1]) != canon(g, k) || dq.is_some() {
+                return None;
+            }
+            chain.push(u);
+            dq = Some(u);
+        } else if matches!(g.node(u).op, Op::MatMul) && ins[1] == sc {
+            let qt = swapped_from(g, ins[0]).map(|y| canon(g, y));
+            if qt != Some(canon(g, q)) || dk.is_some() {
+                return None;
+            }
+            chain.push(u);
+            dk = Some((u, true));
+        } else {
+            return None;
+        }
+    }
+    if g.users(sc).len() != 2 {
+        return None;
+    }
+    let (dq, dk) = (dq?, dk?);
+    // Shapes the tensor-core kernel takes, with `q`, `k`, `v` and `G` of one dtype.
+    let r = g.ty(q).rank();
+    let (d, e) = (g.ty(q).dims()[r - 1], g.ty(v).dims()[r - 1]);
+    let dim_ok = |x: usize| (16..=MAX_HEAD_DIM).contains(&x) && x.is_power_of_two();
+    let dt = g.ty(q).dtype;
+    let same = [k, v, gout].iter().all(|&y| g.ty(y).dtype == dt);
+    (dim_ok(d) && dim_ok(e) && same).then_some(Backward {
+        q,
+        k,
+        v,
+        g: gout,
+        lse: lr,
+        delta,
+        causal,
+        scale,
+        dq,
+        dk,
+        dv,
+        chain,
+    })
+}
+
+/// Under mixed precision, replaces each attention backward pass the rewrite above leaves
+/// ([`find_backward`]) by two flash-attention gradient kernels, `dq` and `dk`/`dv`
+/// ([`Op::AttentionGrad`]), which rebuild the probabilities block by block on tensor cores
+/// and store no `[.., T, S]` tensor. Returns `g` itself when there is none.
+pub fn fuse_attention_backward(g: &Graph) -> Graph {
+    let Some(order) = g.topo_order() else {
+        return g.clone();
+    };
+    let found: Vec<Backward> = order.iter().filter_map(|&p| find_backward(g, p)).collect();
+    if found.is_empty() {
+        return g.clone();
+    }
+    let at: std::collections::BTreeMap<NodeId, usize> =
+        order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let mut h = g.clone();
+    let mut after: std::collections::BTreeMap<NodeId, Vec<NodeId>> = Default::default();
+    let mut dead: std::collections::BTreeSet<NodeId> = Default::default();
+    for b in &found {
+        let Some(nodes) = rewrite_backward(&mut h, b) else {
+            continue;
+        };
+        // After the last of their operands (each old gradient came after all of them).
+        let Some(&last) = [b.q, b.k, b.v, b.g, b.lse, b.delta]
+            .iter()
+            .max_by_key(|x| at.get(x).copied().unwrap_or(0))
+        else {
+            continue;
+        };
+        after.entry(last).or_default().extend(nodes);
+        dead.extend(b.chain.iter().copied());
+    }
+    // Readers of the old `dv` (a view) may come before `delta`: they wait for the new
+    // nodes, with whatever reads them.
+    let waiting_for: std::collections::BTreeSet<NodeId> =
+        after.values().flatten().copied().collect();
+    let mut waiting = waiting_for.clone();
+    let mut deferred: Vec<NodeId> = Vec::new();
+    let mut new_order = Vec::with_capacity(order.len());
+    for &n in &order {
+        if !dead.contains(&n) {
+            if h.node(n).inputs.iter().any(|i| waiting.contains(i)) {
+                waiting.insert(n);
+                deferred.push(n);
+            } else {
+                new_order.push(n);
+            }
+        }
+        if let Some(a) = after.get(&n) {
+            new_order.extend(a);
+            for x in a {
+                waiting.remove(x);
+            }
+            // What waited and now has every operand.
+            let mut still = Vec::new();
+            for x in std::mem::take(&mut deferred) {
+                if h.node(x).inputs.iter().any(|i| waiting.contains(i)) {
+                    still.push(x);
+                } else {
+                    waiting.remove(&x);
+                    new_order.push(x);
+                }
+            }
+            deferred = still;
+        }
+    }
+    new_order.extend(deferred);
+    // The chains, then what only they read (the mask, literals).
+    let mut stack: Vec<NodeId> = Vec::new();
+    for &n in &dead {
+        stack.extend(h.node(n).inputs.iter().filter(|x| !dead.contains(x)));
+        h.remove(n);
+    }
+    while let Some(x) = stack.pop() {
+        if dead.contains(&x) || !h.users(x).is_empty() {
+            continue;
+        }
+        let ins = h.node(x).inputs.clone();
+        if h.remove_if_unused(x) {
+            dead.insert(x);
+            stack.extend(ins);
+        }
+    }
+    new_order.retain(|n| !dead.contains(n));
+    h.reordered(&new_order)
+}
+
+/// Adds the two gradient kernels (and the views that split `dk` from `dv`) and makes the
+/// old gradients' readers read them; returns the added nodes in order.
+fn rewrite_backward(h: &mut Graph, b: &Backward) -> Option<Vec<NodeId>> {
+    let span = h.node(b.dq).span;
+    let block = h.node(b.dq).block;
+    let mut added = Vec::new();
+    let mut add = |h: &mut Graph, op: Op, ins: Vec<NodeId>| -> Option<NodeId> {
+        let x = h.add(op, ins, span, None).ok()?;
+        h.mark_backward(x);
+        if let Some(bl) = block {
+            h.set_block(x, bl);
+        }
+        added.push(x);
+        Some(x)
+    };
+    let ins = vec![b.q, b.k, b.v, b.g, b.lse, b.delta];
+    let (causal, scale) = (b.causal, b.scale);
+    let dq = add(
+        h,
+        Op::AttentionGrad {
+            causal,
+            scale,
+            kv: false,
+        },
+        ins.clone(),
+    )?;
+    let kv = add(
+        h,
+        Op::AttentionGrad {
+            causal,
+            scale,
+            kv: true,
+        },
+        ins,
+    )?;
+    let dims = h.ty(kv).dims().to_vec();
+    let r = dims.len();
+    let d = h.ty(b.q).dims()[r - 1];
+    let slice = |lo: usize, hi: usize| {
+        let mut ranges: Vec<(usize, usize)> = dims.iter().map(|&x| (0, x)).collect();
+        ranges[r - 1] = (lo, hi);
+        Op::Slice { ranges }
+    };
+    let dk = add(h, slice(0, d), vec![kv])?;
+    let dv = add(h, slice(d, dims[r - 1]), vec![kv])?;
+    let (old_dk, transposed) = b.dk;
+    let dk = if transposed {
+        let swap: Vec<usize> = (0..r - 2).chain([r - 1, r - 2]).collect();
+        add(h, Op::Permute { perm: swap }, vec![dk])?
+    } else {
+        dk
+    };
+    if [(b.dq, dq), (old_dk, dk), (b.dv, dv)]
+        .iter()
+        .any(|&(old, new)| h.ty(old) != h.ty(new))
+    {
+        for &x in added.iter().rev() {
+            h.remove(x);
+        }
+        return None;
+    }
+    for (old, new) in [(b.dq, dq), (old_dk, dk), (b.dv, dv)] {
+        h.replace_all_uses(old, new);
+    }
+    Some(added)
+}

@@ -81,6 +81,15 @@ pub fn flops(g: &Graph, n: NodeId) -> u64 {
             let e = dims(2).last().copied().unwrap_or(0) as u64;
             2 * numel(0) * s + 2 * (numel(0) / q.last().copied().unwrap_or(1).max(1) as u64) * s * e
         }
+        // The scores again, `dout vᵀ`, and `ds k` (`dq`) or `dsᵀ q` and `pᵀ dout` (`dk`, `dv`).
+        Op::AttentionGrad { kv, .. } => {
+            let (q, k) = (dims(0), dims(1));
+            let s = k.get(k.len().wrapping_sub(2)).copied().unwrap_or(1) as u64;
+            let e = dims(2).last().copied().unwrap_or(0) as u64;
+            let rows = numel(0) / q.last().copied().unwrap_or(1).max(1) as u64;
+            let products = 2 * numel(0) * s + 2 * rows * s * e;
+            products + if *kv { products } else { 2 * numel(0) * s }
+        }
         _ => out,
     }
 }

@@ -38,7 +38,7 @@ use crate::kernel::{Attn, Kernel, Operand};
 /// Threads of a block (4 warps of 16 query rows).
 const THREADS: usize = 128;
 /// Elements of padding at the end of each shared row (16 bytes).
-const PAD: usize = 8;
+pub(super) const PAD: usize = 8;
 
 /// The tensor-core kind for this attention, or `None` where the exact kernel runs: `q`, `k`
 /// and `v` of one 16-bit dtype, head dimensions 16, 32, 64 or 128, a positive
@@ -73,7 +73,7 @@ pub(super) fn plan(at: &Attn, offsets: &Offsets) -> Option<MmaKind> {
 /// chunks: thread `tid` copies chunk `tid % (cols / 8)` of every `128 / (cols / 8)`-th row
 /// (`cols / 8` divides 128: [`plan`] takes only powers of two).
 #[allow(clippy::too_many_arguments)]
-fn stage_rows(
+pub(super) fn stage_rows(
     px: &mut Px,
     o: &Operand,
     buf: &str,
@@ -118,7 +118,7 @@ fn stage_rows(
 }
 
 /// `ldmatrix.x4` (`.trans` when asked) into four fresh b32 registers.
-fn ldmatrix(px: &mut Px, addr: &str, offset: usize, trans: bool) -> Vec<String> {
+pub(super) fn ldmatrix(px: &mut Px, addr: &str, offset: usize, trans: bool) -> Vec<String> {
     let r: Vec<String> = (0..4).map(|_| px.fresh("r")).collect();
     let t = if trans { ".trans" } else { "" };
     px.line(format!(
@@ -481,7 +481,7 @@ pub(super) fn emit(
 }
 
 /// `tiles` accumulators of an `m16n8` tile (4 f32 registers each), set to 0.
-fn zeroed_tiles(px: &mut Px, tiles: usize) -> Vec<Vec<String>> {
+pub(super) fn zeroed_tiles(px: &mut Px, tiles: usize) -> Vec<Vec<String>> {
     (0..tiles)
         .map(|_| {
             (0..4)

@@ -80,6 +80,7 @@
 //! | `attention_mma.rs` | fused attention on tensor cores, for 16-bit `q`, `k`, `v` |
 
 mod attention;
+mod attention_grad;
 mod attention_mma;
 mod epilogue;
 mod expr;
@@ -196,6 +197,9 @@ pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
 
 fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, LaunchShape)> {
     if let Some(at) = &k.attention {
+        if let Some(gr) = &at.grad {
+            return attention_grad::emit(k, at, gr, offsets);
+        }
         if let Some(kind) = attention_mma::plan(at, offsets) {
             return attention_mma::emit(k, at, kind, offsets);
         }
