@@ -45,6 +45,13 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
         .filter(|&n| matches!(g.node(n).op, Op::ReduceScatter { .. }))
         .flat_map(|n| g.node(n).inputs.clone())
         .collect();
+    // An attention gradient's tensor-core kernel stages rows contiguous along the head
+    // dimension (it has no strided fallback).
+    let attention_rows: BTreeSet<NodeId> = g
+        .node_ids()
+        .filter(|&n| matches!(g.node(n).op, Op::AttentionGrad { .. }))
+        .flat_map(|n| g.node(n).inputs.clone())
+        .collect();
     // Nodes connected to a conv-family op through layout-preserving ops.
     let mut in_chain: BTreeSet<NodeId> = BTreeSet::new();
     let mut stack: Vec<NodeId> = Vec::new();
@@ -77,6 +84,7 @@ pub fn channels_last(g: &Graph, materialized: &BTreeSet<NodeId>) -> BTreeMap<Nod
                 && !outputs.contains(n)
                 && !updates.contains(n)
                 && !sharded.contains(n)
+                && !attention_rows.contains(n)
         })
         .map(|n| (n, vec![0, 2, 3, 1]))
         .collect()

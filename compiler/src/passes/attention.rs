@@ -223,10 +223,27 @@ pub fn fuse_attention(g: &Graph) -> Graph {
     let mut replace: std::collections::BTreeMap<NodeId, Vec<NodeId>> = Default::default();
     let mut dead: std::collections::BTreeSet<NodeId> = Default::default();
     let mut skip: std::collections::BTreeSet<NodeId> = Default::default();
+    // Outputs an earlier match replaced: one attention may read another's output.
+    let mut replaced: std::collections::BTreeMap<NodeId, NodeId> = Default::default();
     for f in &found {
+        let m = |x: NodeId| replaced.get(&x).copied().unwrap_or(x);
+        let f = &Found {
+            q: m(f.q),
+            kt: m(f.kt),
+            v: m(f.v),
+            dead: f.dead.clone(),
+            ..*f
+        };
         let Some(plan) = rewrite(&mut h, f, &order) else {
             continue;
         };
+        if let Some(&att) = plan
+            .at_output
+            .iter()
+            .find(|&&x| matches!(h.node(x).op, Op::Attention { .. }))
+        {
+            replaced.insert(f.o, att);
+        }
         replace.insert(f.o, plan.at_output.clone());
         if let Some((first, nodes)) = plan.rebuilt {
             before.entry(first).or_default().extend(nodes);
@@ -397,9 +414,12 @@ fn canon(g: &Graph, mut x: NodeId) -> NodeId {
 /// `x`'s operand when `x` swaps the last two axes of it.
 fn swapped_from(g: &Graph, x: NodeId) -> Option<NodeId> {
     let r = g.ty(x).rank();
+    if r < 2 {
+        return None;
+    }
     let swap: Vec<usize> = (0..r.saturating_sub(2)).chain([r - 1, r - 2]).collect();
     match &g.node(x).op {
-        Op::Permute { perm } if r >= 2 && *perm == swap => g.node(x).inputs.first().copied(),
+        Op::Permute { perm } if *perm == swap => g.node(x).inputs.first().copied(),
         _ => None,
     }
 }
@@ -624,55 +644,40 @@ pub fn fuse_attention_backward(g: &Graph) -> Graph {
     let mut h = g.clone();
     let mut after: std::collections::BTreeMap<NodeId, Vec<NodeId>> = Default::default();
     let mut dead: std::collections::BTreeSet<NodeId> = Default::default();
+    // Gradients an earlier match replaced: one attention's operand may be another's
+    // gradient (`attention(q, k, attention(..))`).
+    let mut replaced: std::collections::BTreeMap<NodeId, NodeId> = Default::default();
     for b in &found {
-        let Some(nodes) = rewrite_backward(&mut h, b) else {
+        let m = |x: NodeId| replaced.get(&x).copied().unwrap_or(x);
+        let b = Backward {
+            q: m(b.q),
+            k: m(b.k),
+            v: m(b.v),
+            g: m(b.g),
+            lse: m(b.lse),
+            delta: m(b.delta),
+            chain: b.chain.clone(),
+            ..*b
+        };
+        if b.chain.iter().any(|x| replaced.contains_key(x)) {
+            continue;
+        }
+        let Some((nodes, news)) = rewrite_backward(&mut h, &b) else {
             continue;
         };
-        // After the last of their operands (each old gradient came after all of them).
-        let Some(&last) = [b.q, b.k, b.v, b.g, b.lse, b.delta]
+        replaced.extend(news);
+        // Placed after the last of their operands in the old order (each old gradient
+        // came after all of them); they wait there for any operand not placed yet.
+        let anchor = [b.q, b.k, b.v, b.g, b.lse, b.delta]
             .iter()
-            .max_by_key(|x| at.get(x).copied().unwrap_or(0))
-        else {
+            .filter_map(|x| at.get(x).map(|&i| (i, *x)))
+            .max();
+        let Some((_, last)) = anchor else {
             continue;
         };
         after.entry(last).or_default().extend(nodes);
         dead.extend(b.chain.iter().copied());
     }
-    // Readers of the old `dv` (a view) may come before `delta`: they wait for the new
-    // nodes, with whatever reads them.
-    let waiting_for: std::collections::BTreeSet<NodeId> =
-        after.values().flatten().copied().collect();
-    let mut waiting = waiting_for.clone();
-    let mut deferred: Vec<NodeId> = Vec::new();
-    let mut new_order = Vec::with_capacity(order.len());
-    for &n in &order {
-        if !dead.contains(&n) {
-            if h.node(n).inputs.iter().any(|i| waiting.contains(i)) {
-                waiting.insert(n);
-                deferred.push(n);
-            } else {
-                new_order.push(n);
-            }
-        }
-        if let Some(a) = after.get(&n) {
-            new_order.extend(a);
-            for x in a {
-                waiting.remove(x);
-            }
-            // What waited and now has every operand.
-            let mut still = Vec::new();
-            for x in std::mem::take(&mut deferred) {
-                if h.node(x).inputs.iter().any(|i| waiting.contains(i)) {
-                    still.push(x);
-                } else {
-                    waiting.remove(&x);
-                    new_order.push(x);
-                }
-            }
-            deferred = still;
-        }
-    }
-    new_order.extend(deferred);
     // The chains, then what only they read (the mask, literals).
     let mut stack: Vec<NodeId> = Vec::new();
     for &n in &dead {
@@ -689,13 +694,52 @@ pub fn fuse_attention_backward(g: &Graph) -> Graph {
             stack.extend(ins);
         }
     }
-    new_order.retain(|n| !dead.contains(n));
+    // The old order with the new nodes after their anchors; a node is placed once all
+    // its operands are (readers of an old `dv`, a view, may come before `delta`), the
+    // others keeping their order.
+    let mut seq: Vec<NodeId> = Vec::with_capacity(order.len());
+    for &n in &order {
+        if !dead.contains(&n) {
+            seq.push(n);
+        }
+        if let Some(a) = after.get(&n) {
+            seq.extend(a);
+        }
+    }
+    let mut placed: std::collections::BTreeSet<NodeId> = Default::default();
+    let mut pending: Vec<NodeId> = Vec::new();
+    let mut new_order = Vec::with_capacity(seq.len());
+    for x in seq {
+        pending.push(x);
+        let mut progress = true;
+        while progress {
+            progress = false;
+            let mut i = 0;
+            while i < pending.len() {
+                if h.node(pending[i]).inputs.iter().all(|x| placed.contains(x)) {
+                    let n = pending.remove(i);
+                    placed.insert(n);
+                    new_order.push(n);
+                    progress = true;
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
+    if !pending.is_empty() || new_order.len() != h.node_count() {
+        return g.clone();
+    }
     h.reordered(&new_order)
 }
 
+/// Old gradients with the nodes that replace them.
+type Replaced = Vec<(NodeId, NodeId)>;
+
 /// Adds the two gradient kernels (and the views that split `dk` from `dv`) and makes the
-/// old gradients' readers read them; returns the added nodes in order.
-fn rewrite_backward(h: &mut Graph, b: &Backward) -> Option<Vec<NodeId>> {
+/// old gradients' readers read them; returns the added nodes in order, and each old
+/// gradient with its replacement.
+fn rewrite_backward(h: &mut Graph, b: &Backward) -> Option<(Vec<NodeId>, Replaced)> {
     let span = h.node(b.dq).span;
     let block = h.node(b.dq).block;
     let mut added = Vec::new();
@@ -754,8 +798,9 @@ fn rewrite_backward(h: &mut Graph, b: &Backward) -> Option<Vec<NodeId>> {
         }
         return None;
     }
-    for (old, new) in [(b.dq, dq), (old_dk, dk), (b.dv, dv)] {
+    let news = vec![(b.dq, dq), (old_dk, dk), (b.dv, dv)];
+    for &(old, new) in &news {
         h.replace_all_uses(old, new);
     }
-    Some(added)
+    Some((added, news))
 }
