@@ -29,7 +29,7 @@ use super::attention::{
     attention_entry, attention_grid, block_ids, element, key_blocks, operand_regs, tile_origin, BM,
     BN,
 };
-use super::attention_mma::{ldmatrix, stage_rows, zeroed_tiles, PAD};
+use super::attention_mma::{ldmatrix, stage_rows, warp_lane, zeroed_tiles, PAD};
 use super::mma::MmaKind;
 use super::px::{f32_lit, Px};
 use super::{LaunchShape, PtxError, Res, DYN_SHARED};
@@ -214,16 +214,6 @@ pub(super) fn emit(
     Ok(attention_entry(&mut px, grid, THREADS, shared))
 }
 
-/// Warp, lane, group (`lane / 4`) and quad index (`lane % 4`) of the thread.
-fn warp_lane(px: &mut Px, tid: &str) -> (String, String, String, String) {
-    let (warp, lane, g, q4) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("shr.u32 {warp}, {tid}, 5;"));
-    px.line(format!("and.b32 {lane}, {tid}, 31;"));
-    px.line(format!("shr.u32 {g}, {lane}, 2;"));
-    px.line(format!("and.b32 {q4}, {lane}, 3;"));
-    (warp, lane, g, q4)
-}
-
 /// A u32 register `x` rows or bytes past `base`.
 fn plus(px: &mut Px, base: &str, x: usize) -> String {
     let r = px.fresh("r");
@@ -265,6 +255,34 @@ fn loop_head(
     px.line(format!("and.b32 {st}, {ix}, 1;"));
     px.line(format!("mad.lo.u32 {st}, {st}, {stage}, {s0};"));
     (head, exit, st)
+}
+
+/// The loop's end: the next block, back to `head`; after the loop, the last copies.
+fn loop_tail(px: &mut Px, ix: &str, head: &str, exit: &str) {
+    px.line(format!("add.u32 {ix}, {ix}, 1;"));
+    px.line(format!("bra.uni {head};"));
+    px.body.push_str(&format!("{exit}:\n"));
+    px.line("cp.async.wait_group 0;");
+}
+
+/// Runs `f(h, row)` for this thread's own rows `first + 8h` below `limit`.
+fn own_rows(
+    px: &mut Px,
+    first: &str,
+    limit: usize,
+    label: &str,
+    mut f: impl FnMut(&mut Px, usize, &str) -> Res<()>,
+) -> Res<()> {
+    for h in 0..2 {
+        let row = plus(px, first, 8 * h);
+        let skip = px.label(label);
+        let out = px.fresh("p");
+        px.line(format!("setp.ge.u32 {out}, {row}, {limit};"));
+        px.line(format!("@{out} bra {skip};"));
+        f(px, h, &row)?;
+        px.body.push_str(&format!("{skip}:\n"));
+    }
+    Ok(())
 }
 
 /// Fetches the first block (when there is one) in the group of the own tiles, and commits.
@@ -539,20 +557,10 @@ fn emit_q(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<([u32; 3], usize)> {
         |kk, p| kk * 16 * rbd + p * 32,
         true,
     );
-    px.line(format!("add.u32 {kb}, {kb}, 1;"));
-    px.line(format!("bra.uni {head};"));
-    px.body.push_str(&format!("{exit}:\n"));
-    px.line("cp.async.wait_group 0;");
-
-    for h in 0..2 {
-        let i = plus(px, &i0, 8 * h);
-        let skip = px.label("attq_row");
-        let out = px.fresh("p");
-        px.line(format!("setp.ge.u32 {out}, {i}, {t};"));
-        px.line(format!("@{out} bra {skip};"));
-        store_tiles(px, ops, (&obuf, &ooff), &acc, h, &i, &q4, 0, Some(at.scale))?;
-        px.body.push_str(&format!("{skip}:\n"));
-    }
+    loop_tail(px, &kb, &head, &exit);
+    own_rows(px, &i0, t, "attq_row", |px, h, i| {
+        store_tiles(px, ops, (&obuf, &ooff), &acc, h, i, &q4, 0, Some(at.scale))
+    })?;
     Ok((grid, shared))
 }
 
@@ -791,31 +799,21 @@ fn emit_kv(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<([u32; 3], usize)> {
         |kk, p| kk * 16 * rbd + p * 32,
         true,
     );
-    px.line(format!("add.u32 {qb}, {qb}, 1;"));
-    px.line(format!("bra.uni {head};"));
-    px.body.push_str(&format!("{exit}:\n"));
-    px.line("cp.async.wait_group 0;");
-
-    for h in 0..2 {
-        let j = plus(px, &j0, 8 * h);
-        let skip = px.label("attkv_row");
-        let out = px.fresh("p");
-        px.line(format!("setp.ge.u32 {out}, {j}, {s};"));
-        px.line(format!("@{out} bra {skip};"));
+    loop_tail(px, &qb, &head, &exit);
+    own_rows(px, &j0, s, "attkv_row", |px, h, j| {
         store_tiles(
             px,
             ops,
             (&obuf, &ooff),
             &acc_dk,
             h,
-            &j,
+            j,
             &q4,
             0,
             Some(at.scale),
         )?;
-        store_tiles(px, ops, (&obuf, &ooff), &acc_dv, h, &j, &q4, d, None)?;
-        px.body.push_str(&format!("{skip}:\n"));
-    }
+        store_tiles(px, ops, (&obuf, &ooff), &acc_dv, h, j, &q4, d, None)
+    })?;
     Ok((grid, shared))
 }
 

@@ -117,6 +117,17 @@ pub(super) fn stage_rows(
     }
 }
 
+/// Warp, lane, group (`lane / 4`) and quad index (`lane % 4`) of thread `tid`: the
+/// `mma.sync` fragment coordinates.
+pub(super) fn warp_lane(px: &mut Px, tid: &str) -> (String, String, String, String) {
+    let (warp, lane, g, q4) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
+    px.line(format!("shr.u32 {warp}, {tid}, 5;"));
+    px.line(format!("and.b32 {lane}, {tid}, 31;"));
+    px.line(format!("shr.u32 {g}, {lane}, 2;"));
+    px.line(format!("and.b32 {q4}, {lane}, 3;"));
+    (warp, lane, g, q4)
+}
+
 /// `ldmatrix.x4` (`.trans` when asked) into four fresh b32 registers.
 pub(super) fn ldmatrix(px: &mut Px, addr: &str, offset: usize, trans: bool) -> Vec<String> {
     let r: Vec<String> = (0..4).map(|_| px.fresh("r")).collect();
@@ -148,11 +159,7 @@ pub(super) fn emit(
     let shared = q_bytes + 2 * stage;
 
     let (bx, by, tid) = block_ids(&mut px);
-    let (warp, lane, g, q4) = (px.fresh("r"), px.fresh("r"), px.fresh("r"), px.fresh("r"));
-    px.line(format!("shr.u32 {warp}, {tid}, 5;"));
-    px.line(format!("and.b32 {lane}, {tid}, 31;"));
-    px.line(format!("shr.u32 {g}, {lane}, 2;"));
-    px.line(format!("and.b32 {q4}, {lane}, 3;"));
+    let (warp, lane, g, q4) = warp_lane(&mut px, &tid);
     let (row0, bidx) = tile_origin(&mut px, at, &bx, &by, row_tiles);
     let (qbuf, qoff) = operand_regs(&mut px, &at.q, &bidx)?;
     let (kbuf, koff) = operand_regs(&mut px, &at.k, &bidx)?;
