@@ -1293,6 +1293,30 @@ impl<'a, 'b> Cg<'a, 'b> {
                 let d = self.b.ins().fadd(one, e);
                 self.b.ins().fdiv(x, d)
             }
+            UnaryOp::GeluGrad => {
+                // With s = 1 / (1 + e), e = e^{-2u} (so gelu(x) = x s):
+                // gelu'(x) = s (1 + 2 x (e s) u'), u' = c (1 + 3 a x^2); `e s` <= 1 keeps
+                // large negative x finite (e is clamped below f32's overflow).
+                let c = (2.0f64 / std::f64::consts::PI).sqrt();
+                let x2 = self.b.ins().fmul(x, x);
+                let k3 = self.fconst(ty, (-2.0 * c * 0.044715) as f32);
+                let k1 = self.fconst(ty, (-2.0 * c) as f32);
+                let w = self.b.ins().fma(x2, k3, k1);
+                let v = self.b.ins().fmul(x, w);
+                let e = self.exp_core(ty, v, false);
+                let one = self.fconst(ty, 1.0);
+                let d = self.b.ins().fadd(one, e);
+                let s = self.b.ins().fdiv(one, d);
+                let du3 = self.fconst(ty, (3.0 * c * 0.044715) as f32);
+                let duc = self.fconst(ty, c as f32);
+                let du = self.b.ins().fma(x2, du3, duc);
+                let es = self.b.ins().fmul(e, s);
+                let q = self.b.ins().fmul(x, es);
+                let q = self.b.ins().fmul(q, du);
+                let two = self.fconst(ty, 2.0);
+                let q = self.b.ins().fma(q, two, one);
+                self.b.ins().fmul(s, q)
+            }
             UnaryOp::Sin => self.call1(slot::SIN, x),
             UnaryOp::Cos => self.call1(slot::COS, x),
             UnaryOp::Erf => self.call1(slot::ERF, x),
@@ -2422,6 +2446,7 @@ fn simd_unary(op: UnaryOp) -> bool {
             | U::Sigmoid
             | U::Silu
             | U::Gelu
+            | U::GeluGrad
     )
 }
 

@@ -74,6 +74,15 @@ fn gelu(x: f64) -> f64 {
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
 
+/// `d/dx gelu(x)`: with `u = c (x + a x^3)` and `t = tanh(u)`,
+/// `0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)`.
+fn gelu_grad(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let a = 0.044715;
+    let t = (c * (x + a * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x)
+}
+
 fn relu(x: f64) -> f64 {
     if x > 0.0 {
         x
@@ -152,6 +161,7 @@ impl UnaryOp {
                 true,
             ),
             UnaryOp::Gelu => row("gelu", Float, gelu, None, true, false, true),
+            UnaryOp::GeluGrad => row("gelu_grad", Float, gelu_grad, None, false, false, true),
             UnaryOp::Silu => row("silu", Float, |x| x * sigmoid(x), None, true, false, true),
             UnaryOp::Sin => row("sin", Float, f64::sin, None, true, false, true),
             UnaryOp::Cos => row("cos", Float, f64::cos, None, false, false, true),
@@ -164,11 +174,12 @@ impl UnaryOp {
         self.spec().name
     }
 
-    /// The builtin of that name (`not` is spelled `!` in TDSL and is no builtin).
+    /// The builtin of that name (`not` is spelled `!` in TDSL, and `gelu_grad` is made
+    /// only by the backward pass: neither is a builtin).
     pub fn from_builtin(name: &str) -> Option<UnaryOp> {
         UnaryOp::ALL
             .into_iter()
-            .find(|op| op.name() == name && *op != UnaryOp::Not)
+            .find(|op| op.name() == name && !matches!(op, UnaryOp::Not | UnaryOp::GeluGrad))
     }
 
     /// Which dtypes the op accepts.
@@ -610,6 +621,11 @@ mod tests {
         assert!(near(UnaryOp::Sigmoid.eval(0.0), 0.5));
         assert!(near(UnaryOp::Silu.eval(2.0), 2.0 / (1.0 + (-2.0f64).exp())));
         assert!(near(UnaryOp::Gelu.eval(1.0), 0.841_191_990_607_477_2));
+        for x in [-4.0, -1.5, -0.3, 0.0, 0.7, 2.5] {
+            let h = 1e-5;
+            let fd = (UnaryOp::Gelu.eval(x + h) - UnaryOp::Gelu.eval(x - h)) / (2.0 * h);
+            assert!((UnaryOp::GeluGrad.eval(x) - fd).abs() < 1e-9, "gelu'({x})");
+        }
         assert!(near(UnaryOp::Erf.eval(1.0), 0.842_700_792_949_714_9));
         assert!(near(UnaryOp::Rsqrt.eval(4.0), 0.5));
         assert_eq!(UnaryOp::Relu.eval_i32(-3), Some(0));

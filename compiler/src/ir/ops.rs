@@ -22,6 +22,10 @@ pub enum UnaryOp {
     Sigmoid,
     Relu,
     Gelu,
+    /// `gelu`'s derivative, `d/dx gelu(x)`: what the backward pass of `gelu` multiplies
+    /// its gradient by, one op (one rounding under `--amp`) instead of a dozen. Not a
+    /// TDSL builtin.
+    GeluGrad,
     Silu,
     Sin,
     Cos,
@@ -30,7 +34,7 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
-    pub const ALL: [UnaryOp; 16] = [
+    pub const ALL: [UnaryOp; 17] = [
         UnaryOp::Neg,
         UnaryOp::Abs,
         UnaryOp::Exp,
@@ -42,6 +46,7 @@ impl UnaryOp {
         UnaryOp::Sigmoid,
         UnaryOp::Relu,
         UnaryOp::Gelu,
+        UnaryOp::GeluGrad,
         UnaryOp::Silu,
         UnaryOp::Sin,
         UnaryOp::Cos,
