@@ -210,7 +210,7 @@ device_amp() {
     echo "== PyTorch autocast"
     python3 bench/torch_bench.py --amp bf16 --cases mlp,cnn,gpt --modes eager,compile,eager_cl --json "$log/torch-bf16.json" >"$log/torch-bf16.txt" 2>&1 || status=1
     sed -n '/## results/,$p' "$log/torch-bf16.txt"
-    python3 bench/torch_bench.py --amp f16 --cases mlp,cnn,gpt --modes eager --json "$log/torch-f16.json" >"$log/torch-f16.txt" 2>&1 || status=1
+    python3 bench/torch_bench.py --amp f16 --cases mlp,cnn,gpt --modes eager,compile --json "$log/torch-f16.json" >"$log/torch-f16.txt" 2>&1 || status=1
     sed -n '/## results/,$p' "$log/torch-f16.txt"
     echo "== summary (--amp)"
     python3 bench/summary.py "$log" | sed -n '/case --amp/,$p' || true

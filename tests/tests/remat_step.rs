@@ -375,6 +375,90 @@ fn free_recomputation_under_mixed_precision_stores_clones_beside_their_own_layer
     }
 }
 
+/// Product recomputation under `--amp` on CUDA: each layer's fc1 product of the gpt (its
+/// result 4 times the normalised input it is made from, read backward only by `gelu`'s
+/// derivative and the recomputed `gelu`) is recomputed in the backward pass. The arena
+/// drops, the FLOPs it adds stay within their share, the step trains exactly as the one
+/// that stores them (f32, on the CPU), and neither a CPU step nor an f32 one recomputes a
+/// product.
+#[test]
+fn fc1_products_are_recomputed_under_mixed_precision_and_train_alike() {
+    const GPT_P: &[(&str, &str)] = &[
+        ("L", "3"),
+        ("D", "64"),
+        ("H", "2"),
+        ("T", "64"),
+        ("B", "4"),
+        ("V", "64"),
+    ];
+    let g = graph("examples/gpt.tdsl", GPT_P);
+    let cuda = tcc_tests::device_options(tcc_runtime::Device::Cuda(0), true);
+    let opts = CompileOptions {
+        amp: amp("bf16"),
+        ..cuda
+    };
+    let (h, f) = step::free(&g, &opts).unwrap();
+    let p = f
+        .and_then(|f| f.products)
+        .unwrap_or_else(|| panic!("no product was a candidate"));
+    assert!(p.kept, "{}", p.line());
+    assert_eq!(p.values, 3, "{}", p.line());
+    assert!(p.arena.1 < p.arena.0, "{}", p.line());
+    assert!(
+        p.flops.0 > 0 && p.flops.0 as f64 <= step::PRODUCT_FLOP_SHARE * p.flops.1 as f64,
+        "{}",
+        p.line()
+    );
+    let clones: Vec<_> = h
+        .node_ids()
+        .filter(|&n| h.node(n).recomputed.is_some() && h.node(n).op == tcc::ir::Op::MatMul)
+        .collect();
+    assert_eq!(clones.len(), 3, "recomputed products {clones:?}");
+    let planned = artifact::plan_step(&h, &opts).unwrap();
+    assert_eq!(planned.plan.arena_bytes, p.arena.1);
+    // Each recomputed product casts its weight to bf16 again, in the backward pass, rather
+    // than keep the forward's copy alive in between.
+    let pg = &planned.graph;
+    let mut casts = 0;
+    for n in pg.node_ids() {
+        if pg.node(n).recomputed.is_none() || pg.node(n).op != tcc::ir::Op::MatMul {
+            continue;
+        }
+        for &i in &pg.node(n).inputs {
+            let c = pg.view_root(i);
+            if matches!(pg.node(c).op, tcc::ir::Op::Cast { .. })
+                && pg.node(pg.view_root(pg.node(c).inputs[0])).op.is_source()
+            {
+                assert!(
+                    pg.node(c).backward,
+                    "{n:?} reads the forward's weight copy {c:?}"
+                );
+                casts += 1;
+            }
+        }
+    }
+    assert_eq!(casts, 3);
+    same_training(&g, &h);
+    let cpu = tcc_tests::device_options(tcc_runtime::Device::Cpu, true);
+    for (what, o) in [
+        (
+            "the CPU",
+            CompileOptions {
+                amp: amp("bf16"),
+                ..cpu
+            },
+        ),
+        ("f32", cuda),
+    ] {
+        let (_, f) = step::free(&g, &o).unwrap();
+        assert!(
+            f.as_ref().is_some_and(|f| f.products.is_none()),
+            "{what}: {:?}",
+            f.and_then(|f| f.products).map(|p| p.line())
+        );
+    }
+}
+
 fn amp(name: &str) -> tcc::passes::amp::Amp {
     tcc::passes::amp::Amp::named(name).unwrap()
 }

@@ -109,6 +109,10 @@ pub struct MemReport {
     pub free_recompute_arena_without_bytes: Option<u64>,
     /// That as one line of text (absent when there was nothing to recompute).
     pub free_recompute_line: Option<String>,
+    /// Product recomputation (`remat::step::products`, under `--amp` on CUDA): whether it
+    /// was kept, and its line (absent when it had no candidate).
+    pub product_recompute_kept: bool,
+    pub product_recompute_line: Option<String>,
     /// Every transient buffer live at the peak, largest first (the table shows ten).
     pub live_at_peak: Vec<LiveTensor>,
     /// The compiled plan's bytes by dtype.
@@ -415,7 +419,11 @@ pub fn report(
         free_recompute_kept: free.is_some_and(|f| f.kept),
         free_recompute_values: free.map_or(0, |f| f.values),
         free_recompute_arena_without_bytes: free.map(|f| f.arena.0),
-        free_recompute_line: free.map(|f| f.line()),
+        free_recompute_line: free.filter(|f| f.values > 0).map(|f| f.line()),
+        product_recompute_kept: free
+            .and_then(|f| f.products.as_ref())
+            .is_some_and(|p| p.kept),
+        product_recompute_line: free.and_then(|f| f.products.as_ref()).map(|p| p.line()),
         live_at_peak,
         fused_bytes_by_dtype,
         model_states: model_states(&final_graph, fp.persistent_bytes),
@@ -521,6 +529,9 @@ pub fn text(r: &MemReport, timing: bool) -> String {
     }
     if let Some(l) = &r.free_recompute_line {
         s.push_str(&format!("  {:<30} {l}\n", "free recomputation"));
+    }
+    if let Some(l) = &r.product_recompute_line {
+        s.push_str(&format!("  {:<30} {l}\n", "product recomputation"));
     }
     s.push_str(&format!(
         "  {:<30} {:>11.2}%  fused arena / its lower bound {} - 1\n",
