@@ -1602,3 +1602,40 @@ pub fn tensor_core_attention(
         }}"
     )
 }
+
+/// gelu's gradient far from 0 on `device`: the compiled step (`gelu_grad` evaluated at x
+/// clamped to [-9, 9]) agrees with the interpreter's f64 formula out to ±1e30, where an
+/// unclamped `x u'` would outgrow the clamped exponential (about -3.9 at -1e12 before), and
+/// a NaN stays NaN.
+pub fn check_gelu_gradient_far_from_zero(device: tcc_runtime::Device) {
+    use tcc::eager::{Precision, Tensor};
+    let xs = [
+        -1e30, -1e13, -1e4, -30.0, -9.5, -9.0, -3.0, -0.75, 0.0, 0.5, 3.0, 9.0, 9.5, 30.0, 1e4,
+        1e13,
+    ];
+    let src = "model m {\n    input a: f32[17]\n    let y = sum(gelu(a))\n    let d = grad(y, a)\n    output d\n}\n";
+    let g = compile_pipeline(src, &tcc::front::Options::default())
+        .unwrap_or_else(|e| panic!("gelu far from 0:\n{e}"));
+    let mut values: Vec<f64> = xs.to_vec();
+    values.push(f64::NAN);
+    let a = Tensor::from_f64(tcc::ir::DType::F32, vec![values.len()], values.clone());
+    let inputs = std::collections::BTreeMap::from([("a".to_string(), a)]);
+    let mut p = tcc::eager::init_persistent(&g, 0);
+    let want = tcc::eager::run_step(&g, &mut p, &inputs, Precision::F64)
+        .unwrap_or_else(|e| panic!("eager: {e}"));
+    let got =
+        device_steps(&g, &inputs, 1, 0, true, device).unwrap_or_else(|e| panic!("{device:?}: {e}"));
+    let (want, got) = (want[0].1.to_f64(), got.outputs["d"].to_f64());
+    for (i, x) in values.iter().enumerate() {
+        if x.is_nan() {
+            assert!(got[i].is_nan(), "{device:?}: gelu'(NaN) = {}", got[i]);
+            continue;
+        }
+        assert!(
+            (got[i] - want[i]).abs() <= 1e-6 * want[i].abs().max(1.0),
+            "{device:?}: gelu'({x}) = {}, the interpreter's {}",
+            got[i],
+            want[i]
+        );
+    }
+}

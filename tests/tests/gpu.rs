@@ -67,6 +67,14 @@ fn gpu_builtins_agree_with_eager() {
 }
 
 #[test]
+fn gpu_gelu_gradient_far_from_zero() {
+    if !gpu() {
+        return;
+    }
+    tcc_tests::check_gelu_gradient_far_from_zero(tcc_runtime::Device::Cuda(0));
+}
+
+#[test]
 fn gpu_fusion_cases_agree_with_eager() {
     if !gpu() {
         return;

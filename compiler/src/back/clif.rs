@@ -1186,6 +1186,21 @@ impl<'a, 'b> Cg<'a, 'b> {
         self.fselect(ty, is_over, inf, y)
     }
 
+    /// GELU's shared start: `x^2`, `e = e^{-2u}` with `u = c (x + 0.044715 x^3)` (clamped
+    /// below f32's overflow by [`Cg::exp_core`]), `1`, and `1 + e`.
+    fn gelu_exp(&mut self, ty: Type, x: Value) -> (Value, Value, Value, Value) {
+        let c = (2.0f64 / std::f64::consts::PI).sqrt();
+        let x2 = self.b.ins().fmul(x, x);
+        let k3 = self.fconst(ty, (-2.0 * c * 0.044715) as f32);
+        let k1 = self.fconst(ty, (-2.0 * c) as f32);
+        let w = self.b.ins().fma(x2, k3, k1);
+        let v = self.b.ins().fmul(x, w);
+        let e = self.exp_core(ty, v, false);
+        let one = self.fconst(ty, 1.0);
+        let d = self.b.ins().fadd(one, e);
+        (x2, e, one, d)
+    }
+
     /// `tanh(x)` inline: an odd Taylor polynomial below |x| = 0.3, `1 - 2 / (e^{2|x|} + 1)`
     /// with the sign restored above, ±1 beyond |x| = 9. `ty` as for [`Cg::exp_inline`].
     fn tanh_inline(&mut self, ty: Type, x: Value) -> Value {
@@ -1282,30 +1297,20 @@ impl<'a, 'b> Cg<'a, 'b> {
             UnaryOp::Gelu => {
                 // 0.5 x (1 + tanh(u)) = x / (1 + e^{-2u}), u = c (x + 0.044715 x^3): one
                 // exp and one division, no cancellation for negative x.
-                let c = (2.0f64 / std::f64::consts::PI).sqrt();
-                let x2 = self.b.ins().fmul(x, x);
-                let k3 = self.fconst(ty, (-2.0 * c * 0.044715) as f32);
-                let k1 = self.fconst(ty, (-2.0 * c) as f32);
-                let s = self.b.ins().fma(x2, k3, k1);
-                let v = self.b.ins().fmul(x, s);
-                let e = self.exp_core(ty, v, false);
-                let one = self.fconst(ty, 1.0);
-                let d = self.b.ins().fadd(one, e);
+                let (_, _, _, d) = self.gelu_exp(ty, x);
                 self.b.ins().fdiv(x, d)
             }
             UnaryOp::GeluGrad => {
                 // With s = 1 / (1 + e), e = e^{-2u} (so gelu(x) = x s):
-                // gelu'(x) = s (1 + 2 x (e s) u'), u' = c (1 + 3 a x^2); `e s` <= 1 keeps
-                // large negative x finite (e is clamped below f32's overflow).
+                // gelu'(x) = s (1 + 2 x (e s) u'), u' = c (1 + 3 a x^2), at x clamped to
+                // [-9, 9] (NaN stays NaN): gelu' is 1 in f32 above 9 and below 1e-26 in
+                // size under -9, where `x u'` would otherwise outgrow the clamped `s`.
                 let c = (2.0f64 / std::f64::consts::PI).sqrt();
-                let x2 = self.b.ins().fmul(x, x);
-                let k3 = self.fconst(ty, (-2.0 * c * 0.044715) as f32);
-                let k1 = self.fconst(ty, (-2.0 * c) as f32);
-                let w = self.b.ins().fma(x2, k3, k1);
-                let v = self.b.ins().fmul(x, w);
-                let e = self.exp_core(ty, v, false);
-                let one = self.fconst(ty, 1.0);
-                let d = self.b.ins().fadd(one, e);
+                let lo = self.fconst(ty, -9.0);
+                let hi = self.fconst(ty, 9.0);
+                let x = self.clamp_lo(ty, x, lo);
+                let x = self.clamp_hi(ty, x, hi);
+                let (x2, e, one, d) = self.gelu_exp(ty, x);
                 let s = self.b.ins().fdiv(one, d);
                 let du3 = self.fconst(ty, (3.0 * c * 0.044715) as f32);
                 let duc = self.fconst(ty, c as f32);

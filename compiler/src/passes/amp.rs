@@ -202,13 +202,11 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     // (value in h, dtype) -> its cast, per micro-batch of the reader (a micro-batched
     // step casts a param once per micro-batch, so each copy lives only while its
-    // micro-batch runs: `schedule::micro_segments`), and apart for recomputed readers (a
-    // product recomputed in the backward pass casts its weight again there, rather than
-    // keep the forward's copy alive in between: gpt's 12 fc1 weights, 54 MiB under bf16);
-    // (literal or fill in g, dtype) -> its copy in h.
+    // micro-batch runs: `schedule::micro_segments`); (literal or fill in g, dtype) -> its
+    // copy in h.
     let segment = crate::passes::schedule::segments(g, &order);
     let last = segment.values().copied().max().unwrap_or(0);
-    let mut casts_by: BTreeMap<(u32, bool), BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
+    let mut casts_by: BTreeMap<u32, BTreeMap<(NodeId, DType), NodeId>> = BTreeMap::new();
     let mut adopted: BTreeMap<(NodeId, DType), NodeId> = BTreeMap::new();
     // Swaps whose readers now read a swapped cast instead ([`cast_lhs`]).
     let mut swapped: Vec<NodeId> = Vec::new();
@@ -216,10 +214,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     for &n in &order {
         let node = g.node(n);
         let casts = casts_by
-            .entry((
-                segment.get(&n).copied().unwrap_or(0),
-                node.recomputed.is_some(),
-            ))
+            .entry(segment.get(&n).copied().unwrap_or(0))
             .or_default();
         let ins: Vec<NodeId> = node
             .inputs
@@ -342,7 +337,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         };
         map.insert(n, id);
     }
-    let casts = casts_by.entry((last, false)).or_default();
+    let casts = casts_by.entry(last).or_default();
     let m = |i: &NodeId| map.get(i).copied().ok_or_else(missing);
     // The interface keeps its dtypes: outputs and updated values are cast back.
     let mut back = |h: &mut Graph, old: NodeId, dtype: DType| -> Result<NodeId, TypeError> {
@@ -523,7 +518,7 @@ fn cast_lhs(
     at: &crate::ir::Node,
     swapped: &mut Vec<NodeId>,
 ) -> Result<NodeId, TypeError> {
-    if let Some(&c) = casts.get(&(x, to)) {
+    if let Some(&c) = casts.get(&(x, to)).filter(|&&c| reusable(h, c, x, at)) {
         return Ok(c);
     }
     let node = h.node(x).clone();
@@ -577,8 +572,16 @@ fn cast_lhs(
     Ok(y)
 }
 
+/// Whether reader `at` may read `c`, the cast of `x` made first: yes, but for a weight's
+/// forward copy read by a recomputed value, which casts the weight again in the backward
+/// pass rather than keep the forward's copy alive across it (gpt's recomputed fc1
+/// products under bf16: 12 weight copies, 54 MiB).
+fn reusable(h: &Graph, c: NodeId, x: NodeId, at: &crate::ir::Node) -> bool {
+    at.recomputed.is_none() || h.node(c).backward || !is_param_view(h, x)
+}
+
 /// `x` as `to`, one cast per value and dtype, carrying the marks of the node that first
-/// needs it.
+/// needs it (see [`reusable`]).
 fn cast(
     h: &mut Graph,
     casts: &mut BTreeMap<(NodeId, DType), NodeId>,
@@ -586,7 +589,7 @@ fn cast(
     to: DType,
     at: &crate::ir::Node,
 ) -> Result<NodeId, TypeError> {
-    if let Some(&c) = casts.get(&(x, to)) {
+    if let Some(&c) = casts.get(&(x, to)).filter(|&&c| reusable(h, c, x, at)) {
         return Ok(c);
     }
     let c = h.add(Op::Cast { to }, vec![x], at.span, at.checkpoint)?;

@@ -493,7 +493,7 @@ pub struct Products {
     /// The arena and kernel count without and with it.
     pub arena: (u64, u64),
     pub kernels: (usize, usize),
-    /// Whether it was kept (it lowers the arena).
+    /// Whether it was kept (it lowers the arena within its FLOP share).
     pub kept: bool,
 }
 
@@ -505,19 +505,43 @@ impl Products {
         } else {
             0.0
         };
-        format!(
-            "{} {} forward products ({}) in the backward pass: arena {} -> {}, kernels {} -> {}, +{:.1}% FLOPs{}",
-            if self.kept { "recomputes" } else { "would recompute" },
-            self.values,
-            human(self.bytes),
-            human(self.arena.0),
-            human(self.arena.1),
-            self.kernels.0,
-            self.kernels.1,
-            pct,
-            if self.kept { "" } else { " (not kept)" }
+        recompute_line(
+            self.kept,
+            format!("{} forward products", self.values),
+            self.bytes,
+            "in the backward pass",
+            self.arena,
+            self.kernels,
+            format!("+{pct:.1}% FLOPs"),
         )
     }
+}
+
+/// A recomputation's line: what it recomputes (or would), where, the arena and kernels
+/// before and after, and its cost.
+fn recompute_line(
+    kept: bool,
+    what: String,
+    bytes: u64,
+    place: &str,
+    arena: (u64, u64),
+    kernels: (usize, usize),
+    cost: String,
+) -> String {
+    format!(
+        "{} {what} ({}) {place}: arena {} -> {}, kernels {} -> {}, {cost}{}",
+        if kept {
+            "recomputes"
+        } else {
+            "would recompute"
+        },
+        human(bytes),
+        human(arena.0),
+        human(arena.1),
+        kernels.0,
+        kernels.1,
+        if kept { "" } else { " (not kept)" }
+    )
 }
 
 impl Free {
@@ -528,17 +552,14 @@ impl Free {
         } else {
             0.0
         };
-        format!(
-            "{} {} forward values ({}) in backward kernels: arena {} -> {}, kernels {} -> {}, estimated time {:+.2}%{}",
-            if self.kept { "recomputes" } else { "would recompute" },
-            self.values,
-            human(self.bytes),
-            human(self.arena.0),
-            human(self.arena.1),
-            self.kernels.0,
-            self.kernels.1,
-            pct,
-            if self.kept { "" } else { " (not kept)" }
+        recompute_line(
+            self.kept,
+            format!("{} forward values", self.values),
+            self.bytes,
+            "in backward kernels",
+            self.arena,
+            self.kernels,
+            format!("estimated time {pct:+.2}%"),
         )
     }
 }
@@ -555,11 +576,15 @@ pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), B
     if opts.target != crate::artifact::Target::Cuda || opts.amp.dtype.is_none() {
         return Ok((h, free));
     }
+    let evict = product_candidates(&h);
+    if evict.is_empty() {
+        return Ok((h, free));
+    }
     let plan = match plan {
         Some(p) => p,
         None => artifact::plan_step(&h, opts)?,
     };
-    let (h, products) = products(&h, plan, opts)?;
+    let (h, products) = products(&h, &evict, plan, opts)?;
     let free = match free {
         Some(f) => Some(Free { products, ..f }),
         None => products.map(|p| Free {
@@ -644,8 +669,10 @@ pub const PRODUCT_FLOP_SHARE: f64 = 0.10;
 /// params, read anyway), and which the backward pass reads only elementwise (through views):
 /// an activation function's derivative, such as gpt's `gelu(x @ w1)`. Storing such a result
 /// costs more than what rebuilds it, and its one tensor-core product is the whole cost of
-/// the rebuild. Taken in order while they add at most [`PRODUCT_FLOP_SHARE`] of the step's
-/// FLOPs.
+/// the rebuild. Taken first-fit in program order while their products add at most
+/// [`PRODUCT_FLOP_SHARE`] of the step's FLOPs (what rebuilding their operands adds is
+/// checked by [`products`]); their forward views go with them, and a product with a view
+/// that is an output or an update is not taken.
 pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
     let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
     let budget = (step_flops(g) as f64 * PRODUCT_FLOP_SHARE) as u64;
@@ -670,8 +697,10 @@ pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
         if (node.ty.size_bytes() as u64) < 2 * activations {
             continue;
         }
-        // Its readers, through views: some backward, every backward one elementwise.
+        // Its readers, through views: some backward, every backward one elementwise; its
+        // forward views, evicted with it.
         let mut stack = vec![n];
+        let mut views = Vec::new();
         let mut backward = 0usize;
         let mut ok = true;
         while let Some(x) = stack.pop() {
@@ -679,6 +708,10 @@ pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
                 let un = g.node(u);
                 if un.op.is_view_candidate() {
                     stack.push(u);
+                    if !un.backward {
+                        ok &= evictable(g, u, false);
+                        views.push(u);
+                    }
                 } else if un.backward {
                     backward += 1;
                     ok &= un.op.is_elementwise();
@@ -691,32 +724,41 @@ pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
         }
         spent += cost;
         out.insert(n);
+        out.extend(views);
     }
     out
 }
 
 /// Product recomputation, the default under `--amp` on CUDA (`--remat none` turns it off):
-/// the values of [`product_candidates`] are recomputed in the backward pass, kept when the
-/// planned arena drops. `base` is `g`'s plan.
+/// `evict` ([`product_candidates`] of `g`) is recomputed in the backward pass, kept when the
+/// planned arena drops and everything recomputed (the products and the operands rebuilt for
+/// them) adds at most [`PRODUCT_FLOP_SHARE`] of the step's FLOPs. `base` is `g`'s plan.
 pub fn products(
     g: &Graph,
+    evict: &BTreeSet<NodeId>,
     base: artifact::Planned,
     opts: &CompileOptions,
 ) -> Result<(Graph, Option<Products>), BuildError> {
-    let evict = product_candidates(g);
     if evict.is_empty() {
         return Ok((g.clone(), None));
     }
-    let h = apply(g, &evict);
+    let h = apply(g, evict);
     let after = artifact::plan_step(&h, opts)?;
-    let added = step_flops(&h).saturating_sub(step_flops(g));
+    let before = step_flops(g);
+    let added = step_flops(&h).saturating_sub(before);
+    let values: Vec<NodeId> = evict
+        .iter()
+        .copied()
+        .filter(|&n| !g.node(n).op.is_view_candidate())
+        .collect();
     let p = Products {
-        values: evict.len(),
-        bytes: evict.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
-        flops: (added, step_flops(g)),
+        values: values.len(),
+        bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
+        flops: (added, before),
         arena: (base.plan.arena_bytes, after.plan.arena_bytes),
         kernels: (base.fused.kernels.len(), after.fused.kernels.len()),
-        kept: after.plan.arena_bytes < base.plan.arena_bytes,
+        kept: after.plan.arena_bytes < base.plan.arena_bytes
+            && added as f64 <= PRODUCT_FLOP_SHARE * before as f64,
     };
     Ok((if p.kept { h } else { g.clone() }, Some(p)))
 }

@@ -166,9 +166,15 @@ impl Px<'_> {
                         self.line(format!("mul.f32 {r}, {r}, {};", f32_lit(0.5)));
                     }
                     UnaryOp::GeluGrad => {
-                        // s (1 + 2 x (e s) u'), e = e^{-2u} clamped below overflow,
-                        // s = 1 / (1 + e), u' = c (1 + 3 a x^2) (the CPU's formula).
+                        // s (1 + 2 x (e s) u'), e = e^{-2u}, s = 1 / (1 + e),
+                        // u' = c (1 + 3 a x^2) (the CPU's formula), at x clamped to [-9, 9]
+                        // (NaN stays NaN): gelu' is 1 in f32 above 9 and below 1e-26 in size
+                        // under -9, where `x u'` would otherwise outgrow `s`.
                         let c = (2.0f64 / std::f64::consts::PI).sqrt();
+                        let xc = self.fresh("f");
+                        self.line(format!("max.NaN.f32 {xc}, {x}, {};", f32_lit(-9.0)));
+                        self.line(format!("min.NaN.f32 {xc}, {xc}, {};", f32_lit(9.0)));
+                        let x = xc.as_str();
                         let x2 = self.fresh("f");
                         self.line(format!("mul.f32 {x2}, {x}, {x};"));
                         let v = self.fresh("f");
@@ -178,7 +184,6 @@ impl Px<'_> {
                             f32_lit((-2.0 * c) as f32)
                         ));
                         self.line(format!("mul.f32 {v}, {v}, {x};"));
-                        self.line(format!("min.f32 {v}, {v}, {};", f32_lit(80.0)));
                         let e = self.exp(&v);
                         let s = self.fresh("f");
                         self.line(format!("add.f32 {s}, {e}, {};", f32_lit(1.0)));
