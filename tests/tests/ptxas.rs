@@ -281,8 +281,9 @@ fn ptx_paths_are_chosen_where_they_apply() {
     );
     assert_eq!(shared.matches("ld.global.v4.f32").count(), 2, "{shared}");
     // An f32 B contiguous along k (a transposed view) is read in place by the FFMA tiles,
-    // with vector loads along k, and by the CPU's GEMM helper, which packs it; with TF32
-    // it is copied once, contiguously.
+    // with vector loads along k, by the CPU's GEMM helper, which packs it, and with TF32 by
+    // Hopper's wgmma (K-major) where its tiles fit; a smaller one under TF32 (`mma.sync`)
+    // is copied once, contiguously.
     let bt = model(
         " input a: f32[2048, 256]\n input b: f32[2048, 256]",
         "a @ transpose(b)",
@@ -297,7 +298,30 @@ fn ptx_paths_are_chosen_where_they_apply() {
         "{}",
         exact.code
     );
-    assert_eq!(build(&bt, Target::Cuda, true).fused.kernels.len(), 2);
+    let tf32 = build(&bt, Target::Cuda, true);
+    assert_eq!(
+        tf32.fused.kernels.len(),
+        1,
+        "no copy of b under TF32 either"
+    );
+    assert!(tf32
+        .code
+        .contains("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32"));
+    // A B contiguous along n under TF32: wgmma too, transposed in shared memory.
+    let nn = build(
+        &model(
+            " input a: f32[2048, 256]\n input b: f32[256, 2048]",
+            "a @ b",
+        ),
+        Target::Cuda,
+        true,
+    );
+    assert!(nn.code.contains("k8.f32.tf32.tf32") && nn.code.contains("ld.shared.v4.f32"));
+    let small_bt = model(
+        " input a: f32[2048, 256]\n input b: f32[96, 256]",
+        "a @ transpose(b)",
+    );
+    assert_eq!(build(&small_bt, Target::Cuda, true).fused.kernels.len(), 2);
     assert_eq!(build(&bt, Target::Cpu, false).fused.kernels.len(), 1);
     assert!(
         !exact.code.contains("sg_done"),

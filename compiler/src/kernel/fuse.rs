@@ -73,8 +73,9 @@ pub struct FuseOptions {
     /// Lay out 4-D intermediates of convolution chains channels-last (NHWC).
     pub channels_last: bool,
     /// Lower f32 convolutions and their gradients as implicit GEMMs ([`super::Gather`]
-    /// operands), which only the CUDA back end runs, and let large f16/bf16 matmuls read a
-    /// B contiguous along `k` in place (Hopper's wgmma reads it K-major); set by
+    /// operands), which only the CUDA back end runs, and let large f16/bf16 matmuls (f32
+    /// under TF32) read a B contiguous along `k` in place (Hopper's wgmma reads it
+    /// K-major); set by
     /// the pipeline's `fuse` stage for CUDA.
     pub implicit_gemm: bool,
     /// Lower convolutions and their gradients as implicit GEMMs ([`super::Gather`]

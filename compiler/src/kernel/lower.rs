@@ -42,7 +42,7 @@ pub struct Decisions<'a> {
     /// logical NCHW tensor).
     pub layouts: &'a std::collections::BTreeMap<NodeId, Vec<usize>>,
     /// CUDA: convolutions may become implicit-GEMM anchors, and a large f16/bf16 matmul
-    /// may read a B contiguous along `k` in place.
+    /// (f32 under TF32) may read a B contiguous along `k` in place.
     pub implicit_gemm: bool,
     /// Convolutions (one group, f32 or one 16-bit dtype) may become implicit-GEMM anchors:
     /// on CUDA always, on the CPU within [`cpu_conv_gemm_ok`]'s bounds.
@@ -1270,23 +1270,32 @@ impl<'a> Builder<'a> {
         let b = self.operand(node.inputs[1], &batch, k, nn)?;
         // The tiled loops read rows of B as vectors: a B that is not contiguous along its
         // columns (a transposed view) is copied once, contiguously. Except on CUDA for an
-        // f16/bf16 B contiguous along `k` and large enough for Hopper's wgmma tiles, which
-        // read it as it lies (K-major), and for an f32 B contiguous along `k` without TF32,
-        // which every FFMA path loads along `k` (gpt: 84 copies of weights and of attention's
-        // `k^T` a step fewer), or on the CPU, whose GEMM helper packs B from any layout.
-        let k_major_half = self.d.implicit_gemm
-            && matches!(b.dtype, DType::F16 | DType::BF16)
+        // f16/bf16 B (f32 under TF32) contiguous along `k` and large enough for Hopper's
+        // wgmma tiles, which read it as it lies (K-major), and for an f32 B contiguous
+        // along `k` without TF32, which every FFMA path loads along `k` (gpt: 84 copies of
+        // weights and of attention's `k^T` a step fewer), or on the CPU, whose GEMM helper
+        // packs B from any layout.
+        let tensor_core = match b.dtype {
+            DType::F16 | DType::BF16 => true,
+            // `k_major_f32` is off on CUDA exactly under TF32.
+            DType::F32 => !self.d.k_major_f32,
+            _ => false,
+        };
+        // Elements of a 16-byte chunk, and of the 128 bytes of `k` of a wgmma stage.
+        let chunk = 16 / b.dtype.size_bytes().max(1) as i64;
+        let k_major_wgmma = self.d.implicit_gemm
+            && tensor_core
             && a.dtype == b.dtype
             && b.rs == 1
             && b.cs > 0
-            && b.cs % 8 == 0
+            && b.cs % chunk == 0
             && m >= 128
             && nn >= 128
-            && k >= 64
-            && k.is_multiple_of(8);
+            && k as i64 >= 8 * chunk
+            && k.is_multiple_of(chunk as usize);
         let k_major_f32 =
             self.d.k_major_f32 && b.dtype == DType::F32 && a.dtype == DType::F32 && b.rs == 1;
-        if b.cs != 1 && nn > 1 && !k_major_half && !k_major_f32 {
+        if b.cs != 1 && nn > 1 && !k_major_wgmma && !k_major_f32 {
             return Err(LowerError::Materialize(node.inputs[1]));
         }
         Ok(Matmul {

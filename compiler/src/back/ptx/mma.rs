@@ -1,5 +1,6 @@
-//! The `mma.sync` tensor-core matmul (f16/bf16, or TF32 with `--allow-tf32`): 128×128 block
-//! tiles, `cp.async` double buffering, `ldmatrix` fragments.
+//! The `mma.sync` tensor-core matmul (f16/bf16, or TF32 with `--allow-tf32`) where Hopper's
+//! wgmma ([`super::wgmma`]) does not take the product: 128×128 block tiles, `cp.async`
+//! double buffering, `ldmatrix` fragments.
 
 use super::epilogue::{epilogue, epilogue_coords};
 use super::expr::index_ranges;
@@ -53,7 +54,7 @@ impl MmaKind {
         }
     }
 
-    fn elem_bytes(self) -> usize {
+    pub(super) fn elem_bytes(self) -> usize {
         if self == MmaKind::Tf32 {
             4
         } else {
@@ -67,7 +68,7 @@ impl MmaKind {
     }
 
     /// Elements per 16-byte chunk.
-    fn chunk(self) -> usize {
+    pub(super) fn chunk(self) -> usize {
         16 / self.elem_bytes()
     }
 

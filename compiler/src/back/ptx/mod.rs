@@ -23,10 +23,11 @@
 //! (`vector_plan`); the others keep one point per thread.
 //!
 //! Matmul kernels ([`Matmul`], then the fused epilogue per output element):
-//! - f16/bf16 matmuls of at least one 128×128 tile whose operands are contiguous along `k`
-//!   or along `m`/`n` run on `wgmma` (sm_90a): 128×128 or 128×256 tiles, four stages of
-//!   swizzled dynamic shared memory ([`wgmma`]);
-//! - other f16/bf16 operands, and f32 operands when [`PtxOptions::allow_tf32`] is set, run on
+//! - f16/bf16 matmuls (f32 under [`PtxOptions::allow_tf32`]) of at least one 128×128 tile
+//!   whose operands are contiguous along `k` or along `m`/`n` run on `wgmma` (sm_90a):
+//!   128×128 or 128×256 tiles, three to five stages of swizzled dynamic shared memory
+//!   ([`wgmma`]; a TF32 operand contiguous along `m`/`n` is transposed in shared memory);
+//! - other f16/bf16 operands, and other f32 operands under TF32, run on
 //!   tensor cores (`mma.sync` m16n8k16 / m16n8k8 TF32, f32 accumulation): 128×128 block
 //!   tiles, `cp.async` double buffering, `ldmatrix` fragments (`emit_mma_matmul`);
 //! - exact f32 runs on FFMA: 128×128 tiles with 8×8 per thread (128×64 with 8×4, or 64×128
@@ -206,7 +207,7 @@ fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, 
         return attention::emit(k, at, offsets);
     }
     if let Some(mm) = &k.matmul {
-        if let Some(plan) = wgmma::plan(mm, offsets) {
+        if let Some(plan) = wgmma::plan(mm, offsets, opts) {
             return wgmma::emit(k, mm, &plan, offsets);
         }
         if let Some((kind, grid)) = mma_grid(mm, opts) {

@@ -1,5 +1,18 @@
-//! Hopper tensor-core matmul: `wgmma.mma_async` (sm_90a) on f16/bf16 operands with f32
-//! accumulation, for matmuls large enough to fill 128×128 or 128×256 block tiles.
+//! Hopper tensor-core matmul: `wgmma.mma_async` (sm_90a) on f16/bf16 operands, or on f32
+//! ones as TF32 under `--allow-tf32`, with f32 accumulation, for matmuls large enough to
+//! fill 128×128 or 128×256 block tiles.
+//!
+//! - **TF32:** a stage is 32 elements of `k` (the same 128-byte rows), one `m64nBNk8` per
+//!   8. The tensor cores take the top 19 bits of each f32 (truncation, as cuBLAS's TF32
+//!   GEMMs; the `mma.sync` path rounds). wgmma reads TF32 tiles K-major only, so an
+//!   operand contiguous along `m`/`n` (a plain `x @ w`'s `w`; both operands of a weight
+//!   gradient) lands as it lies in a ring of raw buffers and is transposed into a K-major
+//!   buffer by the threads just before its math ([`Transposed`]); its tile then needs
+//!   more shared memory, so the plan takes the first of 128×256 in four or three stages,
+//!   128×128 in five or four, that fits. On an H200, 4096³ f32 products: `a @ bᵀ` (both
+//!   K-major) 0.384 ms, `a @ b` 0.555 ms (the transposition's shared-memory traffic bounds
+//!   it), `aᵀ @ b` 0.662 ms, against cuBLAS's TF32 `a @ b` at 0.346 ms; through
+//!   registers instead (one stage ahead) `a @ b` took 0.95 ms.
 //!
 //! - **Block:** 256 threads, two warpgroups; warpgroup `w` owns rows `64w..64w + 64` of
 //!   the block tile and issues one `m64nBNk16` per 16 of `k`, both operands read by the
@@ -41,20 +54,33 @@ use crate::kernel::{ExprId, Kernel, Matmul, Operand, Var, E};
 
 /// Rows of the block tile of one warpgroup.
 const WG_ROWS: usize = 64;
-/// Elements of `k` per stage: one 128-byte swizzle row of f16/bf16.
-const BK: usize = 64;
+/// Bytes of `k` per stage: one 128-byte swizzle row (64 f16/bf16 elements, 32 TF32 ones).
+const ROW: usize = 128;
 /// Bytes of a 64-wide group of an operand tile (64 rows of 128 bytes).
 const GROUP: usize = 64 * 128;
 /// Elements of the epilogue's tile a thread stores per iteration.
 const EPI_UNROLL: usize = 4;
+/// Dynamic shared memory a block may have on sm_90.
+const SHARED_MAX: usize = 227 * 1024;
 /// Fewest blocks of 128×256 before the wider tile is used: one per SM.
 const WIDE_MIN_BLOCKS: usize = super::SMS;
+
+/// Elements of `k` per stage: one swizzle row.
+fn bk(kind: MmaKind) -> usize {
+    ROW / kind.elem_bytes()
+}
 
 /// How one operand lies in memory, for the copies and the descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Side {
-    /// Contiguous along `k` (else along `m`/`n`).
+    /// The shared tile is K-major (else MN-major, f16/bf16 only).
     k_major: bool,
+    /// A TF32 operand contiguous along `m`/`n`: wgmma reads TF32 tiles K-major only, so
+    /// its stages go through registers and are transposed on the way to shared memory
+    /// ([`Transposed`]).
+    transpose: bool,
+    /// Elements per 16-byte chunk.
+    ce: usize,
     /// Extent along `m` (A) or `n` (B).
     mn: usize,
     mn_stride: i64,
@@ -64,25 +90,38 @@ struct Side {
 }
 
 impl Side {
-    /// The operand as a K-major or MN-major tile of 16-byte chunks, or `None` when its
-    /// memory suits neither (a gap between elements, a misaligned chunk).
-    fn of(o: &Operand, off: u64, mn: usize, k: usize, a: bool, tile: usize) -> Option<Side> {
+    /// The operand as a K-major or MN-major tile of 16-byte chunks of `kind`'s elements,
+    /// or `None` when its memory suits neither (a gap between elements, a misaligned
+    /// chunk).
+    fn of(
+        o: &Operand,
+        off: u64,
+        (mn, k): (usize, usize),
+        a: bool,
+        tile: usize,
+        kind: MmaKind,
+    ) -> Option<Side> {
         let (mn_stride, k_stride) = if a { (o.rs, o.cs) } else { (o.cs, o.rs) };
-        let aligned =
-            o.base % 8 == 0 && o.batch_strides.iter().all(|s| s % 8 == 0) && off.is_multiple_of(16);
+        let ce = kind.chunk() as i64;
+        let aligned = o.base % ce == 0
+            && o.batch_strides.iter().all(|s| s % ce == 0)
+            && off.is_multiple_of(16);
         if !aligned {
             return None;
         }
-        let k_major = if k_stride == 1 && mn_stride > 0 && mn_stride % 8 == 0 && k.is_multiple_of(8)
-        {
+        let whole = |x: usize| x.is_multiple_of(ce as usize);
+        let k_major = if k_stride == 1 && mn_stride > 0 && mn_stride % ce == 0 && whole(k) {
             true
-        } else if mn_stride == 1 && k_stride > 0 && k_stride % 8 == 0 && mn.is_multiple_of(8) {
+        } else if mn_stride == 1 && k_stride > 0 && k_stride % ce == 0 && whole(mn) {
             false
         } else {
             return None;
         };
+        let transpose = kind == MmaKind::Tf32 && !k_major;
         Some(Side {
-            k_major,
+            k_major: k_major || transpose,
+            transpose,
+            ce: ce as usize,
             mn,
             mn_stride,
             k_stride,
@@ -120,17 +159,41 @@ impl Plan {
     fn threads(&self) -> usize {
         128 * self.wgs
     }
+
+    /// Bytes of one stage of the operands `cp.async` puts straight into wgmma's tiles, and
+    /// of those transposed on the way ([`Transposed`]).
+    fn split_bytes(&self) -> (usize, usize) {
+        let (mut direct, mut transposed) = (0, 0);
+        for s in [self.a, self.b] {
+            if s.transpose {
+                transposed += s.bytes();
+            } else {
+                direct += s.bytes();
+            }
+        }
+        (direct, transposed)
+    }
+
+    /// Dynamic shared memory: `stages` direct stages, `stages - 1` raw and two K-major
+    /// buffers of the transposed operands (or the epilogue's f32 tile where larger), and
+    /// 1024 bytes of alignment.
+    fn shared_bytes(&self) -> usize {
+        let (direct, transposed) = self.split_bytes();
+        let t = if transposed > 0 {
+            transposed * (self.stages + 1)
+        } else {
+            0
+        };
+        (direct * self.stages + t).max(self.a.tile * (self.bn + 8) * 4) + 1024
+    }
 }
 
 /// The wgmma plan of `mm`, or `None` where the `mma.sync` path (or another) is used: only
-/// f16/bf16, plain matmuls of at least one 128×128 tile whose operands are contiguous along
-/// `k` or along `m`/`n`.
-pub(super) fn plan(mm: &Matmul, offsets: &Offsets) -> Option<Plan> {
-    let kind = match MmaKind::of(mm, super::PtxOptions::default())? {
-        k @ (MmaKind::F16 | MmaKind::Bf16) => k,
-        MmaKind::Tf32 => return None,
-    };
-    if mm.m < 128 || mm.n < 128 || mm.k < BK {
+/// f16/bf16 (TF32 under `opts.allow_tf32`), plain matmuls of at least one 128×128 tile
+/// whose operands are contiguous along `k` or along `m`/`n`.
+pub(super) fn plan(mm: &Matmul, offsets: &Offsets, opts: super::PtxOptions) -> Option<Plan> {
+    let kind = MmaKind::of(mm, opts)?;
+    if mm.m < 128 || mm.n < 128 || mm.k < bk(kind) {
         return None;
     }
     let batch: usize = mm.batch.iter().product();
@@ -139,23 +202,31 @@ pub(super) fn plan(mm: &Matmul, offsets: &Offsets) -> Option<Plan> {
     // per SM either way. Measured on an H100/H200: a 4096³ bf16 GEMM ran 0.258 ms on
     // 128×256 tiles, 0.298 ms on 256×128 (four warpgroups); a 2048×4096 @ 4096×1024 one on
     // 128×128 tiles 0.054, 0.047, 0.045 and 0.045 ms in three to six stages.
-    let (wgs, bn, stages) = if wide { (2, 256, 4) } else { (2, 128, 5) };
-    let bm = WG_ROWS * wgs;
-    let gy = mm.m.div_ceil(bm);
-    let gx = mm.n.div_ceil(bn);
-    if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
-        return None;
-    }
-    let a = Side::of(&mm.a, offsets.get(mm.a.buf)?, mm.m, mm.k, true, bm)?;
-    let b = Side::of(&mm.b, offsets.get(mm.b.buf)?, mm.n, mm.k, false, bn)?;
-    Some(Plan {
-        kind,
-        a,
-        b,
-        bn,
-        wgs,
-        stages,
-        grid: [gx as u32, gy as u32, batch as u32],
+    // With TF32 operands transposed on the way, the first of these that fits.
+    let configs: &[(usize, usize, usize)] = if wide {
+        &[(2, 256, 4), (2, 256, 3), (2, 128, 5), (2, 128, 4)]
+    } else {
+        &[(2, 128, 5), (2, 128, 4)]
+    };
+    configs.iter().find_map(|&(wgs, bn, stages)| {
+        let bm = WG_ROWS * wgs;
+        let gy = mm.m.div_ceil(bm);
+        let gx = mm.n.div_ceil(bn);
+        if batch == 0 || batch > 65535 || gy > 65535 || gx > i32::MAX as usize {
+            return None;
+        }
+        let a = Side::of(&mm.a, offsets.get(mm.a.buf)?, (mm.m, mm.k), true, bm, kind)?;
+        let b = Side::of(&mm.b, offsets.get(mm.b.buf)?, (mm.n, mm.k), false, bn, kind)?;
+        let plan = Plan {
+            kind,
+            a,
+            b,
+            bn,
+            wgs,
+            stages,
+            grid: [gx as u32, gy as u32, batch as u32],
+        };
+        (plan.shared_bytes() <= SHARED_MAX).then_some(plan)
     })
 }
 
@@ -193,7 +264,7 @@ fn slots(px: &mut Px, s: Side, block: usize, t: &str, at: usize, mn0: &str, opba
         px.line(format!("and.b32 {c}, {t}, 7;"));
         px.line(format!("and.b32 {r}, {mn}, 63;"));
         px.line(format!("shr.u32 {grp}, {mn}, 6;"));
-        px.line(format!("shl.b32 {kk}, {c}, 3;"));
+        px.line(format!("shl.b32 {kk}, {c}, {};", s.ce.trailing_zeros()));
         block / 8
     } else {
         // tile/8 chunks along m/n per k row.
@@ -204,7 +275,7 @@ fn slots(px: &mut Px, s: Side, block: usize, t: &str, at: usize, mn0: &str, opba
         px.line(format!("and.b32 {c}, {cc}, 7;"));
         px.line(format!("shr.u32 {grp}, {cc}, 3;"));
         px.line(format!("mov.u32 {r}, {kk};"));
-        px.line(format!("shl.b32 {mn}, {cc}, 3;"));
+        px.line(format!("shl.b32 {mn}, {cc}, {};", s.ce.trailing_zeros()));
         block / cpr
     };
     let smem = px.fresh("r");
@@ -234,8 +305,161 @@ fn slots(px: &mut Px, s: Side, block: usize, t: &str, at: usize, mn0: &str, opba
         base,
         kk: kk64,
         mn: g_mn,
-        count: s.tile * BK / 8 / block,
+        // The tile's rows of 128 bytes, in 16-byte chunks.
+        count: s.tile * 8 / block,
         step,
+    }
+}
+
+/// A TF32 operand contiguous along `m`/`n` ([`Side::transpose`]). Its stages land by
+/// `cp.async` in a ring of raw buffers, as they lie (`k` rows of the tile's `m`/`n`, the
+/// 16-byte chunk `c` of row `k` stored at `c ^ (k / 4 % 8)`), `stages - 1` of them so that
+/// a stage is copied as far ahead as a K-major one; just before its math the threads
+/// transpose it into one of two K-major buffers that the descriptor reads. Thread `t`
+/// moves blocks of 4 `k` × 4 `m`/`n`: `k` from `4·(t % 8)`, `m`/`n` from `4·(t / 8) +
+/// 128·u` for each `u < tile / 128`; four 16-byte loads (one per `k`) and four 16-byte
+/// stores (one per `m`/`n`, its four `k` a chunk of the K-major tile). Eight consecutive
+/// threads read eight chunk columns and fill one swizzled 128-byte row: no bank conflicts.
+struct Transposed {
+    /// Shared offset, within the K-major tile, of row `4·(t / 8) + c`'s chunk, `c < 4`.
+    ready: [String; 4],
+    /// Shared offset, within a raw stage, of the block's row `k = 4·(t % 8)` (its chunk
+    /// column swizzled).
+    raw: String,
+    /// Bytes of a raw row (one `k`).
+    row_bytes: usize,
+    /// This thread's `cp.async` chunks, `rows` rows of `k` apart: each one's shared offset
+    /// within a raw stage; the first one's `k` within the stage (u64) and element index at
+    /// `k = 0` (u64); whether their `m`/`n` is in range.
+    chunks: Vec<String>,
+    rows: usize,
+    kk: String,
+    base: String,
+    in_mn: String,
+    k_stride: i64,
+    /// Blocks per thread.
+    units: usize,
+}
+
+impl Transposed {
+    fn new(px: &mut Px, s: Side, (t, mn0, opbase): (&str, &str, &str), block: usize) -> Transposed {
+        let (j, q) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("and.b32 {j}, {t}, 7;"));
+        px.line(format!("shr.u32 {q}, {t}, 3;"));
+        let ready = std::array::from_fn(|c| {
+            // Row `r = 4q + c` (of its 64-row group `r / 64`), chunk `j ^ (r % 8)`.
+            let (r, sw, at) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
+            px.line(format!("mad.lo.u32 {r}, {q}, 4, {c};"));
+            px.line(format!("and.b32 {sw}, {r}, 7;"));
+            px.line(format!("xor.b32 {sw}, {sw}, {j};"));
+            px.line(format!("shl.b32 {sw}, {sw}, 4;"));
+            px.line(format!("shr.u32 {at}, {r}, 6;"));
+            px.line(format!("mul.lo.u32 {at}, {at}, {GROUP};"));
+            px.line(format!("and.b32 {r}, {r}, 63;"));
+            px.line(format!("mad.lo.u32 {at}, {r}, 128, {at};"));
+            px.line(format!("add.u32 {at}, {at}, {sw};"));
+            at
+        });
+        let row_bytes = 4 * s.tile;
+        // Row 4j, chunk column q ^ j (k / 4 % 8 = j).
+        let raw = px.fresh("r");
+        let sw = px.fresh("r");
+        px.line(format!("xor.b32 {sw}, {q}, {j};"));
+        px.line(format!("shl.b32 {sw}, {sw}, 4;"));
+        px.line(format!("mul.lo.u32 {raw}, {j}, {};", 4 * row_bytes));
+        px.line(format!("add.u32 {raw}, {raw}, {sw};"));
+        // `cp.async` chunks `t + block·i`: row `k = e / cpr`, chunk column `c = e % cpr`;
+        // chunk `i` is `rows` rows (a multiple of 4) below chunk 0.
+        let cpr = s.tile / 4;
+        let rows = block / cpr;
+        let (k, c) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("shr.u32 {k}, {t}, {};", cpr.trailing_zeros()));
+        px.line(format!("and.b32 {c}, {t}, {};", cpr - 1));
+        let chunks = (0..s.tile * 8 / block)
+            .map(|i| {
+                let (sw, at) = (px.fresh("r"), px.fresh("r"));
+                px.line(format!("shr.u32 {sw}, {k}, 2;"));
+                px.line(format!("add.u32 {sw}, {sw}, {};", i * rows / 4));
+                px.line(format!("and.b32 {sw}, {sw}, 7;"));
+                px.line(format!("xor.b32 {sw}, {sw}, {c};"));
+                px.line(format!("shl.b32 {sw}, {sw}, 4;"));
+                px.line(format!("mad.lo.u32 {at}, {k}, {row_bytes}, {sw};"));
+                px.line(format!("add.u32 {at}, {at}, {};", i * rows * row_bytes));
+                at
+            })
+            .collect();
+        let (kk, mn, base) = (px.fresh("rd"), px.fresh("rd"), px.fresh("rd"));
+        px.line(format!("cvt.u64.u32 {kk}, {k};"));
+        px.line(format!("mul.wide.u32 {mn}, {c}, 4;"));
+        px.line(format!("add.s64 {mn}, {mn}, {mn0};"));
+        let in_mn = px.fresh("p");
+        px.line(format!("setp.lt.s64 {in_mn}, {mn}, {};", s.mn));
+        px.line(format!("add.s64 {base}, {mn}, {opbase};"));
+        px.line(format!("mad.lo.s64 {base}, {kk}, {}, {base};", s.k_stride));
+        Transposed {
+            ready,
+            raw,
+            row_bytes,
+            chunks,
+            rows,
+            kk,
+            base,
+            in_mn,
+            k_stride: s.k_stride,
+            units: s.tile / 128,
+        }
+    }
+
+    /// Copies the stage of `k0` (i64) into the raw buffer at shared byte `st` (u32).
+    fn copy(&self, px: &mut Px, st: &str, k0: &str, (buf, kd): (&str, usize)) {
+        let (kg, idx0) = (px.fresh("rd"), px.fresh("rd"));
+        px.line(format!("add.s64 {kg}, {k0}, {};", self.kk));
+        px.line(format!(
+            "mad.lo.s64 {idx0}, {k0}, {}, {};",
+            self.k_stride, self.base
+        ));
+        for (i, at) in self.chunks.iter().enumerate() {
+            let rows = (i * self.rows) as i64;
+            let p = px.fresh("p");
+            px.line(format!(
+                "setp.lt.and.s64 {p}, {kg}, {}, {};",
+                kd as i64 - rows,
+                self.in_mn
+            ));
+            let (dst, idx) = (px.fresh("r"), px.fresh("rd"));
+            px.line(format!("add.u32 {dst}, {st}, {at};"));
+            px.line(format!("add.s64 {idx}, {idx0}, {};", rows * self.k_stride));
+            chunk_copy(px, &dst, buf, &idx, &p, 4);
+        }
+    }
+
+    /// Transposes the raw buffer at shared byte `from` into the K-major one at `to`.
+    fn transpose(&self, px: &mut Px, from: &str, to: &str) {
+        for u in 0..self.units {
+            let regs: Vec<[String; 4]> = (0..4)
+                .map(|_| std::array::from_fn(|_| px.fresh("f")))
+                .collect();
+            let src = px.fresh("r");
+            px.line(format!("add.u32 {src}, {from}, {};", self.raw));
+            for (i, row) in regs.iter().enumerate() {
+                // Block `u` is 32 chunk columns further: the swizzle (low 3 bits) is kept.
+                px.line(format!(
+                    "ld.shared.v4.f32 {{{}}}, [{src}+{}];",
+                    row.join(", "),
+                    i * self.row_bytes + 32 * 16 * u
+                ));
+            }
+            for (c, ready) in self.ready.iter().enumerate() {
+                let at = px.fresh("r");
+                px.line(format!("add.u32 {at}, {to}, {ready};"));
+                let chunk: Vec<&str> = regs.iter().map(|row| row[c].as_str()).collect();
+                px.line(format!(
+                    "st.shared.v4.f32 [{at}+{}], {{{}}};",
+                    2 * GROUP * u,
+                    chunk.join(", ")
+                ));
+            }
+        }
     }
 }
 
@@ -250,8 +474,21 @@ pub(super) fn emit(
     let mut px = Px::new(k, offsets, sites(k), live);
     let (m, n, kd) = (mm.m, mm.n, mm.k);
     let (a, b, bn) = (plan.a, plan.b, plan.bn);
-    let eb = 2;
-    let stage = a.bytes() + b.bytes();
+    let (eb, bk) = (plan.kind.elem_bytes(), bk(plan.kind));
+    // A stage of the operands `cp.async` puts in wgmma's tiles (`stages` of them), and of
+    // the transposed ones (`stages - 1` raw buffers and two K-major ones), in that order.
+    let (stage, tstage) = plan.split_bytes();
+    let raws = plan.stages - 1;
+    let (raw0, ready0) = (plan.stages * stage, plan.stages * stage + raws * tstage);
+    // Each operand's offset within its stage.
+    let (a_off, b_off) = (
+        0,
+        if a.transpose == b.transpose {
+            a.bytes()
+        } else {
+            0
+        },
+    );
 
     let WarpTile {
         t,
@@ -281,12 +518,26 @@ pub(super) fn emit(
     px.line(format!("add.u32 {sbase}, {sbase}, 1023;"));
     px.line(format!("and.b32 {sbase}, {sbase}, -1024;"));
 
-    let a_slots = slots(&mut px, a, plan.threads(), &t, 0, &row0, &abase);
-    let b_slots = slots(&mut px, b, plan.threads(), &t, a.bytes(), &col0, &bbase);
+    let threads = plan.threads();
+    let a_slots = (!a.transpose).then(|| slots(&mut px, a, threads, &t, a_off, &row0, &abase));
+    let b_slots = (!b.transpose).then(|| slots(&mut px, b, threads, &t, b_off, &col0, &bbase));
+    let transposed: Vec<(Transposed, usize, &str)> = [
+        (a, (&row0, &abase, &abuf), a_off),
+        (b, (&col0, &bbase, &bbuf), b_off),
+    ]
+    .into_iter()
+    .filter(|(side, ..)| side.transpose)
+    .map(|(side, (mn0, base, buf), at)| {
+        let tr = Transposed::new(&mut px, side, (&t, mn0, base), threads);
+        (tr, at, buf.as_str())
+    })
+    .collect();
 
-    // Moves the stage of `k0` (i64) into the buffer at shared byte `st` (u32).
-    let load_stage = |px: &mut Px, st: &str, k0: &str| {
+    // Moves the stage of `k0` (i64) into the buffer at shared byte `st` (u32) and, for the
+    // transposed operands, the raw buffer at `raw` (u32), and commits the copies.
+    let load_stage = |px: &mut Px, st: &str, raw: Option<&str>, k0: &str| {
         for (side, sl, buf) in [(a, &a_slots, &abuf), (b, &b_slots, &bbuf)] {
+            let Some(sl) = sl else { continue };
             let slot = ChunkSlot {
                 smem: &sl.smem,
                 kk: &sl.kk,
@@ -312,6 +563,11 @@ pub(super) fn emit(
                 chunk_copy(px, &dst, buf, &idx, &p, eb);
             }
         }
+        for (tr, at, buf) in &transposed {
+            let to = px.fresh("r");
+            px.line(format!("add.u32 {to}, {}, {at};", raw.unwrap_or_default()));
+            tr.copy(px, &to, k0, (buf, kd));
+        }
         px.line("cp.async.commit_group;");
     };
 
@@ -326,11 +582,16 @@ pub(super) fn emit(
         px.line(format!("or.b64 {d}, {d}, {};", side.desc_bits()));
         d
     };
+    // A transposed operand's tile is read from the first K-major buffer.
+    let first = |side: Side, off: usize| off + if side.transpose { ready0 } else { 0 };
     let a_at = px.fresh("r");
     px.line(format!("mad.lo.u32 {a_at}, {wg}, {GROUP}, {sbase};"));
+    if a.transpose {
+        px.line(format!("add.u32 {a_at}, {a_at}, {};", first(a, a_off)));
+    }
     let a_desc = desc(&mut px, a, &a_at);
     let b_at = px.fresh("r");
-    px.line(format!("add.u32 {b_at}, {sbase}, {};", a.bytes()));
+    px.line(format!("add.u32 {b_at}, {sbase}, {};", first(b, b_off)));
     let b_desc = desc(&mut px, b, &b_at);
 
     let accs: Vec<String> = (0..bn / 2).map(|_| px.fresh("f")).collect();
@@ -341,22 +602,33 @@ pub(super) fn emit(
     px.line(format!("mov.u32 {one}, 1;"));
     px.line(format!("setp.ne.u32 {scale_d}, {one}, 0;"));
 
-    let nk = kd.div_ceil(BK);
+    let nk = kd.div_ceil(bk);
     let stages = plan.stages;
     let ahead = stages - 2;
     for s in 0..ahead {
-        let k0 = px.imm64((s * BK) as i64);
+        let k0 = px.imm64((s * bk) as i64);
         let st = px.fresh("r");
         px.line(format!("add.u32 {st}, {sbase}, {};", s * stage));
-        load_stage(&mut px, &st, &k0);
+        let raw = (!transposed.is_empty()).then(|| {
+            let raw = px.fresh("r");
+            px.line(format!("add.u32 {raw}, {sbase}, {};", raw0 + s * tstage));
+            raw
+        });
+        load_stage(&mut px, &st, raw.as_deref(), &k0);
     }
     // `kt`, and the buffers of stages `kt` and `kt + ahead`, counted round (no division:
     // a `rem.u32` by the constant 4 here made the 4096³ GEMM 15% slower, 0.295 against
-    // 0.258 ms on an H100).
+    // 0.258 ms on an H100); the same in the raw ring.
     let (kt, cur_buf, next_buf) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
     px.line(format!("mov.u32 {kt}, 0;"));
     px.line(format!("mov.u32 {cur_buf}, 0;"));
     px.line(format!("mov.u32 {next_buf}, {};", ahead % stages));
+    let raw_ring = (!transposed.is_empty()).then(|| {
+        let (cur_raw, next_raw) = (px.fresh("r"), px.fresh("r"));
+        px.line(format!("mov.u32 {cur_raw}, 0;"));
+        px.line(format!("mov.u32 {next_raw}, {};", ahead % raws));
+        (cur_raw, next_raw)
+    });
     let head = px.label("wg_k");
     let skip = px.label("wg_noload");
     px.body.push_str(&format!("{head}:\n"));
@@ -370,49 +642,92 @@ pub(super) fn emit(
         let (ktn, none) = next_stage(&mut px, &kt, ahead, nk, &skip);
         let st = px.fresh("r");
         px.line(format!("mad.lo.u32 {st}, {next_buf}, {stage}, {sbase};"));
-        let k0 = stage_k0(&mut px, &ktn, BK);
-        load_stage(&mut px, &st, &k0);
+        let raw = raw_ring.as_ref().map(|(_, next_raw)| {
+            let raw = px.fresh("r");
+            px.line(format!("mad.lo.u32 {raw}, {next_raw}, {tstage}, {sbase};"));
+            px.line(format!("add.u32 {raw}, {raw}, {raw0};"));
+            raw
+        });
+        let k0 = stage_k0(&mut px, &ktn, bk);
+        load_stage(&mut px, &st, raw.as_deref(), &k0);
         px.body.push_str(&format!("{skip}:\n"));
         // Keeps the group count the same on every iteration (an empty group past the end).
         px.line(format!("@{none} cp.async.commit_group;"));
     }
-    // This stage's descriptors: the buffer's offset, in 16-byte units.
+    // This stage's descriptors: the buffer's offset, in 16-byte units; a transposed
+    // operand's K-major buffer `kt % 2`.
     let cur = px.fresh("r");
     px.line(format!("mul.lo.u32 {cur}, {cur_buf}, {};", stage >> 4));
     let cur64 = px.fresh("rd");
     px.line(format!("cvt.u64.u32 {cur64}, {cur};"));
-    let (ad, bd) = (px.fresh("rd"), px.fresh("rd"));
-    px.line(format!("add.s64 {ad}, {a_desc}, {cur64};"));
-    px.line(format!("add.s64 {bd}, {b_desc}, {cur64};"));
-    px.line("wgmma.fence.sync.aligned;");
-    let instr = format!(
-        "wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{t}.{t}",
-        t = if plan.kind == MmaKind::F16 {
-            "f16"
-        } else {
-            "bf16"
+    let ready64 = raw_ring.as_ref().map(|(cur_raw, _)| {
+        // Stage `kt`'s raw buffer into K-major buffer `kt % 2`, last read by stage
+        // `kt - 2`'s wgmma group (finished, as the barrier says), then a barrier before
+        // the tensor cores read it.
+        let (from, par, to) = (px.fresh("r"), px.fresh("r"), px.fresh("r"));
+        px.line(format!("mad.lo.u32 {from}, {cur_raw}, {tstage}, {sbase};"));
+        px.line(format!("add.u32 {from}, {from}, {raw0};"));
+        px.line(format!("and.b32 {par}, {kt}, 1;"));
+        px.line(format!("mad.lo.u32 {to}, {par}, {tstage}, {sbase};"));
+        px.line(format!("add.u32 {to}, {to}, {ready0};"));
+        for (tr, at, _) in &transposed {
+            let (f, t) = (px.fresh("r"), px.fresh("r"));
+            px.line(format!("add.u32 {f}, {from}, {at};"));
+            px.line(format!("add.u32 {t}, {to}, {at};"));
+            tr.transpose(&mut px, &f, &t);
         }
-    );
+        px.line("fence.proxy.async.shared::cta;");
+        px.line("bar.sync 0;");
+        let r = px.fresh("r");
+        px.line(format!("mul.lo.u32 {r}, {par}, {};", tstage >> 4));
+        let r64 = px.fresh("rd");
+        px.line(format!("cvt.u64.u32 {r64}, {r};"));
+        r64
+    });
+    let (ad, bd) = (px.fresh("rd"), px.fresh("rd"));
+    for (d, side, base) in [(&ad, a, &a_desc), (&bd, b, &b_desc)] {
+        let off = match &ready64 {
+            Some(r) if side.transpose => r,
+            _ => &cur64,
+        };
+        px.line(format!("add.s64 {d}, {base}, {off};"));
+    }
+    px.line("wgmma.fence.sync.aligned;");
+    // One instruction takes 32 bytes of `k`: 16 f16/bf16 or 8 TF32 elements.
+    let (ty, ki) = match plan.kind {
+        MmaKind::F16 => ("f16", 16),
+        MmaKind::Bf16 => ("bf16", 16),
+        MmaKind::Tf32 => ("tf32", 8),
+    };
+    let instr = format!("wgmma.mma_async.sync.aligned.m64n{bn}k{ki}.f32.{ty}.{ty}");
     let acc_list = accs.join(", ");
-    for ks in 0..BK / 16 {
-        // 16 of k: 32 bytes along a K-major row, 16 rows of 128 bytes of an MN-major tile.
+    for ks in 0..bk / ki {
+        // 32 bytes along a K-major row, 16 rows of 128 bytes of an MN-major tile.
         let step = |s: Side| if s.k_major { 32 } else { 16 * 128 };
         let (da, db) = (px.fresh("rd"), px.fresh("rd"));
         px.line(format!("add.s64 {da}, {ad}, {};", (ks * step(a)) >> 4));
         px.line(format!("add.s64 {db}, {bd}, {};", (ks * step(b)) >> 4));
+        // TF32 takes no transpose flags (its tiles are K-major).
+        let trans = if plan.kind == MmaKind::Tf32 {
+            String::new()
+        } else {
+            format!(", {}, {}", u8::from(!a.k_major), u8::from(!b.k_major))
+        };
         px.line(format!(
-            "{instr} {{{acc_list}}}, {da}, {db}, {scale_d}, 1, 1, {}, {};",
-            u8::from(!a.k_major),
-            u8::from(!b.k_major)
+            "{instr} {{{acc_list}}}, {da}, {db}, {scale_d}, 1, 1{trans};"
         ));
     }
     px.line("wgmma.commit_group.sync.aligned;");
     px.line("wgmma.wait_group.sync.aligned 1;");
     px.line(format!("add.u32 {kt}, {kt}, 1;"));
-    for b in [&cur_buf, &next_buf] {
+    let mut rings = vec![(&cur_buf, stages), (&next_buf, stages)];
+    if let Some((cur_raw, next_raw)) = &raw_ring {
+        rings.extend([(cur_raw, raws), (next_raw, raws)]);
+    }
+    for (b, len) in rings {
         let wrap = px.fresh("p");
         px.line(format!("add.u32 {b}, {b}, 1;"));
-        px.line(format!("setp.eq.u32 {wrap}, {b}, {stages};"));
+        px.line(format!("setp.eq.u32 {wrap}, {b}, {len};"));
         px.line(format!("selp.u32 {b}, 0, {b}, {wrap};"));
     }
     let more = px.fresh("p");
@@ -432,7 +747,7 @@ pub(super) fn emit(
         grid: plan.grid,
         block: [plan.threads() as u32, 1, 1],
         // The stages, or the epilogue's f32 tile where larger; 1024 bytes of alignment.
-        shared_bytes: ((stages * stage).max(a.tile * (bn + 8) * 4) + 1024) as u32,
+        shared_bytes: plan.shared_bytes() as u32,
         scratch_bytes: 0,
     };
     let frag = px.fresh("r");
