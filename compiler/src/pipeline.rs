@@ -133,6 +133,9 @@ pub struct RematOptions {
     pub budget: Option<u64>,
     /// Time for each round of the search.
     pub time_limit: Duration,
+    /// Under `--amp` on CUDA, recompute the products only an activation's derivative
+    /// reads ([`crate::remat::step::products`]); off with `--no-product-remat`.
+    pub products: bool,
 }
 
 impl Default for RematOptions {
@@ -141,6 +144,7 @@ impl Default for RematOptions {
             mode: Mode::Manual,
             budget: None,
             time_limit: Duration::from_millis(2000),
+            products: true,
         }
     }
 }
@@ -544,7 +548,7 @@ fn remat_stage(p: Product, o: &Options, report: &mut Report) -> Result<Product, 
     let g = if o.remat.mode == Mode::None {
         g
     } else {
-        let (h, free) = crate::remat::step::free(&g, &o.compile)?;
+        let (h, free) = crate::remat::step::free_with(&g, &o.compile, o.remat.products)?;
         report.free = free;
         h
     };

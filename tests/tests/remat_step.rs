@@ -453,6 +453,50 @@ fn amp(name: &str) -> tcc::passes::amp::Amp {
     tcc::passes::amp::Amp::named(name).unwrap()
 }
 
+/// `--no-product-remat` (`RematOptions::products` off) keeps gpt's fc1 products under
+/// `--amp` and still recomputes the free values; the default recomputes both.
+#[test]
+fn no_product_remat_keeps_the_products_and_free_recomputation() {
+    let g = graph("examples/gpt.tdsl", GPT_3);
+    let cuda = tcc_tests::device_options(tcc_runtime::Device::Cuda(0), true);
+    let run = |products: bool| {
+        let opts = tcc::pipeline::Options {
+            remat: tcc::pipeline::RematOptions {
+                products,
+                ..Default::default()
+            },
+            compile: CompileOptions {
+                amp: amp("bf16"),
+                ..cuda
+            },
+            ..Default::default()
+        };
+        let (p, report) = tcc::pipeline::run(
+            tcc::pipeline::Product::Graph(g.clone()),
+            "remat",
+            "remat",
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let h = p.graph();
+        let matmuls = h
+            .node_ids()
+            .filter(|&n| h.node(n).recomputed.is_some() && h.node(n).op == tcc::ir::Op::MatMul)
+            .count();
+        let free = report
+            .free
+            .unwrap_or_else(|| panic!("no free recomputation"));
+        (matmuls, free)
+    };
+    let (matmuls, free) = run(false);
+    assert_eq!(matmuls, 0);
+    assert!(free.kept && free.values > 0 && free.products.is_none());
+    let (matmuls, free) = run(true);
+    assert_eq!(matmuls, 3);
+    assert!(free.kept && free.products.is_some_and(|p| p.kept));
+}
+
 /// `--remat none` turns free recomputation off; the default keeps it.
 #[test]
 fn remat_none_stores_what_the_forward_pass_made() {

@@ -39,6 +39,11 @@ pub struct RematArgs {
     /// Time for each round of the remat search, in milliseconds.
     #[arg(long, default_value_t = 2000, value_name = "MS")]
     pub remat_time_ms: u64,
+    /// Under `--amp` on CUDA, keep the products that only an activation's derivative reads
+    /// (gpt's fc1 outputs) instead of recomputing them in the backward pass: more memory,
+    /// fewer FLOPs. Free recomputation stays (`--remat none` turns off both).
+    #[arg(long)]
+    pub no_product_remat: bool,
 }
 
 impl RematArgs {
@@ -62,6 +67,7 @@ impl RematArgs {
             mode: self.mode()?,
             budget: self.mem_budget,
             time_limit: Duration::from_millis(self.remat_time_ms.max(1)),
+            products: !self.no_product_remat,
         })
     }
 }

@@ -572,8 +572,18 @@ impl Free {
 ///
 /// Then, under `--amp` on CUDA, product recomputation ([`products`]) on the step it gives.
 pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), BuildError> {
+    free_with(g, opts, true)
+}
+
+/// [`free`], with product recomputation only where `with_products` (`--no-product-remat`
+/// turns it off, keeping the free recomputation).
+pub fn free_with(
+    g: &Graph,
+    opts: &CompileOptions,
+    with_products: bool,
+) -> Result<(Graph, Option<Free>), BuildError> {
     let (h, free, plan) = free_pointwise(g, opts)?;
-    if opts.target != crate::artifact::Target::Cuda || opts.amp.dtype.is_none() {
+    if !with_products || opts.target != crate::artifact::Target::Cuda || opts.amp.dtype.is_none() {
         return Ok((h, free));
     }
     let evict = product_candidates(&h);
