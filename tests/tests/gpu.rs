@@ -241,9 +241,9 @@ fn gpu_tf32_matmuls_agree_with_eager() {
             "x @ w",
         ),
         // Hopper's wgmma (TF32 tiles are K-major only): A by `cp.async`, B contiguous along
-        // `n` transposed through registers; ragged m, n and k.
+        // `n` transposed in shared memory; ragged m, n and k.
         (" input x: f32[300, 136]\n input w: f32[136, 260]", "x @ w"),
-        // Both transposed through registers.
+        // Both transposed in shared memory.
         (
             " input x: f32[136, 300]\n input w: f32[136, 260]",
             "transpose(x) @ w + 1.0",
@@ -257,6 +257,11 @@ fn gpu_tf32_matmuls_agree_with_eager() {
         (
             " input x: f32[2, 768, 96]\n input w: f32[2, 96, 2816]",
             "x @ w",
+        ),
+        // 128×256 tiles with both operands transposed: three stages, one ahead.
+        (
+            " input x: f32[200, 1260]\n input w: f32[200, 3580]",
+            "transpose(x) @ w",
         ),
     ] {
         let src = format!("model m {{\n{decls}\n let out = {e}\n output out\n}}\n");

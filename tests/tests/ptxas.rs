@@ -27,6 +27,13 @@ fn programs() -> Vec<(String, String, Options)> {
         let src = std::fs::read_to_string(root().join(format!("examples/{ex}.tdsl"))).unwrap();
         v.push((format!("{ex} {set}"), src, options_from_args(set)));
     }
+    // TF32 on wgmma (assembled when `assemble_both` builds with TF32): a B transposed in
+    // shared memory on 128×256 tiles, both operands on 128×256 (three stages) and 128×128.
+    v.push((
+        "tf32 wgmma".to_string(),
+        "model m {\n input x: f32[1260, 200]\n input w: f32[200, 3580]\n input u: f32[200, 1260]\n input v: f32[200, 300]\n let a = x @ w\n let b = transpose(u) @ w\n let c = transpose(u) @ v\n output a, b, c\n}\n".to_string(),
+        Options::default(),
+    ));
     for dir in ["tests/cases/fusion", "tests/cases/layout"] {
         for f in tdsl_files(dir) {
             let src = std::fs::read_to_string(&f).unwrap();
@@ -316,7 +323,52 @@ fn ptx_paths_are_chosen_where_they_apply() {
         Target::Cuda,
         true,
     );
-    assert!(nn.code.contains("k8.f32.tf32.tf32") && nn.code.contains("ld.shared.v4.f32"));
+    assert!(nn.code.contains("k8.f32.tf32.tf32") && nn.code.contains("st.shared.v4.f32"));
+    // The shapes of gpu.rs's TF32 cases take wgmma, 128×256 tiles where a wave fills: B
+    // transposed (four stages), both (three: one `cp.async` group ahead).
+    for (decls, e, tile, stages_ahead) in [
+        (
+            " input x: f32[300, 136]\n input w: f32[136, 260]",
+            "x @ w",
+            "m64n128k8",
+            3,
+        ),
+        (
+            " input x: f32[136, 300]\n input w: f32[136, 260]",
+            "transpose(x) @ w",
+            "m64n128k8",
+            3,
+        ),
+        (
+            " input x: f32[300, 136]\n input w: f32[260, 136]",
+            "x @ transpose(w)",
+            "m64n128k8",
+            3,
+        ),
+        (
+            " input x: f32[2, 768, 96]\n input w: f32[2, 96, 2816]",
+            "x @ w",
+            "m64n256k8",
+            2,
+        ),
+        (
+            " input x: f32[200, 1260]\n input w: f32[200, 3580]",
+            "transpose(x) @ w",
+            "m64n256k8",
+            1,
+        ),
+    ] {
+        let code = build(&model(decls, e), Target::Cuda, true).code;
+        assert!(
+            code.contains(&format!("{tile}.f32.tf32.tf32")),
+            "{e}: {code}"
+        );
+        // The loop waits for all but `stages_ahead - 1` groups (the epilogue for all).
+        for n in 1..4 {
+            let waits = code.contains(&format!("cp.async.wait_group {n};"));
+            assert_eq!(waits, n + 1 == stages_ahead, "{e}: wait_group {n}");
+        }
+    }
     let small_bt = model(
         " input a: f32[2048, 256]\n input b: f32[96, 256]",
         "a @ transpose(b)",

@@ -453,6 +453,21 @@ fn amp(name: &str) -> tcc::passes::amp::Amp {
     tcc::passes::amp::Amp::named(name).unwrap()
 }
 
+/// The pipeline's `remat` stage alone on `g`.
+fn remat_stage(
+    g: &tcc::ir::Graph,
+    opts: &tcc::pipeline::Options,
+) -> (tcc::pipeline::Product, tcc::pipeline::Report) {
+    tcc::pipeline::run(
+        tcc::pipeline::Product::Graph(g.clone()),
+        "remat",
+        "remat",
+        opts,
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
 /// `--no-product-remat` (`RematOptions::products` off) keeps gpt's fc1 products under
 /// `--amp` and still recomputes the free values; the default recomputes both.
 #[test]
@@ -471,14 +486,7 @@ fn no_product_remat_keeps_the_products_and_free_recomputation() {
             },
             ..Default::default()
         };
-        let (p, report) = tcc::pipeline::run(
-            tcc::pipeline::Product::Graph(g.clone()),
-            "remat",
-            "remat",
-            &opts,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let (p, report) = remat_stage(&g, &opts);
         let h = p.graph();
         let matmuls = h
             .node_ids()
@@ -509,14 +517,7 @@ fn remat_none_stores_what_the_forward_pass_made() {
             },
             ..Default::default()
         };
-        let (p, report) = tcc::pipeline::run(
-            tcc::pipeline::Product::Graph(g.clone()),
-            "remat",
-            "remat",
-            &opts,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let (p, report) = remat_stage(&g, &opts);
         let recomputed = p
             .graph()
             .node_ids()

@@ -8,8 +8,8 @@
 //!   operand contiguous along `m`/`n` (a plain `x @ w`'s `w`; both operands of a weight
 //!   gradient) lands as it lies in a ring of raw buffers and is transposed into a K-major
 //!   buffer by the threads just before its math ([`Transposed`]); its tile then needs
-//!   more shared memory, so the plan takes the first of 128×256 in four or three stages,
-//!   128×128 in five or four, that fits. On an H200, 4096³ f32 products: `a @ bᵀ` (both
+//!   more shared memory, so 128×256 tiles take three stages (one ahead of the math)
+//!   where four do not fit. On an H200, 4096³ f32 products: `a @ bᵀ` (both
 //!   K-major) 0.384 ms, `a @ b` 0.555 ms (the transposition's shared-memory traffic bounds
 //!   it), `aᵀ @ b` 0.662 ms, against cuBLAS's TF32 `a @ b` at 0.346 ms; through
 //!   registers instead (one stage ahead) `a @ b` took 0.95 ms.
@@ -17,8 +17,8 @@
 //! - **Block:** 256 threads, two warpgroups; warpgroup `w` owns rows `64w..64w + 64` of
 //!   the block tile and issues one `m64nBNk16` per 16 of `k`, both operands read by the
 //!   tensor cores from shared memory through matrix descriptors.
-//! - **Shared memory:** `k` is staged 64 elements (128 bytes) deep, in 4 buffers (5 for
-//!   128×128 tiles) of dynamic shared memory (above the 48 KiB of static shared memory, which the runtime
+//! - **Shared memory:** `k` is staged 128 bytes deep (64 f16/bf16 elements, 32 TF32), in
+//!   4 buffers (5 for 128×128 tiles; fewer with TF32 transposed operands, above) of dynamic shared memory (above the 48 KiB of static shared memory, which the runtime
 //!   raises per kernel). Each operand tile is stored in the 128-byte-swizzle layout of the
 //!   wgmma canonical layouts: groups of 64 along `m`/`n`, 8192 bytes apart; inside one,
 //!   either 64 rows of `m`/`n` with `k` contiguous (K-major) or 64 rows of `k` with
@@ -27,7 +27,8 @@
 //!   memory is contiguous along that axis, so transposed operands (a weight gradient's
 //!   `xᵀ`, an `x @ wᵀ`) need no copy.
 //! - **Pipeline:** every thread moves its share of a stage with 16-byte `cp.async`
-//!   (zero-filled out of range), two stages (three for 128×128 tiles) ahead of the math. A stage's wgmma group is
+//!   (zero-filled out of range), `stages - 2` ahead of the math (two for 128×256 tiles,
+//!   three for 128×128). A stage's wgmma group is
 //!   committed and the previous one awaited (`wgmma.wait_group 1`), so the tensor cores
 //!   always have the next group queued while a barrier and the copies run; a buffer is
 //!   overwritten only after every warpgroup's wait has passed the barrier after its last
@@ -76,8 +77,7 @@ struct Side {
     /// The shared tile is K-major (else MN-major, f16/bf16 only).
     k_major: bool,
     /// A TF32 operand contiguous along `m`/`n`: wgmma reads TF32 tiles K-major only, so
-    /// its stages go through registers and are transposed on the way to shared memory
-    /// ([`Transposed`]).
+    /// its stages land in raw shared buffers and are transposed there ([`Transposed`]).
     transpose: bool,
     /// Elements per 16-byte chunk.
     ce: usize,
@@ -202,11 +202,12 @@ pub(super) fn plan(mm: &Matmul, offsets: &Offsets, opts: super::PtxOptions) -> O
     // per SM either way. Measured on an H100/H200: a 4096³ bf16 GEMM ran 0.258 ms on
     // 128×256 tiles, 0.298 ms on 256×128 (four warpgroups); a 2048×4096 @ 4096×1024 one on
     // 128×128 tiles 0.054, 0.047, 0.045 and 0.045 ms in three to six stages.
-    // With TF32 operands transposed on the way, the first of these that fits.
+    // With TF32 operands transposed on the way, the first of these that fits (three stages
+    // of 128×256 always do: at most 193 KiB; five of 128×128 too: at most 193 KiB).
     let configs: &[(usize, usize, usize)] = if wide {
-        &[(2, 256, 4), (2, 256, 3), (2, 128, 5), (2, 128, 4)]
+        &[(2, 256, 4), (2, 256, 3)]
     } else {
-        &[(2, 128, 5), (2, 128, 4)]
+        &[(2, 128, 5)]
     };
     configs.iter().find_map(|&(wgs, bn, stages)| {
         let bm = WG_ROWS * wgs;
@@ -343,6 +344,9 @@ struct Transposed {
 
 impl Transposed {
     fn new(px: &mut Px, s: Side, (t, mn0, opbase): (&str, &str, &str), block: usize) -> Transposed {
+        // The plans' tiles (128 or 256 along m/n) and 256 threads: 32 blocks of 4 rows a
+        // unit, and `cp.async` chunks a multiple of 4 rows apart.
+        debug_assert!(block == 256 && (s.tile == 128 || s.tile == 256));
         let (j, q) = (px.fresh("r"), px.fresh("r"));
         px.line(format!("and.b32 {j}, {t}, 7;"));
         px.line(format!("shr.u32 {q}, {t}, 3;"));
@@ -563,10 +567,13 @@ pub(super) fn emit(
                 chunk_copy(px, &dst, buf, &idx, &p, eb);
             }
         }
-        for (tr, at, buf) in &transposed {
-            let to = px.fresh("r");
-            px.line(format!("add.u32 {to}, {}, {at};", raw.unwrap_or_default()));
-            tr.copy(px, &to, k0, (buf, kd));
+        // `raw` is set exactly when there are transposed operands.
+        if let Some(raw) = raw {
+            for (tr, at, buf) in &transposed {
+                let to = px.fresh("r");
+                px.line(format!("add.u32 {to}, {raw}, {at};"));
+                tr.copy(px, &to, k0, (buf, kd));
+            }
         }
         px.line("cp.async.commit_group;");
     };
