@@ -50,6 +50,11 @@ pub struct CompileOptions {
     /// ZeRO-1 (`--zero 1`): with several ranks, each keeps and updates 1/N of the
     /// optimizer state ([`crate::autodiff::optim::lower_sharded`]).
     pub zero: bool,
+    /// f32 steps on CUDA: attention's backward pass as the two flash-attention gradient
+    /// kernels in FFMA (`back::ptx::attention_ffma_grad`), which rebuild the probabilities
+    /// instead of storing `[.., T, S]` tensors (`--flash-backward`). Under `--amp` the
+    /// tensor-core gradient kernels are always used.
+    pub flash_backward: bool,
 }
 
 impl Default for CompileOptions {
@@ -62,6 +67,7 @@ impl Default for CompileOptions {
             amp: Default::default(),
             ranks: 1,
             zero: false,
+            flash_backward: false,
         }
     }
 }

@@ -133,9 +133,12 @@ pub struct RematOptions {
     pub budget: Option<u64>,
     /// Time for each round of the search.
     pub time_limit: Duration,
-    /// Under `--amp` on CUDA, recompute the products only an activation's derivative
+    /// On CUDA, recompute the products only an activation's derivative
     /// reads ([`crate::remat::step::products`]); off with `--no-product-remat`.
     pub products: bool,
+    /// f32 attention's backward pass as the two FFMA flash kernels (`--flash-backward`;
+    /// sets [`CompileOptions::flash_backward`] for the whole pipeline).
+    pub flash_backward: bool,
 }
 
 impl Default for RematOptions {
@@ -145,6 +148,7 @@ impl Default for RematOptions {
             budget: None,
             time_limit: Duration::from_millis(2000),
             products: true,
+            flash_backward: false,
         }
     }
 }
@@ -420,6 +424,21 @@ pub fn run_into(
         Some(s) => position(s).ok_or_else(|| unknown(s))?,
         None => usize::MAX,
     };
+    // `--flash-backward` reaches the stages through the compile options, which the remat
+    // stage's plans use too.
+    let merged;
+    let opts = if opts.remat.flash_backward && !opts.compile.flash_backward {
+        merged = Options {
+            compile: CompileOptions {
+                flash_backward: true,
+                ..opts.compile
+            },
+            ..opts.clone()
+        };
+        &merged
+    } else {
+        opts
+    };
     let mut p = input;
     for stage in PIPELINE.iter().take(to.min(stop) + 1).skip(from) {
         if p.form() != stage.takes {
@@ -567,8 +586,9 @@ fn attention_stage(p: Product, o: &Options, _: &mut Report) -> Result<Product, S
     let g = graph_of(p, "attention")?;
     if o.compile.target == Target::Cuda && o.compile.fuse.fuse {
         let h = crate::passes::attention::fuse_attention(&g);
-        // The fused backward runs on tensor cores only: 16-bit operands.
-        if o.compile.amp.dtype.is_some() {
+        // The fused backward: on tensor cores under `--amp`; in f32, the FFMA kernels when
+        // asked (`--flash-backward`).
+        if o.compile.amp.dtype.is_some() || o.compile.flash_backward {
             Ok(Product::Graph(
                 crate::passes::attention::fuse_attention_backward(&h),
             ))

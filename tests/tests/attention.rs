@@ -76,9 +76,10 @@ fn causal_attention_becomes_one_op_and_rebuilds_its_probabilities() {
     }
 }
 
-/// Under mixed precision the backward pass becomes the two flash-attention gradient ops:
-/// no `[.., T, S]` product or probabilities are left, and the interpreter gives the same
-/// step (the ops' definition against the composite's autodiff).
+/// The backward pass becomes the two flash-attention gradient ops (on tensor cores under
+/// `--amp`, in FFMA with `--flash-backward`): no `[.., T, S]` product or probabilities are
+/// left, and the interpreter gives the same step (the ops' definition against the
+/// composite's autodiff).
 #[test]
 fn attention_gradients_become_two_flash_kernels() {
     for (t, s, d, causal) in [

@@ -60,6 +60,17 @@ fn programs() -> Vec<(String, String, Options)> {
         IMPLICIT_GEMM_CONVS.to_string(),
         Options::default(),
     ));
+    // The f32 flash-attention gradient kernels (assembled when `assemble_both` builds with
+    // them): ragged tiles, head widths 64 and 32, and 128 (the most shared memory).
+    for (d, e, causal) in [(64, 32, true), (128, 128, false)] {
+        v.push((
+            format!("f32 attention gradients d={d} e={e}"),
+            format!(
+                "model m {{\n input w: f32[2, 3, 70, {e}]\n param q: f32[2, 3, 70, {d}] = normal(0.0, 1.0)\n param k: f32[2, 3, 90, {d}] = normal(0.0, 1.0)\n param v: f32[2, 3, 90, {e}] = normal(0.0, 1.0)\n let loss = mean(attention(q, k, v, causal: {causal}) * w)\n output loss\n train sgd(lr: 0.1) minimize loss\n}}\n"
+            ),
+            Options::default(),
+        ));
+    }
     for d in ["f16", "bf16"] {
         v.push((
             format!("{d} tensor-core attention"),
@@ -75,8 +86,9 @@ fn programs() -> Vec<(String, String, Options)> {
     v
 }
 
-/// `src` compiled for CUDA twice, the second time channels-last with TF32 matmuls, each
-/// module assembled in `dir`: the modules, and what failed.
+/// `src` compiled for CUDA twice, the second time channels-last with TF32 matmuls and f32
+/// attention gradients as flash kernels (`--flash-backward`), each module assembled in
+/// `dir`: the modules, and what failed.
 fn assemble_both(
     what: &str,
     src: &str,
@@ -93,6 +105,7 @@ fn assemble_both(
             &CompileOptions {
                 target: Target::Cuda,
                 allow_tf32: channels_last,
+                flash_backward: channels_last,
                 fuse: FuseOptions {
                     fuse: true,
                     channels_last,
@@ -1043,5 +1056,41 @@ fn mixed_precision_attention_runs_on_tensor_cores() {
                 "{k}"
             );
         }
+    }
+}
+
+/// With `--flash-backward`, gpt's f32 attention backward is the two flash-attention
+/// gradient kernels (`back::ptx::attention_ffma_grad`): FFMA on rebuilt probabilities, no
+/// tensor cores. Without it, the composite: no gradient kernel.
+#[test]
+fn f32_attention_gradients_run_as_two_ffma_kernels() {
+    let src = std::fs::read_to_string(root().join("examples/gpt.tdsl")).unwrap();
+    let args = "--set L=2 --set D=64 --set H=2 --set T=64 --set B=2 --set V=128";
+    let g = compile_pipeline(&src, &options_from_args(args)).unwrap();
+    let plain = tcc_tests::device_options(tcc_runtime::Device::Cuda(0), true);
+    let c = compile(&g, &plain).unwrap();
+    assert!(!c.code.contains("attention_grad_q %"));
+    let c = compile(
+        &g,
+        &CompileOptions {
+            flash_backward: true,
+            ..plain
+        },
+    )
+    .unwrap();
+    let grads: Vec<&str> = c
+        .code
+        .split("\n// ")
+        .filter(|k| {
+            k.lines().next().is_some_and(|l| {
+                l.contains("attention_grad_q %") || l.contains("attention_grad_kv %")
+            })
+        })
+        .collect();
+    assert_eq!(grads.len(), 4, "two gradient kernels a layer");
+    for k in grads {
+        assert!(k.contains("ex2.approx.ftz.f32"), "{k}");
+        assert!(k.contains("fma.rn.f32"), "{k}");
+        assert!(!k.contains("mma"), "{k}");
     }
 }

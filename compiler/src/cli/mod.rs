@@ -784,6 +784,7 @@ pub fn run(cli: Cli) -> ExitCode {
                 amp,
                 ranks: gpus.unwrap_or(1) as usize,
                 zero: zero == 1,
+                flash_backward: remat_opts.flash_backward,
                 ..build::compile_options(target, false, Layout::Auto)
             };
             let opts = crate::pipeline::Options {

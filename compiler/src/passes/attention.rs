@@ -605,7 +605,7 @@ fn find_backward(g: &Graph, p: NodeId) -> Option<Backward> {
         return None;
     }
     let (dq, dk) = (dq?, dk?);
-    // Shapes the tensor-core kernel takes, with `q`, `k`, `v` and `G` of one dtype.
+    // Shapes the gradient kernels take, with `q`, `k`, `v` and `G` of one dtype.
     let r = g.ty(q).rank();
     let (d, e) = (g.ty(q).dims()[r - 1], g.ty(v).dims()[r - 1]);
     let dim_ok = |x: usize| (16..=MAX_HEAD_DIM).contains(&x) && x.is_power_of_two();
@@ -627,10 +627,10 @@ fn find_backward(g: &Graph, p: NodeId) -> Option<Backward> {
     })
 }
 
-/// Under mixed precision, replaces each attention backward pass the rewrite above leaves
-/// ([`find_backward`]) by two flash-attention gradient kernels, `dq` and `dk`/`dv`
-/// ([`Op::AttentionGrad`]), which rebuild the probabilities block by block on tensor cores
-/// and store no `[.., T, S]` tensor. Returns `g` itself when there is none.
+/// Replaces each attention backward pass the rewrite above leaves ([`find_backward`]) by
+/// two flash-attention gradient kernels, `dq` and `dk`/`dv` ([`Op::AttentionGrad`]), which
+/// rebuild the probabilities block by block (on tensor cores under mixed precision, in f32
+/// FFMA otherwise) and store no `[.., T, S]` tensor. Returns `g` itself when there is none.
 pub fn fuse_attention_backward(g: &Graph) -> Graph {
     let Some(order) = g.topo_order() else {
         return g.clone();

@@ -40,9 +40,9 @@ pub(super) const BM: usize = 64;
 /// Keys of a block step.
 pub(super) const BN: usize = 64;
 /// Threads of a block.
-const THREADS: usize = 256;
+pub(super) const THREADS: usize = 256;
 /// Words a row of the transposed `q` and `p` tiles (`BM` + 4: aligned, fewer conflicts).
-const Q_STRIDE: usize = BM + 4;
+pub(super) const Q_STRIDE: usize = BM + 4;
 /// Words a row of the transposed key tile (`BN` + 1: conflict-free transposing stores).
 const K_STRIDE: usize = BN + 1;
 
@@ -89,9 +89,10 @@ pub(super) fn element(
 
 /// Copies a `rows × cols` tile of operand `o` (rows from `row0`, valid below `limit`) into
 /// shared memory at `dst`: transposed (`[cols][BM]`) or as it lies (`[rows][cols]`).
-/// Rows past `limit` read as zeros.
+/// Rows past `limit` read as zeros. Rows as they lie whose `stride` is not a multiple of 4
+/// words are stored a word at a time (a vector store needs 16-byte alignment).
 #[allow(clippy::too_many_arguments)]
-fn copy_tile(
+pub(super) fn copy_tile(
     px: &mut Px,
     o: &Operand,
     buf: &str,
@@ -183,7 +184,13 @@ fn copy_tile(
             px.line(format!("mad.lo.u32 {w}, {r}, {stride}, {c};"));
             let sa = px.fresh("r");
             px.line(format!("mad.lo.u32 {sa}, {w}, 4, {dst};"));
-            px.line(format!("st.shared{} [{sa}], {};", kind(v.len()), list(&v)));
+            if stride.is_multiple_of(4) {
+                px.line(format!("st.shared{} [{sa}], {};", kind(v.len()), list(&v)));
+            } else {
+                for (u, x) in v.iter().enumerate() {
+                    px.line(format!("st.shared.f32 [{sa}+{}], {x};", 4 * u));
+                }
+            }
         }
     }
 }

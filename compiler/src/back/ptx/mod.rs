@@ -79,8 +79,11 @@
 //! | `epilogue.rs` | the fused epilogue of every matmul |
 //! | `attention.rs` | fused attention, exact f32 (FFMA) |
 //! | `attention_mma.rs` | fused attention on tensor cores, for 16-bit `q`, `k`, `v` |
+//! | `attention_grad.rs` | attention's backward pass on tensor cores, for 16-bit operands |
+//! | `attention_ffma_grad.rs` | attention's backward pass, exact f32 (FFMA) |
 
 mod attention;
+mod attention_ffma_grad;
 mod attention_grad;
 mod attention_mma;
 mod epilogue;
@@ -199,6 +202,9 @@ pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
 fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, LaunchShape)> {
     if let Some(at) = &k.attention {
         if let Some(gr) = &at.grad {
+            if at.q.dtype == crate::ir::DType::F32 {
+                return attention_ffma_grad::emit(k, at, gr, offsets);
+            }
             return attention_grad::emit(k, at, gr, offsets);
         }
         if let Some(kind) = attention_mma::plan(at, offsets) {
