@@ -274,7 +274,8 @@ fn free_recomputation_lowers_the_arena_adds_no_kernel_and_trains_alike() {
         let g = graph(file, sets);
         for device in [tcc_runtime::Device::Cpu, tcc_runtime::Device::Cuda(0)] {
             let opts = tcc_tests::device_options(device, true);
-            let (h, f) = step::free(&g, &opts).unwrap();
+            // Free recomputation alone (on CUDA, product recomputation follows it).
+            let (h, f) = step::free_with(&g, &opts, false).unwrap();
             let f = f.unwrap_or_else(|| panic!("{file} on {device:?}: no candidates"));
             assert!(f.kept, "{file} on {device:?}: {}", f.line());
             assert!(f.values > 0 && f.bytes > 0, "{file}: {}", f.line());
@@ -377,8 +378,7 @@ fn free_recomputation_under_mixed_precision_stores_clones_beside_their_own_layer
 /// result 4 times the normalised input it is made from, read backward only by `gelu`'s
 /// derivative and the recomputed `gelu`) is recomputed in the backward pass. The arena
 /// drops, the FLOPs it adds stay within their share, the step trains exactly as the one
-/// that stores them (f32, on the CPU), and neither a CPU step nor an f32 one recomputes a
-/// product.
+/// that stores them (f32, on the CPU), and a CPU step recomputes no product.
 #[test]
 fn fc1_products_are_recomputed_under_mixed_precision_and_train_alike() {
     let g = graph("examples/gpt.tdsl", GPT_3);
@@ -430,23 +430,65 @@ fn fc1_products_are_recomputed_under_mixed_precision_and_train_alike() {
     assert_eq!(casts, 3);
     same_training(&g, &h);
     let cpu = tcc_tests::device_options(tcc_runtime::Device::Cpu, true);
-    for (what, o) in [
-        (
-            "the CPU",
-            CompileOptions {
-                amp: amp("bf16"),
-                ..cpu
-            },
-        ),
-        ("f32", cuda),
+    for o in [
+        CompileOptions {
+            amp: amp("bf16"),
+            ..cpu
+        },
+        cpu,
     ] {
         let (_, f) = step::free(&g, &o).unwrap();
         assert!(
             f.as_ref().is_some_and(|f| f.products.is_none()),
-            "{what}: {:?}",
+            "the CPU: {:?}",
             f.and_then(|f| f.products).map(|p| p.line())
         );
     }
+}
+
+/// Product recomputation in f32 on CUDA: gpt's fc1 products are taken first in program
+/// order within their FLOP share, and the last ones left out until free and product
+/// recomputation together stay within `FREE_TOTAL_SHARE` of the step's estimated time.
+/// Kept, the arena drops. (That recomputed products train as stored ones do is the
+/// `--amp` test's: the same `apply`.)
+#[test]
+fn f32_products_are_recomputed_within_the_time_share() {
+    let g = graph("examples/gpt.tdsl", &[("L", "3"), ("T", "256"), ("B", "8")]);
+    let cuda = tcc_tests::device_options(tcc_runtime::Device::Cuda(0), true);
+    let (h, f) = step::free(&g, &cuda).unwrap();
+    let f = f.unwrap_or_else(|| panic!("no free recomputation"));
+    let p = f
+        .products
+        .clone()
+        .unwrap_or_else(|| panic!("no product was a candidate"));
+    assert!(p.kept, "{}", p.line());
+    assert!(p.arena.1 < p.arena.0, "{}", p.line());
+    assert!(
+        p.flops.0 > 0 && p.flops.0 as f64 <= step::PRODUCT_F32_FLOP_SHARE * p.flops.1 as f64,
+        "{}",
+        p.line()
+    );
+    let planned = artifact::plan_step(&h, &cuda).unwrap();
+    assert_eq!(planned.plan.arena_bytes, p.arena.1);
+    let secs = tcc::kernel::peak::step_seconds(&planned.graph, &planned.fused);
+    assert!(
+        secs <= f.seconds.0 * (1.0 + step::FREE_TOTAL_SHARE),
+        "{secs} s against {} s before",
+        f.seconds.0
+    );
+    // The time bound, not the FLOP share, is what stops it: fewer products are kept than
+    // the FLOP share takes.
+    let free_only = step::free_with(&g, &cuda, false).unwrap().0;
+    let candidates = step::product_candidates(&free_only, step::PRODUCT_F32_FLOP_SHARE)
+        .into_iter()
+        .filter(|&n| free_only.node(n).op == tcc::ir::Op::MatMul)
+        .count();
+    assert!(
+        p.values >= 1 && p.values < candidates,
+        "{} of {candidates} candidates: {}",
+        p.values,
+        p.line()
+    );
 }
 
 fn amp(name: &str) -> tcc::passes::amp::Amp {

@@ -21,12 +21,15 @@
 //!
 //! Without a budget, [`free`] (the default; `--remat none` turns it off) recomputes only
 //! what costs next to nothing: pointwise values that backward kernels rebuild from what the
-//! backward pass keeps anyway, with no kernel added. Under `--amp` on CUDA it then
-//! recomputes [`products`]: a tensor-core product whose result is at least twice what it
-//! is made from and which only an activation's derivative reads in the backward pass
-//! (gpt's fc1), within [`PRODUCT_FLOP_SHARE`] of the step's FLOPs, kept when the arena
-//! drops (gpt bf16: 1.95 -> 1.68 GiB, 0.59x PyTorch eager's peak, for about 1.2 ms of a
-//! 12.6 ms step on an H200).
+//! backward pass keeps anyway, with no kernel added. On CUDA it then recomputes
+//! [`products`]: a product whose result is at least twice what it is made from and which
+//! only an activation's derivative reads in the backward pass (gpt's fc1), kept when the
+//! arena drops. Under `--amp` (tensor cores) they may add [`PRODUCT_FLOP_SHARE`] of the
+//! step's FLOPs (gpt bf16: 1.95 -> 1.68 GiB, 0.59x PyTorch eager's peak, for about 1.2 ms
+//! of a 12.6 ms step on an H200); in f32 [`PRODUCT_F32_FLOP_SHARE`], and free and product
+//! recomputation together at most [`FREE_TOTAL_SHARE`] of the step's estimated time (gpt
+//! f32: 4 of 12 fc1 outputs, 2.58 -> 2.39 GiB, 0.64x PyTorch eager's peak, +2.7 % step
+//! time on an H200).
 
 use super::{RematGraph, Solution};
 use crate::artifact::{self, BuildError, CompileOptions};
@@ -478,11 +481,11 @@ pub struct Free {
     /// Whether it was kept (it lowers the arena, adds no kernel and at most
     /// [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time).
     pub kept: bool,
-    /// Product recomputation under `--amp` on CUDA ([`products`]), weighed after it.
+    /// Product recomputation on CUDA ([`products`]), weighed after it.
     pub products: Option<Products>,
 }
 
-/// What product recomputation did to a step under `--amp` ([`products`]).
+/// What product recomputation did to a step ([`products`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Products {
     /// Forward products recomputed in the backward pass, and their bytes.
@@ -493,7 +496,8 @@ pub struct Products {
     /// The arena and kernel count without and with it.
     pub arena: (u64, u64),
     pub kernels: (usize, usize),
-    /// Whether it was kept (it lowers the arena within its FLOP share).
+    /// Whether it was kept (it lowers the arena within its FLOP share and, in f32, its
+    /// share of the estimated time).
     pub kept: bool,
 }
 
@@ -583,10 +587,14 @@ pub fn free_with(
     with_products: bool,
 ) -> Result<(Graph, Option<Free>), BuildError> {
     let (h, free, plan) = free_pointwise(g, opts)?;
-    if !with_products || opts.target != crate::artifact::Target::Cuda || opts.amp.dtype.is_none() {
+    if !with_products || opts.target != crate::artifact::Target::Cuda {
         return Ok((h, free));
     }
-    let evict = product_candidates(&h);
+    let share = match opts.amp.dtype {
+        Some(_) => PRODUCT_FLOP_SHARE,
+        None => PRODUCT_F32_FLOP_SHARE,
+    };
+    let evict = product_candidates(&h, share);
     if evict.is_empty() {
         return Ok((h, free));
     }
@@ -594,7 +602,19 @@ pub fn free_with(
         Some(p) => p,
         None => artifact::plan_step(&h, opts)?,
     };
-    let (h, products) = products(&h, &evict, plan, opts)?;
+    // In f32, all default recomputation together stays within [`FREE_TOTAL_SHARE`] of the
+    // step's estimated time before it.
+    let limit = match opts.amp.dtype {
+        Some(_) => None,
+        None => {
+            let base = match &free {
+                Some(f) => f.seconds.0,
+                None => crate::kernel::peak::step_seconds(&plan.graph, &plan.fused),
+            };
+            Some(base * (1.0 + FREE_TOTAL_SHARE))
+        }
+    };
+    let (h, products) = products(&h, &evict, plan, opts, share, limit)?;
     let free = match free {
         Some(f) => Some(Free { products, ..f }),
         None => products.map(|p| Free {
@@ -671,26 +691,34 @@ fn free_pointwise(
     }
 }
 
-/// The share of the step's FLOPs that product recomputation may add.
+/// The share of the step's FLOPs that product recomputation may add under `--amp`.
 pub const PRODUCT_FLOP_SHARE: f64 = 0.10;
+
+/// The share of the step's FLOPs that product recomputation may add in f32, where the
+/// step's estimated time bounds it too (within [`FREE_TOTAL_SHARE`], with free
+/// recomputation).
+pub const PRODUCT_F32_FLOP_SHARE: f64 = 0.06;
 
 /// The forward products [`products`] recomputes, in program order: a matmul whose result is
 /// at least twice the bytes of the activations it is computed from (its other operands are
 /// params, read anyway), and which the backward pass reads only elementwise (through views):
 /// an activation function's derivative, such as gpt's `gelu(x @ w1)`. Storing such a result
 /// costs more than what rebuilds it, and its one tensor-core product is the whole cost of
-/// the rebuild. Taken first-fit in program order while their products add at most
-/// [`PRODUCT_FLOP_SHARE`] of the step's FLOPs (what rebuilding their operands adds is
-/// checked by [`products`]); their forward views go with them, and a product with a view
-/// that is an output or an update is not taken.
-pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
+/// the rebuild. Taken first-fit in program order while their products add at most `share`
+/// of the step's FLOPs (what rebuilding their operands adds is checked by [`products`]);
+/// their forward views go with them, and a product with a view that is an output or an
+/// update is not taken, nor one of a loss head computed in chunks (each chunk's backward
+/// pass runs right after it: storing it costs nothing across the step).
+pub fn product_candidates(g: &Graph, share: f64) -> BTreeSet<NodeId> {
     let order = g.topo_order().unwrap_or_else(|| g.node_ids().collect());
-    let budget = (step_flops(g) as f64 * PRODUCT_FLOP_SHARE) as u64;
+    let budget = (step_flops(g) as f64 * share) as u64;
+    let chunked_head = g.loss_chunks.is_some() && g.micro_batches.is_none();
     let mut spent = 0u64;
     let mut out = BTreeSet::new();
     for &n in &order {
         let node = g.node(n);
-        if node.backward
+        if (chunked_head && node.micro_batch.is_some())
+            || node.backward
             || node.recomputed.is_some()
             || node.op != Op::MatMul
             || !evictable(g, n, false)
@@ -739,38 +767,53 @@ pub fn product_candidates(g: &Graph) -> BTreeSet<NodeId> {
     out
 }
 
-/// Product recomputation, the default under `--amp` on CUDA (`--remat none` turns it off):
-/// `evict` ([`product_candidates`] of `g`) is recomputed in the backward pass, kept when the
-/// planned arena drops and everything recomputed (the products and the operands rebuilt for
-/// them) adds at most [`PRODUCT_FLOP_SHARE`] of the step's FLOPs. `base` is `g`'s plan.
+/// Product recomputation, the default on CUDA (`--no-product-remat` or `--remat none` turn
+/// it off): `evict` ([`product_candidates`] of `g`) is recomputed in the backward pass, kept
+/// when the planned arena drops and everything recomputed (the products and the operands
+/// rebuilt for them) adds at most `share` of the step's FLOPs and, when `limit` is given (in
+/// f32), the step's estimated seconds stay within it: the last products in program order
+/// are left out until they do. `base` is `g`'s plan.
 pub fn products(
     g: &Graph,
     evict: &BTreeSet<NodeId>,
     base: artifact::Planned,
     opts: &CompileOptions,
+    share: f64,
+    limit: Option<f64>,
 ) -> Result<(Graph, Option<Products>), BuildError> {
-    if evict.is_empty() {
-        return Ok((g.clone(), None));
+    let mut evict = evict.clone();
+    loop {
+        let values: Vec<NodeId> = evict
+            .iter()
+            .copied()
+            .filter(|&n| !g.node(n).op.is_view_candidate())
+            .collect();
+        let Some(&last) = values.last() else {
+            return Ok((g.clone(), None));
+        };
+        let h = apply(g, &evict);
+        let after = artifact::plan_step(&h, opts)?;
+        let seconds = crate::kernel::peak::step_seconds(&after.graph, &after.fused);
+        let in_time = limit.is_none_or(|l| seconds <= l);
+        if !in_time && values.len() > 1 {
+            // Without the last product (and its views).
+            evict.retain(|&n| g.view_root(n) != last);
+            continue;
+        }
+        let before = step_flops(g);
+        let added = step_flops(&h).saturating_sub(before);
+        let p = Products {
+            values: values.len(),
+            bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
+            flops: (added, before),
+            arena: (base.plan.arena_bytes, after.plan.arena_bytes),
+            kernels: (base.fused.kernels.len(), after.fused.kernels.len()),
+            kept: after.plan.arena_bytes < base.plan.arena_bytes
+                && added as f64 <= share * before as f64
+                && in_time,
+        };
+        return Ok((if p.kept { h } else { g.clone() }, Some(p)));
     }
-    let h = apply(g, evict);
-    let after = artifact::plan_step(&h, opts)?;
-    let before = step_flops(g);
-    let added = step_flops(&h).saturating_sub(before);
-    let values: Vec<NodeId> = evict
-        .iter()
-        .copied()
-        .filter(|&n| !g.node(n).op.is_view_candidate())
-        .collect();
-    let p = Products {
-        values: values.len(),
-        bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
-        flops: (added, before),
-        arena: (base.plan.arena_bytes, after.plan.arena_bytes),
-        kernels: (base.fused.kernels.len(), after.fused.kernels.len()),
-        kept: after.plan.arena_bytes < base.plan.arena_bytes
-            && added as f64 <= PRODUCT_FLOP_SHARE * before as f64,
-    };
-    Ok((if p.kept { h } else { g.clone() }, Some(p)))
 }
 
 /// The step with each product that first reads a recomputed value moved after the chain
@@ -892,7 +935,7 @@ const MAX_HOST_WINDOW: usize = 256;
 
 /// The step time free recomputation may add in all, as a share of the estimated step: the
 /// issue's bound on step time for memory saved by default (each value also within
-/// [`crate::kernel::peak::TIME_SHARE`]).
+/// [`crate::kernel::peak::TIME_SHARE`]). In f32, product recomputation shares it.
 pub const FREE_TOTAL_SHARE: f64 = 0.03;
 
 /// The recomputed values (by original, among `evict`) whose clone has a kernel of its own in `p`, or whose
