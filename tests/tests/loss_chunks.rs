@@ -105,6 +105,31 @@ fn small_heads_and_dropout_stay_whole_and_bad_counts_are_errors() {
     assert!(e.contains("E0548") && e.contains("dropout"), "{e}");
 }
 
+/// The head is the last product of a weight the loss depends on (the logits), not an
+/// earlier larger one: with a small vocabulary, fc1 (`[.., 4D]`) is the largest product,
+/// and the logits (`[.., V]`, twice their operand) are too small to split by default.
+/// Asked for, the chunks hold the logits' products alone (forward, and the two gradients).
+#[test]
+fn the_head_is_the_last_product_not_the_largest() {
+    let small_v = [
+        ("B", "4"),
+        ("T", "256"),
+        ("D", "128"),
+        ("H", "2"),
+        ("L", "2"),
+        ("V", "256"),
+    ];
+    let g = split_step(GPT, &small_v, 1, None, &cpu()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(g.loss_chunks, None);
+    let g = split_step(GPT, &small_v, 1, Some(2), &cpu()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(g.loss_chunks, Some(2));
+    let chunked = g
+        .node_ids()
+        .filter(|&n| g.node(n).micro_batch.is_some() && g.node(n).op == tcc::ir::Op::MatMul)
+        .count();
+    assert!(chunked <= 3 * 2, "{chunked} products in the chunks");
+}
+
 #[test]
 fn a_chunks_weight_gradient_runs_in_its_chunk_under_mixed_precision() {
     // Free recomputation moves a product that reads a recomputed value after the chain

@@ -463,7 +463,7 @@ pub fn text(r: &MemReport, timing: bool) -> String {
     }
     if let Some(k) = r.loss_chunks {
         s.push_str(&format!(
-            "  loss head in {k} chunks: its largest matmul and the loss over it run on {k} \
+            "  loss head in {k} chunks: its last matmul and the loss over it run on {k} \
              slices of the batch, each one's backward right after it (`--loss-chunks 1`: \
              whole)\n"
         ));

@@ -140,7 +140,7 @@ pub struct ProgramArgs {
     #[arg(long = "micro-batches", value_name = "K", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub micro_batches: u32,
-    /// Compute a `train` step's loss head (its largest product of a weight, say a
+    /// Compute a `train` step's loss head (its last product of a weight, say a
     /// vocabulary's logits, with the softmax and loss over them) in K slices of the batch,
     /// each one's gradient made right after its loss terms, so only a slice of the logits
     /// is live at a time. By default tcc chooses in f32 steps: up to 4 slices of at least

@@ -111,9 +111,10 @@ const MIN_HEAD_BYTES: usize = 1 << 20;
 /// program with its loss head computed in chunks (`loss_chunks`: `None` chooses, `Some(1)`
 /// keeps the head whole, `Some(k)` asks for `k` chunks).
 ///
-/// The loss head is the largest product of a weight (a param, through views) that the loss
-/// of a `train` step depends on, where its result carries the batch and grows it (a
-/// language model's logits, `[B, T, V]` from `[B, T, D]`), with every per-sample value
+/// The loss head is the last product of a weight (a param, through views), in program
+/// order, that the loss of a `train` step depends on, where its result carries the batch
+/// and grows it (a language model's logits, `[B, T, V]` from `[B, T, D]`; an earlier, larger
+/// product, such as a transformer's fc1 where `V` is small, is not the head), with every per-sample value
 /// computed from it down to the loss (softmax, cross-entropy). It is
 /// split as `--micro-batches` splits a whole step, but alone: the rest of the step runs
 /// on the whole batch, each chunk reads its slice of the head's operand, and its
@@ -194,9 +195,9 @@ fn chunked_head(
     };
     let head = order
         .iter()
+        .rev()
         .copied()
-        .filter(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n) && weighs(n))
-        .max_by_key(|&n| (full.ty(n).size_bytes(), std::cmp::Reverse(n)));
+        .find(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n) && weighs(n));
     let Some(head) = head else {
         return refuse("the loss is computed from no product with a weight");
     };
@@ -247,7 +248,7 @@ fn chunked_head(
     };
     let (order, carries) = carriers(full, &part, k, &name).map_err(as_loss_chunks)?;
     if !carries.contains_key(&head) {
-        return refuse("its largest product with a weight does not carry the batch");
+        return refuse("its last product with a weight does not carry the batch");
     }
     // The head and every per-sample value computed from it.
     let mut region: BTreeSet<NodeId> = BTreeSet::from([head]);
