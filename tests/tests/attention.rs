@@ -100,7 +100,7 @@ fn attention_gradients_become_two_flash_kernels() {
         // params agree to about 1e-9; the loss, a mean of signed terms, to about 1e-5.
         same_steps_within(&g, &h, &what, 1e-4);
     }
-    // Head dimensions the tensor-core kernel does not take keep the rebuilt composite.
+    // Head dimensions the gradient kernels do not take keep the rebuilt composite.
     let g = compile_pipeline(&model(20, 20, 48, true), &Default::default()).unwrap();
     let f = fuse_attention(&g);
     let h = fuse_attention_backward(&f);

@@ -109,7 +109,7 @@ pub struct MemReport {
     pub free_recompute_arena_without_bytes: Option<u64>,
     /// That as one line of text (absent when there was nothing to recompute).
     pub free_recompute_line: Option<String>,
-    /// Product recomputation (`remat::step::products`, under `--amp` on CUDA): whether it
+    /// Product recomputation (`remat::step::products`, on CUDA): whether it
     /// was kept, and its line (absent when it had no candidate).
     pub product_recompute_kept: bool,
     pub product_recompute_line: Option<String>,

@@ -1035,6 +1035,12 @@ pub fn run(cli: Cli) -> ExitCode {
                 if remat.remat.is_some() {
                     ignored.push("--remat");
                 }
+                if remat.no_product_remat {
+                    ignored.push("--no-product-remat");
+                }
+                if remat.flash_backward {
+                    ignored.push("--flash-backward");
+                }
                 if allow_tf32 {
                     ignored.push("--allow-tf32");
                 }

@@ -111,10 +111,11 @@ const MIN_HEAD_BYTES: usize = 1 << 20;
 /// program with its loss head computed in chunks (`loss_chunks`: `None` chooses, `Some(1)`
 /// keeps the head whole, `Some(k)` asks for `k` chunks).
 ///
-/// The loss head is the last product of a weight (a param, through views), in program
-/// order, that the loss of a `train` step depends on, where its result carries the batch
-/// and grows it (a language model's logits, `[B, T, V]` from `[B, T, D]`; an earlier, larger
-/// product, such as a transformer's fc1 where `V` is small, is not the head), with every per-sample value
+/// The loss head is the largest of the last products of a weight (a param, through views)
+/// that the loss of a `train` step depends on (no other such product lies between it and
+/// the loss: a transformer's fc1 is not one, however small `V`), where its result carries
+/// the batch and grows it (a language model's logits, `[B, T, V]` from `[B, T, D]`), with
+/// every per-sample value
 /// computed from it down to the loss (softmax, cross-entropy). It is
 /// split as `--micro-batches` splits a whole step, but alone: the rest of the step runs
 /// on the whole batch, each chunk reads its slice of the head's operand, and its
@@ -193,11 +194,20 @@ fn chunked_head(
             .iter()
             .any(|&i| matches!(full.node(full.view_root(i)).op, Op::Param { .. }))
     };
+    // The last products of a weight before the loss: no other one lies between them and
+    // it (a transformer's fc1 is not one, whatever its size); of those, the largest.
+    let product = |n: NodeId| full.node(n).op == Op::MatMul && feeds.contains(&n) && weighs(n);
+    let mut before_product: BTreeSet<NodeId> = BTreeSet::new();
+    for &n in order.iter().rev() {
+        if feeds.contains(&n) && (product(n) || before_product.contains(&n)) {
+            before_product.extend(full.node(n).inputs.iter().copied());
+        }
+    }
     let head = order
         .iter()
-        .rev()
         .copied()
-        .find(|&n| full.node(n).op == Op::MatMul && feeds.contains(&n) && weighs(n));
+        .filter(|&n| product(n) && !before_product.contains(&n))
+        .max_by_key(|&n| (full.ty(n).size_bytes(), std::cmp::Reverse(n)));
     let Some(head) = head else {
         return refuse("the loss is computed from no product with a weight");
     };

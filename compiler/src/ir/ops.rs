@@ -312,7 +312,8 @@ pub enum Op {
     /// them: `ds = p (dout vᵀ - delta)`. With `kv: false` the result is `dq = scale · ds k`
     /// `[.., T, D]`; with `kv: true` it is `[.., S, D + E]`, `dk = scale · dsᵀ q` then
     /// `dv = pᵀ dout` along the last axis. In `q`'s dtype. Not written by programs:
-    /// `passes::attention` introduces it on CUDA under mixed precision.
+    /// `passes::attention` introduces it on CUDA under mixed precision, or in f32 with
+    /// `--flash-backward`.
     AttentionGrad {
         causal: bool,
         scale: f32,

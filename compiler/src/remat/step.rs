@@ -574,7 +574,7 @@ impl Free {
 /// reads them (`kernel::fuse`), when both plans say that lowers the arena, adds no kernel
 /// and costs at most [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time.
 ///
-/// Then, under `--amp` on CUDA, product recomputation ([`products`]) on the step it gives.
+/// Then, on CUDA, product recomputation ([`products`]) on the step it gives.
 pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), BuildError> {
     free_with(g, opts, true)
 }
@@ -703,8 +703,8 @@ pub const PRODUCT_F32_FLOP_SHARE: f64 = 0.06;
 /// at least twice the bytes of the activations it is computed from (its other operands are
 /// params, read anyway), and which the backward pass reads only elementwise (through views):
 /// an activation function's derivative, such as gpt's `gelu(x @ w1)`. Storing such a result
-/// costs more than what rebuilds it, and its one tensor-core product is the whole cost of
-/// the rebuild. Taken first-fit in program order while their products add at most `share`
+/// costs more than what rebuilds it, and its one product is the whole cost of the
+/// rebuild. Taken first-fit in program order while their products add at most `share`
 /// of the step's FLOPs (what rebuilding their operands adds is checked by [`products`]);
 /// their forward views go with them, and a product with a view that is an output or an
 /// update is not taken, nor one of a loss head computed in chunks (each chunk's backward
@@ -781,6 +781,13 @@ pub fn products(
     share: f64,
     limit: Option<f64>,
 ) -> Result<(Graph, Option<Products>), BuildError> {
+    let pos: BTreeMap<NodeId, usize> = g
+        .topo_order()
+        .unwrap_or_else(|| g.node_ids().collect())
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| (n, i))
+        .collect();
     let mut evict = evict.clone();
     loop {
         let values: Vec<NodeId> = evict
@@ -788,7 +795,7 @@ pub fn products(
             .copied()
             .filter(|&n| !g.node(n).op.is_view_candidate())
             .collect();
-        let Some(&last) = values.last() else {
+        let Some(&last) = values.iter().max_by_key(|&n| pos.get(n)) else {
             return Ok((g.clone(), None));
         };
         let h = apply(g, &evict);

@@ -13,9 +13,10 @@
 //!   row of the result.
 //!
 //! Both rebuild the probabilities from the forward's row statistics and never store them;
-//! a masked entry (keys past `S`, queries past `T`, causal `j - i > S - T`) has `p = 0` and
-//! `ds = 0`, as the composite's `where` gives (also where `delta` is NaN, on a fully masked
-//! row).
+//! a masked entry (keys past `S` in `dq`, queries past `T` in `dk`/`dv`, causal
+//! `j - i > S - T`) has `p = 0` and `ds = 0`, as the composite's `where` gives (also where
+//! `delta` is NaN, on a fully masked row, whose gradients the composite makes NaN). Rows
+//! past the own side's end are computed but not stored.
 //!
 //! - **Block:** 256 threads as 16×16 (`tx`, `ty`). A thread holds rows `4ty..4ty + 4` of the
 //!   own side and columns `tx + 16b` (`b < 4`) of the streamed block's scores, and the own
@@ -33,6 +34,7 @@ use super::attention::{
     attention_entry, attention_grid, block_ids, copy_tile, element, key_blocks, operand_regs,
     tile_origin, BM, BN, Q_STRIDE, THREADS,
 };
+use super::attention_grad::{plus, plus_reg, row_stats};
 use super::px::{f32_lit, Px};
 use super::{LaunchShape, PtxError, Res, DYN_SHARED};
 use crate::ir::DType;
@@ -116,13 +118,6 @@ struct Ops<'a> {
     gr: &'a AttnGrad,
     v: &'a Operand,
     o: &'a Operand,
-}
-
-/// A u32 register `base + x`.
-fn plus(px: &mut Px, base: &str, x: usize) -> String {
-    let r = px.fresh("r");
-    px.line(format!("add.u32 {r}, {base}, {x};"));
-    r
 }
 
 /// A u32 register `base + a·x` (`a` a register).
@@ -214,29 +209,6 @@ fn store_transposed(px: &mut Px, x: &[Vec<String>], at: &str) {
             x[3][b]
         ));
     }
-}
-
-/// Row `i`'s statistics: `-lse·log₂e` and `delta` (f32 registers; 0 for a row past `t`).
-fn row_stats(px: &mut Px, ops: &Ops, regs: [(&str, &str); 2], i: &str) -> (String, String) {
-    let valid = px.fresh("p");
-    px.line(format!("setp.lt.u32 {valid}, {i}, {};", ops.at.t));
-    let row = px.fresh("r");
-    px.line(format!("selp.u32 {row}, {i}, 0, {valid};"));
-    let mut out = Vec::new();
-    for ((buf, off), o) in regs.iter().zip([&ops.gr.lse, &ops.gr.delta]) {
-        let addr = element(px, buf, off, o, &row, None);
-        let x = px.fresh("f");
-        px.line(format!("ld.global.f32 {x}, [{addr}];"));
-        px.line(format!("selp.f32 {x}, {x}, 0f00000000, {valid};"));
-        out.push(x);
-    }
-    let nl = px.fresh("f");
-    px.line(format!(
-        "mul.f32 {nl}, {}, {};",
-        out[0],
-        f32_lit(-std::f32::consts::LOG2_E)
-    ));
-    (nl, out[1].clone())
 }
 
 /// Turns the scores into probabilities and `dp` into the score gradients:
@@ -350,7 +322,7 @@ fn emit_q(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<[u32; 3]> {
     let mut lims = Vec::new();
     for a in 0..4 {
         let i = plus(px, &i0, a);
-        stats.push(row_stats(px, ops, [(&lbuf, &loff), (&cbuf, &coff)], &i));
+        stats.push(row_stats(px, gr, [(&lbuf, &loff), (&cbuf, &coff)], &i, t));
         let lim = px.fresh("r");
         if at.causal {
             px.line(format!("add.s32 {lim}, {i}, {};", s as i64 - t as i64 + 1));
@@ -529,7 +501,7 @@ fn emit_kv(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<[u32; 3]> {
     let cols: Vec<String> = (0..4).map(|b| plus(px, &i0, 16 * b)).collect();
     let stats: Vec<(String, String)> = cols
         .iter()
-        .map(|i| row_stats(px, ops, [(&lbuf, &loff), (&cbuf, &coff)], i))
+        .map(|i| row_stats(px, gr, [(&lbuf, &loff), (&cbuf, &coff)], i, t))
         .collect();
     px.line("bar.sync 0;");
     let sc = scores(px, &own_k, &row_q, d);
@@ -556,13 +528,6 @@ fn emit_kv(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<[u32; 3]> {
     store_rows(px, ops, out, &acc_dk, &j0, s, &tx, 0, Some(at.scale))?;
     store_rows(px, ops, out, &acc_dv, &j0, s, &tx, d, None)?;
     Ok(grid)
-}
-
-/// A u32 register `base + x` (both registers).
-fn plus_reg(px: &mut Px, base: &str, x: &str) -> String {
-    let r = px.fresh("r");
-    px.line(format!("add.u32 {r}, {base}, {x};"));
-    r
 }
 
 /// An s32 register `base + x` (`x` may be negative).

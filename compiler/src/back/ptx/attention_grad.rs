@@ -215,7 +215,7 @@ pub(super) fn emit(
 }
 
 /// A u32 register `x` rows or bytes past `base`.
-fn plus(px: &mut Px, base: &str, x: usize) -> String {
+pub(super) fn plus(px: &mut Px, base: &str, x: usize) -> String {
     let r = px.fresh("r");
     px.line(format!("add.u32 {r}, {base}, {x};"));
     r
@@ -307,9 +307,9 @@ struct Ops<'a> {
 
 /// Row `i`'s statistics for the probabilities: `-lse·log₂e` and `delta` (f32 registers;
 /// 0 for a row past `t`).
-fn row_stats(
+pub(super) fn row_stats(
     px: &mut Px,
-    ops: &Ops,
+    gr: &AttnGrad,
     stat_regs: [(&str, &str); 2],
     i: &str,
     t: usize,
@@ -319,7 +319,7 @@ fn row_stats(
     let row = px.fresh("r");
     px.line(format!("selp.u32 {row}, {i}, 0, {valid};"));
     let mut out = Vec::new();
-    for ((buf, off), o) in stat_regs.iter().zip([&ops.gr.lse, &ops.gr.delta]) {
+    for ((buf, off), o) in stat_regs.iter().zip([&gr.lse, &gr.delta]) {
         let addr = element(px, buf, off, o, &row, None);
         let x = px.fresh("f");
         px.line(format!("ld.global.f32 {x}, [{addr}];"));
@@ -471,7 +471,7 @@ fn emit_q(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<([u32; 3], usize)> {
     let mut lims = Vec::new();
     for h in 0..2 {
         let i = plus(px, &i0, 8 * h);
-        let (a, b) = row_stats(px, ops, [(&lbuf, &loff), (&cbuf, &coff)], &i, t);
+        let (a, b) = row_stats(px, gr, [(&lbuf, &loff), (&cbuf, &coff)], &i, t);
         nl.push(a);
         delta.push(b);
         let lim = px.fresh("r");
@@ -818,7 +818,7 @@ fn emit_kv(px: &mut Px, k: &Kernel, ops: &Ops) -> Res<([u32; 3], usize)> {
 }
 
 /// A u32 register `base + x` (both registers).
-fn plus_reg(px: &mut Px, base: &str, x: &str) -> String {
+pub(super) fn plus_reg(px: &mut Px, base: &str, x: &str) -> String {
     let r = px.fresh("r");
     px.line(format!("add.u32 {r}, {base}, {x};"));
     r
