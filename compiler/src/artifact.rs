@@ -352,24 +352,32 @@ pub fn manifest(c: &Compiled, target: Target, persistent: &PersistentInit) -> fm
         .iter()
         .map(|(name, n)| slot(g, c, name, *n))
         .collect();
+    // A stack is one slot: its pieces lie back to back from its first one's offset
+    // (`plan::verify` checks it).
     let persistent = g
-        .params
-        .iter()
-        .chain(&g.states)
-        .filter_map(|&n| match &g.node(n).op {
-            Op::Param { name, .. } => Some(fmt::PersistentSlot {
-                slot: slot(g, c, name, n),
-                kind: fmt::PersistentKind::Param,
-                init: persistent.recipes.get(name).copied(),
-                shard_of: None,
-            }),
-            Op::State { name, .. } => Some(fmt::PersistentSlot {
-                slot: slot(g, c, name, n),
-                kind: fmt::PersistentKind::State,
-                init: None,
-                shard_of: g.shards.get(name).cloned(),
-            }),
-            _ => None,
+        .persistent_tensors()
+        .into_iter()
+        .filter_map(|(n, name, ty)| {
+            let slot = fmt::TensorSlot {
+                shape: ty.dims().to_vec(),
+                bytes: ty.size_bytes() as u64,
+                ..slot(g, c, &name, n)
+            };
+            match &g.node(n).op {
+                Op::Param { .. } => Some(fmt::PersistentSlot {
+                    kind: fmt::PersistentKind::Param,
+                    init: persistent.recipes.get(&name).copied(),
+                    shard_of: None,
+                    slot,
+                }),
+                Op::State { .. } => Some(fmt::PersistentSlot {
+                    kind: fmt::PersistentKind::State,
+                    init: None,
+                    shard_of: g.shards.get(&name).cloned(),
+                    slot,
+                }),
+                _ => None,
+            }
         })
         .collect();
     let kernels = c
@@ -494,17 +502,17 @@ pub fn persistent_image(
     let g = &c.graph;
     let mut out = PersistentInit::default();
     let mut stored = Vec::new();
-    for &n in &g.params {
+    for (n, name, _) in g.persistent_tensors() {
         let Some(off) = c.offset_of(n) else { continue };
-        let Op::Param { name, init, .. } = &g.node(n).op else {
+        let Op::Param { init, .. } = &g.node(n).op else {
             continue;
         };
-        match (given.get(name), recipe(*init, seed)) {
+        match (given.get(&name), recipe(*init, seed)) {
             (Some(t), _) => stored.push((off, t.bytes.as_slice())),
             (None, Some(r)) => {
-                out.recipes.insert(name.clone(), r);
+                out.recipes.insert(name, r);
             }
-            (None, None) => return Err(BuildError::External(name.clone())),
+            (None, None) => return Err(BuildError::External(name)),
         }
     }
     let end = stored

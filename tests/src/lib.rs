@@ -294,13 +294,9 @@ pub fn model_steps(
         outputs.insert(name.clone(), t);
     }
     let mut persistent = std::collections::BTreeMap::new();
-    for &p in g.params.iter().chain(&g.states) {
-        let name = match &g.node(p).op {
-            tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } => name.clone(),
-            _ => continue,
-        };
+    for (_, name, ty) in g.persistent_tensors() {
         let b = s.param_bytes(&name).map_err(|e| e.to_string())?;
-        let t = tcc::eager::Tensor::from_le_bytes(g.ty(p).clone(), b)
+        let t = tcc::eager::Tensor::from_le_bytes(ty, b)
             .ok_or_else(|| format!("param `{name}` has the wrong size"))?;
         persistent.insert(name, t);
     }
@@ -1249,12 +1245,11 @@ pub fn data_parallel_vs_whole_with(
             for p in s.model().persistent() {
                 let b = s.param_bytes(&p.slot.name).map_err(|e| e.to_string())?;
                 let ty = gw
-                .params
-                .iter()
-                .chain(&gw.states)
-                .find(|&&n| matches!(&gw.node(n).op, tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } if *name == p.slot.name))
-                .map(|&n| gw.ty(n).clone())
-                .ok_or_else(|| format!("no `{}` in the graph", p.slot.name))?;
+                    .persistent_tensors()
+                    .into_iter()
+                    .find(|(_, name, _)| *name == p.slot.name)
+                    .map(|(_, _, ty)| ty)
+                    .ok_or_else(|| format!("no `{}` in the graph", p.slot.name))?;
                 let t = tcc::eager::Tensor::from_le_bytes(ty, b).ok_or("wrong size")?;
                 out.insert(p.slot.name.clone(), t);
             }

@@ -143,9 +143,9 @@ fn attention_score_gradient_is_a_matmul_epilogue() {
 
 /// An optimizer's new moments are computed and stored by the kernel of the new parameter
 /// that reads them where they are pointwise (one kernel an update: Adam's `m`, `v` and
-/// `w`, momentum's `v` and `w`), and a stacked parameter's gradient, a concat of its
-/// layers' gradients read by both moments, is read there in place rather than copied first. The CPU's parameters and
-/// moments after three steps are the interpreter's.
+/// `w`, momentum's `v` and `w`). A stacked parameter is held as one param a layer (`w[l]`),
+/// each updated so, and its gradient is never a concat copied first. The CPU's parameters
+/// and moments after three steps are the interpreter's.
 #[test]
 fn optimizer_moments_are_stored_by_the_parameter_update() {
     for (opt, stores) in [("adam(lr: 0.01)", 3), ("sgd(lr: 0.1, momentum: 0.9)", 2)] {
@@ -166,15 +166,18 @@ fn optimizer_moments_are_stored_by_the_parameter_update() {
         let g = compile_pipeline(&src, &Default::default()).unwrap();
         let fused = fuse(&g, FuseOptions::default()).unwrap();
         let text = print_kernels(&fused.kernels, None);
-        // One kernel writes `w`'s new value and its state's (`b`'s moments stay in the
-        // kernels summing its gradient).
+        // One kernel writes each of `w`'s layers' new value and its state's (`b`'s
+        // moments stay in the kernels summing its gradient).
         let w = g
             .params
             .iter()
             .copied()
-            .filter(|&p| matches!(&g.node(p).op, tcc::ir::Op::Param { name, .. } if name == "w"))
+            .filter(|&p| {
+                matches!(&g.node(p).op, tcc::ir::Op::Param { name, .. } if name.starts_with("w["))
+            })
             .collect::<Vec<_>>();
-        assert_eq!(w.len(), 1);
+        assert_eq!(w.len(), 3);
+        assert!(g.stacks.iter().any(|s| s.name == "w" && s.pieces == w));
         for p in w {
             let value = g
                 .updates
@@ -187,9 +190,35 @@ fn optimizer_moments_are_stored_by_the_parameter_update() {
                 .iter()
                 .find(|k| k.stores.iter().any(|s| s.buf == value))
                 .unwrap();
-            assert_eq!(k.stores.len(), stores, "{opt}: {}\n{text}", k.name);
             let updated: Vec<tcc::ir::NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
             assert!(k.stores.iter().all(|s| updated.contains(&s.buf)), "{text}");
+            // Each of its states' new values is stored there, or (momentum, whose gradient
+            // is a layer's own) by the epilogue of the product computing the gradient.
+            let name = match &g.node(p).op {
+                tcc::ir::Op::Param { name, .. } => name.clone(),
+                _ => unreachable!(),
+            };
+            let states: Vec<tcc::ir::NodeId> = g
+                .updates
+                .iter()
+                .filter(|&&(t, _)| {
+                    matches!(&g.node(t).op, tcc::ir::Op::State { name: n, .. } if n.starts_with(&format!("{name}.")))
+                })
+                .map(|&(_, v)| v)
+                .collect();
+            assert_eq!(states.len(), stores - 1, "{opt}");
+            for v in states {
+                let j = fused
+                    .kernels
+                    .iter()
+                    .find(|j| j.stores.iter().any(|s| s.buf == v))
+                    .unwrap();
+                assert!(
+                    j.name == k.name || j.matmul.is_some(),
+                    "{opt}: {name}'s state has a kernel of its own ({})\n{text}",
+                    j.name
+                );
+            }
         }
         let concats = fused
             .kernels

@@ -141,9 +141,19 @@ pub fn liveness(g: &Graph, order: &[NodeId]) -> Liveness {
         let node = g.node(x);
         let buf = match &node.op {
             Op::Literal { .. } => None,
-            Op::Param { .. } | Op::State { .. } => {
-                Some(new_buffer(&mut lv, x, BufferKind::Persistent, 0))
-            }
+            // A stack's layers lie back to back: all get their buffers at the first.
+            Op::Param { .. } | Op::State { .. } => match g.stack_of(x) {
+                Some((s, _)) => {
+                    for &p in &s.pieces {
+                        if !lv.buffer_of.contains_key(&p) {
+                            let b = new_buffer(&mut lv, p, BufferKind::Persistent, 0);
+                            lv.buffer_of.insert(p, b);
+                        }
+                    }
+                    lv.buffer_of.get(&x).copied()
+                }
+                None => Some(new_buffer(&mut lv, x, BufferKind::Persistent, 0)),
+            },
             Op::Input { .. } => Some(new_buffer(&mut lv, x, BufferKind::Input, 0)),
             _ if update_target.contains_key(&x) => update_target
                 .get(&x)

@@ -23,6 +23,7 @@ mod builder;
 pub mod optim;
 mod rules;
 pub mod scale;
+pub mod stacks;
 
 use crate::ir::{BinaryOp, Graph, NodeId, Op, ReduceOp, TypeError, UnaryOp};
 use builder::Builder;
@@ -502,12 +503,36 @@ pub fn expand_scaled(
     expand_with(g, loss_scale, 1, false, false)
 }
 
+/// The step expanded with its stacked params split a layer a param ([`stacks`]) where
+/// that lowers the scheduled step's peak, and whole otherwise (one update a stack runs
+/// fewer, larger kernels).
 fn expand_with(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
     zero: bool,
     finite_check: bool,
+) -> Result<(), Vec<Diagnostic>> {
+    let whole = g.clone();
+    expand_split(g, loss_scale, ranks, zero, finite_check, true)?;
+    if g.stacks.is_empty() {
+        return Ok(());
+    }
+    let mut unsplit = whole;
+    expand_split(&mut unsplit, loss_scale, ranks, zero, finite_check, false)?;
+    if !stacks::lowers_peak(g, &unsplit)? {
+        *g = unsplit;
+    }
+    Ok(())
+}
+
+fn expand_split(
+    g: &mut Graph,
+    loss_scale: Option<scale::LossScale>,
+    ranks: usize,
+    zero: bool,
+    finite_check: bool,
+    split: bool,
 ) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
@@ -557,6 +582,10 @@ fn expand_with(
         g.remove(gn);
     }
     if let Some(train) = g.train.clone() {
+        if split && ranks <= 1 {
+            stacks::split(g).map_err(|e| vec![internal(e, g, train.loss)])?;
+        }
+        let train = g.train.clone().unwrap_or(train);
         let params: Vec<NodeId> = g
             .params
             .iter()
@@ -616,6 +645,7 @@ fn expand_with(
         if finite_check && loss_scale.is_none() {
             check_updates(g, train.span).map_err(|e| at(e, g))?;
         }
+        stacks::group_states(g);
     }
     *g = g.compacted();
     Ok(())

@@ -220,14 +220,13 @@ pub fn params_from_file(
     path: &Path,
 ) -> Result<BTreeMap<String, TensorBytes>, String> {
     let wanted: Vec<(String, crate::ir::TensorType)> = g
-        .params
-        .iter()
-        .filter_map(|&p| match &g.node(p).op {
+        .persistent_tensors()
+        .into_iter()
+        .filter_map(|(p, name, ty)| match &g.node(p).op {
             crate::ir::Op::Param {
-                name,
-                ty,
                 init: crate::ir::Init::External,
-            } => Some((name.clone(), ty.clone())),
+                ..
+            } => Some((name, ty)),
             _ => None,
         })
         .collect();

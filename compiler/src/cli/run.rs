@@ -144,15 +144,9 @@ pub fn run_eager(
     }
     if let Some(path) = &opts.param_file {
         let wanted: Vec<(String, crate::ir::TensorType)> = g
-            .params
-            .iter()
-            .chain(&g.states)
-            .filter_map(|&p| match &g.node(p).op {
-                Op::Param { name, ty, .. } | Op::State { name, ty } => {
-                    Some((name.clone(), ty.clone()))
-                }
-                _ => None,
-            })
+            .persistent_tensors()
+            .into_iter()
+            .map(|(_, name, ty)| (name, ty))
             .collect();
         let loaded = eager::io::read_safetensors(path, &wanted).map_err(|e| e.to_string())?;
         super::info!("loaded {} tensors from {}", loaded.len(), path.display());

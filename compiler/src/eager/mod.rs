@@ -73,20 +73,30 @@ pub fn init_value(name: &str, ty: &TensorType, init: Init, seed: u64) -> Option<
 /// initialiser are left out: the caller loads them.
 pub fn init_persistent(g: &Graph, seed: u64) -> Persistent {
     let mut values = BTreeMap::new();
-    for &id in g.params.iter().chain(&g.states) {
+    for (id, name, ty) in g.persistent_tensors() {
         match &g.node(id).op {
-            Op::Param { name, ty, init } => {
-                if let Some(t) = init_value(name, ty, *init, seed) {
-                    values.insert(name.clone(), t);
+            Op::Param { init, .. } => {
+                if let Some(t) = init_value(&name, &ty, *init, seed) {
+                    values.insert(name, t);
                 }
             }
-            Op::State { name, ty } => {
-                values.insert(name.clone(), Tensor::zeros(ty.clone()));
+            Op::State { .. } => {
+                values.insert(name, Tensor::zeros(ty));
             }
             _ => {}
         }
     }
     Persistent { values }
+}
+
+/// The value of a stack's layer `l` in the whole tensor `whole` (of the stack's type).
+fn layer_of(whole: &Tensor, l: usize, ty: &TensorType) -> Result<Tensor, EagerError> {
+    let n = ty.shape.numel();
+    let values = whole.to_f64();
+    let part = values
+        .get(l * n..(l + 1) * n)
+        .ok_or_else(|| EagerError::Internal("stack layer out of range".into()))?;
+    Ok(Tensor::from_f64(ty.dtype, ty.shape.clone(), part.to_vec()))
 }
 
 /// Runs one step: every node in execution order, then the end-of-step updates.
@@ -140,13 +150,23 @@ pub fn run_step(
                     Cow::Borrowed(t)
                 }
                 op @ (Op::Param { .. } | Op::State { .. }) => {
-                    let (name, _) =
+                    let (name, ty) =
                         persistent_name(op).ok_or_else(|| EagerError::Internal("param".into()))?;
-                    Cow::Borrowed(
-                        store
-                            .get(name)
-                            .ok_or_else(|| EagerError::MissingParam(name.to_string()))?,
-                    )
+                    match g.stack_of(n) {
+                        // A stack's layer, from the whole tensor.
+                        Some((s, l)) => Cow::Owned(layer_of(
+                            store
+                                .get(&s.name)
+                                .ok_or_else(|| EagerError::MissingParam(s.name.clone()))?,
+                            l,
+                            ty,
+                        )?),
+                        None => Cow::Borrowed(
+                            store
+                                .get(name)
+                                .ok_or_else(|| EagerError::MissingParam(name.to_string()))?,
+                        ),
+                    }
                 }
                 Op::Grad => return Err(EagerError::UnexpandedGrad),
                 op => {
@@ -184,11 +204,37 @@ pub fn run_step(
         let t = vals[pos[v]]
             .as_deref()
             .ok_or_else(|| EagerError::Internal("update freed".into()))?;
-        new_values.push((name.to_string(), t.clone()));
+        new_values.push((*target, name.to_string(), t.clone()));
     }
     drop(vals);
-    for (name, t) in new_values {
-        persistent.values.insert(name, t);
+    // A stack's layers are written into the whole tensor.
+    let mut wholes: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (target, name, t) in new_values {
+        let Some((s, l)) = g.stack_of(target) else {
+            persistent.values.insert(name, t);
+            continue;
+        };
+        let whole = match wholes.entry(s.name.clone()) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => e.insert(
+                persistent
+                    .values
+                    .get(&s.name)
+                    .ok_or_else(|| EagerError::MissingParam(s.name.clone()))?
+                    .to_f64(),
+            ),
+        };
+        let n = t.numel();
+        whole
+            .get_mut(l * n..(l + 1) * n)
+            .ok_or_else(|| EagerError::Internal("stack layer out of range".into()))?
+            .copy_from_slice(&t.to_f64());
+    }
+    for s in &g.stacks {
+        if let Some(values) = wholes.remove(&s.name) {
+            let t = Tensor::from_f64(s.ty.dtype, s.ty.shape.clone(), values);
+            persistent.values.insert(s.name.clone(), t);
+        }
     }
     Ok(outputs)
 }

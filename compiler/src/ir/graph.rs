@@ -171,6 +171,22 @@ pub struct Graph {
     /// handed ([`crate::passes::index_checks`]) or sums the magnitudes of the params the
     /// updates of `train` write ([`crate::autodiff`]), what it guards.
     pub checks: Vec<StepCheck>,
+    /// Params (and their optimizer state) declared `[L, …]` that the step holds as one
+    /// param a layer ([`crate::autodiff::stacks`]): the whole tensor the program and the
+    /// artifact name, and its pieces, laid out back to back in the persistent region.
+    pub stacks: Vec<Stack>,
+}
+
+/// A persistent tensor `[L, …]` held as `L` params (or states) of its layers' type, named
+/// `NAME[l]` (`NAME[l].SUFFIX` for an optimizer state), which lie back to back where the
+/// whole tensor lies. Everything outside the compiler (the artifact, saved params, the
+/// interpreter's values) sees only the whole tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stack {
+    pub name: String,
+    pub ty: TensorType,
+    /// The layers' nodes, in order: params or states, each of `ty` without its first axis.
+    pub pieces: Vec<NodeId>,
 }
 
 /// An output the runtime checks after every step.
@@ -492,6 +508,14 @@ impl Graph {
         out.micro_batches = self.micro_batches;
         out.loss_chunks = self.loss_chunks;
         out.checks = self.checks.clone();
+        out.stacks = self
+            .stacks
+            .iter()
+            .map(|s| Stack {
+                pieces: s.pieces.iter().filter_map(m).collect(),
+                ..s.clone()
+            })
+            .collect();
         out
     }
 
@@ -525,6 +549,33 @@ impl Graph {
             }
         }
         (order.len() == self.graph.node_count()).then_some(order)
+    }
+
+    /// The stack `n` is a piece of, and which layer it is.
+    pub fn stack_of(&self, n: NodeId) -> Option<(&Stack, usize)> {
+        self.stacks
+            .iter()
+            .find_map(|s| Some((s, s.pieces.iter().position(|&p| p == n)?)))
+    }
+
+    /// The persistent tensors as the program names them, in the order of `params` then
+    /// `states`: `(node, name, type)` for each param and state, and for a stack the whole
+    /// tensor, given at its first piece (its other pieces are left out).
+    pub fn persistent_tensors(&self) -> Vec<(NodeId, String, TensorType)> {
+        let mut out = Vec::new();
+        for &n in self.params.iter().chain(&self.states) {
+            match self.stack_of(n) {
+                Some((s, 0)) => out.push((n, s.name.clone(), s.ty.clone())),
+                Some(_) => {}
+                None => match &self.node(n).op {
+                    Op::Param { name, ty, .. } | Op::State { name, ty } => {
+                        out.push((n, name.clone(), ty.clone()))
+                    }
+                    _ => {}
+                },
+            }
+        }
+        out
     }
 
     /// The underlying petgraph graph, for analyses.

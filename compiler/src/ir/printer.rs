@@ -54,6 +54,16 @@ pub fn print(graph: &Graph, sources: Option<&SourceMap>) -> String {
     for (target, value) in &graph.updates {
         let _ = writeln!(out, "  update {} <- {}", name(*target), name(*value));
     }
+    for s in &graph.stacks {
+        let pieces: Vec<String> = s.pieces.iter().map(|&p| name(p)).collect();
+        let _ = writeln!(
+            out,
+            "  stack {} : {} = [{}]",
+            s.name,
+            s.ty,
+            pieces.join(", ")
+        );
+    }
     if let Some(t) = &graph.train {
         let _ = writeln!(out, "  train {} minimize {}", t.optimizer, name(t.loss));
     }

@@ -376,6 +376,16 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
     h.micro_batches = g.micro_batches;
     h.loss_chunks = g.loss_chunks;
     h.shards = g.shards.clone();
+    h.stacks = g
+        .stacks
+        .iter()
+        .map(|s| {
+            Ok(crate::ir::Stack {
+                pieces: s.pieces.iter().map(m).collect::<Result<_, _>>()?,
+                ..s.clone()
+            })
+        })
+        .collect::<Result<_, _>>()?;
     h.checks = g.checks.clone();
     // A swap left with no reader is dropped, with the reshapes below it that only it read
     // (the others keep their order).

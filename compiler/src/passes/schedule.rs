@@ -8,7 +8,8 @@
 //! order), so gradients are consumed and activations freed as early as their inputs allow;
 //! the result is kept only when it lowers max-live. An optimizer update (written in place
 //! into its param) runs only after every other reader of that param, and then as soon as
-//! its gradient is ready ([`updates_when_ready`]) where that does not raise max-live. A
+//! its gradient is ready ([`updates_when_ready`]) where that does not raise max-live (an
+//! update's temporaries counted in its kernel, [`max_live_fused`]). A
 //! micro-batched step (`--micro-batches K`) runs its micro-batches one after another, and
 //! adds each micro-batch's gradient contributions as they are made; a step whose loss head
 //! is computed in chunks (`--loss-chunks`) runs each chunk's forward and backward together
@@ -53,7 +54,10 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     }
     // Updates applied as their gradients are ready, where that does not raise max-live.
     let mut applied = updates_when_ready(g, &order);
-    if applied != order && liveness(g, &applied).max_live() > before.min(after) {
+    // Compared with an update's temporaries in its kernel, as fusion computes them: the
+    // first update of a stacked param's last layer runs at the peak, and counted as
+    // buffers its momentum and decay terms would keep the cnn's updates at the end.
+    if applied != order && max_live_fused(g, &applied) > max_live_fused(g, &order) {
         applied.clone_from(&order);
     }
     // (Data-parallel steps returned above: their collectives keep the order they need.)
@@ -62,6 +66,43 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
         *g = g.reordered(&late);
     }
     Ok(())
+}
+
+/// The elementwise values that only updates read, back to the gradients they apply
+/// (momentum and weight-decay terms, Adam's moments and steps): fusion computes them in
+/// the update's kernel, so they never have a buffer of their own.
+fn update_temporaries(g: &Graph, order: &[NodeId]) -> BTreeSet<NodeId> {
+    let values: BTreeSet<NodeId> = g.updates.iter().map(|&(_, v)| v).collect();
+    let kept: BTreeSet<NodeId> = g
+        .grads
+        .iter()
+        .map(|&(_, d)| d)
+        .chain(g.outputs.iter().map(|&(_, o)| o))
+        .collect();
+    let mut temporaries = BTreeSet::new();
+    for &n in order.iter().rev() {
+        if values.contains(&n) || kept.contains(&n) || !g.node(n).op.is_elementwise() {
+            continue;
+        }
+        let users = g.users(n);
+        if !users.is_empty()
+            && users
+                .iter()
+                .all(|u| temporaries.contains(u) || values.contains(u))
+        {
+            temporaries.insert(n);
+        }
+    }
+    temporaries
+}
+
+/// The max-live of `order` ([`liveness`]) with the updates' temporaries
+/// ([`update_temporaries`]) left out: what the schedule weighs the order of updates by.
+pub fn max_live_fused(g: &Graph, order: &[NodeId]) -> u64 {
+    let temporaries = update_temporaries(g, order);
+    let mut lv = liveness(g, order);
+    lv.buffers.retain(|b| !temporaries.contains(&b.owner));
+    lv.max_live()
 }
 
 /// Whether `n` is a view whose chain of inputs (through views) ends at a leaf.

@@ -190,14 +190,35 @@ pub enum PlanError {
     Overlap(usize, usize),
     #[error("node {0} has no buffer")]
     Missing(usize),
+    #[error("the layers of `{0}` do not lie back to back")]
+    Stack(String),
 }
 
 /// Checks a plan: every buffer inside the arena and aligned; no two buffers whose lifetimes
 /// overlap share a byte (persistent buffers live throughout); every non-literal node has a
-/// buffer.
+/// buffer; a stack's layers lie back to back, in order (where the artifact says the whole
+/// tensor lies).
 pub fn verify(g: &Graph, p: &Plan) -> Result<(), Vec<PlanError>> {
     let mut errs = Vec::new();
     let lv = &p.liveness;
+    for s in &g.stacks {
+        let at = |n: &crate::ir::NodeId| lv.buffer_of.get(n).map(|&b| p.offsets[b]);
+        let Some(start) = s.pieces.first().and_then(at) else {
+            errs.push(PlanError::Stack(s.name.clone()));
+            continue;
+        };
+        let mut end = start;
+        for n in &s.pieces {
+            if at(n) != Some(end) {
+                errs.push(PlanError::Stack(s.name.clone()));
+                break;
+            }
+            end += g.ty(*n).size_bytes() as u64;
+        }
+        if end - start != s.ty.size_bytes() as u64 {
+            errs.push(PlanError::Stack(s.name.clone()));
+        }
+    }
     for (i, b) in lv.buffers.iter().enumerate() {
         if p.offsets[i] + b.bytes > p.arena_bytes {
             errs.push(PlanError::OutOfArena(i, b.owner.index()));
