@@ -284,7 +284,7 @@ pub const PIPELINE: &[Stage] = &[
         takes: Form::Graph,
         gives: Form::Graph,
         file: "compiler/src/passes/schedule.rs",
-        invariant: "the graph verifier; max-live never above program order's",
+        invariant: "the graph verifier; max-live never above program order's (early updates' temporaries counted in their kernels)",
         why: "before remat, which evaluates and reorders a scheduled step; the order it fixes is kept by every later graph stage (they replace nodes in place)",
         run: Some(|p, _, _| graph_stage(p, "schedule", crate::passes::schedule::schedule)),
     },

@@ -76,11 +76,11 @@ fn cpu_layout_steps(
         })
         .collect();
     let mut params = BTreeMap::new();
-    for &p in &g.params {
-        if let tcc::ir::Op::Param { name, .. } = &g.node(p).op {
-            let b = s.param_bytes(name).unwrap();
-            let t = tcc::eager::Tensor::from_le_bytes(g.ty(p).clone(), b).unwrap();
-            params.insert(name.clone(), t.to_f64());
+    for (p, name, ty) in g.persistent_tensors() {
+        if let tcc::ir::Op::Param { .. } = &g.node(p).op {
+            let b = s.param_bytes(&name).unwrap();
+            let t = tcc::eager::Tensor::from_le_bytes(ty, b).unwrap();
+            params.insert(name, t.to_f64());
         }
     }
     (outputs, params)

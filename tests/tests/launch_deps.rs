@@ -34,10 +34,8 @@ fn run(
         .iter()
         .map(|(name, _)| s.output_bytes(name).unwrap().to_vec())
         .collect();
-    for &p in g.params.iter().chain(&g.states) {
-        if let tcc::ir::Op::Param { name, .. } | tcc::ir::Op::State { name, .. } = &g.node(p).op {
-            out.push(s.param_bytes(name).unwrap().to_vec());
-        }
+    for (_, name, _) in g.persistent_tensors() {
+        out.push(s.param_bytes(&name).unwrap().to_vec());
     }
     out
 }

@@ -137,8 +137,9 @@ fn the_artifact_holds_a_stack_whole() {
     assert_eq!(s.save_params_bytes().unwrap(), before);
 }
 
-/// Params left whole: read whole as well as by layer, a layer nothing reads, a layer
-/// whose bytes are not a multiple of the alignment, a step that does not train, and a
+/// Params left whole: read whole as well as by layer, a layer nothing reads, a layer read
+/// only by a value the loss does not depend on (it would get no update), a layer whose
+/// bytes are not a multiple of the alignment, a step that does not train, and a
 /// data-parallel step.
 #[test]
 fn params_not_read_only_by_layer_are_left_whole() {
@@ -152,6 +153,13 @@ fn params_not_read_only_by_layer_are_left_whole() {
             ),
         ),
         ("a layer unread", base.replace("0..3", "0..2")),
+        (
+            "a layer the loss does not read",
+            base.replace("0..3", "0..2").replace(
+                "let loss = mean(h * h)",
+                "let z = h @ w[2]\n let loss = mean(h * h)",
+            ),
+        ),
         (
             "unaligned layers",
             base.replace("f32[3, 8, 8]", "f32[3, 3, 3]")

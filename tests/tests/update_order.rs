@@ -39,8 +39,9 @@ const GPT: &str = "L=3 D=64 H=2 T=32 B=2 V=64";
 /// reduction in it) of a param that is not stacked (whose gradient is no concat of
 /// per-layer pieces) runs right after the last kernel it has to follow, one that stores
 /// what it reads or that reads the param or state it writes, with only other updates
-/// between. (A stacked param's update waits for its pieces as program order assembles
-/// them, near the end of the backward pass.)
+/// between. (A stacked param left whole, as at this size, waits for its pieces as program
+/// order assembles them, near the end of the backward pass; `tests/stacks.rs` covers split
+/// ones.)
 fn check_updates_run_when_ready(what: &str, g: &Graph, ks: &[Kernel]) {
     let values: BTreeSet<NodeId> = g.updates.iter().map(|u| u.1).collect();
     let mut checked = 0;

@@ -520,7 +520,7 @@ fn expand_with(
     }
     let mut unsplit = whole;
     expand_split(&mut unsplit, loss_scale, ranks, zero, finite_check, false)?;
-    if !stacks::lowers_peak(g, &unsplit)? {
+    if !stacks::complete(g) || !stacks::lowers_peak(g, &unsplit)? {
         *g = unsplit;
     }
     Ok(())

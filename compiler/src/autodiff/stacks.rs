@@ -16,10 +16,11 @@
 //! interpreter still see `w` whole ([`crate::ir::Stack`]). The update rules are
 //! elementwise, so the step computes what the whole update computed.
 //!
-//! Left whole: a param read otherwise than through its layers (an output, a `grad`, a whole
-//! read), a layer that nothing reads (its update would differ: PyTorch updates a param
-//! whose gradient is zero there), a layer whose bytes are not a multiple of the alignment,
-//! and every param of a data-parallel step (whose updates run after its collectives).
+//! Left whole: a param read otherwise than through its layers (an output, a whole read), a
+//! layer that nothing reads or whose reads do not reach the loss (it would get no update,
+//! where the whole param updates it with a zero gradient: weight decay and moments still
+//! move it, as in PyTorch), a layer whose bytes are not a multiple of the alignment, and
+//! every param of a data-parallel step (whose updates run after its collectives).
 
 use crate::ir::{Graph, NodeId, Op, Stack, TensorType, TypeError};
 use std::collections::{BTreeMap, BTreeSet};
@@ -202,4 +203,35 @@ pub fn lowers_peak(
         peaks.push(max_live_fused(&s, &order));
     }
     Ok((peaks[0] as f64) < peaks[1] as f64 * (1.0 - MIN_PEAK_DROP))
+}
+
+/// Whether every layer of every split param got a gradient and an update, and every
+/// optimizer state of a layer is a layer of a stacked state ([`group_states`]). A layer
+/// read only by values the loss does not depend on has none (see the module doc): the
+/// step is then built whole.
+pub fn complete(g: &Graph) -> bool {
+    let graded: BTreeSet<NodeId> = g.grads.iter().map(|&(p, _)| p).collect();
+    let in_stack: BTreeSet<NodeId> = g.stacks.iter().flat_map(|s| s.pieces.clone()).collect();
+    let pieces_graded = g
+        .stacks
+        .iter()
+        .flat_map(|s| &s.pieces)
+        .filter(|&&p| matches!(g.node(p).op, Op::Param { .. }))
+        .all(|p| graded.contains(p));
+    let prefixes: Vec<String> = g
+        .stacks
+        .iter()
+        .flat_map(|s| &s.pieces)
+        .filter_map(|&p| match &g.node(p).op {
+            Op::Param { name, .. } => Some(format!("{name}.")),
+            _ => None,
+        })
+        .collect();
+    let states_grouped = g.states.iter().all(|&n| match &g.node(n).op {
+        Op::State { name, .. } => {
+            in_stack.contains(&n) || !prefixes.iter().any(|p| name.starts_with(p.as_str()))
+        }
+        _ => true,
+    });
+    pieces_graded && states_grouped
 }

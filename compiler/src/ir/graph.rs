@@ -140,7 +140,7 @@ pub struct Graph {
     graph: StableDiGraph<Node, u32>,
     /// Inputs in declaration order.
     pub inputs: Vec<NodeId>,
-    /// Params in declaration order.
+    /// Params in declaration order (a split stack's layers in its place, [`Stack`]).
     pub params: Vec<NodeId>,
     /// Optimizer state in creation order.
     pub states: Vec<NodeId>,

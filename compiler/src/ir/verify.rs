@@ -4,7 +4,7 @@
 //! recorded type is what its op's shape rule gives for its operands, and that the model's
 //! interface (inputs, params, outputs, train loss) points at live nodes of the right kind.
 
-use super::graph::Graph;
+use super::graph::{Graph, NodeId};
 use super::ops::{infer, Op};
 use super::types::{DType, TensorType};
 use std::collections::BTreeSet;
@@ -95,6 +95,30 @@ pub fn verify(graph: &Graph) -> Result<(), Vec<VerifyError>> {
     for (name, id) in &graph.outputs {
         if graph.get(*id).is_none() {
             err(format!("output `{name}` refers to a removed node"));
+        }
+    }
+    // A stack's layers: its leading axis's count of distinct params or states of its
+    // type without that axis (the persistent layout and the interpreter index them so).
+    for s in &graph.stacks {
+        let layer =
+            s.ty.dims()
+                .split_first()
+                .map(|(&l, rest)| (l, rest.to_vec()));
+        let distinct: BTreeSet<NodeId> = s.pieces.iter().copied().collect();
+        let ok = layer.is_some_and(|(l, rest)| {
+            l == s.pieces.len()
+                && distinct.len() == l
+                && s.pieces.iter().all(|&p| {
+                    graph.get(p).is_some_and(|n| {
+                        n.op.is_persistent() && n.ty.dtype == s.ty.dtype && n.ty.dims() == rest
+                    })
+                })
+        });
+        if !ok {
+            err(format!(
+                "stack `{}` : {} does not hold one param or state a layer",
+                s.name, s.ty
+            ));
         }
     }
     let mut targets = BTreeSet::new();

@@ -3,7 +3,9 @@
 //!
 //! Expects: a graph after autodiff (forward, backward, optimizer in program order).
 //! Guarantees: the same graph with nodes renumbered in an order whose max-live (as
-//! [`crate::analysis::liveness`] counts it) is never above program order's: a list scheduler
+//! [`crate::analysis::liveness`] counts it, with the optimizer updates' temporaries in
+//! their kernels where updates run early: [`max_live_fused`]) is never above program
+//! order's: a list scheduler
 //! picks, among ready nodes, the one that allocates least minus frees most (ties: program
 //! order), so gradients are consumed and activations freed as early as their inputs allow;
 //! the result is kept only when it lowers max-live. An optimizer update (written in place
