@@ -56,9 +56,10 @@ pub fn schedule(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
     }
     // Updates applied as their gradients are ready, where that does not raise max-live.
     let mut applied = updates_when_ready(g, &order);
-    // Compared with an update's temporaries in its kernel, as fusion computes them: the
-    // first update of a stacked param's last layer runs at the peak, and counted as
-    // buffers its momentum and decay terms would keep the cnn's updates at the end.
+    // Compared with an update's temporaries in its kernel, as fusion computes them: where
+    // a split stack's last layer is updated at the peak, its momentum and decay terms
+    // counted as buffers would keep every update at the end (the cnn split: 5 MB more
+    // max-live counted so, a 12 MiB smaller fused arena).
     if applied != order && max_live_fused(g, &applied) > max_live_fused(g, &order) {
         applied.clone_from(&order);
     }
