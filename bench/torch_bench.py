@@ -52,9 +52,12 @@ gpt) and the last timed step's are reported as a sanity check.
 Mixed precision (--amp bf16|f16): each model's loss runs under torch.autocast with that dtype
 (f32 params: master weights), f16 with torch.amp.GradScaler (PyTorch's defaults), and the
 optimizer is the fused one (fused=True), as a user training in 16 bits would run it. Mode
-eager_cl (cnn only) is eager with the images and conv weights in channels_last.
+eager_cl (cnn only) is eager with the images and conv weights in channels_last. Mode ckpt is
+eager with PyTorch's per-block activation checkpointing (torch.utils.checkpoint, non-reentrant)
+around every block: gpt's transformer layers, the cnn's residual blocks, the mlp's hidden
+layers; tcc's `--mem-budget` at its peak is compared with it.
 
-  python3 bench/torch_bench.py [--cases mlp,cnn,gpt,gelu,gemm,copy] [--modes eager,compile]
+  python3 bench/torch_bench.py [--cases mlp,cnn,gpt,gelu,gemm,copy] [--modes eager,compile,eager_cl,ckpt]
       [--amp off|bf16|f16]
       [--warmup 5] [--steps 20] [--json out.json] [--small] [--device cuda|cpu] [--tf32]
       [--impl native|prelude]
@@ -68,6 +71,7 @@ except ImportError:
     sys.exit("error: PyTorch is not installed (pip install torch)")
 
 IMPL = "native"  # set from --impl; read by the prelude functions below
+CKPT = False  # set by mode ckpt; read by block() below
 MIB = 1 << 20
 
 # ---- the prelude (compiler/src/front/prelude.tdsl) --------------------------------------
@@ -130,6 +134,15 @@ def attention(q, k, v, causal=False):  # [.., T, Dh] queries, scaled by 1/sqrt(D
 # ---- the models ---------------------------------------------------------------------------
 
 
+def block(fn, *args):
+    """fn(*args), one block of a model. Under mode ckpt, PyTorch's per-block activation
+    checkpointing: torch.utils.checkpoint (non-reentrant) keeps the block's inputs and
+    recomputes its activations in the backward pass."""
+    if CKPT:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 class Params(dict):
     """name -> leaf tensor; normal/zeros/ones as the TDSL `param ... = INIT` clauses."""
 
@@ -165,7 +178,7 @@ def build_mlp(dev, B, D, L):  # examples/mlp.tdsl
     def loss_fn(x, labels):
         h = torch.relu(linear(x, P["w_in"], P["b_in"]))
         for i in range(L):
-            h = torch.relu(linear(h, P[f"w_h{i}"], P[f"b_h{i}"]))
+            h = block(lambda h, i=i: torch.relu(linear(h, P[f"w_h{i}"], P[f"b_h{i}"])), h)
         logits = linear(h, P["w_out"], P["b_out"])
         return cross_entropy(logits, labels)
 
@@ -212,10 +225,11 @@ def build_cnn(dev, B, C, S):  # examples/cnn.tdsl
     def loss_fn(images, labels):
         x = torch.relu(conv_bn(images, "stem_w", "stem"))
         for i in range(2):
-            x = basic(x, f"s1_w{2 * i}", f"s1_{2 * i}", f"s1_w{2 * i + 1}", f"s1_{2 * i + 1}")
+            x = block(basic, x, f"s1_w{2 * i}", f"s1_{2 * i}", f"s1_w{2 * i + 1}",
+                      f"s1_{2 * i + 1}")
         for s in (2, 3, 4):
-            x = down(x, s)
-            x = basic(x, f"s{s}_w1", f"s{s}_3", f"s{s}_w2", f"s{s}_4")
+            x = block(down, x, s)
+            x = block(basic, x, f"s{s}_w1", f"s{s}_3", f"s{s}_w2", f"s{s}_4")
         pooled = F.avg_pool2d(x, S // 8).reshape(B, 8 * C)
         return cross_entropy(linear(pooled, P["fc_w"], P["fc_b"]), labels)
 
@@ -237,7 +251,7 @@ def build_gpt(dev, B, T, D, H, L, V):  # examples/gpt.tdsl
     def heads(t):  # the batch read from the tensor: a micro-batch is a slice of it
         return t.reshape(t.shape[0], T, H, D // H).permute(0, 2, 1, 3)
 
-    def block(x, l):
+    def layer(x, l):
         q, k, v = (rms_norm(x, P[f"g1_{l}"]) @ P[f"wqkv_{l}"]).split(D, dim=-1)
         a = attention(heads(q), heads(k), heads(v), causal=True)
         x = x + a.permute(0, 2, 1, 3).reshape(x.shape[0], T, D) @ P[f"wo_{l}"]
@@ -246,7 +260,7 @@ def build_gpt(dev, B, T, D, H, L, V):  # examples/gpt.tdsl
     def loss_fn(tokens, targets):
         x = F.embedding(tokens, P["wte"])
         for l in range(L):
-            x = block(x, l)
+            x = block(layer, x, l)
         logits = rms_norm(x, P["gf"]) @ P["wte"].t()
         return cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
@@ -369,7 +383,7 @@ def run_model(name, mode, args):
         return step
 
     step, note, compile_s = make_step(loss_fn), "", None
-    if mode in ("eager", "eager_cl"):
+    if mode in ("eager", "eager_cl", "ckpt"):
         loss_first = first_calls(step, args.device)[1]
     else:
         torch._dynamo.utils.counters.clear()
@@ -455,7 +469,7 @@ def fmt(v, nd=1):
 
 
 def main():
-    global IMPL
+    global IMPL, CKPT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="mlp,cnn,gpt,gelu,gemm,copy")
     ap.add_argument("--modes", default="eager,compile")
@@ -489,7 +503,7 @@ def main():
     cases = [c for c in args.cases.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     bad = [c for c in cases if c not in (*MODELS, "gelu", "gemm", "copy")]
-    bad += [m for m in modes if m not in ("eager", "compile", "eager_cl")]
+    bad += [m for m in modes if m not in ("eager", "compile", "eager_cl", "ckpt")]
     if bad:
         ap.error(f"unknown case or mode: {', '.join(bad)}")
     if args.steps < 1 or args.warmup < 0:
@@ -524,7 +538,10 @@ def main():
         for mode in modes:
             if mode == "eager_cl" and case != "cnn":
                 continue
+            if mode == "ckpt" and case == "gelu":
+                continue
             fresh(args.device)
+            CKPT = mode == "ckpt"
             print(f"[{case}/{mode}] running ...", flush=True)
             try:
                 r = run_gelu(mode, args) if case == "gelu" else run_model(case, mode, args)

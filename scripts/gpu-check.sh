@@ -13,6 +13,7 @@
 #   `device-dp` runs the data-parallel (NCCL) tests and benchmarks beside PyTorch DDP.
 #   `device-fuzz` runs issue 32's edited-manifest campaign with CUDA steps (memcheck too).
 #   `device-load` times each example's first step from a PTX-only and a SASS artifact.
+#   `device-ckpt` runs `--mem-budget` at the memory of PyTorch's per-block checkpointing.
 # Without an argument: `build` when cargo is present, then `device` when a GPU is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -247,6 +248,41 @@ device_ab() {
     return $status
 }
 
+# `--mem-budget` against PyTorch's per-block checkpointing (issue 27): PyTorch eager and
+# checkpointed (bench/torch_bench.py, modes eager and ckpt) on each model, then tcc built
+# plainly and with `--mem-budget` set so that its whole session (arena + runtime) fits in
+# PyTorch's checkpointed peak. Prints each one's step time and memory, and the time each
+# adds to its own plain step. Carry .gpu/tcc.
+device_ckpt() {
+    local log="$OUT/log" status=0 m line budget
+    mkdir -p "$log"
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    python3 bench/torch_bench.py --cases "${CKPT_MODELS:-gpt,cnn,mlp}" --modes eager,ckpt \
+        --json "$log/torch-ckpt.json" >"$log/torch-ckpt.txt" 2>&1 || status=1
+    sed -n '/## results/,$p' "$log/torch-ckpt.txt"
+    for m in $(echo "${CKPT_MODELS:-gpt,cnn,mlp}" | tr ',' ' '); do
+        "$OUT/tcc" run "examples/$m.tdsl" --target cuda --steps 20 --every 100 >"$log/ckpt-$m-plain.txt" 2>&1 || status=1
+        # The budget (MiB): PyTorch's checkpointed peak less tcc's runtime memory.
+        budget=$(python3 - "$log/torch-ckpt.json" "$m" "$log/ckpt-$m-plain.txt" <<'PY'
+import json, re, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+peak = next(r["peak_alloc_mib"] for r in runs if r["case"] == sys.argv[2] and r["mode"] == "ckpt")
+unit = {"B": 1 / 2**20, "KiB": 1 / 1024, "MiB": 1, "GiB": 1024}
+text = open(sys.argv[3]).read()
+m = re.search(r"runtime ([0-9.]+) (B|KiB|MiB|GiB)", text)
+print(int(peak - float(m.group(1)) * unit[m.group(2)]))
+PY
+) || { echo "$m: no budget"; status=1; continue; }
+        "$OUT/tcc" run "examples/$m.tdsl" --target cuda --mem-budget "${budget}MiB" --steps 20 --every 100 >"$log/ckpt-$m-budget.txt" 2>&1 || status=1
+        for v in plain budget; do
+            line=$(grep -E 'device step time|device memory of' "$log/ckpt-$m-$v.txt" | sed -E 's/\(CUDA events.*step\)://; s/\(measured.*//' | tr '\n' ' ')
+            echo "tcc $m $v$([ $v = budget ] && echo " (--mem-budget ${budget}MiB)"): $line"
+        done
+        grep -E "^remat:|error" "$log/ckpt-$m-budget.txt" | head -3
+    done
+    return $status
+}
+
 # Data parallelism (`--gpus N`, issue 31): the NCCL tests of the GPU test binary (one rank on
 # any machine; every GPU of a machine with 2 or more), then gpt and mlp on 1 and N GPUs
 # (B per GPU as in examples/; on N also with --zero 1) beside PyTorch DDP and ZeroRedundancyOptimizer launched
@@ -314,6 +350,7 @@ case "$mode" in
     device-load) device_load ;;
     device-dp) device_dp ;;
     device-ab) device_ab ;;
+    device-ckpt) device_ckpt ;;
     device-amp) device_amp ;;
     device-onnx) device_onnx ;;
     device) device all ;;
@@ -323,5 +360,5 @@ case "$mode" in
     auto)
         if command -v cargo >/dev/null; then build; fi
         if command -v nvidia-smi >/dev/null; then device; fi ;;
-    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab|device-dp|device-load|device-fuzz]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [build|device|device-tests|device-bench|device-amp|device-onnx|device-ab|device-ckpt|device-dp|device-load|device-fuzz]"; exit 2 ;;
 esac
