@@ -377,8 +377,9 @@ fn free_recomputation_under_mixed_precision_stores_clones_beside_their_own_layer
 /// Product recomputation under `--amp` on CUDA: each layer's fc1 product of the gpt (its
 /// result 4 times the normalised input it is made from, read backward only by `gelu`'s
 /// derivative and the recomputed `gelu`) is recomputed in the backward pass. The arena
-/// drops, the FLOPs it adds stay within their share, the step trains exactly as the one
-/// that stores them (f32, on the CPU), and a CPU step recomputes no product.
+/// drops, the FLOPs it adds stay within their share, the report counts the products' 16-bit
+/// bytes, the step trains exactly as the one that stores them (f32, on the CPU), and a CPU
+/// step recomputes no product.
 #[test]
 fn fc1_products_are_recomputed_under_mixed_precision_and_train_alike() {
     let g = graph("examples/gpt.tdsl", GPT_3);
@@ -404,6 +405,12 @@ fn fc1_products_are_recomputed_under_mixed_precision_and_train_alike() {
         .filter(|&n| h.node(n).recomputed.is_some() && h.node(n).op == tcc::ir::Op::MatMul)
         .collect();
     assert_eq!(clones.len(), 3, "recomputed products {clones:?}");
+    // Their bytes are the 16-bit copies the step stores, not their f32 size.
+    let stored: u64 = clones
+        .iter()
+        .map(|&n| h.ty(n).shape.numel() as u64 * 2)
+        .sum();
+    assert_eq!(p.bytes, stored, "{}", p.line());
     let planned = artifact::plan_step(&h, &opts).unwrap();
     assert_eq!(planned.plan.arena_bytes, p.arena.1);
     // Each recomputed product casts its weight to bf16 again, in the backward pass, rather

@@ -185,6 +185,19 @@ fn master_gradients(g: &Graph) -> BTreeSet<NodeId> {
 /// swap [`cast_lhs`] leaves unread is dropped); casts are added just before their first
 /// reader.
 pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
+    apply_with_dtypes(g, low).map(|(h, _)| h)
+}
+
+/// The dtype the policy with `low` stores each value of `g` in: its 16-bit copy where the
+/// step keeps only that (a product, an activation a product reads), f32 where it is
+/// computed and kept in f32. What the recomputation reports count a value's bytes by under
+/// `--amp` (`remat::step`), which runs before this pass.
+pub fn stored_dtypes(g: &Graph, low: DType) -> Result<BTreeMap<NodeId, DType>, TypeError> {
+    apply_with_dtypes(g, low).map(|(_, d)| d)
+}
+
+/// [`apply`], and [`stored_dtypes`].
+fn apply_with_dtypes(g: &Graph, low: DType) -> Result<(Graph, BTreeMap<NodeId, DType>), TypeError> {
     let order = g
         .topo_order()
         .ok_or_else(|| TypeError::new("E0002", "cyclic graph", "before mixed precision"))?;
@@ -337,6 +350,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         };
         map.insert(n, id);
     }
+    let stored: BTreeMap<NodeId, DType> = map.iter().map(|(&n, &i)| (n, h.ty(i).dtype)).collect();
     let casts = casts_by.entry(last).or_default();
     let m = |i: &NodeId| map.get(i).copied().ok_or_else(missing);
     // The interface keeps its dtypes: outputs and updated values are cast back.
@@ -409,7 +423,7 @@ pub fn apply(g: &Graph, low: DType) -> Result<Graph, TypeError> {
         let order: Vec<NodeId> = h.node_ids().collect();
         h = h.reordered(&order);
     }
-    Ok(h)
+    Ok((h, stored))
 }
 
 /// Whether the f32 result of `n`, a backward-pass elementwise op that computes in f32

@@ -630,6 +630,30 @@ pub fn free_with(
     Ok((h, free))
 }
 
+/// The bytes `values` of `g` take where the step stores them: under `--amp`, each in the
+/// dtype the mixed-precision policy stores it in ([`crate::passes::amp::stored_dtypes`]:
+/// a product's 16-bit copy, an f32 statistic), which runs after this stage; as `g` types
+/// them otherwise.
+fn stored_bytes(g: &Graph, values: &[NodeId], opts: &CompileOptions) -> Result<u64, BuildError> {
+    let stored = match opts.amp.dtype {
+        Some(low) => Some(crate::passes::amp::stored_dtypes(g, low).map_err(|e| {
+            BuildError::Internal(format!("mixed precision: {}: {}", e.message, e.detail))
+        })?),
+        None => None,
+    };
+    Ok(values
+        .iter()
+        .map(|&n| {
+            let ty = g.ty(n);
+            let size = stored
+                .as_ref()
+                .and_then(|d| d.get(&n))
+                .map_or(ty.dtype.size_bytes(), |d| d.size_bytes());
+            ty.shape.numel().saturating_mul(size) as u64
+        })
+        .sum())
+}
+
 /// [`free`]'s pointwise part: the step, the report, and the step's plan when one was made.
 fn free_pointwise(
     g: &Graph,
@@ -672,7 +696,7 @@ fn free_pointwise(
         .collect();
     let f = Free {
         values: values.len(),
-        bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
+        bytes: stored_bytes(g, &values, opts)?,
         arena: (before.plan.arena_bytes, after.plan.arena_bytes),
         kernels: (before.fused.kernels.len(), after.fused.kernels.len()),
         seconds: (base, secs(&after)),
@@ -811,7 +835,7 @@ pub fn products(
         let added = step_flops(&h).saturating_sub(before);
         let p = Products {
             values: values.len(),
-            bytes: values.iter().map(|&n| g.ty(n).size_bytes() as u64).sum(),
+            bytes: stored_bytes(g, &values, opts)?,
             flops: (added, before),
             arena: (base.plan.arena_bytes, after.plan.arena_bytes),
             kernels: (base.fused.kernels.len(), after.fused.kernels.len()),
