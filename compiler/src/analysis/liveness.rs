@@ -76,6 +76,29 @@ impl Liveness {
         best as u64
     }
 
+    /// The first step at which the transient and input buffers live reach
+    /// [`Liveness::max_live`].
+    pub fn peak_step(&self) -> usize {
+        let n = self.order.len() + 1;
+        let mut delta = vec![0i128; n + 1];
+        for b in self
+            .buffers
+            .iter()
+            .filter(|b| b.kind != BufferKind::Persistent)
+        {
+            delta[b.start.min(n)] += b.bytes as i128;
+            delta[b.end.min(n)] -= b.bytes as i128;
+        }
+        let (mut cur, mut best, mut at) = (0i128, i128::MIN, 0);
+        for (i, d) in delta.into_iter().enumerate() {
+            cur += d;
+            if cur > best {
+                (best, at) = (cur, i);
+            }
+        }
+        at
+    }
+
     /// Bytes of the persistent buffers.
     pub fn persistent_bytes(&self) -> u64 {
         self.buffers

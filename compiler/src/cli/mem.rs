@@ -189,66 +189,11 @@ pub fn model_states(g: &Graph, planned_persistent_bytes: u64) -> Option<ModelSta
     })
 }
 
-/// The step at which the transient buffers of `lv` peak.
-fn peak_step(lv: &crate::analysis::liveness::Liveness) -> usize {
-    let steps = lv.order.len() + 1;
-    let mut live = vec![0u64; steps + 1];
-    for b in lv
-        .buffers
-        .iter()
-        .filter(|b| b.kind != crate::analysis::liveness::BufferKind::Persistent)
-    {
-        for l in &mut live[b.start..b.end.min(steps)] {
-            *l += b.bytes;
-        }
-    }
-    live.iter()
-        .enumerate()
-        .max_by_key(|&(i, &v)| (v, std::cmp::Reverse(i)))
-        .map(|(i, _)| i)
-        .unwrap_or(0)
-}
-
-/// The nodes that hold parameter gradients: each gradient the optimizer applies
-/// (`Graph::grads`) and, through the adds, concats, casts, views and collectives (a
-/// data-parallel step's reductions) that build it, every
-/// contribution whose only uses lead there (a layer's weight-gradient product, the pieces of
-/// a stacked parameter's gradient).
-fn gradient_nodes(g: &Graph) -> std::collections::BTreeSet<crate::ir::NodeId> {
-    use crate::ir::Op;
-    let mut set: std::collections::BTreeSet<crate::ir::NodeId> =
-        g.grads.iter().map(|&(_, d)| d).collect();
-    let mut stack: Vec<crate::ir::NodeId> = set.iter().copied().collect();
-    while let Some(n) = stack.pop() {
-        let node = g.node(n);
-        let through = matches!(
-            node.op,
-            Op::Binary(crate::ir::BinaryOp::Add) | Op::Concat { .. } | Op::Cast { .. }
-        ) || node.op.is_view_candidate()
-            || node.op.is_collective()
-            || g.grads.iter().any(|&(_, d)| d == n);
-        if !through {
-            continue;
-        }
-        for &i in &node.inputs {
-            let op = &g.node(i).op;
-            if set.contains(&i) || op.is_leaf() || matches!(op, Op::Literal { .. }) {
-                continue;
-            }
-            if g.users(i).iter().all(|u| set.contains(u)) {
-                set.insert(i);
-                stack.push(i);
-            }
-        }
-    }
-    set
-}
-
 /// Bytes of the buffers live at the plan's peak that hold parameter gradients
-/// ([`gradient_nodes`]), and how many buffers.
+/// ([`Graph::gradient_nodes`]), and how many buffers.
 fn gradient_bytes_at_peak(g: &Graph, lv: &crate::analysis::liveness::Liveness) -> (u64, usize) {
-    let grads = gradient_nodes(g);
-    let peak = peak_step(lv);
+    let grads = g.gradient_nodes(g.grads.iter().map(|&(_, d)| d));
+    let peak = lv.peak_step();
     lv.buffers
         .iter()
         .filter(|b| {
@@ -263,7 +208,7 @@ fn gradient_bytes_at_peak(g: &Graph, lv: &crate::analysis::liveness::Liveness) -
 /// Persistent bytes and bytes live at the peak, by the dtype of each buffer's owner.
 fn by_dtype(g: &Graph, lv: &crate::analysis::liveness::Liveness) -> Vec<DtypeBytes> {
     use crate::analysis::liveness::BufferKind;
-    let peak = peak_step(lv);
+    let peak = lv.peak_step();
     let mut rows: std::collections::BTreeMap<&'static str, (u64, u64)> = Default::default();
     for b in &lv.buffers {
         let Some(node) = g.get(b.owner) else { continue };
@@ -347,7 +292,7 @@ pub fn report(
     let (fused, fp) = (planned.fused, planned.plan);
     // Buffers live at the step where the fused plan's transient bytes peak.
     let lv = &fp.liveness;
-    let peak_step = peak_step(lv);
+    let peak_step = lv.peak_step();
     let mut at_peak: Vec<&crate::analysis::liveness::Buffer> = lv
         .buffers
         .iter()

@@ -356,6 +356,44 @@ impl Graph {
         n
     }
 
+    /// The nodes that hold the parameter gradients `roots` (gradients the optimizer applies,
+    /// as in [`Graph::grads`]): the roots and, through the adds, concats, casts, views and
+    /// collectives (a data-parallel step's reductions) that build them, every contribution
+    /// whose only uses lead there (a layer's weight-gradient product, the pieces of a
+    /// stacked parameter's gradient).
+    pub fn gradient_nodes(
+        &self,
+        roots: impl IntoIterator<Item = NodeId>,
+    ) -> std::collections::BTreeSet<NodeId> {
+        let mut set: std::collections::BTreeSet<NodeId> = roots.into_iter().collect();
+        let grads: std::collections::BTreeSet<NodeId> =
+            self.grads.iter().map(|&(_, d)| d).collect();
+        let mut stack: Vec<NodeId> = set.iter().copied().collect();
+        while let Some(n) = stack.pop() {
+            let node = self.node(n);
+            let through = matches!(
+                node.op,
+                Op::Binary(super::ops::BinaryOp::Add) | Op::Concat { .. } | Op::Cast { .. }
+            ) || node.op.is_view_candidate()
+                || node.op.is_collective()
+                || grads.contains(&n);
+            if !through {
+                continue;
+            }
+            for &i in &node.inputs {
+                let op = &self.node(i).op;
+                if set.contains(&i) || op.is_leaf() || matches!(op, Op::Literal { .. }) {
+                    continue;
+                }
+                if self.users(i).iter().all(|u| set.contains(u)) {
+                    set.insert(i);
+                    stack.push(i);
+                }
+            }
+        }
+        set
+    }
+
     /// The nodes that read `id`'s result, each once, in id order.
     pub fn users(&self, id: NodeId) -> Vec<NodeId> {
         let mut v: Vec<NodeId> = self

@@ -102,10 +102,16 @@ fn update_temporaries(g: &Graph, order: &[NodeId]) -> BTreeSet<NodeId> {
 /// The max-live of `order` ([`liveness`]) with the updates' temporaries
 /// ([`update_temporaries`]) left out: what the schedule weighs the order of updates by.
 pub fn max_live_fused(g: &Graph, order: &[NodeId]) -> u64 {
+    liveness_fused(g, order).max_live()
+}
+
+/// The liveness of `order` ([`liveness`]) with the updates' temporaries
+/// ([`update_temporaries`]) left out, as [`max_live_fused`] weighs it.
+pub fn liveness_fused(g: &Graph, order: &[NodeId]) -> crate::analysis::liveness::Liveness {
     let temporaries = update_temporaries(g, order);
     let mut lv = liveness(g, order);
     lv.buffers.retain(|b| !temporaries.contains(&b.owner));
-    lv.max_live()
+    lv
 }
 
 /// Whether `n` is a view whose chain of inputs (through views) ends at a leaf.
