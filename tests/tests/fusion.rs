@@ -513,3 +513,43 @@ fn steps_of(
         })
         .collect()
 }
+
+/// On CUDA, a convolution's weight gradient whose reader is an optimizer's update (an
+/// elementwise reader of a state or param of its shape: momentum, weight decay) keeps a
+/// kernel of its own, with no epilogue; the update's kernel computes the momentum. As the
+/// epilogue, the param's order slowed the cnn's weight-gradient kernels by a quarter.
+#[test]
+fn a_weight_gradient_read_by_an_update_has_no_epilogue() {
+    for opt in [
+        "sgd(lr: 0.1, momentum: 0.9)",
+        "sgd(lr: 0.1, momentum: 0.9, weight_decay: 0.01)",
+    ] {
+        let src = format!(
+            "model m {{
+                input x: f32[2, 4, 8, 8]
+                param w: f32[8, 4, 3, 3] = normal(0.0, 0.3)
+                let y = conv2d(x, w, padding: 1)
+                let loss = mean(y * y)
+                output loss
+                train {opt} minimize loss
+            }}"
+        );
+        let g = compile_pipeline(&src, &Default::default()).unwrap();
+        let cuda = FuseOptions {
+            implicit_gemm: true,
+            conv_gemm: true,
+            ..Default::default()
+        };
+        let fused = fuse(&g, cuda).unwrap();
+        let gw = g
+            .node_ids()
+            .find(|&n| matches!(g.node(n).op, tcc::ir::Op::Conv2dGradWeight { .. }))
+            .unwrap();
+        let k = fused
+            .kernels
+            .iter()
+            .find(|k| k.nodes.contains(&gw))
+            .unwrap();
+        assert_eq!(k.nodes.last(), Some(&gw), "{opt}: {}", k.describe);
+    }
+}
