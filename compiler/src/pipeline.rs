@@ -267,15 +267,26 @@ pub const PIPELINE: &[Stage] = &[
         gives: Form::Graph,
         file: "compiler/src/autodiff/",
         invariant: "the graph verifier; no `grad` node is left",
-        why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node; first it gives each embedding whose ids the step computes an output counting the out-of-range ids (`passes/index_checks.rs`); a training step without loss scaling gets an output summing the magnitudes of the params its updates write (unless `--no-finite-check`); the runtime checks both after every step; a stacked param read only by layer becomes a param a layer (`autodiff/stacks.rs`) where that lowers the scheduled peak, before the backward pass makes its gradients",
+        why: "right after lowering: every later stage sees the whole step (forward, backward and optimizer) and no `grad` node; first it gives each embedding whose ids the step computes an output counting the out-of-range ids (`passes/index_checks.rs`); a training step without loss scaling gets an output summing the magnitudes of the params its updates write (unless `--no-finite-check`); the runtime checks both after every step; a stacked param read only by layer becomes a param a layer (`autodiff/stacks.rs`) where that lowers the scheduled peak, or, one stack alone, where the stages after it plan a smaller arena so (it weighs both steps with them), before the backward pass makes its gradients",
         run: Some(|p, o, _| {
             let (scale, ranks, zero) = (o.compile.amp.loss_scale, o.compile.ranks, o.compile.zero);
             let finite_check = !o.compile.amp.no_finite_check;
+            let weigh = crate::autodiff::stacks::Weigh {
+                compile: o.compile,
+                free: o.remat.mode != Mode::None,
+            };
             graph_stage(p, "autodiff", |g| {
                 crate::passes::index_checks::index_checks(g).map_err(|e| {
                     vec![Diagnostic::error("E0002", format!("internal compiler error: {e}"))]
                 })?;
-                crate::autodiff::expand_data_parallel(g, scale, ranks, zero, finite_check)
+                crate::autodiff::expand_data_parallel(
+                    g,
+                    scale,
+                    ranks,
+                    zero,
+                    finite_check,
+                    Some(&weigh),
+                )
             })
         }),
     },

@@ -226,3 +226,83 @@ fn a_layer_of_gradients_at_most_is_live_at_the_peak() {
         );
     }
 }
+
+/// Where splitting every stack leaves the peak where it is, a stack of which several
+/// layers' gradients wait at the peak that free recomputation leaves (in the backward
+/// pass, not at the turn to it) is split alone, where the plans say that lowers the arena.
+/// The cnn at B=64, C=32, S=32 splits `s4_w` and no other stack: its fused arena is below
+/// the whole step's on both targets, and at most one layer of `s4_w`'s gradient is live at
+/// the fused peak, where the whole step holds its three layers. At B=16, C=16, S=16 the
+/// graph's peak names `s3_w`, but split it raises the fused arena: the step stays whole.
+#[test]
+fn a_stack_whose_layers_wait_at_the_peak_is_split_alone() {
+    use tcc::autodiff::stacks::{held_at_peak, Which};
+    let file = "examples/cnn.tdsl";
+    let src = std::fs::read_to_string(tcc_tests::root().join(file)).unwrap();
+    let param_stacks = |g: &Graph| -> Vec<String> {
+        g.stacks
+            .iter()
+            .filter(|s| matches!(g.node(s.pieces[0]).op, Op::Param { .. }))
+            .map(|s| s.name.clone())
+            .collect()
+    };
+    let expanded = |lowered: &Graph, which| {
+        let mut g = lowered.clone();
+        tcc::autodiff::expand_with_stacks(&mut g, which).unwrap();
+        g
+    };
+
+    let small = options_from_args("--set B=16 --set C=16 --set S=16");
+    let lowered = compile_to(&src, &small, "lower").unwrap();
+    let held = held_at_peak(&expanded(&lowered, Which::None), true).unwrap();
+    assert_eq!(held.into_iter().collect::<Vec<_>>(), ["s3_w"]);
+    let chosen = compile_to(&src, &small, "autodiff").unwrap();
+    assert!(
+        param_stacks(&chosen).is_empty(),
+        "{:?}",
+        param_stacks(&chosen)
+    );
+
+    let opts = options_from_args("--set B=64 --set C=32 --set S=32");
+    let (sources, _) = compile_bytes(file, src.as_bytes(), &opts).unwrap();
+    let chosen = compile_to(&src, &opts, "autodiff").unwrap();
+    assert_eq!(param_stacks(&chosen), ["s4_w"]);
+    let lowered = compile_to(&src, &opts, "lower").unwrap();
+    let whole = expanded(&lowered, Which::None);
+    assert!(whole.stacks.is_empty());
+    assert!(param_stacks(&expanded(&lowered, Which::All)).len() > 4);
+    // A layer of s4_w: f32[8C, 8C, 3, 3].
+    let layer = 256 * 256 * 9 * 4;
+    for device in [Device::Cpu, Device::Cuda(0)] {
+        let compile = device_options(device, true);
+        let report = |program: &Graph| {
+            let scheduled = tcc_tests::run_stages(program, "schedule", "remat", compile)
+                .unwrap()
+                .graph()
+                .clone();
+            let f = tcc::cli::mem::report(
+                program,
+                &scheduled,
+                &sources,
+                Duration::from_millis(200),
+                &compile,
+                None,
+            )
+            .unwrap();
+            f.report
+        };
+        let (c, w) = (report(&chosen), report(&whole));
+        assert!(
+            c.fused_arena_bytes < w.fused_arena_bytes,
+            "{device:?}: {} against {} whole",
+            c.fused_arena_bytes,
+            w.fused_arena_bytes
+        );
+        assert!(
+            w.gradient_peak_bytes >= 3 * layer && c.gradient_peak_bytes < 2 * layer,
+            "{device:?}: {} gradient bytes live at the peak, {} whole",
+            c.gradient_peak_bytes,
+            w.gradient_peak_bytes
+        );
+    }
+}

@@ -473,15 +473,20 @@ pub fn expand(g: &mut Graph) -> Result<(), Vec<Diagnostic>> {
 /// magnitudes of the params its updates write, which the runtime checks is finite after
 /// every step ([`tcc_runtime::artifact::CheckKind::FiniteUpdates`]): one more read of each
 /// param. Loss scaling has its own finite-check, which skips the step's updates instead.
+///
+/// `weigh`: how the stages after this one build the step, when known (the pipeline's
+/// options), so that a stacked param can be split alone where the plans they make say it
+/// lowers the arena ([`stacks::held_at_peak`]).
 pub fn expand_data_parallel(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
     zero: bool,
     finite_check: bool,
+    weigh: Option<&stacks::Weigh>,
 ) -> Result<(), Vec<Diagnostic>> {
     if ranks <= 1 {
-        return expand_with(g, loss_scale, 1, false, finite_check);
+        return expand_with(g, loss_scale, 1, false, finite_check, weigh);
     }
     if g.train.is_none() {
         return Err(vec![Diagnostic::error(
@@ -491,7 +496,7 @@ pub fn expand_data_parallel(
         )]);
     }
     g.ranks = Some(ranks);
-    expand_with(g, loss_scale, ranks, zero, finite_check)
+    expand_with(g, loss_scale, ranks, zero, finite_check, weigh)
 }
 
 /// [`expand`], with dynamic loss scaling of `train` when `loss_scale` is given
@@ -500,29 +505,85 @@ pub fn expand_scaled(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
 ) -> Result<(), Vec<Diagnostic>> {
-    expand_with(g, loss_scale, 1, false, false)
+    expand_with(g, loss_scale, 1, false, false, None)
+}
+
+/// [`expand`] with the stacked params `which` names split a layer a param and the others
+/// whole, in place of the choice [`expand`] makes: each choice it weighs, for comparing
+/// them.
+pub fn expand_with_stacks(g: &mut Graph, which: stacks::Which) -> Result<(), Vec<Diagnostic>> {
+    expand_split(g, None, 1, false, false, which)
 }
 
 /// The step expanded with its stacked params split a layer a param ([`stacks`]) where
 /// that lowers the scheduled step's peak, and whole otherwise (one update a stack runs
-/// fewer, larger kernels).
+/// fewer, larger kernels): all of them where that lowers it, else, with `weigh`, those of
+/// which several layers' gradients are live at the peak ([`stacks::held_at_peak`]) where
+/// the plans of the stages after this one say that lowers the arena.
 fn expand_with(
     g: &mut Graph,
     loss_scale: Option<scale::LossScale>,
     ranks: usize,
     zero: bool,
     finite_check: bool,
+    weigh: Option<&stacks::Weigh>,
 ) -> Result<(), Vec<Diagnostic>> {
+    use stacks::Which;
     let whole = g.clone();
-    expand_split(g, loss_scale, ranks, zero, finite_check, true)?;
+    expand_split(g, loss_scale, ranks, zero, finite_check, Which::All)?;
     if g.stacks.is_empty() {
         return Ok(());
     }
-    let mut unsplit = whole;
-    expand_split(&mut unsplit, loss_scale, ranks, zero, finite_check, false)?;
-    if !stacks::complete(g) || !stacks::lowers_peak(g, &unsplit)? {
-        *g = unsplit;
+    let mut unsplit = whole.clone();
+    expand_split(
+        &mut unsplit,
+        loss_scale,
+        ranks,
+        zero,
+        finite_check,
+        Which::None,
+    )?;
+    if stacks::complete(g) && stacks::lowers_peak(g, &unsplit)? {
+        return Ok(());
     }
+    // Split all, the peak stays where it was: then the stacks of which several layers'
+    // gradients wait at the whole step's peak (as the `remat` stage's free recomputation
+    // leaves it), split alone where the plans say so.
+    let Some(weigh) = weigh else {
+        *g = unsplit;
+        return Ok(());
+    };
+    let splittable: BTreeSet<String> = g
+        .stacks
+        .iter()
+        .filter(|s| {
+            s.pieces
+                .first()
+                .is_some_and(|&p| matches!(g.node(p).op, Op::Param { .. }))
+        })
+        .map(|s| s.name.clone())
+        .collect();
+    let held = stacks::held_at_peak(&unsplit, weigh.free)?;
+    let held: BTreeSet<String> = held.intersection(&splittable).cloned().collect();
+    if !held.is_empty() {
+        let mut some = whole;
+        expand_split(
+            &mut some,
+            loss_scale,
+            ranks,
+            zero,
+            finite_check,
+            Which::Only(&held),
+        )?;
+        if !some.stacks.is_empty()
+            && stacks::complete(&some)
+            && stacks::drops(weigh.arena(&some)?, weigh.arena(&unsplit)?)
+        {
+            *g = some;
+            return Ok(());
+        }
+    }
+    *g = unsplit;
     Ok(())
 }
 
@@ -532,7 +593,7 @@ fn expand_split(
     ranks: usize,
     zero: bool,
     finite_check: bool,
-    split: bool,
+    split: stacks::Which,
 ) -> Result<(), Vec<Diagnostic>> {
     let grad_nodes: Vec<NodeId> = g
         .node_ids()
@@ -582,8 +643,8 @@ fn expand_split(
         g.remove(gn);
     }
     if let Some(train) = g.train.clone() {
-        if split && ranks <= 1 {
-            stacks::split(g).map_err(|e| vec![internal(e, g, train.loss)])?;
+        if ranks <= 1 {
+            stacks::split(g, split).map_err(|e| vec![internal(e, g, train.loss)])?;
         }
         let train = g.train.clone().unwrap_or(train);
         let params: Vec<NodeId> = g

@@ -16,12 +16,18 @@
 //! interpreter still see `w` whole ([`crate::ir::Stack`]). The update rules are
 //! elementwise, so the step computes what the whole update computed.
 //!
+//! `autodiff::expand_with` splits every stack where that lowers the scheduled peak
+//! ([`lowers_peak`]); otherwise those of which several layers' gradients wait at the peak
+//! ([`held_at_peak`]), where the fused plans say that lowers the arena ([`Weigh::arena`]):
+//! the cnn's last stage, `s4_w`.
+//!
 //! Left whole: a param read otherwise than through its layers (an output, a whole read), a
 //! layer that nothing reads or whose reads do not reach the loss (it would get no update,
 //! where the whole param updates it with a zero gradient: weight decay and moments still
 //! move it, as in PyTorch), a layer whose bytes are not a multiple of the alignment, and
 //! every param of a data-parallel step (whose updates run after its collectives).
 
+use crate::analysis::liveness::Liveness;
 use crate::ir::{Graph, NodeId, Op, Stack, TensorType, TypeError};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -54,10 +60,22 @@ fn layer_readers(g: &Graph, p: NodeId) -> Option<Vec<(NodeId, usize)>> {
     seen.iter().all(|&s| s).then_some(readers)
 }
 
-/// Splits every stacked param of a training step into one param a layer (see the module
-/// doc). The graph is renumbered in its own order, each param's pieces where it was.
-pub fn split(g: &mut Graph) -> Result<(), TypeError> {
-    if g.train.is_none() {
+/// Which stacked params [`split`] splits.
+#[derive(Clone, Copy, Debug)]
+pub enum Which<'a> {
+    /// None: every stack stays whole.
+    None,
+    /// Every one that can be.
+    All,
+    /// Those of these names that can be.
+    Only(&'a BTreeSet<String>),
+}
+
+/// Splits the stacked params of a training step that `which` names into one param a layer
+/// (see the module doc). The graph is renumbered in its own order, each param's pieces
+/// where it was.
+pub fn split(g: &mut Graph, which: Which) -> Result<(), TypeError> {
+    if g.train.is_none() || matches!(which, Which::None) {
         return Ok(());
     }
     let Some(order) = g.topo_order() else {
@@ -73,6 +91,11 @@ pub fn split(g: &mut Graph) -> Result<(), TypeError> {
         let Op::Param { name, ty, init } = node.op else {
             continue;
         };
+        if let Which::Only(names) = which {
+            if !names.contains(&name) {
+                continue;
+            }
+        }
         let piece_ty = TensorType::new(ty.dtype, ty.dims()[1..].to_vec());
         let mut pieces = Vec::with_capacity(ty.dims()[0]);
         for l in 0..ty.dims()[0] {
@@ -186,23 +209,114 @@ const MIN_PEAK_DROP: f64 = 0.01;
 /// each layer's gradient is freed as soon as it is applied, which lowers the peak where it
 /// lies in the backward pass (small batches: gpt at B = 1, T = 64 holds 207 MiB of
 /// gradients there whole, 48 MiB split; the mlp). Where the activations at the turn to the
-/// backward pass make the peak (gpt and the cnn at their own sizes), the step stays whole:
-/// its fewer, larger update kernels run faster (H200: the cnn's step took 24.0 ms whole and
-/// 24.8 ms split, for a 2 % smaller arena; gpt under `--amp bf16` 12.6 and 13.0 ms, for the
-/// same arena).
-pub fn lowers_peak(
-    split: &Graph,
-    whole: &Graph,
-) -> Result<bool, Vec<tcc_grammar::diag::Diagnostic>> {
-    use crate::passes::schedule::{max_live_fused, schedule};
-    let mut peaks = Vec::with_capacity(2);
-    for g in [split, whole] {
-        let mut s = g.clone();
-        schedule(&mut s)?;
-        let order = s.topo_order().unwrap_or_else(|| s.node_ids().collect());
-        peaks.push(max_live_fused(&s, &order));
+/// backward pass make the peak (gpt and the cnn at their own sizes), splitting every stack
+/// costs update kernels for little (H200: the cnn's step took 24.0 ms whole and 24.8 ms
+/// split, for a 2 % smaller arena; gpt under `--amp bf16` 12.6 and 13.0 ms, for the same
+/// arena); [`held_at_peak`] then names the stacks worth splitting alone.
+pub fn lowers_peak(split: &Graph, whole: &Graph) -> Result<bool, Diagnostics> {
+    Ok(drops(peak(split, false)?, peak(whole, false)?))
+}
+
+type Diagnostics = Vec<tcc_grammar::diag::Diagnostic>;
+
+/// Whether `peak` is at least [`MIN_PEAK_DROP`] below `before`.
+pub fn drops(peak: u64, before: u64) -> bool {
+    (peak as f64) < before as f64 * (1.0 - MIN_PEAK_DROP)
+}
+
+/// The liveness of the step `g` as the stages after autodiff order it: scheduled, the
+/// updates' temporaries in their kernels ([`crate::passes::schedule::liveness_fused`]),
+/// and, where `free`, the values free recomputation may rebuild in the backward pass
+/// ([`crate::remat::step::free_candidates`]) rebuilt there, as the `remat` stage does
+/// unless `--remat none`.
+fn scheduled(g: &Graph, free: bool) -> Result<(Graph, Liveness), Diagnostics> {
+    let mut s = g.clone();
+    crate::passes::schedule::schedule(&mut s)?;
+    if free {
+        s = crate::remat::step::apply(&s, &crate::remat::step::free_candidates(&s));
     }
-    Ok((peaks[0] as f64) < peaks[1] as f64 * (1.0 - MIN_PEAK_DROP))
+    let order = s.topo_order().unwrap_or_else(|| s.node_ids().collect());
+    let lv = crate::passes::schedule::liveness_fused(&s, &order);
+    Ok((s, lv))
+}
+
+/// The peak of the step `g` as [`scheduled`] orders it.
+pub fn peak(g: &Graph, free: bool) -> Result<u64, Diagnostics> {
+    Ok(scheduled(g, free)?.1.max_live())
+}
+
+/// How the stages after autodiff build a step: what a split is weighed by.
+#[derive(Clone, Copy, Debug)]
+pub struct Weigh {
+    /// The target's options, as the stages from `outputs` to `plan` take them.
+    pub compile: crate::artifact::CompileOptions,
+    /// Free recomputation runs (all but `--remat none`).
+    pub free: bool,
+}
+
+impl Weigh {
+    /// The arena of the step `g` as the stages after autodiff plan it: scheduled, with the
+    /// values free recomputation may rebuild rebuilt in the backward pass
+    /// ([`crate::remat::step::with_free_candidates`]; the `remat` stage then keeps back the
+    /// costly ones, and on CUDA recomputes products), fused and planned for the target.
+    pub fn arena(&self, g: &Graph) -> Result<u64, Diagnostics> {
+        let internal = |e: crate::artifact::BuildError| {
+            vec![tcc_grammar::diag::Diagnostic::error(
+                "E0002",
+                format!("internal compiler error: weighing a split of stacked params: {e}"),
+            )]
+        };
+        let mut s = g.clone();
+        crate::passes::schedule::schedule(&mut s)?;
+        if self.free {
+            s = crate::remat::step::with_free_candidates(&s);
+        }
+        let planned = crate::artifact::plan_step(&s, &self.compile).map_err(internal)?;
+        Ok(planned.plan.arena_bytes)
+    }
+}
+
+/// The stacked params of the step `whole` (built with every stack whole) of which two or
+/// more layers' gradients are live at its peak, as [`scheduled`] orders it, all but the
+/// largest of them at least [`MIN_PEAK_DROP`] of that peak: the candidates to split alone,
+/// which [`Weigh::arena`] then weighs on the plans (the graph's peak does not model
+/// fusion: the cnn at B = 16, C = 16, S = 16 names `s3_w`, whose split raises the fused
+/// arena from 10.11 to 10.73 MiB).
+///
+/// Where the activations at the turn to the backward pass make the peak, no gradient is
+/// live there and every stack stays whole. Free recomputation lowers that turn, and the
+/// peak may then lie in the backward pass, where a whole stack's update waits for its
+/// first layer's gradient while the others' are held: the cnn's last stage (three 9 MiB
+/// layer gradients of `s4_w` at its fused peak). Split alone, such a stack frees each
+/// layer's gradient as it is applied, for one update kernel a layer.
+pub fn held_at_peak(whole: &Graph, free: bool) -> Result<BTreeSet<String>, Diagnostics> {
+    use crate::analysis::liveness::BufferKind;
+    let (s, lv) = scheduled(whole, free)?;
+    let at = lv.peak_step();
+    let live: Vec<_> = lv
+        .buffers
+        .iter()
+        .filter(|b| b.kind != BufferKind::Persistent && b.start <= at && at < b.end)
+        .collect();
+    let peak = lv.max_live();
+    let mut held = BTreeSet::new();
+    for &(p, d) in &s.grads {
+        let Op::Param { name, .. } = &s.node(p).op else {
+            continue;
+        };
+        let nodes = s.gradient_nodes([d]);
+        let bytes: Vec<u64> = live
+            .iter()
+            .filter(|b| b.nodes.iter().any(|n| nodes.contains(n)))
+            .map(|b| b.bytes)
+            .collect();
+        // Split, at most the largest of them would be live there.
+        let freed = bytes.iter().sum::<u64>() - bytes.iter().max().copied().unwrap_or(0);
+        if bytes.len() >= 2 && drops(peak.saturating_sub(freed), peak) {
+            held.insert(name.clone());
+        }
+    }
+    Ok(held)
 }
 
 /// Whether every layer of every split param got a gradient and an update, and every

@@ -654,6 +654,14 @@ fn stored_bytes(g: &Graph, values: &[NodeId], opts: &CompileOptions) -> Result<u
         .sum())
 }
 
+/// `g` with every value of [`free_candidates`] recomputed in the backward pass, as
+/// [`free`] first tries it (before it keeps back the costly ones and weighs the plans): a
+/// step as the `remat` stage will make it, one plan cheaper to weigh
+/// ([`crate::autodiff::stacks::Weigh`]).
+pub fn with_free_candidates(g: &Graph) -> Graph {
+    products_after_hosts(&apply(g, &free_candidates(g)))
+}
+
 /// [`free`]'s pointwise part: the step, the report, and the step's plan when one was made.
 fn free_pointwise(
     g: &Graph,
