@@ -67,6 +67,7 @@ import argparse, gc, json, math, statistics, sys, time, traceback
 try:
     import torch
     import torch.nn.functional as F
+    import torch.utils.checkpoint
 except ImportError:
     sys.exit("error: PyTorch is not installed (pip install torch)")
 

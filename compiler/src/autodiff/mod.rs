@@ -508,11 +508,12 @@ pub fn expand_scaled(
     expand_with(g, loss_scale, 1, false, false, None)
 }
 
-/// [`expand`] with the stacked params `which` names split a layer a param and the others
-/// whole, in place of the choice [`expand`] makes: each choice it weighs, for comparing
+/// The step as the pipeline expands it by default (no loss scaling, the finite check of
+/// the updated params), with the stacked params `which` names split a layer a param and
+/// the others whole in place of the choice it makes: each choice it weighs, for comparing
 /// them.
 pub fn expand_with_stacks(g: &mut Graph, which: stacks::Which) -> Result<(), Vec<Diagnostic>> {
-    expand_split(g, None, 1, false, false, which)
+    expand_split(g, None, 1, false, true, which)
 }
 
 /// The step expanded with its stacked params split a layer a param ([`stacks`]) where
@@ -563,6 +564,12 @@ fn expand_with(
         })
         .map(|s| s.name.clone())
         .collect();
+    // Under loss scaling every update waits for the check of all the gradients: a split
+    // frees nothing early.
+    if loss_scale.is_some() {
+        *g = unsplit;
+        return Ok(());
+    }
     let held = stacks::held_at_peak(&unsplit, weigh.free)?;
     let held: BTreeSet<String> = held.intersection(&splittable).cloned().collect();
     if !held.is_empty() {
@@ -577,7 +584,12 @@ fn expand_with(
         )?;
         if !some.stacks.is_empty()
             && stacks::complete(&some)
-            && stacks::drops(weigh.arena(&some)?, weigh.arena(&unsplit)?)
+            // A step that cannot be planned so is not taken (the whole one is built and
+            // reports its own errors).
+            && matches!(
+                (weigh.arena(&some), weigh.arena(&unsplit)),
+                (Ok(a), Ok(b)) if stacks::drops(a, b)
+            )
         {
             *g = some;
             return Ok(());

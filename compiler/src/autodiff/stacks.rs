@@ -210,9 +210,10 @@ const MIN_PEAK_DROP: f64 = 0.01;
 /// lies in the backward pass (small batches: gpt at B = 1, T = 64 holds 207 MiB of
 /// gradients there whole, 48 MiB split; the mlp). Where the activations at the turn to the
 /// backward pass make the peak (gpt and the cnn at their own sizes), splitting every stack
-/// costs update kernels for little (H200: the cnn's step took 24.0 ms whole and 24.8 ms
-/// split, for a 2 % smaller arena; gpt under `--amp bf16` 12.6 and 13.0 ms, for the same
-/// arena); [`held_at_peak`] then names the stacks worth splitting alone.
+/// costs update kernels for little (H200, an earlier build: the cnn's step took 24.0 ms
+/// whole and 24.8 ms split, for a 2 % smaller arena; gpt under `--amp bf16` 12.6 and
+/// 13.0 ms, for the same arena); [`held_at_peak`] then names the stacks worth splitting
+/// alone.
 pub fn lowers_peak(split: &Graph, whole: &Graph) -> Result<bool, Diagnostics> {
     Ok(drops(peak(split, false)?, peak(whole, false)?))
 }

@@ -372,12 +372,13 @@ fn decide(
                         // update as its epilogue would impose the param's order.
                         let low_weight_grad = matches!(op, Op::Conv2dGradWeight { .. })
                             && g.node(n).inputs.iter().any(|&x| widening(g, x));
-                        // Nor does one whose reader is an optimizer's (it reads a param or
-                        // state of the gradient's shape: momentum, weight decay): the update
-                        // computes it (`update_hosts`). As the epilogue, the param's order
-                        // slowed the cnn's split `s4_w` layers' gradient kernels from 0.28
-                        // to 0.35 ms (H200).
+                        // Nor, on CUDA, does one whose reader is an optimizer's (it reads a
+                        // param or state of the gradient's shape: momentum, weight decay):
+                        // the update computes it (`update_hosts`). As the epilogue, the
+                        // param's order slowed the cnn's split `s4_w` layers' gradient
+                        // kernels from 0.28 to 0.35 ms (H200).
                         let update_weight_grad = matches!(op, Op::Conv2dGradWeight { .. })
+                            && opts.implicit_gemm
                             && reads_persistent_of_shape(g, u, &g.ty(n).shape);
                         g.node(u).op.is_elementwise()
                             && g.ty(u).shape == g.ty(n).shape
