@@ -42,6 +42,30 @@ fn layers(stacked: bool, opt: &str) -> String {
     )
 }
 
+/// `tcc mem`'s report of `program` (a step after autodiff) for `compile`'s target, the
+/// stages from `schedule` to `last` run on it first.
+fn mem_report(
+    program: &Graph,
+    last: &str,
+    sources: &tcc::front::Sources,
+    compile: tcc::artifact::CompileOptions,
+) -> tcc::cli::mem::MemReport {
+    let scheduled = tcc_tests::run_stages(program, "schedule", last, compile)
+        .unwrap()
+        .graph()
+        .clone();
+    tcc::cli::mem::report(
+        program,
+        &scheduled,
+        sources,
+        Duration::from_millis(200),
+        &compile,
+        None,
+    )
+    .unwrap()
+    .report
+}
+
 fn step(src: &str) -> Graph {
     compile_pipeline(src, &Default::default()).unwrap_or_else(|e| panic!("{e}\n{src}"))
 }
@@ -203,21 +227,7 @@ fn a_layer_of_gradients_at_most_is_live_at_the_peak() {
         let opts = options_from_args(sets);
         let (sources, _) = compile_bytes(file, src.as_bytes(), &opts).unwrap();
         let program = compile_to(&src, &opts, "autodiff").unwrap();
-        let compile = device_options(device, true);
-        let scheduled = tcc_tests::run_stages(&program, "schedule", "schedule", compile)
-            .unwrap()
-            .graph()
-            .clone();
-        let f = tcc::cli::mem::report(
-            &program,
-            &scheduled,
-            &sources,
-            Duration::from_millis(200),
-            &compile,
-            None,
-        )
-        .unwrap();
-        let r = &f.report;
+        let r = &mem_report(&program, "schedule", &sources, device_options(device, true));
         assert!(
             r.gradient_peak_bytes <= layer,
             "{device:?}: {} gradient bytes live at the peak in {} buffers",
@@ -275,22 +285,7 @@ fn a_stack_whose_layers_wait_at_the_peak_is_split_alone() {
     let layer = 256 * 256 * 9 * 4;
     for device in [Device::Cpu, Device::Cuda(0)] {
         let compile = device_options(device, true);
-        let report = |program: &Graph| {
-            let scheduled = tcc_tests::run_stages(program, "schedule", "remat", compile)
-                .unwrap()
-                .graph()
-                .clone();
-            let f = tcc::cli::mem::report(
-                program,
-                &scheduled,
-                &sources,
-                Duration::from_millis(200),
-                &compile,
-                None,
-            )
-            .unwrap();
-            f.report
-        };
+        let report = |program: &Graph| mem_report(program, "remat", &sources, compile);
         let (c, w) = (report(&chosen), report(&whole));
         assert!(
             c.fused_arena_bytes < w.fused_arena_bytes,

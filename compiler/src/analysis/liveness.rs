@@ -58,27 +58,17 @@ pub struct Liveness {
 impl Liveness {
     /// Largest total bytes of transient and input buffers live at one step.
     pub fn max_live(&self) -> u64 {
-        let n = self.order.len() + 1;
-        let mut delta = vec![0i128; n + 1];
-        for b in self
-            .buffers
-            .iter()
-            .filter(|b| b.kind != BufferKind::Persistent)
-        {
-            delta[b.start] += b.bytes as i128;
-            delta[b.end.min(n)] -= b.bytes as i128;
-        }
-        let (mut cur, mut best) = (0i128, 0i128);
-        for d in delta {
-            cur += d;
-            best = best.max(cur);
-        }
-        best as u64
+        self.peak().1.max(0) as u64
     }
 
     /// The first step at which the transient and input buffers live reach
     /// [`Liveness::max_live`].
     pub fn peak_step(&self) -> usize {
+        self.peak().0
+    }
+
+    /// The first step with the most transient and input bytes live, and those bytes.
+    fn peak(&self) -> (usize, i128) {
         let n = self.order.len() + 1;
         let mut delta = vec![0i128; n + 1];
         for b in self
@@ -96,7 +86,7 @@ impl Liveness {
                 (best, at) = (cur, i);
             }
         }
-        at
+        (at, best)
     }
 
     /// Bytes of the persistent buffers.
