@@ -159,11 +159,13 @@ fn run_stages(
 /// gives every access of the kernels its offset ([`Offsets`]).
 pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Planned, BuildError> {
     let mut plan = plan::plan_kernels(&graph, &fused, o.plan_budget);
+    // The buffers' offsets do not depend on the scratch region after them.
+    let offsets = Offsets::new(&fused.kernels, &plan)?;
     if o.target == Target::Cuda {
         let scratch = fused
             .kernels
             .iter()
-            .map(|k| crate::back::ptx::scratch_bytes(k, ptx_options(o, 0)))
+            .map(|k| crate::back::ptx::scratch_bytes(k, &offsets, ptx_options(o, 0)))
             .max()
             .unwrap_or(0);
         plan.add_scratch(scratch);
@@ -176,7 +178,6 @@ pub fn plan_kernels(graph: Graph, fused: Fused, o: &CompileOptions) -> Result<Pl
                 .join("; "),
         )
     })?;
-    let offsets = Offsets::new(&fused.kernels, &plan)?;
     Ok(Planned {
         graph,
         fused,

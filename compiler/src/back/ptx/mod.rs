@@ -106,8 +106,8 @@ mod wgmma;
 use crate::kernel::offsets::Offsets;
 use crate::kernel::Kernel;
 use crate::target::TARGET;
-use mma::{emit_mma_matmul, mma_gather_grid, mma_grid, MmaKind};
-use sgemm::{emit_sgemm, sgemm_grid};
+use mma::{emit_mma_matmul, mma_gather_grid, mma_grid, GatherPlan, MmaKind};
+use sgemm::{emit_sgemm, sgemm_grid, SgGrid};
 use std::fmt::Write;
 use tiled::{emit_tiled_matmul, tiled_grid};
 
@@ -188,15 +188,44 @@ pub fn emit_module(
 
 /// Bytes of the scratch region (after the plan's buffers, at
 /// [`PtxOptions::scratch_offset`]) the kernel's code will use: a stream-K matmul's flags and
-/// partial tiles ([`stream_k`]), or 0. Known before the arena's offsets (the f32 matmuls
-/// that take the SGEMM do not depend on them), so the plan can make room first.
-pub fn scratch_bytes(k: &Kernel, opts: PtxOptions) -> u64 {
-    match &k.matmul {
-        Some(mm) if k.attention.is_none() && MmaKind::of(mm, opts).is_none() => sgemm_grid(mm)
-            .and_then(|g| g.stream_k)
-            .map_or(0, stream_k::scratch_bytes),
+/// partial tiles ([`stream_k`]), or 0. It takes the buffers' offsets because the path a
+/// product runs on does ([`matmul_path`]: a gathered 16-bit operand runs on tensor cores
+/// only from a 16-byte aligned buffer); the scratch region lies after every buffer, so
+/// sizing it once they are placed moves none of them.
+pub fn scratch_bytes(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> u64 {
+    match matmul_path(k, offsets, opts) {
+        Some(MatmulPath::Sgemm(sg)) => sg.stream_k.map_or(0, stream_k::scratch_bytes),
         _ => 0,
     }
+}
+
+/// The kernel a product runs on, first that applies: Hopper's wgmma, the tensor-core
+/// `mma.sync` tiles (plain, then gathered), the FFMA SGEMM, the small FFMA tile.
+enum MatmulPath {
+    Wgmma(wgmma::Plan),
+    Mma(MmaKind, [u32; 3]),
+    MmaGathered(MmaKind, [u32; 3], GatherPlan),
+    Sgemm(SgGrid),
+    Tiled([u32; 3]),
+}
+
+/// The path of `k`'s product ([`MatmulPath`]), or `None` for a kernel that is no product
+/// (attention included) or that no product kernel takes (then it runs as pointwise code).
+fn matmul_path(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Option<MatmulPath> {
+    let mm = k.matmul.as_ref().filter(|_| k.attention.is_none())?;
+    if let Some(plan) = wgmma::plan(mm, offsets, opts) {
+        return Some(MatmulPath::Wgmma(plan));
+    }
+    if let Some((kind, grid)) = mma_grid(mm, opts) {
+        return Some(MatmulPath::Mma(kind, grid));
+    }
+    if let Some((kind, grid, plan)) = mma_gather_grid(k, mm, offsets) {
+        return Some(MatmulPath::MmaGathered(kind, grid, plan));
+    }
+    if let Some(sg) = sgemm_grid(mm) {
+        return Some(MatmulPath::Sgemm(sg));
+    }
+    tiled_grid(mm).map(MatmulPath::Tiled)
 }
 
 fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, LaunchShape)> {
@@ -212,22 +241,16 @@ fn emit_kernel(k: &Kernel, offsets: &Offsets, opts: PtxOptions) -> Res<(String, 
         }
         return attention::emit(k, at, offsets);
     }
-    if let Some(mm) = &k.matmul {
-        if let Some(plan) = wgmma::plan(mm, offsets, opts) {
-            return wgmma::emit(k, mm, &plan, offsets);
-        }
-        if let Some((kind, grid)) = mma_grid(mm, opts) {
-            return emit_mma_matmul(k, mm, kind, grid, offsets, None);
-        }
-        if let Some((kind, grid, plan)) = mma_gather_grid(k, mm, offsets) {
-            return emit_mma_matmul(k, mm, kind, grid, offsets, Some(&plan));
-        }
-        if let Some(sg) = sgemm_grid(mm) {
-            return emit_sgemm(k, mm, sg, offsets, opts.scratch_offset);
-        }
-        if let Some(grid) = tiled_grid(mm) {
-            return emit_tiled_matmul(k, mm, grid, offsets);
-        }
+    if let (Some(mm), Some(path)) = (&k.matmul, matmul_path(k, offsets, opts)) {
+        return match path {
+            MatmulPath::Wgmma(plan) => wgmma::emit(k, mm, &plan, offsets),
+            MatmulPath::Mma(kind, grid) => emit_mma_matmul(k, mm, kind, grid, offsets, None),
+            MatmulPath::MmaGathered(kind, grid, plan) => {
+                emit_mma_matmul(k, mm, kind, grid, offsets, Some(&plan))
+            }
+            MatmulPath::Sgemm(sg) => emit_sgemm(k, mm, sg, offsets, opts.scratch_offset),
+            MatmulPath::Tiled(grid) => emit_tiled_matmul(k, mm, grid, offsets),
+        };
     }
     pointwise::emit(k, offsets)
 }
