@@ -305,7 +305,7 @@ pub const PIPELINE: &[Stage] = &[
         gives: Form::Graph,
         file: "compiler/src/remat/step.rs",
         invariant: "the graph verifier; with a budget, the arena the stages after it plan fits it",
-        why: "the last stage that chooses what to compute: it recomputes forward values (by default the pointwise ones that backward kernels can rebuild with no kernel added, and on CUDA the products an activation's derivative alone reads, such as gpt's fc1, within a share of the step's FLOPs and, in f32, of its estimated time; `--mem-budget`, `--remat`) and weighs each choice by running the stages from `outputs` to `plan` on it",
+        why: "the last stage that chooses what to compute: it recomputes forward values (by default the pointwise ones that backward kernels can rebuild, in a kernel of their own only where that lowers the arena, and on CUDA the products an activation's derivative alone reads, such as gpt's fc1, within a share of the step's FLOPs and, in f32, of its estimated time; `--mem-budget`, `--remat`) and weighs each choice by running the stages from `outputs` to `plan` on it",
         run: Some(remat_stage),
     },
     Stage {

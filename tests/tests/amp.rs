@@ -390,6 +390,132 @@ fn weight_gradients_and_relu_masks_read_the_16_bit_copies() {
     }
 }
 
+/// Where the 16-bit copies of the cnn's step are made (`passes::amp::reusable`,
+/// `forward_16_bit`): each conv weight is cast again for the backward pass (its input
+/// gradient reads a backward copy, so no forward copy lives across the turn), while the
+/// images' copy, made once, serves the stem's weight gradient too (recasting would keep
+/// the f32 images alive instead); a weight gradient widens its 16-bit operands itself
+/// (a widening it shared would be stored in f32); and a forward `relu` whose copy a convolution reads is
+/// stored only as that copy, so the residual sums read the rounded activation.
+#[test]
+fn weight_copies_are_made_per_pass_and_activations_stored_once() {
+    let src = std::fs::read_to_string(root().join("examples/cnn.tdsl")).unwrap();
+    for a in policies() {
+        let low = a.dtype.unwrap();
+        let g = step(&src, "--set B=2 --set C=8 --set S=8", a);
+        let mixed = amp::apply(&g, low).unwrap();
+        let leaf = |mut n: tcc::ir::NodeId| loop {
+            match mixed.node(n).op {
+                Op::Select { .. } | Op::Reshape { .. } | Op::Cast { .. } => {
+                    n = mixed.node(n).inputs[0]
+                }
+                ref op => return op.clone(),
+            }
+        };
+        let (mut grad_inputs, mut image_copies, mut residuals, mut widenings) = (0, 0, 0, 0);
+        for n in mixed.node_ids() {
+            let node = mixed.node(n);
+            match &node.op {
+                Op::Conv2dGradInput { .. } => {
+                    let w = node.inputs[1];
+                    assert!(matches!(mixed.node(w).op, Op::Cast { .. }));
+                    assert!(matches!(leaf(w), Op::Param { .. }), "{}", a.name());
+                    assert!(
+                        mixed.node(w).backward,
+                        "--amp {}: a forward weight copy is read backward",
+                        a.name()
+                    );
+                    grad_inputs += 1;
+                }
+                Op::Cast { to } if *to == low && matches!(leaf(n), Op::Input { .. }) => {
+                    image_copies += 1;
+                }
+                Op::Cast { to: DType::F32 } if mixed.ty(node.inputs[0]).dtype == low => {
+                    // A weight gradient's widening is its own.
+                    let users = mixed.users(n);
+                    let by_weight_gradient = users
+                        .iter()
+                        .any(|&u| matches!(mixed.node(u).op, Op::Conv2dGradWeight { .. }));
+                    if by_weight_gradient {
+                        assert_eq!(users.len(), 1, "--amp {}: a shared widening", a.name());
+                        widenings += 1;
+                    }
+                }
+                Op::Unary(tcc::ir::UnaryOp::Relu) if !node.backward => {
+                    let users = mixed.users(n);
+                    let copied = users
+                        .iter()
+                        .any(|&u| matches!(mixed.node(u).op, Op::Cast { to } if to == low));
+                    if copied {
+                        assert_eq!(
+                            users.len(),
+                            1,
+                            "--amp {}: an f32 relu beside its copy",
+                            a.name()
+                        );
+                    }
+                }
+                Op::Binary(tcc::ir::BinaryOp::Add)
+                    if !node.backward && mixed.ty(n).dtype == DType::F32 =>
+                {
+                    // A residual sum reading a widened 16-bit relu output.
+                    let rounded = node.inputs.iter().any(|&i| {
+                        matches!(mixed.node(i).op, Op::Cast { to: DType::F32 })
+                            && matches!(leaf(i), Op::Unary(tcc::ir::UnaryOp::Relu))
+                    });
+                    residuals += usize::from(rounded);
+                }
+                _ => {}
+            }
+        }
+        // 19 input gradients (the stem's images take none); one copy of the images; the
+        // identity blocks' sums (two in stage 1, one in each later stage) read their
+        // rounded input.
+        // Two operands of each of the 20 weight gradients.
+        assert_eq!(widenings, 40, "--amp {}", a.name());
+        assert_eq!(
+            (grad_inputs, image_copies, residuals),
+            (19, 1, 5),
+            "--amp {}",
+            a.name()
+        );
+    }
+}
+
+/// The stream-K scratch region (after the plan's buffers) is exactly what the kernels that
+/// run stream-K use, which the kernels' offsets decide (`back::ptx::scratch_bytes`): the
+/// cnn's f32 step has stream-K convolutions on the SGEMM; under bf16 the same products run
+/// on tensor cores and no scratch is reserved (before, the widened weight gradients counted
+/// as SGEMMs: 9 MiB of unused scratch at this size, 16.5 MiB at the cnn's own).
+#[test]
+fn stream_k_scratch_is_what_the_kernels_use() {
+    let src = std::fs::read_to_string(root().join("examples/cnn.tdsl")).unwrap();
+    for a in [Amp::default(), Amp::named("bf16").unwrap()] {
+        let g = step(&src, "--set B=32 --set C=64 --set S=16", a);
+        let opts = CompileOptions {
+            amp: a,
+            ..device_options(Device::Cuda(0), true)
+        };
+        let c = tcc::artifact::compile(&g, &opts).unwrap();
+        let used = c
+            .launches
+            .iter()
+            .map(|l| l.scratch_bytes)
+            .max()
+            .unwrap_or(0);
+        let stream_k = c.code.contains("ld.acquire.gpu");
+        assert_eq!(stream_k, a.dtype.is_none(), "--amp {}", a.name());
+        assert_eq!(used > 0, stream_k, "--amp {}", a.name());
+        // The region is aligned: at least what the kernels use, less than one alignment more.
+        let s = c.plan.scratch_bytes;
+        assert!(
+            s >= used && s < used + 256,
+            "--amp {}: {s} for {used}",
+            a.name()
+        );
+    }
+}
+
 /// Under `--amp`, the convolutions and both their gradients (channels-last 16-bit
 /// activations, weight copies made by a cast) run on tensor cores: `mma.sync` over 16-byte
 /// runs of the gathered windows, not FFMA over element gathers. The stem (3 input

@@ -252,11 +252,11 @@ fn fit_finds_a_larger_batch_with_remat() {
 
 /// Free recomputation, the default (issue 27): on a small cnn (each block's `relu` outputs
 /// rebuilt from the convolution's output and the norm's statistics) and a small gpt (the
-/// `gelu` outputs), on both targets, the arena drops and no kernel is added (every clone is
-/// computed in a pointwise reader or stored by a backward kernel of its shape), and the
-/// step trains as the one that stores them.
+/// `gelu` outputs), on both targets, the arena drops, a kernel is added only for a clone
+/// no backward kernel of its shape can store (the cnn's residual block outputs: the gpt
+/// has none), and the step trains as the one that stores them.
 #[test]
-fn free_recomputation_lowers_the_arena_adds_no_kernel_and_trains_alike() {
+fn free_recomputation_lowers_the_arena_and_trains_alike() {
     // Sizes where the recomputed values (at least 64 KiB each) are what the peak holds.
     const CNN_FREE: &[(&str, &str)] = &[("B", "32"), ("C", "8"), ("S", "16")];
     const GPT_FREE: &[(&str, &str)] = &[
@@ -279,7 +279,20 @@ fn free_recomputation_lowers_the_arena_adds_no_kernel_and_trains_alike() {
             let f = f.unwrap_or_else(|| panic!("{file} on {device:?}: no candidates"));
             assert!(f.kept, "{file} on {device:?}: {}", f.line());
             assert!(f.values > 0 && f.bytes > 0, "{file}: {}", f.line());
-            assert!(f.kernels.1 <= f.kernels.0, "{file}: {}", f.line());
+            // Kernels are added only for clones with no backward kernel of their shape
+            // to host them: the cnn's residual block outputs, read by the next stage's
+            // weight gradients (kept because the arena is lower with them).
+            assert!(
+                f.kernels.1 <= f.kernels.0 + f.own_kernels,
+                "{file}: {}",
+                f.line()
+            );
+            assert_eq!(
+                f.own_kernels > 0,
+                file.contains("cnn"),
+                "{file}: {}",
+                f.line()
+            );
             assert!(f.arena.1 < f.arena.0, "{file}: {}", f.line());
             assert!(
                 f.seconds.1 <= f.seconds.0 * (1.0 + step::FREE_TOTAL_SHARE),
@@ -342,7 +355,11 @@ fn free_recomputation_under_mixed_precision_stores_clones_beside_their_own_layer
         let (h, f) = step::free(&g, &opts).unwrap();
         let f = f.unwrap_or_else(|| panic!("{file} {}: no candidates", amp.name()));
         assert!(f.kept, "{file} {}: {}", amp.name(), f.line());
-        assert!(f.kernels.1 <= f.kernels.0, "{file}: {}", f.line());
+        assert!(
+            f.kernels.1 <= f.kernels.0 + f.own_kernels,
+            "{file}: {}",
+            f.line()
+        );
         assert!(f.arena.1 < f.arena.0, "{file}: {}", f.line());
         if !file.contains("gpt") {
             continue;

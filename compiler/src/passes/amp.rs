@@ -13,8 +13,10 @@
 //! Params, their optimizer state and the gradients the optimizer applies stay f32 (master
 //! weights): params and state are leaves, every update mixes them with f32, and the
 //! gradients ([`Graph::grads`], with the sums of their contributions) are forced to their
-//! declared dtype. A 16-bit weight copy is a `cast` of the param, made once per step where
-//! the first tensor-core op reads it. Values are stored between kernels in the dtype the
+//! declared dtype. A 16-bit weight copy is a `cast` of the param, made where the first
+//! tensor-core op of the forward pass reads it and again where the backward pass first
+//! does ([`reusable`]: the f32 param is persistent, so the copy need not live across the
+//! turn). Values are stored between kernels in the dtype the
 //! policy gives them, so a 16-bit result costs half the arena; inside a kernel every float
 //! is computed in f32 and a 16-bit value is rounded where it is made.
 //!
@@ -30,6 +32,14 @@
 //! 16-bit copy: the attention probabilities the backward pass rebuilds are rounded once
 //! where they are made, and the f32 copy (gpt: 96 MiB at the peak) and the kernel that
 //! rounded it are gone.
+//!
+//! A third ([`forward_16_bit`]): a forward activation computed in f32 (a `relu` after a
+//! batch norm, whose f32 statistics make it f32) that a tensor-core op reads, and that
+//! residual arithmetic with f32 operands reads too, is stored only as its 16-bit copy, as
+//! autocast stores a convolutional network's activations: the residual sum reads the
+//! rounded value, and a backward pass that rebuilds the next block's output reads the
+//! copy it keeps anyway (with free recomputation's kernels of their own, the cnn under
+//! bf16: 314 -> 286 MiB).
 //!
 //! Casts keep the marks of the reader that needs them, and a cast of a recomputed value is
 //! recomputed too (`Node::recomputed`), so free recomputation (`remat::step::free`) finds
@@ -132,18 +142,26 @@ fn adopts(op: &Op) -> bool {
 }
 
 /// Whether `n` is a param (or input or state) seen through views and casts.
-fn is_param_view(g: &Graph, mut n: NodeId) -> bool {
+fn is_param_view(g: &Graph, n: NodeId) -> bool {
+    matches!(
+        leaf_of_view(g, n),
+        Some(Op::Param { .. } | Op::Input { .. } | Op::State { .. })
+    )
+}
+
+/// The leaf `n` is a view of (through views and casts), or `None` where it is computed.
+fn leaf_of_view(g: &Graph, mut n: NodeId) -> Option<&Op> {
     loop {
         let node = g.node(n);
         match node.op {
-            Op::Param { .. } | Op::Input { .. } | Op::State { .. } => return true,
+            Op::Param { .. } | Op::Input { .. } | Op::State { .. } => return Some(&node.op),
             Op::Reshape { .. }
             | Op::Permute { .. }
             | Op::BroadcastTo { .. }
             | Op::Select { .. }
             | Op::Slice { .. }
             | Op::Cast { .. } => n = node.inputs[0],
-            _ => return false,
+            _ => return None,
         }
     }
 }
@@ -196,21 +214,46 @@ pub fn stored_dtypes(g: &Graph, low: DType) -> Result<BTreeMap<NodeId, DType>, T
     apply_with_dtypes(g, low).map(|(_, d)| d)
 }
 
-/// [`apply`], and [`stored_dtypes`].
+/// [`apply`], and [`stored_dtypes`]: the policy applied once to learn each value's dtype,
+/// then again with the forward activations [`forward_16_bit`] picks from those stored as
+/// their 16-bit copies only.
 fn apply_with_dtypes(g: &Graph, low: DType) -> Result<(Graph, BTreeMap<NodeId, DType>), TypeError> {
-    let order = g
-        .topo_order()
-        .ok_or_else(|| TypeError::new("E0002", "cyclic graph", "before mixed precision"))?;
-    let forced = master_gradients(g);
-    // Values the interface names: they keep their dtype where they are made.
-    let kept: BTreeSet<NodeId> = g
-        .outputs
+    let (h, dtypes) = apply_policy(g, low, &BTreeSet::new())?;
+    let kept = interface_values(g);
+    let order = g.topo_order().unwrap_or_default();
+    let copies: BTreeSet<NodeId> = order
+        .into_iter()
+        .filter(|&n| forward_16_bit(g, n, &kept, &dtypes))
+        .collect();
+    if copies.is_empty() {
+        return Ok((h, dtypes));
+    }
+    apply_policy(g, low, &copies)
+}
+
+/// Values the interface names (outputs, updates, the loss, the gradients the optimizer
+/// applies): they keep their dtype where they are made.
+fn interface_values(g: &Graph) -> BTreeSet<NodeId> {
+    g.outputs
         .iter()
         .map(|(_, o)| *o)
         .chain(g.updates.iter().flat_map(|&(t, v)| [t, v]))
         .chain(g.train.as_ref().map(|t| t.loss))
-        .chain(forced.iter().copied())
-        .collect();
+        .chain(master_gradients(g))
+        .collect()
+}
+
+/// The policy, with the forward values in `copies` stored only as their 16-bit copies.
+fn apply_policy(
+    g: &Graph,
+    low: DType,
+    copies: &BTreeSet<NodeId>,
+) -> Result<(Graph, BTreeMap<NodeId, DType>), TypeError> {
+    let order = g
+        .topo_order()
+        .ok_or_else(|| TypeError::new("E0002", "cyclic graph", "before mixed precision"))?;
+    let forced = master_gradients(g);
+    let kept = interface_values(g);
     let mut h = Graph::new(g.name.clone());
     let mut map: BTreeMap<NodeId, NodeId> = BTreeMap::new();
     // (value in h, dtype) -> its cast, per micro-batch of the reader (a micro-batched
@@ -343,7 +386,9 @@ fn apply_with_dtypes(g: &Graph, low: DType) -> Result<(Graph, BTreeMap<NodeId, D
         rebuilt_marks(&mut h, id, node);
         let id = if forced.contains(&n) && h.ty(id).dtype != node.ty.dtype {
             cast(&mut h, casts, id, node.ty.dtype, node)?
-        } else if h.ty(id).dtype == DType::F32 && stored_16_bit(g, n, &kept) {
+        } else if h.ty(id).dtype == DType::F32
+            && (copies.contains(&n) || stored_16_bit(g, n, &kept))
+        {
             cast(&mut h, casts, id, low, node)?
         } else {
             id
@@ -472,6 +517,80 @@ fn stored_16_bit(g: &Graph, n: NodeId, kept: &BTreeSet<NodeId>) -> bool {
     tensor_core
 }
 
+/// Whether the f32 result of `n`, a forward elementwise op of the `Widest` row (an
+/// activation: the cnn's `relu` after a batch norm, whose statistics keep it f32), is
+/// stored only as its 16-bit copy, as autocast stores a 16-bit network's activations: a
+/// tensor-core op reads it (so the copy is made anyway), an arithmetic op reads it too
+/// (otherwise the copy is all that is stored already), and every other reader, seen
+/// through reshapes and permutes, still computes what it did from the rounded value:
+/// arithmetic whose other operands are f32 values (`dtypes`, the policy's first pass; not
+/// literals, so the result stays f32: a residual sum), or a strict sign test against 0
+/// (relu's mask, which [`sign_test_copy`] already points at the copy). The f32 activation
+/// then never lives past its kernel: where the backward pass rebuilds a later activation
+/// from it (a residual block's output from the block's input), it reads the copy.
+fn forward_16_bit(
+    g: &Graph,
+    n: NodeId,
+    kept: &BTreeSet<NodeId>,
+    dtypes: &BTreeMap<NodeId, DType>,
+) -> bool {
+    use crate::ir::BinaryOp::{Gt, Lt};
+    let node = g.node(n);
+    if node.backward
+        || !node.op.is_elementwise()
+        || precision(&node.op) != Precision::Widest
+        || dtypes.get(&n) != Some(&DType::F32)
+        || kept.contains(&n)
+    {
+        return false;
+    }
+    let f32_value = |o: NodeId| !adopts(&g.node(o).op) && dtypes.get(&o) == Some(&DType::F32);
+    let (mut tensor_core, mut arithmetic) = (false, false);
+    let mut stack = vec![n];
+    while let Some(x) = stack.pop() {
+        for u in g.users(x) {
+            let reader = g.node(u);
+            let others_f32 = || {
+                reader
+                    .inputs
+                    .iter()
+                    .filter(|&&o| o != x)
+                    .all(|&o| f32_value(o))
+            };
+            match &reader.op {
+                // A product reads the 16-bit copy (a weight gradient, the param's gradient
+                // the interface names, rounds its operands to it).
+                Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => tensor_core = true,
+                Op::Conv2dGradWeight { .. } => {}
+                _ if kept.contains(&u) => return false,
+                Op::Reshape { .. } | Op::Permute { .. } => stack.push(u),
+                Op::Binary(Gt | Lt)
+                    if reader.backward
+                        && reader.inputs.first() == Some(&x)
+                        && reader.inputs.get(1).is_some_and(|&z| {
+                            matches!(g.node(z).op, Op::Literal { value, .. }
+                                if value == crate::ir::types::Scalar::Float(0.0))
+                        }) => {}
+                Op::Binary(
+                    BinaryOp::Add
+                    | BinaryOp::Sub
+                    | BinaryOp::Mul
+                    | BinaryOp::Div
+                    | BinaryOp::Maximum
+                    | BinaryOp::Minimum,
+                ) if precision(&reader.op) == Precision::Widest
+                    && !reader.inputs.iter().all(|&o| o == x)
+                    && others_f32() =>
+                {
+                    arithmetic = true
+                }
+                _ => return false,
+            }
+        }
+    }
+    tensor_core && arithmetic
+}
+
 /// The 16-bit copy to compare instead, where `node` is a backward-pass strict sign test
 /// of an f32 value (`x > 0` or `x < 0`: relu's mask) and a reader that takes 16-bit
 /// operands (a convolution, a matmul) makes that value's `low` copy anyway (made here, with
@@ -597,11 +716,33 @@ fn cast_lhs(
 }
 
 /// Whether reader `at` may read `c`, the cast of `x` made first: yes, but for a weight's
-/// forward copy read by a recomputed value, which casts the weight again in the backward
-/// pass rather than keep the forward's copy alive across it (gpt's recomputed fc1
-/// products under bf16: 12 weight copies, 54 MiB).
+/// forward copy read in the backward pass, which casts the weight again there rather than
+/// keep the forward's copy alive across the turn (the f32 weight is persistent, so the
+/// second copy costs no memory but its own bytes while its reader runs: the cnn's 16-bit
+/// conv weights, 16 MiB at its bf16 peak; gpt's recomputed fc1 products, 12 copies,
+/// 54 MiB). An input's copy made in the forward pass is kept instead: the f32 input would
+/// otherwise live until the backward pass, at twice the bytes. Nor is a widening of a
+/// 16-bit value to f32 made in the forward pass read in the backward pass, or one made for
+/// another reader read by a weight gradient: the reader widens as it loads, in its own
+/// kernel (a shared widening would be stored in f32 between the two, and a weight
+/// gradient reading it would leave the tensor cores).
 fn reusable(h: &Graph, c: NodeId, x: NodeId, at: &crate::ir::Node) -> bool {
-    at.recomputed.is_none() || h.node(c).backward || !is_param_view(h, x)
+    let widening = h.ty(c).dtype == DType::F32 && h.ty(x).dtype != DType::F32;
+    if widening && ((at.backward && !h.node(c).backward) || precision(&at.op) == Precision::Rounded)
+    {
+        return false;
+    }
+    if h.node(c).backward {
+        return true;
+    }
+    let persistent = matches!(
+        leaf_of_view(h, x),
+        Some(Op::Param { .. } | Op::State { .. })
+    );
+    if at.recomputed.is_some() {
+        return !is_param_view(h, x);
+    }
+    !(at.backward && persistent)
 }
 
 /// `x` as `to`, one cast per value and dtype, carrying the marks of the node that first

@@ -21,7 +21,9 @@
 //!
 //! Without a budget, [`free`] (the default; `--remat none` turns it off) recomputes only
 //! what costs next to nothing: pointwise values that backward kernels rebuild from what the
-//! backward pass keeps anyway, with no kernel added. On CUDA it then recomputes
+//! backward pass keeps anyway (in a kernel of their own only where that lowers the arena
+//! further: the cnn's residual block outputs, read by the next stage's weight gradients
+//! where no backward kernel of their shape runs). On CUDA it then recomputes
 //! [`products`]: a product whose result is at least twice what it is made from and which
 //! only an activation's derivative reads in the backward pass (gpt's fc1), kept when the
 //! arena drops. Under `--amp` (tensor cores) they may add [`PRODUCT_FLOP_SHARE`] of the
@@ -478,8 +480,12 @@ pub struct Free {
     pub arena: (u64, u64),
     pub kernels: (usize, usize),
     pub seconds: (f64, f64),
-    /// Whether it was kept (it lowers the arena, adds no kernel and at most
-    /// [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time).
+    /// Values among `values` whose clone is stored by a kernel of its own (no backward
+    /// kernel of its shape runs where a product reads it), each kept only because the
+    /// arena is lower with them than without.
+    pub own_kernels: usize,
+    /// Whether it was kept (it lowers the arena within [`FREE_TOTAL_SHARE`] of the step's
+    /// estimated time, each value within [`crate::kernel::peak::TIME_SHARE`]).
     pub kept: bool,
     /// Product recomputation on CUDA ([`products`]), weighed after it.
     pub products: Option<Products>,
@@ -556,11 +562,15 @@ impl Free {
         } else {
             0.0
         };
+        let place = match self.own_kernels {
+            0 => "in backward kernels".to_string(),
+            n => format!("in backward kernels ({n} in kernels of their own)"),
+        };
         recompute_line(
             self.kept,
             format!("{} forward values", self.values),
             self.bytes,
-            "in backward kernels",
+            &place,
             self.arena,
             self.kernels,
             format!("estimated time {pct:+.2}%"),
@@ -571,8 +581,10 @@ impl Free {
 /// Free recomputation, the default (`--remat none` turns it off): the values of
 /// [`free_candidates`] are recomputed by the backward kernels that read them, inside a
 /// pointwise reader or stored by a pointwise kernel of their shape just before a product
-/// reads them (`kernel::fuse`), when both plans say that lowers the arena, adds no kernel
-/// and costs at most [`crate::kernel::peak::TIME_SHARE`] of the step's estimated time.
+/// reads them (`kernel::fuse`), or, where no such kernel runs, by a kernel of their own
+/// when the arena is lower with those than without; kept when both plans say it lowers
+/// the arena within [`FREE_TOTAL_SHARE`] of the step's estimated time, each value within
+/// [`crate::kernel::peak::TIME_SHARE`] (its own kernel's launch included).
 ///
 /// Then, on CUDA, product recomputation ([`products`]) on the step it gives.
 pub fn free(g: &Graph, opts: &CompileOptions) -> Result<(Graph, Option<Free>), BuildError> {
@@ -623,6 +635,7 @@ pub fn free_with(
             arena: (p.arena.0, p.arena.0),
             kernels: (p.kernels.0, p.kernels.0),
             seconds: (0.0, 0.0),
+            own_kernels: 0,
             kept: false,
             products: Some(p),
         }),
@@ -678,9 +691,8 @@ fn free_pointwise(
     // The step recomputing `evict`, each product that reads a clone after the chain that
     // stores it.
     let recompute = |g: &Graph, evict: &BTreeSet<NodeId>| products_after_hosts(&apply(g, evict));
-    // A value whose clone found no kernel to be stored by (it has its own), or whose
-    // recomputation costs more than its share, is kept, and the rest planned again (hosts
-    // are never clones, so that settles it; a third round is a safeguard).
+    // A value whose recomputation costs more than its share is kept, and the rest planned
+    // again (hosts are never clones, so that settles it; a third round is a safeguard).
     for _ in 0..3 {
         let h = recompute(g, &evict);
         let after = artifact::plan_step(&h, opts)?;
@@ -694,9 +706,21 @@ fn free_pointwise(
             break;
         }
     }
-    let Some((h, after, evict)) = tried else {
+    let Some((mut h, mut after, mut evict)) = tried else {
         return Ok((g.clone(), None, Some(before)));
     };
+    // Clones stored by a kernel of their own (no backward kernel of their shape runs where
+    // a product reads them) stay only where the arena is lower with them than without.
+    let own = own_kernel_clones(&after, &evict);
+    if !own.is_empty() {
+        let mut fewer = evict.clone();
+        fewer.retain(|&n| !own.contains(&g.view_root(n)));
+        let h2 = recompute(g, &fewer);
+        let after2 = artifact::plan_step(&h2, opts)?;
+        if after2.plan.arena_bytes <= after.plan.arena_bytes {
+            (h, after, evict) = (h2, after2, fewer);
+        }
+    }
     let values: Vec<NodeId> = evict
         .iter()
         .copied()
@@ -708,12 +732,12 @@ fn free_pointwise(
         arena: (before.plan.arena_bytes, after.plan.arena_bytes),
         kernels: (before.fused.kernels.len(), after.fused.kernels.len()),
         seconds: (base, secs(&after)),
+        own_kernels: own_kernel_clones(&after, &evict).len(),
         kept: false,
         products: None,
     };
     let kept = !values.is_empty()
         && f.arena.1 < f.arena.0
-        && f.kernels.1 <= f.kernels.0
         && f.seconds.1 <= f.seconds.0 * (1.0 + FREE_TOTAL_SHARE);
     let f = Free { kept, ..f };
     if kept {
@@ -977,10 +1001,12 @@ const MAX_HOST_WINDOW: usize = 256;
 /// [`crate::kernel::peak::TIME_SHARE`]). In f32, product recomputation shares it.
 pub const FREE_TOTAL_SHARE: f64 = 0.03;
 
-/// The recomputed values (by original, among `evict`) whose clone has a kernel of its own in `p`, or whose
-/// recomputation, as a guest of another kernel, costs more than
-/// [`crate::kernel::peak::TIME_SHARE`] of the estimated step `base` (the bytes it reads and
-/// stores there at the cost model's bandwidth).
+/// The recomputed values (by original, among `evict`) whose recomputation costs more than
+/// [`crate::kernel::peak::TIME_SHARE`] of the estimated step `base`: as a guest of another
+/// kernel, the bytes it reads and stores there at the cost model's bandwidth; in a kernel
+/// of its own (no backward kernel of its shape runs where a product reads it: a residual
+/// block's output, read by the next stage's weight gradients), that kernel's whole
+/// estimate, launch included.
 fn costly_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>, base: f64) -> BTreeSet<NodeId> {
     let mut out = BTreeSet::new();
     for k in &p.fused.kernels {
@@ -991,21 +1017,37 @@ fn costly_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>, base: f64) -> 
             if !evict.contains(&orig) {
                 continue;
             }
-            let bytes = p.graph.ty(s.buf).size_bytes() as u64
-                + p.graph
-                    .node(s.buf)
-                    .inputs
-                    .iter()
-                    .filter(|&&x| p.fused.materialized.contains(&x))
-                    .map(|&x| p.graph.ty(x).size_bytes() as u64)
-                    .sum::<u64>();
-            let cost = bytes as f64 / crate::kernel::peak::BYTES_PER_S;
-            if i == 0 || cost > crate::kernel::peak::TIME_SHARE * base {
+            let cost = if i == 0 {
+                crate::kernel::peak::kernel_seconds(&p.graph, k)
+            } else {
+                let bytes = p.graph.ty(s.buf).size_bytes() as u64
+                    + p.graph
+                        .node(s.buf)
+                        .inputs
+                        .iter()
+                        .filter(|&&x| p.fused.materialized.contains(&x))
+                        .map(|&x| p.graph.ty(x).size_bytes() as u64)
+                        .sum::<u64>();
+                bytes as f64 / crate::kernel::peak::BYTES_PER_S
+            };
+            if cost > crate::kernel::peak::TIME_SHARE * base {
                 out.insert(orig);
             }
         }
     }
     out
+}
+
+/// The recomputed values (by original, among `evict`) whose clone is stored by a kernel of
+/// its own in `p` (its kernel's first store).
+fn own_kernel_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
+    p.fused
+        .kernels
+        .iter()
+        .filter_map(|k| k.stores.first())
+        .filter_map(|s| p.graph.get(s.buf).and_then(|n| n.recomputed))
+        .filter(|orig| evict.contains(orig))
+        .collect()
 }
 
 /// Moves each optimizer update (with everything computed from it) after the last other
