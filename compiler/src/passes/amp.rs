@@ -500,21 +500,30 @@ fn stored_16_bit(g: &Graph, n: NodeId, kept: &BTreeSet<NodeId>) -> bool {
                 Op::MatMul | Op::Conv2d { .. } | Op::Conv2dGradInput { .. } => tensor_core = true,
                 // Arithmetic (a comparison keeps the f32 value: [`sign_test_copy`] says
                 // which ones may test the 16-bit copy).
-                Op::Unary(_)
-                | Op::Binary(
-                    BinaryOp::Add
-                    | BinaryOp::Sub
-                    | BinaryOp::Mul
-                    | BinaryOp::Div
-                    | BinaryOp::Maximum
-                    | BinaryOp::Minimum,
-                ) if precision(&reader.op) == Precision::Widest && !kept.contains(&u) => {}
+                op if (matches!(op, Op::Unary(_)) || arithmetic(op))
+                    && precision(op) == Precision::Widest
+                    && !kept.contains(&u) => {}
                 Op::Where if reader.inputs.first() != Some(&x) && !kept.contains(&u) => {}
                 _ => return false,
             }
         }
     }
     tensor_core
+}
+
+/// Binary arithmetic that computes a value from its operands (not a comparison).
+fn arithmetic(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Binary(
+            BinaryOp::Add
+                | BinaryOp::Sub
+                | BinaryOp::Mul
+                | BinaryOp::Div
+                | BinaryOp::Maximum
+                | BinaryOp::Minimum
+        )
+    )
 }
 
 /// Whether the f32 result of `n`, a forward elementwise op of the `Widest` row (an
@@ -571,14 +580,8 @@ fn forward_16_bit(
                             matches!(g.node(z).op, Op::Literal { value, .. }
                                 if value == crate::ir::types::Scalar::Float(0.0))
                         }) => {}
-                Op::Binary(
-                    BinaryOp::Add
-                    | BinaryOp::Sub
-                    | BinaryOp::Mul
-                    | BinaryOp::Div
-                    | BinaryOp::Maximum
-                    | BinaryOp::Minimum,
-                ) if precision(&reader.op) == Precision::Widest
+                op if arithmetic(op)
+                    && precision(op) == Precision::Widest
                     && !reader.inputs.iter().all(|&o| o == x)
                     && others_f32() =>
                 {
