@@ -329,8 +329,8 @@ fn loads_of(k: &tcc::kernel::Kernel, s: &tcc::kernel::Store) -> BTreeSet<tcc::ir
 }
 
 /// Free recomputation under `--amp`, and where a clone a product reads is stored. Under
-/// bf16 (the 16-bit casts keep their clones' marks) the small gpt's and cnn's arenas drop
-/// with no kernel added, as in f32. Each `gelu` clone of the gpt is stored by the kernel of
+/// bf16 (the 16-bit casts keep their clones' marks) the small gpt's and cnn's arenas drop,
+/// with kernels added only for clones stored by kernels of their own, as in f32. Each `gelu` clone of the gpt is stored by the kernel of
 /// its own layer's input gradient (`(dy w2ᵀ) gelu'(h)`), which reads `h` anyway: the clone
 /// reads no buffer its host's own value does not (the schedule ran the weight gradient
 /// first, and the clone went to the next layer's kernel, which read the other layer's `h`

@@ -221,14 +221,46 @@ fn apply_with_dtypes(g: &Graph, low: DType) -> Result<(Graph, BTreeMap<NodeId, D
     let (h, dtypes) = apply_policy(g, low, &BTreeSet::new())?;
     let kept = interface_values(g);
     let order = g.topo_order().unwrap_or_default();
-    let copies: BTreeSet<NodeId> = order
+    let mut copies: BTreeSet<NodeId> = order
         .into_iter()
         .filter(|&n| forward_16_bit(g, n, &kept, &dtypes))
         .collect();
-    if copies.is_empty() {
-        return Ok((h, dtypes));
+    // A copy whose arithmetic reader no longer computes in f32 with it (its other operand
+    // is a broadcast param that adopts the 16-bit dtype, or another copy) is dropped, and
+    // the policy applied again: the set only shrinks.
+    while !copies.is_empty() {
+        let (h2, d2) = apply_policy(g, low, &copies)?;
+        let narrowed: BTreeSet<NodeId> = copies
+            .iter()
+            .copied()
+            .filter(|&n| {
+                arithmetic_readers(g, n)
+                    .iter()
+                    .any(|u| d2.get(u) != Some(&DType::F32))
+            })
+            .collect();
+        if narrowed.is_empty() {
+            return Ok((h2, d2));
+        }
+        copies.retain(|n| !narrowed.contains(n));
     }
-    apply_policy(g, low, &copies)
+    Ok((h, dtypes))
+}
+
+/// The binary arithmetic ops that read `n`, seen through reshapes and permutes.
+fn arithmetic_readers(g: &Graph, n: NodeId) -> Vec<NodeId> {
+    let mut out = Vec::new();
+    let mut stack = vec![n];
+    while let Some(x) = stack.pop() {
+        for u in g.users(x) {
+            match g.node(u).op {
+                Op::Reshape { .. } | Op::Permute { .. } => stack.push(u),
+                ref op if arithmetic(op) => out.push(u),
+                _ => {}
+            }
+        }
+    }
+    out
 }
 
 /// Values the interface names (outputs, updates, the loss, the gradients the optimizer
@@ -482,8 +514,9 @@ fn apply_policy(
 /// kernel that makes it, saves the f32 copy (gpt: 96 MiB at the peak) and the kernel that
 /// rounds it. Forward values keep f32 where a non-tensor-core op reads them (an arithmetic
 /// reader whose other operands are 16-bit or literals would compute a 16-bit result from
-/// the copy, as autocast does not); reductions, comparisons and the interface (`kept`)
-/// keep reading f32.
+/// the copy, as autocast does not), but for the activations of [`forward_16_bit`], whose
+/// arithmetic readers stay f32; reductions, comparisons and the interface (`kept`) keep
+/// reading f32.
 fn stored_16_bit(g: &Graph, n: NodeId, kept: &BTreeSet<NodeId>) -> bool {
     let node = g.node(n);
     let f32_op = matches!(node.op, Op::Unary(_)) && precision(&node.op) == Precision::Full;
@@ -554,7 +587,7 @@ fn forward_16_bit(
         return false;
     }
     let f32_value = |o: NodeId| !adopts(&g.node(o).op) && dtypes.get(&o) == Some(&DType::F32);
-    let (mut tensor_core, mut arithmetic) = (false, false);
+    let (mut tensor_core, mut residual) = (false, false);
     let mut stack = vec![n];
     while let Some(x) = stack.pop() {
         for u in g.users(x) {
@@ -585,13 +618,13 @@ fn forward_16_bit(
                     && !reader.inputs.iter().all(|&o| o == x)
                     && others_f32() =>
                 {
-                    arithmetic = true
+                    residual = true
                 }
                 _ => return false,
             }
         }
     }
-    tensor_core && arithmetic
+    tensor_core && residual
 }
 
 /// The 16-bit copy to compare instead, where `node` is a backward-pass strict sign test
@@ -723,8 +756,9 @@ fn cast_lhs(
 /// keep the forward's copy alive across the turn (the f32 weight is persistent, so the
 /// second copy costs no memory but its own bytes while its reader runs: the cnn's 16-bit
 /// conv weights, 16 MiB at its bf16 peak; gpt's recomputed fc1 products, 12 copies,
-/// 54 MiB). An input's copy made in the forward pass is kept instead: the f32 input would
-/// otherwise live until the backward pass, at twice the bytes. Nor is a widening of a
+/// 54 MiB). An input's copy made in the forward pass is kept for the backward pass's
+/// products instead: the f32 input would otherwise live until then, at twice the bytes (a
+/// recomputed reader still casts an input again: it reads the f32 input anyway). Nor is a widening of a
 /// 16-bit value to f32 made in the forward pass read in the backward pass, or one made for
 /// another reader read by a weight gradient: the reader widens as it loads, in its own
 /// kernel (a shared widening would be stored in f32 between the two, and a weight
@@ -763,7 +797,11 @@ fn cast(
     let c = h.add(Op::Cast { to }, vec![x], at.span, at.checkpoint)?;
     copy_marks(h, c, at);
     recomputed_with(h, c, x);
-    casts.insert((x, to), c);
+    // A weight gradient's widening is its own (see [`reusable`]): not offered to others.
+    let widening = to == DType::F32 && h.ty(x).dtype != DType::F32;
+    if !(widening && precision(&at.op) == Precision::Rounded) {
+        casts.insert((x, to), c);
+    }
     Ok(c)
 }
 

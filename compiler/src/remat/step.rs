@@ -480,9 +480,9 @@ pub struct Free {
     pub arena: (u64, u64),
     pub kernels: (usize, usize),
     pub seconds: (f64, f64),
-    /// Values among `values` whose clone is stored by a kernel of its own (no backward
-    /// kernel of its shape runs where a product reads it), each kept only because the
-    /// arena is lower with them than without.
+    /// Kernels of their own that store clones (no backward kernel of the clone's shape
+    /// runs where a product reads it): kept, all together, only where the arena is lower
+    /// with them than without; no other kernel is added.
     pub own_kernels: usize,
     /// Whether it was kept (it lowers the arena within [`FREE_TOTAL_SHARE`] of the step's
     /// estimated time, each value within [`crate::kernel::peak::TIME_SHARE`]).
@@ -582,7 +582,8 @@ impl Free {
 /// [`free_candidates`] are recomputed by the backward kernels that read them, inside a
 /// pointwise reader or stored by a pointwise kernel of their shape just before a product
 /// reads them (`kernel::fuse`), or, where no such kernel runs, by a kernel of their own
-/// when the arena is lower with those than without; kept when both plans say it lowers
+/// when the arena is lower with all such clones than without them; kept when both plans
+/// say it adds no other kernel and lowers
 /// the arena within [`FREE_TOTAL_SHARE`] of the step's estimated time, each value within
 /// [`crate::kernel::peak::TIME_SHARE`] (its own kernel's launch included).
 ///
@@ -710,8 +711,9 @@ fn free_pointwise(
         return Ok((g.clone(), None, Some(before)));
     };
     // Clones stored by a kernel of their own (no backward kernel of their shape runs where
-    // a product reads them) stay only where the arena is lower with them than without.
-    let own = own_kernel_clones(&after, &evict);
+    // a product reads them) stay, all together, only where the arena is lower with them
+    // than without.
+    let (own, _) = own_kernel_clones(&after, &evict);
     if !own.is_empty() {
         let mut fewer = evict.clone();
         fewer.retain(|&n| !own.contains(&g.view_root(n)));
@@ -732,12 +734,13 @@ fn free_pointwise(
         arena: (before.plan.arena_bytes, after.plan.arena_bytes),
         kernels: (before.fused.kernels.len(), after.fused.kernels.len()),
         seconds: (base, secs(&after)),
-        own_kernels: own_kernel_clones(&after, &evict).len(),
+        own_kernels: own_kernel_clones(&after, &evict).1,
         kept: false,
         products: None,
     };
     let kept = !values.is_empty()
         && f.arena.1 < f.arena.0
+        && f.kernels.1 <= f.kernels.0 + f.own_kernels
         && f.seconds.1 <= f.seconds.0 * (1.0 + FREE_TOTAL_SHARE);
     let f = Free { kept, ..f };
     if kept {
@@ -1039,15 +1042,18 @@ fn costly_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>, base: f64) -> 
 }
 
 /// The recomputed values (by original, among `evict`) whose clone is stored by a kernel of
-/// its own in `p` (its kernel's first store).
-fn own_kernel_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>) -> BTreeSet<NodeId> {
-    p.fused
+/// its own in `p` (its kernel's first store), and how many such kernels there are.
+fn own_kernel_clones(p: &artifact::Planned, evict: &BTreeSet<NodeId>) -> (BTreeSet<NodeId>, usize) {
+    let origs: Vec<NodeId> = p
+        .fused
         .kernels
         .iter()
         .filter_map(|k| k.stores.first())
         .filter_map(|s| p.graph.get(s.buf).and_then(|n| n.recomputed))
         .filter(|orig| evict.contains(orig))
-        .collect()
+        .collect();
+    let kernels = origs.len();
+    (origs.into_iter().collect(), kernels)
 }
 
 /// Moves each optimizer update (with everything computed from it) after the last other
